@@ -1,0 +1,781 @@
+"""The filesystem core: POSIX semantics over the cache index and the cache files.
+
+`CacheFs` implements every operation the FUSE layer forwards, as plain synchronous methods that
+raise `FsError(errno)` on refusal. It has no FUSE dependency, so it is tested in-process as well as
+through a real mount. Names are `bytes`, as the kernel gives them.
+
+On-disk layout of a cache directory (version in `layout.json`):
+
+    layout.json        {"format": "ckptfs-cache", "version": 1}
+    index.sqlite       the cache index (schema.sql), WAL mode
+    data/<ino>         one cache file per regular file, always exactly the file's logical size
+
+Concurrency contract: all methods run on the single trio thread of the FUSE loop (blocking I/O
+inline: measured faster than worker threads here, see docs/ARCHITECTURE.md). Nothing is shared
+with other threads, so there are no locks. State kept in memory:
+
+  * `_inodes`: `Inode` objects for every inode the kernel knows (lookup count > 0), every open
+    inode, and whatever was loaded since. `size`/`mtime_ns` of an inode being written are
+    updated here on every write and written to the index at flush/fsync/release (`dirty`).
+  * `_handles`: open file handles (fh -> `Handle`), each with its own fd on the cache file.
+
+Crash contract (kill -9 of the daemon; the OS page cache survives):
+
+  * Every metadata operation is one committed index transaction: after the crash the tree is
+    exactly as of the last completed operation.
+  * Data written before the crash is in the cache files (page cache). The index may hold a stale
+    size for files written since their last flush; `recover()` sets every regular file's size
+    from its cache file, which is kept at exactly the logical size at all times.
+  * Inodes unlinked while open (nlink = 0) are deleted by `recover()`, with their cache files.
+  * Cache files with no inode (a crash between creating the file and committing the inode) are
+    deleted by `recover()`.
+
+Power loss: fsync() syncs the cache file, the data directory (once per new file) and the index
+WAL, so every fsync'd file is intact; unsynced data may be lost, as on any local filesystem.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import stat
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import FsError
+from .index import INODE_COLUMNS, ROOT_INO, Index
+
+log = logging.getLogger(__name__)
+
+LAYOUT = {"format": "ckptfs-cache", "version": 1}
+NAME_MAX = 255
+SYMLINK_MAX = 4095
+XATTR_VALUE_MAX = 64 * 1024
+RENAME_NOREPLACE = 1  # linux/fs.h
+RENAME_EXCHANGE = 2
+READDIR_BATCH = 256  # entries fetched from the index per readdir round trip
+
+_MUTABLE = ("mode", "uid", "gid", "size", "atime_ns", "mtime_ns", "ctime_ns", "nlink")
+
+
+@dataclass(slots=True)
+class Inode:
+    ino: int
+    mode: int
+    uid: int
+    gid: int
+    size: int
+    atime_ns: int
+    mtime_ns: int
+    ctime_ns: int
+    nlink: int
+    rdev: int
+    target: bytes | None
+    lookups: int = 0          # kernel lookup count (lookup/create/mkdir/... minus forget)
+    opens: int = 0            # open handles
+    writers: int = 0          # open handles with write access
+    dirty: bool = False       # size/mtime changed in memory, not yet in the index
+    gen: int = 0              # bumped on every data change; decides keep_cache
+    cached_gen: int = -1      # gen when the kernel was last allowed to keep its page cache
+    new_file: bool = False    # cache file created since the data dir was last fsync'd
+
+    @property
+    def is_dir(self) -> bool:
+        return stat.S_ISDIR(self.mode)
+
+    @property
+    def is_reg(self) -> bool:
+        return stat.S_ISREG(self.mode)
+
+
+@dataclass(slots=True)
+class Handle:
+    fh: int
+    inode: Inode
+    fd: int
+    writable: bool
+    append: bool
+
+
+@dataclass(frozen=True, slots=True)
+class OpenResult:
+    fh: int
+    direct_io: bool
+    keep_cache: bool
+
+
+@dataclass(slots=True)
+class CoreStats:
+    writes: int = 0
+    bytes_written: int = 0
+    reads: int = 0
+    bytes_read: int = 0
+    fsyncs: int = 0
+    errors: dict[str, int] = field(default_factory=dict)
+
+
+def _now() -> int:
+    return time.time_ns()
+
+
+class CacheFs:
+    """POSIX filesystem semantics over one cache directory."""
+
+    def __init__(self, cache_dir: Path, index: Index, *, direct_io_writes: bool = True) -> None:
+        self.cache_dir = cache_dir
+        self.data_dir = cache_dir / "data"
+        self.index = index
+        self.direct_io_writes = direct_io_writes
+        self._inodes: dict[int, Inode] = {}
+        self._handles: dict[int, Handle] = {}
+        self._next_fh = 1
+        self._xattr_inos = index.xattr_inos()
+        self.stats = CoreStats()
+
+    # ------------------------------------------------------------------------------------------
+    # lifecycle
+
+    @classmethod
+    def load(cls, cache_dir: Path, *, direct_io_writes: bool = True) -> CacheFs:
+        """Open (creating if needed) the cache in `cache_dir` and run crash recovery."""
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        layout_path = cache_dir / "layout.json"
+        if layout_path.exists():
+            try:
+                layout = json.loads(layout_path.read_text())
+            except ValueError as e:
+                raise FsError(errno.EIO, f"{layout_path} is not valid JSON: {e}") from None
+            if layout != LAYOUT:
+                raise FsError(
+                    errno.EIO,
+                    f"{cache_dir} holds cache layout {layout}, this ckptfs uses {LAYOUT}",
+                )
+        else:
+            tmp = layout_path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(LAYOUT) + "\n")
+            os.replace(tmp, layout_path)
+        (cache_dir / "data").mkdir(exist_ok=True)
+        index = Index.open(cache_dir / "index.sqlite", uid=os.getuid(), gid=os.getgid())
+        fs = cls(cache_dir, index, direct_io_writes=direct_io_writes)
+        fs.recover()
+        return fs
+
+    def recover(self) -> dict[str, int]:
+        """Bring index and cache files into agreement after a crash (idempotent; cheap when
+        there was no crash: one stat per regular file)."""
+        report = {"orphans": 0, "resized": 0, "stray_files": 0, "missing_files": 0}
+        with self.index.tx():
+            for ino in self.index.orphan_inodes():
+                self._unlink_data(ino)
+                self.index.delete_inode(ino)
+                report["orphans"] += 1
+            for ino, size in self.index.regular_files():
+                try:
+                    actual = os.stat(self._data_path(ino)).st_size
+                except FileNotFoundError:
+                    # Only possible if the cache dir was tampered with: recreate it empty so the
+                    # file is readable (its lost bytes cannot be invented).
+                    log.error("cache file for inode %d is missing; the file is now empty", ino)
+                    self._make_data_file(ino)
+                    actual = 0
+                    report["missing_files"] += 1
+                if actual != size:
+                    self.index.update_inode(ino, size=actual)
+                    report["resized"] += 1
+            known = self.index.all_inos()
+            for entry in os.scandir(self.data_dir):
+                name = entry.name
+                if not name.isdigit() or int(name) not in known:
+                    os.unlink(entry.path)
+                    report["stray_files"] += 1
+        if any(report.values()):
+            log.info("recovery: %s", report)
+        return report
+
+    def close(self) -> None:
+        """Persist everything and release the index. Called after the kernel unmounted, so every
+        lookup count is implicitly zero and unlinked inodes can go."""
+        for h in list(self._handles.values()):
+            os.close(h.fd)
+        self._handles.clear()
+        with self.index.tx():
+            for ino in list(self._inodes.values()):
+                self._persist(ino)
+                if ino.nlink == 0:
+                    self._purge(ino)
+        self.index.sync()
+        self.index.close()
+
+    # ------------------------------------------------------------------------------------------
+    # helpers
+
+    def _data_path(self, ino: int) -> str:
+        return f"{self.data_dir}/{ino}"
+
+    def _make_data_file(self, ino: int) -> None:
+        fd = os.open(self._data_path(ino), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.close(fd)
+
+    def _unlink_data(self, ino: int) -> None:
+        try:
+            os.unlink(self._data_path(ino))
+        except FileNotFoundError:
+            pass
+
+    def inode(self, ino: int) -> Inode:
+        node = self._inodes.get(ino)
+        if node is not None:
+            return node
+        row = self.index.get_inode(ino)
+        if row is None:
+            raise FsError(errno.ENOENT, f"no inode {ino}")
+        node = Inode(*row)
+        if node.target is not None:
+            node.target = bytes(node.target)
+        self._inodes[ino] = node
+        return node
+
+    def _dir(self, ino: int) -> Inode:
+        node = self.inode(ino)
+        if not node.is_dir:
+            raise FsError(errno.ENOTDIR)
+        return node
+
+    def _child(self, parent: int, name: bytes) -> Inode:
+        ino = self.index.lookup(parent, name)
+        if ino is None:
+            raise FsError(errno.ENOENT)
+        return self.inode(ino)
+
+    @staticmethod
+    def _check_name(name: bytes) -> None:
+        if len(name) > NAME_MAX:
+            raise FsError(errno.ENAMETOOLONG, f"name longer than {NAME_MAX} bytes")
+        if not name or b"/" in name or name in (b".", b".."):
+            raise FsError(errno.EINVAL, f"invalid name {name!r}")
+
+    def _save(self, node: Inode, *names: str) -> None:
+        self.index.update_inode(node.ino, **{n: getattr(node, n) for n in names})
+
+    def _persist(self, node: Inode) -> None:
+        if node.dirty:
+            self._save(node, "size", "mtime_ns", "ctime_ns")
+            node.dirty = False
+
+    def _touch_dir(self, d: Inode, now: int) -> None:
+        d.mtime_ns = d.ctime_ns = now
+        self._save(d, "mtime_ns", "ctime_ns", "nlink")
+
+    def _maybe_drop(self, node: Inode) -> None:
+        """Forget the in-memory inode, or delete it for good if it is unlinked and unused."""
+        if node.lookups > 0 or node.opens > 0:
+            return
+        if node.nlink == 0:
+            with self.index.tx():
+                self._purge(node)
+        else:
+            if node.dirty:
+                with self.index.tx():
+                    self._persist(node)
+        self._inodes.pop(node.ino, None)
+
+    def _purge(self, node: Inode) -> None:
+        if node.is_reg:
+            self._unlink_data(node.ino)
+        self.index.delete_inode(node.ino)
+        self._xattr_inos.discard(node.ino)
+        self._inodes.pop(node.ino, None)
+
+    def _new_inode(self, parent: Inode, name: bytes, mode: int, uid: int, gid: int, *,
+                   target: bytes | None = None) -> Inode:
+        self._check_name(name)
+        if self.index.lookup(parent.ino, name) is not None:
+            raise FsError(errno.EEXIST)
+        now = _now()
+        is_dir = stat.S_ISDIR(mode)
+        with self.index.tx():
+            ino = self.index.insert_inode(
+                mode=mode, uid=uid, gid=gid, now=now, nlink=2 if is_dir else 1,
+                size=len(target) if target is not None else 0, target=target,
+            )
+            if stat.S_ISREG(mode):
+                # Create the cache file inside the transaction: a crash before COMMIT leaves a
+                # stray file (deleted by recover()), never an inode without its cache file.
+                self._make_data_file(ino)
+            self.index.add_dentry(parent.ino, name, ino)
+            if is_dir:
+                parent.nlink += 1
+            self._touch_dir(parent, now)
+        node = self.inode(ino)
+        node.new_file = stat.S_ISREG(mode)
+        node.lookups += 1
+        return node
+
+    def _is_ancestor(self, maybe_ancestor: int, ino: int) -> bool:
+        """True if directory `maybe_ancestor` is `ino` or contains it."""
+        cur: int | None = ino
+        while cur is not None and cur != ROOT_INO:
+            if cur == maybe_ancestor:
+                return True
+            cur = self.index.parent_of(cur)
+        return maybe_ancestor == ROOT_INO
+
+    # ------------------------------------------------------------------------------------------
+    # namespace
+
+    def lookup(self, parent: int, name: bytes) -> Inode:
+        """Resolve `name` in `parent` and take one kernel reference on the result."""
+        d = self._dir(parent)
+        if name == b".":
+            node = d
+        elif name == b"..":
+            node = self.inode(self.index.parent_of(parent) or ROOT_INO)
+        else:
+            if len(name) > NAME_MAX:
+                raise FsError(errno.ENAMETOOLONG)
+            node = self._child(parent, name)
+        node.lookups += 1
+        return node
+
+    def forget(self, ino: int, nlookup: int) -> None:
+        node = self._inodes.get(ino)
+        if node is None:
+            return
+        node.lookups = max(0, node.lookups - nlookup)
+        self._maybe_drop(node)
+
+    def getattr(self, ino: int) -> Inode:
+        return self.inode(ino)
+
+    def setattr(self, ino: int, *, size: int | None = None, mode: int | None = None,
+                uid: int | None = None, gid: int | None = None, atime_ns: int | None = None,
+                mtime_ns: int | None = None, fh: int | None = None) -> Inode:
+        node = self.inode(ino)
+        now = _now()
+        changed: list[str] = ["ctime_ns"]
+        if size is not None:
+            if node.is_dir:
+                raise FsError(errno.EISDIR)
+            if not node.is_reg:
+                raise FsError(errno.EINVAL, "truncate of a special file")
+            if size < 0:
+                raise FsError(errno.EINVAL)
+            self._truncate(node, size, fh)
+            node.mtime_ns = now
+            changed += ["size", "mtime_ns"]
+        if mode is not None:
+            node.mode = stat.S_IFMT(node.mode) | stat.S_IMODE(mode)
+            changed.append("mode")
+        if uid is not None:
+            node.uid = uid
+            changed.append("uid")
+        if gid is not None:
+            node.gid = gid
+            changed.append("gid")
+        if atime_ns is not None:
+            node.atime_ns = atime_ns
+            changed.append("atime_ns")
+        if mtime_ns is not None:
+            node.mtime_ns = mtime_ns
+            changed.append("mtime_ns")
+        node.ctime_ns = now
+        with self.index.tx():
+            self._save(node, *changed)
+            if node.dirty:
+                self._persist(node)
+        return node
+
+    def _truncate(self, node: Inode, size: int, fh: int | None) -> None:
+        h = self._handles.get(fh) if fh is not None else None
+        if h is not None:
+            os.ftruncate(h.fd, size)
+        else:
+            os.truncate(self._data_path(node.ino), size)
+        node.size = size
+        node.gen += 1
+
+    def mkdir(self, parent: int, name: bytes, mode: int, uid: int, gid: int) -> Inode:
+        d = self._dir(parent)
+        return self._new_inode(d, name, stat.S_IFDIR | stat.S_IMODE(mode), uid, gid)
+
+    def symlink(self, parent: int, name: bytes, target: bytes, uid: int, gid: int) -> Inode:
+        d = self._dir(parent)
+        if len(target) > SYMLINK_MAX:
+            raise FsError(errno.ENAMETOOLONG, f"symlink target longer than {SYMLINK_MAX} bytes")
+        return self._new_inode(d, name, stat.S_IFLNK | 0o777, uid, gid, target=target)
+
+    def readlink(self, ino: int) -> bytes:
+        node = self.inode(ino)
+        if not stat.S_ISLNK(node.mode):
+            raise FsError(errno.EINVAL, "not a symlink")
+        assert node.target is not None
+        return node.target
+
+    def mknod(self, parent: int, name: bytes, mode: int, rdev: int, uid: int, gid: int) -> Inode:
+        if not stat.S_ISREG(mode):
+            # Checkpoint directories hold regular files, directories and symlinks only.
+            raise FsError(errno.EPERM, "only regular files, directories and symlinks")
+        d = self._dir(parent)
+        return self._new_inode(d, name, stat.S_IFREG | stat.S_IMODE(mode), uid, gid)
+
+    def link(self, ino: int, new_parent: int, new_name: bytes) -> Inode:
+        # EPERM is what link(2) returns when "the filesystem does not support the creation of
+        # hard links". Hard links would make a file belong to two shard sets at once.
+        raise FsError(errno.EPERM, "hard links are not supported")
+
+    def unlink(self, parent: int, name: bytes) -> None:
+        d = self._dir(parent)
+        node = self._child(parent, name)
+        if node.is_dir:
+            raise FsError(errno.EISDIR)
+        now = _now()
+        with self.index.tx():
+            self.index.remove_dentry(parent, name)
+            node.nlink -= 1
+            node.ctime_ns = now
+            self._save(node, "nlink", "ctime_ns")
+            self._touch_dir(d, now)
+        self._maybe_drop(node)
+
+    def rmdir(self, parent: int, name: bytes) -> None:
+        d = self._dir(parent)
+        node = self._child(parent, name)
+        if not node.is_dir:
+            raise FsError(errno.ENOTDIR)
+        if self.index.has_children(node.ino):
+            raise FsError(errno.ENOTEMPTY)
+        now = _now()
+        with self.index.tx():
+            self.index.remove_dentry(parent, name)
+            node.nlink = 0
+            self._save(node, "nlink")
+            d.nlink -= 1
+            self._touch_dir(d, now)
+        self._maybe_drop(node)
+
+    def rename(self, old_parent: int, old_name: bytes, new_parent: int, new_name: bytes,
+               flags: int = 0) -> None:
+        if flags & ~(RENAME_NOREPLACE | RENAME_EXCHANGE) or flags == (
+            RENAME_NOREPLACE | RENAME_EXCHANGE
+        ):
+            raise FsError(errno.EINVAL, f"unsupported rename flags {flags:#x}")
+        od = self._dir(old_parent)
+        nd = self._dir(new_parent)
+        self._check_name(new_name)
+        src = self._child(old_parent, old_name)
+        dst_ino = self.index.lookup(new_parent, new_name)
+        dst = self.inode(dst_ino) if dst_ino is not None else None
+        if flags & RENAME_EXCHANGE:
+            if dst is None:
+                raise FsError(errno.ENOENT)
+            return self._exchange(od, old_name, src, nd, new_name, dst)
+        if dst is not None:
+            if flags & RENAME_NOREPLACE:
+                raise FsError(errno.EEXIST)
+            if dst.ino == src.ino:
+                return  # POSIX: same file, do nothing
+        if src.is_dir and new_parent != old_parent and self._is_ancestor(src.ino, new_parent):
+            raise FsError(errno.EINVAL, "cannot move a directory into itself")
+        if dst is not None:
+            if src.is_dir and not dst.is_dir:
+                raise FsError(errno.ENOTDIR)
+            if not src.is_dir and dst.is_dir:
+                raise FsError(errno.EISDIR)
+            if dst.is_dir and self.index.has_children(dst.ino):
+                raise FsError(errno.ENOTEMPTY)
+        now = _now()
+        with self.index.tx():
+            if dst is not None:
+                self.index.remove_dentry(new_parent, new_name)
+                if dst.is_dir:
+                    dst.nlink = 0
+                    nd.nlink -= 1
+                else:
+                    dst.nlink -= 1
+                dst.ctime_ns = now
+                self._save(dst, "nlink", "ctime_ns")
+            self.index.move_dentry(old_parent, old_name, new_parent, new_name)
+            if src.is_dir and old_parent != new_parent:
+                od.nlink -= 1
+                nd.nlink += 1
+            src.ctime_ns = now
+            self._save(src, "ctime_ns")
+            self._touch_dir(od, now)
+            if nd is not od:
+                self._touch_dir(nd, now)
+        if dst is not None:
+            self._maybe_drop(dst)
+
+    def _exchange(self, od: Inode, old_name: bytes, a: Inode, nd: Inode, new_name: bytes,
+                  b: Inode) -> None:
+        if od is not nd:
+            for moving, into in ((a, nd), (b, od)):
+                if moving.is_dir and self._is_ancestor(moving.ino, into.ino):
+                    raise FsError(errno.EINVAL, "cannot move a directory into itself")
+        now = _now()
+        with self.index.tx():
+            self.index.set_dentry_ino(od.ino, old_name, b.ino)
+            self.index.set_dentry_ino(nd.ino, new_name, a.ino)
+            if od is not nd and a.is_dir != b.is_dir:
+                delta = 1 if a.is_dir else -1  # a moves into nd, b into od
+                nd.nlink += delta
+                od.nlink -= delta
+            for n in (a, b):
+                n.ctime_ns = now
+                self._save(n, "ctime_ns")
+            self._touch_dir(od, now)
+            if nd is not od:
+                self._touch_dir(nd, now)
+
+    # ------------------------------------------------------------------------------------------
+    # directories
+
+    def opendir(self, ino: int) -> int:
+        self._dir(ino)
+        return ino
+
+    def readdir(self, ino: int, start_id: int):
+        """Yield (next_id, name, inode) for entries after `start_id`, in `id` order. The caller
+        takes a lookup reference (`ref()`) for each entry it actually hands to the kernel."""
+        after = start_id
+        while True:
+            rows = self.index.list_dentries(ino, after, READDIR_BATCH)
+            if not rows:
+                return
+            for dent_id, name, child in rows:
+                yield dent_id, bytes(name), self.inode(child)
+                after = dent_id
+
+    def ref(self, node: Inode) -> None:
+        node.lookups += 1
+
+    def fsyncdir(self, ino: int) -> None:
+        self.index.sync()
+
+    # ------------------------------------------------------------------------------------------
+    # files
+
+    def create(self, parent: int, name: bytes, mode: int, flags: int, uid: int,
+               gid: int) -> tuple[OpenResult, Inode]:
+        d = self._dir(parent)
+        node = self._new_inode(d, name, stat.S_IFREG | stat.S_IMODE(mode), uid, gid)
+        return self._open_node(node, flags), node
+
+    def open(self, ino: int, flags: int) -> OpenResult:
+        node = self.inode(ino)
+        if node.is_dir:
+            raise FsError(errno.EISDIR)
+        if not node.is_reg:
+            raise FsError(errno.EINVAL, "not a regular file")
+        return self._open_node(node, flags)
+
+    def _open_node(self, node: Inode, flags: int) -> OpenResult:
+        accmode = flags & os.O_ACCMODE
+        writable = accmode in (os.O_WRONLY, os.O_RDWR)
+        fd = os.open(self._data_path(node.ino), os.O_RDWR)
+        try:
+            if flags & os.O_TRUNC and writable and node.size:
+                os.ftruncate(fd, 0)
+                now = _now()
+                node.size = 0
+                node.gen += 1
+                node.mtime_ns = node.ctime_ns = now
+                with self.index.tx():
+                    self._save(node, "size", "mtime_ns", "ctime_ns")
+        except BaseException:
+            os.close(fd)
+            raise
+        fh = self._next_fh
+        self._next_fh += 1
+        self._handles[fh] = Handle(fh, node, fd, writable, bool(flags & os.O_APPEND))
+        node.opens += 1
+        if writable:
+            node.writers += 1
+            # direct_io on write opens: writes arrive as the caller's buffers (up to 1 MiB per
+            # request) and skip the kernel page cache; measured 2-3x faster here than cached
+            # writes (docs/ARCHITECTURE.md). The price: shared writable mmap is refused.
+            return OpenResult(fh, direct_io=self.direct_io_writes, keep_cache=False)
+        # Read-only open: let the kernel keep its page cache only if the data has not changed
+        # since the last open that allowed it (gen unchanged and nobody writing); otherwise the
+        # kernel drops its cached pages for this file at open.
+        keep = node.writers == 0 and node.gen == node.cached_gen
+        if node.writers == 0:
+            node.cached_gen = node.gen
+        return OpenResult(fh, direct_io=False, keep_cache=keep)
+
+    def _handle(self, fh: int) -> Handle:
+        h = self._handles.get(fh)
+        if h is None:
+            raise FsError(errno.EBADF)
+        return h
+
+    def read(self, fh: int, off: int, size: int) -> bytes:
+        h = self._handles[fh]
+        data = os.pread(h.fd, size, off)
+        st = self.stats
+        st.reads += 1
+        st.bytes_read += len(data)
+        return data
+
+    def write(self, fh: int, off: int, buf: bytes) -> int:
+        # Hot path: one pwrite, then in-memory size/mtime; the index is updated at flush/release.
+        h = self._handles[fh]
+        if h.append:
+            off = h.inode.size
+        n = os.pwrite(h.fd, buf, off)
+        self.wrote(h, off, n)
+        return n
+
+    def io_handle(self, fh: int) -> Handle:
+        """For callers that do the pread/pwrite themselves (in a worker thread): the handle,
+        then `wrote()` back on the loop thread."""
+        return self._handle(fh)
+
+    def wrote(self, h: Handle, off: int, n: int) -> None:
+        node = h.inode
+        end = off + n
+        if end > node.size:
+            node.size = end
+        node.mtime_ns = node.ctime_ns = time.time_ns()
+        node.dirty = True
+        node.gen += 1
+        st = self.stats
+        st.writes += 1
+        st.bytes_written += n
+
+    def flush(self, fh: int) -> None:
+        h = self._handle(fh)
+        if h.inode.dirty:
+            with self.index.tx():
+                self._persist(h.inode)
+
+    def fsync(self, fh: int, datasync: bool) -> None:
+        h = self._handle(fh)
+        node = h.inode
+        if datasync:
+            os.fdatasync(h.fd)
+        else:
+            os.fsync(h.fd)
+        if node.new_file:
+            dfd = os.open(self.data_dir, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+            node.new_file = False
+        with self.index.tx():
+            self._persist(node)
+        self.index.sync()
+        self.stats.fsyncs += 1
+
+    def release(self, fh: int) -> None:
+        h = self._handles.pop(fh, None)
+        if h is None:
+            return
+        os.close(h.fd)
+        node = h.inode
+        node.opens -= 1
+        if h.writable:
+            node.writers -= 1
+        if node.dirty:
+            with self.index.tx():
+                self._persist(node)
+        self._maybe_drop(node)
+
+    # ------------------------------------------------------------------------------------------
+    # xattrs
+
+    @staticmethod
+    def _check_xattr_name(name: bytes) -> None:
+        if name.startswith(b"system."):
+            # POSIX ACLs and other system.* attributes are not implemented; ENOTSUP tells tools
+            # like cp -a to carry on without them.
+            raise FsError(errno.ENOTSUP, "system.* xattrs are not supported")
+        if not name or len(name) > 255:
+            raise FsError(errno.ERANGE if name else errno.EINVAL)
+
+    def getxattr(self, ino: int, name: bytes) -> bytes:
+        if ino not in self._xattr_inos:
+            # Fast path: the kernel asks for security.capability before every write.
+            self.inode(ino)
+            raise FsError(errno.ENODATA)
+        self._check_xattr_name(name)
+        value = self.index.get_xattr(ino, name)
+        if value is None:
+            raise FsError(errno.ENODATA)
+        return value
+
+    def setxattr(self, ino: int, name: bytes, value: bytes) -> None:
+        self._check_xattr_name(name)
+        if len(value) > XATTR_VALUE_MAX:
+            raise FsError(errno.E2BIG)
+        node = self.inode(ino)
+        node.ctime_ns = _now()
+        with self.index.tx():
+            self.index.set_xattr(ino, name, value)
+            self._save(node, "ctime_ns")
+        self._xattr_inos.add(ino)
+
+    def listxattr(self, ino: int) -> list[bytes]:
+        self.inode(ino)
+        if ino not in self._xattr_inos:
+            return []
+        return self.index.list_xattrs(ino)
+
+    def removexattr(self, ino: int, name: bytes) -> None:
+        self._check_xattr_name(name)
+        node = self.inode(ino)
+        with self.index.tx():
+            if not self.index.remove_xattr(ino, name):
+                raise FsError(errno.ENODATA)
+            node.ctime_ns = _now()
+            self._save(node, "ctime_ns")
+
+    # ------------------------------------------------------------------------------------------
+    # filesystem
+
+    def statfs(self) -> os.statvfs_result:
+        return os.statvfs(self.cache_dir)
+
+    def check_consistency(self) -> list[str]:
+        """Invariants of index and cache files, for tests and `ckptfs fsck`-style checks.
+        Returns a list of problems (empty when consistent)."""
+        problems: list[str] = []
+        conn = self.index.conn
+        rows = {r[0]: r for r in conn.execute("SELECT " + ", ".join(INODE_COLUMNS) +
+                                                " FROM inodes")}
+        counts: dict[int, int] = {}
+        subdirs: dict[int, int] = {}
+        for parent, ino in conn.execute("SELECT parent, ino FROM dentries"):
+            if parent not in rows or not stat.S_ISDIR(rows[parent][1]):
+                problems.append(f"dentry in non-directory {parent}")
+            if ino not in rows:
+                problems.append(f"dentry to missing inode {ino}")
+                continue
+            counts[ino] = counts.get(ino, 0) + 1
+            if stat.S_ISDIR(rows[ino][1]):
+                subdirs[parent] = subdirs.get(parent, 0) + 1
+        for ino, row in rows.items():
+            mode, nlink = row[1], row[8]
+            mem = self._inodes.get(ino)
+            if nlink == 0 and (mem is None or (mem.lookups == 0 and mem.opens == 0)):
+                problems.append(f"unreferenced orphan inode {ino}")
+            if stat.S_ISDIR(mode):
+                want = 2 + subdirs.get(ino, 0) if (ino == ROOT_INO or counts.get(ino)) else 0
+                if nlink != want:
+                    problems.append(f"directory {ino} nlink {nlink} != {want}")
+            elif nlink != counts.get(ino, 0):
+                problems.append(f"inode {ino} nlink {nlink} != {counts.get(ino, 0)} entries")
+            if stat.S_ISREG(mode):
+                size = mem.size if mem is not None else row[4]
+                try:
+                    actual = os.stat(self._data_path(ino)).st_size
+                except FileNotFoundError:
+                    problems.append(f"cache file of inode {ino} missing")
+                    continue
+                if actual != size:
+                    problems.append(f"inode {ino} size {size} != cache file {actual}")
+        return problems

@@ -1,0 +1,251 @@
+"""The cache index: the tree and per-inode metadata of one cache directory, in SQLite.
+
+Owns `index.sqlite` in the cache directory. `schema.sql` beside this file is the reference for
+the layout; `LAYOUT_VERSION` must match its header and `PRAGMA user_version`.
+
+Concurrency: one `Index` per daemon, used only from the trio thread that runs the FUSE loop, so
+there is no locking here. The cache-dir lock (see `ckptfs.mount`) guarantees one daemon per index.
+
+Crash contract: every public mutating method runs inside `tx()`, which commits one transaction;
+SQLite's WAL makes each transaction all-or-nothing across a crash of the daemon. `sync()` makes
+every committed transaction durable across a crash of the machine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sqlite3
+import time
+from collections.abc import Iterator
+from importlib import resources
+from pathlib import Path
+
+from .errors import IndexError_
+
+log = logging.getLogger(__name__)
+
+LAYOUT_VERSION = 1
+ROOT_INO = 1
+
+INODE_COLUMNS = (
+    "ino", "mode", "uid", "gid", "size", "atime_ns", "mtime_ns", "ctime_ns", "nlink", "rdev",
+    "target",
+)
+_INODE_SELECT = "SELECT " + ", ".join(INODE_COLUMNS) + " FROM inodes"
+
+
+class Index:
+    """SQLite-backed inode and directory-entry store of one cache directory."""
+
+    def __init__(self, conn: sqlite3.Connection, path: Path) -> None:
+        self.conn = conn
+        self.path = path
+        self._depth = 0
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    @classmethod
+    def open(cls, path: Path, *, uid: int, gid: int, root_mode: int = 0o40755) -> Index:
+        if not path.exists():
+            cls._create(path, uid, gid, root_mode)
+        conn = cls._connect(path)
+        version = conn.execute("PRAGMA user_version").fetchone()[0]
+        if version != LAYOUT_VERSION:
+            conn.close()
+            raise IndexError_(
+                f"cache index {path} has layout version {version}, this ckptfs reads "
+                f"version {LAYOUT_VERSION}; use a matching ckptfs or a new --cache-dir"
+            )
+        return cls(conn, path)
+
+    @staticmethod
+    def _connect(path: Path) -> sqlite3.Connection:
+        # isolation_level=None: we issue BEGIN/COMMIT ourselves so one operation is exactly one
+        # transaction. check_same_thread=False: the daemon closes the index from the thread
+        # that runs shutdown, never concurrently with the FUSE loop.
+        conn = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute("PRAGMA synchronous=NORMAL")
+        return conn
+
+    @classmethod
+    def _create(cls, path: Path, uid: int, gid: int, root_mode: int) -> None:
+        """Build a new index beside `path` and rename it into place: a crash during creation
+        leaves no half-made index, only a stray .tmp that the next attempt overwrites."""
+        tmp = path.with_name(path.name + ".tmp")
+        for p in (tmp, Path(str(tmp) + "-wal"), Path(str(tmp) + "-shm")):
+            p.unlink(missing_ok=True)
+        schema = resources.files(__package__).joinpath("schema.sql").read_text()
+        now = time.time_ns()
+        conn = sqlite3.connect(str(tmp), isolation_level=None)
+        try:
+            conn.executescript(schema)
+            conn.execute(
+                "INSERT INTO meta VALUES ('layout_version', ?), ('created_ns', ?)",
+                (str(LAYOUT_VERSION), str(now)),
+            )
+            conn.execute(
+                "INSERT INTO inodes (ino, mode, uid, gid, size, atime_ns, mtime_ns, ctime_ns,"
+                " nlink) VALUES (?, ?, ?, ?, 0, ?, ?, ?, 2)",
+                (ROOT_INO, root_mode, uid, gid, now, now, now),
+            )
+            conn.execute(f"PRAGMA user_version={LAYOUT_VERSION}")
+        finally:
+            conn.close()
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.rename(tmp, path)
+        dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+
+    def close(self) -> None:
+        try:
+            self.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        finally:
+            self.conn.close()
+
+    # -- transactions ------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def tx(self) -> Iterator[sqlite3.Connection]:
+        """One transaction; nested calls join the outer one."""
+        if self._depth:
+            self._depth += 1
+            try:
+                yield self.conn
+            finally:
+                self._depth -= 1
+            return
+        self.conn.execute("BEGIN IMMEDIATE")
+        self._depth = 1
+        try:
+            yield self.conn
+        except BaseException:
+            self._depth = 0
+            self.conn.execute("ROLLBACK")
+            raise
+        self._depth = 0
+        self.conn.execute("COMMIT")
+
+    def sync(self) -> None:
+        """Make every committed transaction durable on the cache disk (syncs the WAL)."""
+        self.conn.execute("PRAGMA synchronous=FULL")
+        try:
+            # A write transaction is needed for SQLite to sync the WAL under FULL; touching the
+            # meta row is the cheapest one.
+            with self.tx():
+                self.conn.execute(
+                    "INSERT OR REPLACE INTO meta VALUES ('last_sync_ns', ?)", (str(time.time_ns()),)
+                )
+        finally:
+            self.conn.execute("PRAGMA synchronous=NORMAL")
+
+    # -- inodes ------------------------------------------------------------------------------
+
+    def get_inode(self, ino: int) -> tuple | None:
+        return self.conn.execute(_INODE_SELECT + " WHERE ino=?", (ino,)).fetchone()
+
+    def insert_inode(
+        self, *, mode: int, uid: int, gid: int, now: int, nlink: int, size: int = 0,
+        rdev: int = 0, target: bytes | None = None,
+    ) -> int:
+        cur = self.conn.execute(
+            "INSERT INTO inodes (mode, uid, gid, size, atime_ns, mtime_ns, ctime_ns, nlink, rdev,"
+            " target) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (mode, uid, gid, size, now, now, now, nlink, rdev, target),
+        )
+        return int(cur.lastrowid)
+
+    def update_inode(self, ino: int, **fields: int) -> None:
+        cols = ", ".join(f"{k}=?" for k in fields)
+        self.conn.execute(f"UPDATE inodes SET {cols} WHERE ino=?", (*fields.values(), ino))
+
+    def delete_inode(self, ino: int) -> None:
+        self.conn.execute("DELETE FROM xattrs WHERE ino=?", (ino,))
+        self.conn.execute("DELETE FROM inodes WHERE ino=?", (ino,))
+
+    def orphan_inodes(self) -> list[int]:
+        return [r[0] for r in self.conn.execute("SELECT ino FROM inodes WHERE nlink=0")]
+
+    def regular_files(self) -> list[tuple[int, int]]:
+        """(ino, size) of every regular file (S_IFREG = 0o100000)."""
+        return self.conn.execute(
+            "SELECT ino, size FROM inodes WHERE (mode & 61440) = 32768"
+        ).fetchall()
+
+    def all_inos(self) -> set[int]:
+        return {r[0] for r in self.conn.execute("SELECT ino FROM inodes")}
+
+    # -- directory entries -------------------------------------------------------------------
+
+    def lookup(self, parent: int, name: bytes) -> int | None:
+        row = self.conn.execute(
+            "SELECT ino FROM dentries WHERE parent=? AND name=?", (parent, name)
+        ).fetchone()
+        return row[0] if row else None
+
+    def add_dentry(self, parent: int, name: bytes, ino: int) -> None:
+        self.conn.execute(
+            "INSERT INTO dentries (parent, name, ino) VALUES (?, ?, ?)", (parent, name, ino)
+        )
+
+    def remove_dentry(self, parent: int, name: bytes) -> None:
+        self.conn.execute("DELETE FROM dentries WHERE parent=? AND name=?", (parent, name))
+
+    def move_dentry(self, parent: int, name: bytes, new_parent: int, new_name: bytes) -> None:
+        self.conn.execute(
+            "UPDATE dentries SET parent=?, name=? WHERE parent=? AND name=?",
+            (new_parent, new_name, parent, name),
+        )
+
+    def set_dentry_ino(self, parent: int, name: bytes, ino: int) -> None:
+        self.conn.execute(
+            "UPDATE dentries SET ino=? WHERE parent=? AND name=?", (ino, parent, name)
+        )
+
+    def list_dentries(self, parent: int, after_id: int, limit: int) -> list[tuple[int, bytes, int]]:
+        return self.conn.execute(
+            "SELECT id, name, ino FROM dentries WHERE parent=? AND id>? ORDER BY id LIMIT ?",
+            (parent, after_id, limit),
+        ).fetchall()
+
+    def has_children(self, parent: int) -> bool:
+        return (
+            self.conn.execute("SELECT 1 FROM dentries WHERE parent=? LIMIT 1", (parent,))
+            .fetchone() is not None
+        )
+
+    def parent_of(self, ino: int) -> int | None:
+        """The directory holding `ino` (directories have exactly one entry)."""
+        row = self.conn.execute("SELECT parent FROM dentries WHERE ino=? LIMIT 1", (ino,)).fetchone()
+        return row[0] if row else None
+
+    def count_dentries(self) -> int:
+        return self.conn.execute("SELECT COUNT(*) FROM dentries").fetchone()[0]
+
+    # -- xattrs ------------------------------------------------------------------------------
+
+    def xattr_inos(self) -> set[int]:
+        return {r[0] for r in self.conn.execute("SELECT DISTINCT ino FROM xattrs")}
+
+    def get_xattr(self, ino: int, name: bytes) -> bytes | None:
+        row = self.conn.execute(
+            "SELECT value FROM xattrs WHERE ino=? AND name=?", (ino, name)
+        ).fetchone()
+        return bytes(row[0]) if row else None
+
+    def set_xattr(self, ino: int, name: bytes, value: bytes) -> None:
+        self.conn.execute("INSERT OR REPLACE INTO xattrs VALUES (?, ?, ?)", (ino, name, value))
+
+    def remove_xattr(self, ino: int, name: bytes) -> bool:
+        cur = self.conn.execute("DELETE FROM xattrs WHERE ino=? AND name=?", (ino, name))
+        return cur.rowcount > 0
+
+    def list_xattrs(self, ino: int) -> list[bytes]:
+        return [bytes(r[0]) for r in self.conn.execute(
+            "SELECT name FROM xattrs WHERE ino=? ORDER BY name", (ino,))]

@@ -1,0 +1,310 @@
+"""The FUSE adapter: the only module that imports pyfuse3.
+
+Thin and total: every handler decodes the kernel's arguments, calls `cachemgr.core.CacheFs`, and
+encodes the answer. No caching, upload or store logic lives here.
+
+Error contract: pyfuse3 only understands `FUSEError`; any other exception escaping a handler stops
+its main loop and leaves a dead mount behind. So every handler runs under `_guarded`:
+
+  * `FsError`                        -> FUSEError(err.errno), logged at debug level (expected);
+  * `OSError` ENOSPC/EDQUOT/EFBIG    -> the same errno, logged as a warning with the reason;
+  * any other exception              -> EIO, logged with traceback and the operation name.
+
+`forget` must not raise at all (it answers no request), so it swallows and logs.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import logging
+import os
+from collections.abc import Callable
+from typing import Any
+
+import pyfuse3
+import trio
+
+from cachemgr.core import CacheFs, Inode
+from cachemgr.errors import FsError
+
+log = logging.getLogger(__name__)
+
+# Errnos a disk condition produces that the application must see as they are (they are not
+# bugs): a full cache disk must surface as ENOSPC, not EIO.
+_PASSTHROUGH_OS_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS})
+
+# st_blksize reported for files: libfuse's largest request. Python's buffered I/O (and hence
+# torch.save, which writes through a Python file object) sizes its buffer from st_blksize, so
+# small writes reach the daemon coalesced into 1 MiB requests.
+BLKSIZE = 1 << 20
+
+
+def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
+    op = fn.__name__
+
+    @functools.wraps(fn)
+    async def wrapper(self: FuseOps, *args: Any) -> Any:
+        try:
+            return await fn(self, *args)
+        except pyfuse3.FUSEError:
+            raise
+        except FsError as e:
+            log.debug("%s%r: %s", op, _brief(args), e)
+            raise pyfuse3.FUSEError(e.errno) from None
+        except OSError as e:
+            if e.errno in _PASSTHROUGH_OS_ERRNOS:
+                log.warning("%s%r: cache disk refused: %s", op, _brief(args), e)
+                raise pyfuse3.FUSEError(e.errno) from None
+            log.exception("%s%r failed: unexpected OSError, answering EIO", op, _brief(args))
+            raise pyfuse3.FUSEError(errno.EIO) from None
+        except Exception:
+            log.exception("%s%r failed: unexpected error, answering EIO", op, _brief(args))
+            raise pyfuse3.FUSEError(errno.EIO) from None
+
+    return wrapper
+
+
+def _brief(args: tuple) -> tuple:
+    """Arguments for a log line: data buffers shown by size only; request contexts dropped."""
+    out = []
+    for a in args:
+        if isinstance(a, (bytes, bytearray, memoryview)) and len(a) > 64:
+            out.append(f"<{len(a)} bytes>")
+        elif isinstance(a, (pyfuse3.RequestContext, pyfuse3.ReaddirToken)):
+            continue
+        else:
+            out.append(a)
+    return tuple(out)
+
+
+class FuseOps(pyfuse3.Operations):
+    """pyfuse3 operations backed by a `CacheFs`."""
+
+    enable_writeback_cache = False  # measured: see docs/ARCHITECTURE.md
+    supports_dot_lookup = True
+
+    def __init__(self, core: CacheFs, *, attr_timeout: float = 10.0, io_threads: int = 0) -> None:
+        super().__init__()
+        self.core = core
+        self.attr_timeout = attr_timeout
+        # io_threads > 0 moves the data syscalls (pread/pwrite) to worker threads; bookkeeping
+        # stays on the loop thread, so the core still sees one thread. Off by default: measured
+        # slower here (docs/ARCHITECTURE.md).
+        self._io_limiter = trio.CapacityLimiter(io_threads) if io_threads > 0 else None
+
+    # -- encoding ----------------------------------------------------------------------------
+
+    def _entry(self, node: Inode) -> pyfuse3.EntryAttributes:
+        e = pyfuse3.EntryAttributes()
+        e.st_ino = node.ino
+        e.generation = 0
+        e.entry_timeout = self.attr_timeout
+        e.attr_timeout = self.attr_timeout
+        e.st_mode = node.mode
+        e.st_nlink = node.nlink
+        e.st_uid = node.uid
+        e.st_gid = node.gid
+        e.st_rdev = node.rdev
+        e.st_size = node.size
+        e.st_blksize = BLKSIZE
+        e.st_blocks = (node.size + 511) // 512
+        e.st_atime_ns = node.atime_ns
+        e.st_mtime_ns = node.mtime_ns
+        e.st_ctime_ns = node.ctime_ns
+        return e
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def init(self) -> None:
+        log.info("FUSE session initialised")
+
+    def forget(self, inode_list: list[tuple[int, int]]) -> None:  # type: ignore[override]
+        for ino, n in inode_list:
+            try:
+                self.core.forget(ino, n)
+            except Exception:
+                log.exception("forget(%d, %d) failed; inode kept", ino, n)
+
+    # -- namespace ---------------------------------------------------------------------------
+
+    @_guarded
+    async def lookup(self, parent_inode, name, ctx=None):
+        return self._entry(self.core.lookup(parent_inode, name))
+
+    @_guarded
+    async def getattr(self, inode, ctx=None):
+        return self._entry(self.core.getattr(inode))
+
+    @_guarded
+    async def setattr(self, inode, attr, fields, fh, ctx):
+        node = self.core.setattr(
+            inode,
+            size=attr.st_size if fields.update_size else None,
+            mode=attr.st_mode if fields.update_mode else None,
+            uid=attr.st_uid if fields.update_uid else None,
+            gid=attr.st_gid if fields.update_gid else None,
+            atime_ns=attr.st_atime_ns if fields.update_atime else None,
+            mtime_ns=attr.st_mtime_ns if fields.update_mtime else None,
+            fh=fh,
+        )
+        return self._entry(node)
+
+    @_guarded
+    async def readlink(self, inode, ctx):
+        return self.core.readlink(inode)
+
+    @_guarded
+    async def mknod(self, parent_inode, name, mode, rdev, ctx):
+        return self._entry(self.core.mknod(parent_inode, name, mode, rdev, ctx.uid, ctx.gid))
+
+    @_guarded
+    async def mkdir(self, parent_inode, name, mode, ctx):
+        return self._entry(self.core.mkdir(parent_inode, name, mode, ctx.uid, ctx.gid))
+
+    @_guarded
+    async def symlink(self, parent_inode, name, target, ctx):
+        return self._entry(self.core.symlink(parent_inode, name, target, ctx.uid, ctx.gid))
+
+    @_guarded
+    async def link(self, inode, new_parent_inode, new_name, ctx):
+        return self._entry(self.core.link(inode, new_parent_inode, new_name))
+
+    @_guarded
+    async def unlink(self, parent_inode, name, ctx):
+        self.core.unlink(parent_inode, name)
+
+    @_guarded
+    async def rmdir(self, parent_inode, name, ctx):
+        self.core.rmdir(parent_inode, name)
+
+    @_guarded
+    async def rename(self, parent_inode_old, name_old, parent_inode_new, name_new, flags, ctx):
+        self.core.rename(parent_inode_old, name_old, parent_inode_new, name_new, flags)
+
+    # -- directories -------------------------------------------------------------------------
+
+    @_guarded
+    async def opendir(self, inode, ctx):
+        return self.core.opendir(inode)
+
+    @_guarded
+    async def readdir(self, fh, start_id, token):
+        for next_id, name, node in self.core.readdir(fh, start_id):
+            if not pyfuse3.readdir_reply(token, name, self._entry(node), next_id):
+                break
+            # readdirplus hands the kernel a reference for every entry it accepted.
+            self.core.ref(node)
+
+    @_guarded
+    async def releasedir(self, fh):
+        return None
+
+    @_guarded
+    async def fsyncdir(self, fh, datasync):
+        self.core.fsyncdir(fh)
+
+    # -- files -------------------------------------------------------------------------------
+
+    @_guarded
+    async def create(self, parent_inode, name, mode, flags, ctx):
+        res, node = self.core.create(parent_inode, name, mode, flags, ctx.uid, ctx.gid)
+        return self._fileinfo(res), self._entry(node)
+
+    @_guarded
+    async def open(self, inode, flags, ctx):
+        return self._fileinfo(self.core.open(inode, flags))
+
+    @staticmethod
+    def _fileinfo(res) -> pyfuse3.FileInfo:
+        return pyfuse3.FileInfo(fh=res.fh, direct_io=res.direct_io, keep_cache=res.keep_cache)
+
+    @_guarded
+    async def read(self, fh, off, size):
+        if self._io_limiter is None:
+            return self.core.read(fh, off, size)
+        h = self.core.io_handle(fh)
+        return await trio.to_thread.run_sync(os.pread, h.fd, size, off, limiter=self._io_limiter)
+
+    @_guarded
+    async def write(self, fh, off, buf):
+        if self._io_limiter is None:
+            return self.core.write(fh, off, buf)
+        h = self.core.io_handle(fh)
+        if h.append:
+            off = h.inode.size
+        n = await trio.to_thread.run_sync(os.pwrite, h.fd, buf, off, limiter=self._io_limiter)
+        self.core.wrote(h, off, n)
+        return n
+
+    @_guarded
+    async def flush(self, fh):
+        self.core.flush(fh)
+
+    @_guarded
+    async def fsync(self, fh, datasync):
+        self.core.fsync(fh, bool(datasync))
+
+    @_guarded
+    async def release(self, fh):
+        self.core.release(fh)
+
+    # -- xattrs ------------------------------------------------------------------------------
+
+    @_guarded
+    async def getxattr(self, inode, name, ctx):
+        return self.core.getxattr(inode, name)
+
+    @_guarded
+    async def setxattr(self, inode, name, value, ctx):
+        self.core.setxattr(inode, name, value)
+
+    @_guarded
+    async def listxattr(self, inode, ctx):
+        return self.core.listxattr(inode)
+
+    @_guarded
+    async def removexattr(self, inode, name, ctx):
+        self.core.removexattr(inode, name)
+
+    # -- filesystem --------------------------------------------------------------------------
+
+    @_guarded
+    async def statfs(self, ctx):
+        st = self.core.statfs()
+        s = pyfuse3.StatvfsData()
+        s.f_bsize = st.f_bsize
+        s.f_frsize = st.f_frsize
+        s.f_blocks = st.f_blocks
+        s.f_bfree = st.f_bfree
+        s.f_bavail = st.f_bavail
+        s.f_files = st.f_files
+        s.f_ffree = st.f_ffree
+        s.f_favail = st.f_favail
+        s.f_namemax = 255
+        return s
+
+
+def fuse_options(*, allow_other: bool, fsname: str = "ckptfs") -> set[str]:
+    opts = set(pyfuse3.default_options)  # default_permissions: the kernel checks mode bits
+    opts.add(f"fsname={fsname}")
+    opts.add("subtype=ckptfs")
+    if allow_other:
+        opts.add("allow_other")
+    return opts
+
+
+def mount_and_serve(ops: FuseOps, mountpoint: str, options: set[str]):
+    """pyfuse3 entry points, kept here so nothing else imports pyfuse3."""
+    pyfuse3.init(ops, mountpoint, options)
+    return pyfuse3.main
+
+
+def close_session(unmount: bool) -> None:
+    pyfuse3.close(unmount=unmount)
+
+
+def terminate() -> None:
+    pyfuse3.terminate()
+
+

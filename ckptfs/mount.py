@@ -1,0 +1,430 @@
+"""Mount lifecycle: preflight checks, the cache-dir lock, the daemon, readiness, unmount.
+
+Order at mount (each step undone in reverse at exit):
+  1. preflight (in the CLI process, so errors print directly): FUSE present, mount point usable
+     (a stale mount of a dead daemon is cleaned up), cache dir writable and not locked;
+  2. fork (unless --foreground); the child starts a new session and logs to the log file;
+  3. take the cache-dir lock (fcntl.flock on <cache>/lock, held for the daemon's lifetime, so two
+     daemons can never share a cache dir; the kernel drops it if the daemon dies);
+  4. open the cache (index + crash recovery);
+  5. mount (pyfuse3.init) and start the FUSE loop;
+  6. readiness: stat the mount point through the kernel from a worker thread (proves the loop
+     answers), tune the backing device's readahead, register in the runtime dir, tell the parent.
+At exit (unmounted by `ckptfs umount`/fusermount3, or SIGTERM/SIGINT): the loop ends, the session
+is closed (unmounting if still mounted), the cache persists its in-memory state, the registration
+and the lock go.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import logging
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from .config import MountConfig, runtime_dir
+
+log = logging.getLogger(__name__)
+
+# Documented exit codes (README "Exit codes"); the CLI returns these.
+EXIT_OK = 0
+EXIT_ERROR = 1          # anything unexpected; umount of a busy mount
+EXIT_USAGE = 2          # bad command line or option value
+EXIT_MOUNTPOINT = 3     # mount point missing, not a directory, not empty, (not) mounted
+EXIT_CACHE_DIR = 4      # cache dir unwritable, in use by another daemon, incompatible
+EXIT_NO_FUSE = 5        # /dev/fuse or fusermount3 missing
+EXIT_NOT_READY = 6      # the daemon died or did not answer before the mount was ready
+
+READY_TIMEOUT_S = 60.0  # generous: recovery of a large cache index runs before readiness
+
+
+class MountError(Exception):
+    def __init__(self, code: int, msg: str) -> None:
+        super().__init__(msg)
+        self.code = code
+        self.msg = msg
+
+
+# ----------------------------------------------------------------------------------------------
+# /proc/self/mountinfo
+
+
+def _unescape(field: str) -> str:
+    # mountinfo escapes space, tab, newline and backslash as \ooo octal.
+    out, i = [], 0
+    while i < len(field):
+        if field[i] == "\\" and i + 3 < len(field) + 0 and field[i + 1:i + 4].isdigit():
+            out.append(chr(int(field[i + 1:i + 4], 8)))
+            i += 4
+        else:
+            out.append(field[i])
+            i += 1
+    return "".join(out)
+
+
+def find_mount(path: Path) -> dict | None:
+    """The mountinfo entry whose mount point is `path` (the last one, if stacked)."""
+    target = os.path.abspath(path)
+    found = None
+    try:
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                parts = line.split()
+                sep = parts.index("-")
+                mp = _unescape(parts[4])
+                if mp == target:
+                    found = {"mountpoint": mp, "fstype": parts[sep + 1],
+                             "source": _unescape(parts[sep + 2])}
+    except OSError:
+        return None
+    return found
+
+
+def _stat_state(path: Path) -> int:
+    """0 if the path answers stat, else the errno (ENOTCONN: a FUSE daemon died)."""
+    try:
+        os.stat(path)
+        return 0
+    except OSError as e:
+        return e.errno or errno.EIO
+
+
+def _fusermount_unmount(path: Path, lazy: bool) -> subprocess.CompletedProcess:
+    args = ["fusermount3", "-u"] + (["-z"] if lazy else []) + [str(path)]
+    return subprocess.run(args, capture_output=True, text=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# preflight
+
+
+def check_fuse() -> None:
+    if not os.path.exists("/dev/fuse"):
+        raise MountError(EXIT_NO_FUSE, "/dev/fuse is missing: load the fuse module (modprobe "
+                         "fuse) or, in a container, pass --device /dev/fuse")
+    if not any(os.access(os.path.join(d, "fusermount3"), os.X_OK)
+               for d in os.environ.get("PATH", "/usr/bin:/bin").split(":")):
+        raise MountError(EXIT_NO_FUSE, "fusermount3 not found: install the fuse3 package")
+
+
+def check_mountpoint(mp: Path) -> None:
+    entry = find_mount(mp)
+    if entry is not None:
+        state = _stat_state(mp)
+        if state == errno.ENOTCONN and entry["fstype"].startswith("fuse"):
+            res = _fusermount_unmount(mp, lazy=True)
+            if res.returncode != 0:
+                raise MountError(EXIT_MOUNTPOINT, f"{mp}: stale mount of a dead daemon and "
+                                 f"fusermount3 -u -z failed: {res.stderr.strip()}; run "
+                                 f"'umount -l {mp}' as root")
+            print(f"ckptfs: cleaned up a stale mount at {mp} left by a dead daemon",
+                  file=sys.stderr)
+        else:
+            raise MountError(EXIT_MOUNTPOINT, f"{mp} is already mounted ({entry['fstype']}); "
+                             f"unmount it first: ckptfs umount {mp}")
+    if not mp.exists():
+        raise MountError(EXIT_MOUNTPOINT, f"mount point {mp} does not exist")
+    if not mp.is_dir():
+        raise MountError(EXIT_MOUNTPOINT, f"mount point {mp} is not a directory")
+    try:
+        if any(os.scandir(mp)):
+            raise MountError(EXIT_MOUNTPOINT, f"mount point {mp} is not empty (mounting over "
+                             "files would hide them)")
+    except PermissionError:
+        raise MountError(EXIT_MOUNTPOINT, f"mount point {mp} is not readable") from None
+
+
+def check_cache_dir(cache_dir: Path) -> None:
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise MountError(EXIT_CACHE_DIR, f"cannot create cache dir {cache_dir}: "
+                         f"{e.strerror}") from None
+    if not cache_dir.is_dir():
+        raise MountError(EXIT_CACHE_DIR, f"cache dir {cache_dir} is not a directory")
+    probe = cache_dir / f".probe-{os.getpid()}"
+    try:
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise MountError(EXIT_CACHE_DIR, f"cache dir {cache_dir} is not writable: "
+                         f"{e.strerror}") from None
+    lock = CacheLock(cache_dir)
+    lock.acquire()
+    lock.release()
+
+
+class CacheLock:
+    """An exclusive flock on <cache_dir>/lock; its content is the holder's pid, for messages."""
+
+    def __init__(self, cache_dir: Path) -> None:
+        self.path = cache_dir / "lock"
+        self.fd: int | None = None
+
+    def acquire(self) -> None:
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            msg = (f"cache dir {self.path.parent} is in use by another ckptfs daemon "
+                   f"(pid {holder}); one cache dir per mount")
+            raise MountError(EXIT_CACHE_DIR, msg) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self.fd = fd
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.ftruncate(self.fd, 0)
+            os.close(self.fd)  # closing drops the flock
+            self.fd = None
+
+
+# ----------------------------------------------------------------------------------------------
+# registration (mount point -> daemon), for `ckptfs umount` and later `ckptfs status`
+
+
+def _reg_path(mp: Path) -> Path:
+    import hashlib
+
+    key = hashlib.sha1(os.path.abspath(mp).encode()).hexdigest()[:16]
+    return runtime_dir() / f"{key}.json"
+
+
+def register(cfg: MountConfig) -> None:
+    p = _reg_path(cfg.mountpoint)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"pid": os.getpid(), "mountpoint": str(cfg.mountpoint),
+                               "cache_dir": str(cfg.cache_dir)}))
+    os.replace(tmp, p)
+
+
+def registration(mp: Path) -> dict | None:
+    try:
+        return json.loads(_reg_path(mp).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def unregister(mp: Path) -> None:
+    reg = registration(mp)
+    if reg is not None and reg.get("pid") == os.getpid():
+        _reg_path(mp).unlink(missing_ok=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# the daemon
+
+
+def setup_logging(cfg: MountConfig) -> None:
+    root = logging.getLogger()
+    for h in list(root.handlers):
+        root.removeHandler(h)
+    target = cfg.effective_log_file
+    handler: logging.Handler
+    if target is None:
+        handler = logging.StreamHandler(sys.stderr)
+    else:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        handler = logging.FileHandler(target)
+    handler.setFormatter(logging.Formatter(
+        "%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s"))
+    root.addHandler(handler)
+    root.setLevel(cfg.log_level.upper())
+    # pyfuse3 logs every FUSEError at debug level; keep that out unless asked for.
+    logging.getLogger("pyfuse3").setLevel(max(logging.INFO, root.level))
+
+
+def tune_readahead(mp: Path, kb: int) -> None:
+    """Raise the mount's readahead (the FUSE bdi defaults to 128 KiB); measured in
+    docs/ARCHITECTURE.md to bring cold sequential reads close to the raw disk."""
+    if kb <= 0:
+        return
+    dev = os.stat(mp).st_dev
+    path = f"/sys/class/bdi/{os.major(dev)}:{os.minor(dev)}/read_ahead_kb"
+    try:
+        with open(path, "w") as f:
+            f.write(str(kb))
+    except OSError as e:
+        log.info("could not set %s to %d (%s); keeping the kernel default", path, kb, e.strerror)
+
+
+Notify = Callable[[int, str], None]
+
+
+def run_daemon(cfg: MountConfig, notify: Notify) -> int:
+    """Run one mount until it is unmounted. `notify(code, msg)` is called exactly once: with
+    EXIT_OK when the mount is ready, or with the error code before returning it."""
+    import trio
+
+    from cachemgr.core import CacheFs
+    from cachemgr.errors import FsError
+
+    from . import fuse
+
+    notified = False
+
+    def tell(code: int, msg: str) -> None:
+        nonlocal notified
+        if not notified:
+            notified = True
+            notify(code, msg)
+
+    lock = CacheLock(cfg.cache_dir)
+    try:
+        lock.acquire()
+    except MountError as e:
+        log.error("%s", e.msg)
+        tell(e.code, e.msg)
+        return e.code
+    core = None
+    mounted = False
+    try:
+        try:
+            core = CacheFs.load(cfg.cache_dir, direct_io_writes=cfg.direct_io_writes
+                                and not cfg.writeback_cache)
+        except (FsError, OSError) as e:
+            msg = f"cannot open cache in {cfg.cache_dir}: {e}"
+            log.error("%s", msg)
+            tell(EXIT_CACHE_DIR, msg)
+            return EXIT_CACHE_DIR
+        ops = fuse.FuseOps(core, attr_timeout=cfg.attr_timeout, io_threads=cfg.io_threads)
+        ops.enable_writeback_cache = cfg.writeback_cache
+        try:
+            main = fuse.mount_and_serve(ops, str(cfg.mountpoint),
+                                        fuse.fuse_options(allow_other=cfg.allow_other))
+        except RuntimeError as e:
+            msg = f"mount of {cfg.mountpoint} failed: {e}"
+            log.error("%s", msg)
+            tell(EXIT_NOT_READY, msg)
+            return EXIT_NOT_READY
+        mounted = True
+        log.info("mounted %s (cache %s, pid %d)", cfg.mountpoint, cfg.cache_dir, os.getpid())
+
+        async def ready() -> None:
+            await trio.to_thread.run_sync(os.stat, cfg.mountpoint)
+            await trio.to_thread.run_sync(tune_readahead, cfg.mountpoint, cfg.read_ahead_kb)
+            register(cfg)
+            tell(EXIT_OK, f"mounted {cfg.mountpoint} (cache {cfg.cache_dir}, pid {os.getpid()})")
+
+        async def on_signals(cancel: trio.CancelScope) -> None:
+            with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as sigs:
+                async for sig in sigs:
+                    log.info("signal %s: unmounting", signal.Signals(sig).name)
+                    fuse.terminate()
+                    return
+
+        async def serve() -> None:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(ready)
+                nursery.start_soon(on_signals, nursery.cancel_scope)
+                await main()
+                nursery.cancel_scope.cancel()
+
+        trio.run(serve)
+        log.info("FUSE loop ended")
+        return EXIT_OK
+    except Exception as e:
+        log.exception("daemon failed")
+        tell(EXIT_ERROR, f"daemon failed: {e}")
+        return EXIT_ERROR
+    finally:
+        if mounted:
+            try:
+                fuse.close_session(unmount=True)
+            except Exception:
+                log.exception("closing the FUSE session failed")
+        if core is not None:
+            try:
+                core.close()
+            except Exception:
+                log.exception("closing the cache failed")
+        unregister(cfg.mountpoint)
+        lock.release()
+        log.info("daemon exiting")
+
+
+def start(cfg: MountConfig) -> tuple[int, str]:
+    """Mount in the background: fork a daemon and return (code, message) once it is ready or
+    has failed."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: the daemon
+        code = EXIT_ERROR
+        try:
+            os.close(r)
+            os.setsid()
+            devnull = os.open(os.devnull, os.O_RDWR)
+            for fd in (0, 1, 2):
+                os.dup2(devnull, fd)
+            setup_logging(cfg)
+
+            def notify(c: int, msg: str) -> None:
+                try:
+                    os.write(w, f"{c} {msg}\n".encode())
+                    os.close(w)
+                except OSError:
+                    pass
+
+            code = run_daemon(cfg, notify)
+        finally:
+            os._exit(code)
+    os.close(w)
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    buf = b""
+    while b"\n" not in buf:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return EXIT_NOT_READY, (f"daemon (pid {pid}) not ready after {READY_TIMEOUT_S:.0f}s; "
+                                    f"see {cfg.effective_log_file}")
+        ready, _, _ = select.select([r], [], [], left)
+        if ready:
+            chunk = os.read(r, 4096)
+            if not chunk:
+                break
+            buf += chunk
+    os.close(r)
+    if b"\n" not in buf:
+        return EXIT_NOT_READY, (f"daemon (pid {pid}) exited before the mount was ready; see "
+                                f"{cfg.effective_log_file}")
+    code_s, _, msg = buf.decode(errors="replace").partition(" ")
+    return int(code_s), msg.strip()
+
+
+def umount(mp: Path, *, timeout: float = 300.0) -> tuple[int, str]:
+    entry = find_mount(mp)
+    if entry is None:
+        return EXIT_MOUNTPOINT, f"{mp} is not mounted"
+    if entry["fstype"] != "fuse.ckptfs":
+        return EXIT_MOUNTPOINT, f"{mp} is not a ckptfs mount ({entry['fstype']})"
+    reg = registration(mp)
+    res = _fusermount_unmount(mp, lazy=False)
+    if res.returncode != 0:
+        err = res.stderr.strip()
+        if "busy" in err.lower():
+            return EXIT_ERROR, (f"{mp} is busy: a process still has files open or its working "
+                                f"directory there (see: fuser -vm {mp})")
+        return EXIT_ERROR, f"fusermount3 -u {mp} failed: {err}"
+    if reg is not None:
+        pid = int(reg["pid"])
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.05)
+        else:
+            return EXIT_ERROR, f"unmounted {mp}, but daemon pid {pid} is still running"
+    return EXIT_OK, f"unmounted {mp}"

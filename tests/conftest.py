@@ -1,0 +1,172 @@
+"""Shared fixtures: real ckptfs mounts in a subprocess (the daemon), and helpers to drive them.
+
+A `Mount` runs the real CLI (`python -m ckptfs mount ...`), so every test through it exercises
+the daemon, the kernel and the FUSE adapter. With CI=true, a machine that cannot mount fails the
+run instead of skipping (the brief: a test that cannot mount must fail in CI).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+IN_CI = os.environ.get("CI", "").lower() == "true"
+
+
+def fuse_problem() -> str | None:
+    if not os.path.exists("/dev/fuse"):
+        return "/dev/fuse missing"
+    if shutil.which("fusermount3") is None:
+        return "fusermount3 missing (apt install fuse3)"
+    return None
+
+
+def require_fuse() -> None:
+    why = fuse_problem()
+    if why:
+        if IN_CI:
+            pytest.fail(f"cannot mount FUSE in CI: {why}")
+        pytest.skip(f"cannot mount FUSE here: {why}")
+
+
+def ckptfs_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "ckptfs", *args]
+
+
+def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(ckptfs_cmd(*args), capture_output=True, text=True, timeout=timeout,
+                          cwd=REPO)
+
+
+def wait_for(cond, timeout: float = 30.0, what: str = "condition"):
+    """Poll `cond` until it returns a truthy value or `timeout` passes (no fixed sleeps)."""
+    deadline = time.monotonic() + timeout
+    delay = 0.005
+    while True:
+        v = cond()
+        if v:
+            return v
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(delay)
+        delay = min(delay * 2, 0.1)
+
+
+def is_mounted(path: Path) -> bool:
+    target = os.path.abspath(path)
+    with open("/proc/self/mountinfo") as f:
+        return any(line.split()[4] == target for line in f)
+
+
+class Mount:
+    """One ckptfs mount driven through the real CLI."""
+
+    def __init__(self, root: Path, name: str = "m", cache_dir: Path | None = None,
+                 mountpoint: Path | None = None) -> None:
+        self.mountpoint = mountpoint or root / f"{name}-mnt"
+        self.cache_dir = cache_dir or root / f"{name}-cache"
+        self.log_file = root / f"{name}.log"
+        self.mountpoint.mkdir(parents=True, exist_ok=True)
+        self.pid: int | None = None
+        self.extra: list[str] = []
+
+    @property
+    def path(self) -> Path:
+        return self.mountpoint
+
+    def start(self, *extra: str, check: bool = True) -> subprocess.CompletedProcess:
+        require_fuse()
+        if extra:
+            self.extra = list(extra)
+        res = run_cli("mount", str(self.mountpoint), "--cache-dir", str(self.cache_dir),
+                      "--log-file", str(self.log_file), *self.extra)
+        if check:
+            assert res.returncode == 0, f"mount failed ({res.returncode}): {res.stderr}"
+            m = re.search(r"pid (\d+)", res.stdout)
+            assert m, res.stdout
+            self.pid = int(m.group(1))
+            assert is_mounted(self.mountpoint)
+        return res
+
+    def stop(self) -> None:
+        res = run_cli("umount", str(self.mountpoint))
+        assert res.returncode == 0, f"umount failed ({res.returncode}): {res.stderr}"
+        self.pid = None
+
+    def remount(self) -> None:
+        self.stop()
+        self.start()
+
+    def kill9(self) -> None:
+        """kill -9 the daemon and wait until it is gone; the mount point is left dead."""
+        assert self.pid is not None
+        os.kill(self.pid, signal.SIGKILL)
+        wait_for(lambda: not _alive(self.pid), what="daemon to die")
+        self.pid = None
+
+    def cleanup(self) -> None:
+        if is_mounted(self.mountpoint):
+            if self.pid is not None and _alive(self.pid):
+                subprocess.run(ckptfs_cmd("umount", str(self.mountpoint)), capture_output=True,
+                               timeout=120, cwd=REPO)
+            if is_mounted(self.mountpoint):
+                subprocess.run(["fusermount3", "-u", "-z", str(self.mountpoint)],
+                               capture_output=True)
+        if self.pid is not None and _alive(self.pid):
+            os.kill(self.pid, signal.SIGKILL)
+
+    def log_text(self) -> str:
+        try:
+            return self.log_file.read_text()
+        except FileNotFoundError:
+            return ""
+
+    def unexpected_errors(self) -> list[str]:
+        """Log lines of handler failures answered with EIO (bugs, not refusals)."""
+        return [ln for ln in self.log_text().splitlines() if "unexpected" in ln]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie (our child that exited) counts as dead.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.fixture
+def mount_factory(tmp_path):
+    mounts: list[Mount] = []
+
+    def make(name: str = "m", **kw) -> Mount:
+        m = Mount(tmp_path, name, **kw)
+        mounts.append(m)
+        return m
+
+    yield make
+    for m in mounts:
+        m.cleanup()
+
+
+@pytest.fixture
+def mnt(mount_factory) -> Mount:
+    """A started mount; the test fails if the daemon logged an unexpected error."""
+    m = mount_factory()
+    m.start()
+    yield m
+    errors = m.unexpected_errors()
+    assert not errors, "daemon logged unexpected errors:\n" + "\n".join(errors)
