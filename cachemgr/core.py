@@ -740,6 +740,25 @@ class CacheFs:
     def statfs(self) -> os.statvfs_result:
         return os.statvfs(self.cache_dir)
 
+    def status(self) -> dict:
+        """A snapshot for `ckptfs status`: what the cache holds and what the data path did."""
+        totals = self.index.totals()
+        # Files being written: their in-memory size is newer than the index's.
+        for node in self._inodes.values():
+            if node.dirty and node.nlink > 0:
+                row = self.index.get_inode(node.ino)
+                if row is not None:
+                    totals["bytes"] += node.size - row[4]
+        st = os.statvfs(self.cache_dir)
+        s = self.stats
+        return {
+            "cache": {**totals, "open_handles": len(self._handles),
+                      "disk_free_bytes": st.f_bavail * st.f_frsize,
+                      "disk_total_bytes": st.f_blocks * st.f_frsize},
+            "io": {"write_requests": s.writes, "bytes_written": s.bytes_written,
+                   "read_requests": s.reads, "bytes_read": s.bytes_read, "fsyncs": s.fsyncs},
+        }
+
     def check_consistency(self) -> list[str]:
         """Invariants of index and cache files, for tests and `ckptfs fsck`-style checks.
         Returns a list of problems (empty when consistent)."""

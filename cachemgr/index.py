@@ -222,8 +222,23 @@ class Index:
 
     def parent_of(self, ino: int) -> int | None:
         """The directory holding `ino` (directories have exactly one entry)."""
-        row = self.conn.execute("SELECT parent FROM dentries WHERE ino=? LIMIT 1", (ino,)).fetchone()
+        row = self.conn.execute(
+            "SELECT parent FROM dentries WHERE ino=? LIMIT 1", (ino,)
+        ).fetchone()
         return row[0] if row else None
+
+    def totals(self) -> dict[str, int]:
+        """Counts and bytes by file type (S_IFREG = 32768, S_IFDIR = 16384, S_IFLNK = 40960)."""
+        out = {"files": 0, "dirs": 0, "symlinks": 0, "bytes": 0}
+        for fmt, n, total in self.conn.execute(
+            "SELECT mode & 61440, COUNT(*), SUM(size) FROM inodes WHERE nlink > 0 GROUP BY 1"
+        ):
+            key = {32768: "files", 16384: "dirs", 40960: "symlinks"}.get(fmt)
+            if key:
+                out[key] = n
+            if fmt == 32768:
+                out["bytes"] = total or 0
+        return out
 
     def count_dentries(self) -> int:
         return self.conn.execute("SELECT COUNT(*) FROM dentries").fetchone()[0]

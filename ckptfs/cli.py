@@ -7,19 +7,23 @@ Every failure prints one line, `ckptfs: <reason>`, on stderr and exits with a do
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
-from . import __version__
+from . import __version__, control
 from .config import LOG_LEVELS, ConfigError, MountConfig, default_cache_dir
 from .mount import (
     EXIT_ERROR,
+    EXIT_MOUNTPOINT,
     EXIT_OK,
     EXIT_USAGE,
     MountError,
     check_cache_dir,
     check_fuse,
     check_mountpoint,
+    find_mount,
+    registration,
     run_daemon,
     setup_logging,
     start,
@@ -80,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("mountpoint", type=Path)
     u.add_argument("--timeout", type=_nonneg_float, default=300.0,
                    help="seconds to wait for the daemon to finish (default 300)")
+    st = sub.add_parser("status", help="show what a mount's cache holds and its I/O counters")
+    st.add_argument("mountpoint", type=Path)
+    st.add_argument("--json", action="store_true", help="machine-readable output")
     return p
 
 
@@ -132,6 +139,43 @@ def cmd_umount(a: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def cmd_status(a: argparse.Namespace) -> int:
+    mp = a.mountpoint.absolute()
+    entry = find_mount(mp)
+    if entry is None or entry["fstype"] != "fuse.ckptfs":
+        return _fail(EXIT_MOUNTPOINT, f"{mp} is not a ckptfs mount")
+    reg = registration(mp)
+    if reg is None:
+        return _fail(EXIT_ERROR, f"no daemon registered for {mp} (it may have died)")
+    try:
+        st = control.request(Path(reg["control"]), {"op": "status"})
+    except (OSError, ValueError) as e:
+        return _fail(EXIT_ERROR, f"daemon for {mp} (pid {reg['pid']}) is not answering: {e}")
+    if "error" in st:
+        return _fail(EXIT_ERROR, st["error"])
+    if a.json:
+        print(json.dumps(st, indent=2, sort_keys=True))
+        return EXIT_OK
+    c, io = st["cache"], st["io"]
+    avg = io["bytes_written"] / io["write_requests"] if io["write_requests"] else 0
+    print(f"mount      {st['mountpoint']} (pid {st['pid']}, up {st['uptime_s']:.0f}s)")
+    print(f"cache dir  {st['cache_dir']}: {c['files']} files, {c['dirs']} dirs, "
+          f"{c['symlinks']} symlinks, {_human(c['bytes'])}; disk free "
+          f"{_human(c['disk_free_bytes'])} of {_human(c['disk_total_bytes'])}")
+    print(f"I/O        {io['write_requests']} writes ({_human(io['bytes_written'])}, "
+          f"avg {_human(avg)}), {io['read_requests']} reads ({_human(io['bytes_read'])}), "
+          f"{io['fsyncs']} fsyncs; {c['open_handles']} open handles")
+    return EXIT_OK
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -139,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_mount(args)
         if args.cmd == "umount":
             return cmd_umount(args)
+        if args.cmd == "status":
+            return cmd_status(args)
     except KeyboardInterrupt:
         return _fail(EXIT_ERROR, "interrupted")
     except Exception as e:  # never a traceback on the terminal

@@ -201,12 +201,17 @@ def _reg_path(mp: Path) -> Path:
     return runtime_dir() / f"{key}.json"
 
 
+def control_path(mp: Path) -> Path:
+    return _reg_path(mp).with_suffix(".sock")
+
+
 def register(cfg: MountConfig) -> None:
     p = _reg_path(cfg.mountpoint)
     p.parent.mkdir(parents=True, exist_ok=True)
     tmp = p.with_suffix(".tmp")
     tmp.write_text(json.dumps({"pid": os.getpid(), "mountpoint": str(cfg.mountpoint),
-                               "cache_dir": str(cfg.cache_dir)}))
+                               "cache_dir": str(cfg.cache_dir),
+                               "control": str(control_path(cfg.mountpoint))}))
     os.replace(tmp, p)
 
 
@@ -271,7 +276,7 @@ def run_daemon(cfg: MountConfig, notify: Notify) -> int:
     from cachemgr.core import CacheFs
     from cachemgr.errors import FsError
 
-    from . import fuse
+    from . import control, fuse
 
     notified = False
 
@@ -325,8 +330,18 @@ def run_daemon(cfg: MountConfig, notify: Notify) -> int:
                     fuse.terminate()
                     return
 
+        started = time.time()
+
+        def on_control(req: dict) -> dict:
+            if req.get("op") == "status":
+                return {"pid": os.getpid(), "mountpoint": str(cfg.mountpoint),
+                        "cache_dir": str(cfg.cache_dir), "uptime_s": time.time() - started,
+                        **core.status()}
+            return {"error": f"unknown op {req.get('op')!r}"}
+
         async def serve() -> None:
             async with trio.open_nursery() as nursery:
+                await nursery.start(control.serve, control_path(cfg.mountpoint), on_control)
                 nursery.start_soon(ready)
                 nursery.start_soon(on_signals, nursery.cancel_scope)
                 await main()
