@@ -170,3 +170,63 @@ def mnt(mount_factory) -> Mount:
     yield m
     errors = m.unexpected_errors()
     assert not errors, "daemon logged unexpected errors:\n" + "\n".join(errors)
+
+
+# ----------------------------------------------------------------------------------------------
+# a real S3 HTTP endpoint: moto_server on 127.0.0.1
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def moto_server():
+    """A moto S3 server on loopback for the whole session; yields its endpoint URL. Credentials
+    reach boto3 through the standard chain (environment variables)."""
+    import urllib.request
+
+    port = _free_port()
+    log = open(os.path.join(os.environ.get("TMPDIR", "/tmp"), f"moto-{port}.log"), "w")
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p",
+                             str(port)], stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+
+    def up():
+        try:
+            urllib.request.urlopen(url + "/moto-api/", timeout=1).read()
+            return True
+        except OSError:
+            return proc.poll() is not None  # stop waiting if it died
+
+    try:
+        wait_for(up, timeout=60, what="moto_server")
+        assert proc.poll() is None, "moto_server exited; see " + log.name
+        os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
+        os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
+        os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+@pytest.fixture
+def s3_bucket(moto_server):
+    """A fresh bucket on the moto server; yields (endpoint_url, bucket name)."""
+    import uuid
+
+    import boto3
+
+    name = f"ckpt-{uuid.uuid4().hex[:12]}"
+    boto3.client("s3", endpoint_url=moto_server, region_name="us-east-1").create_bucket(
+        Bucket=name)
+    return moto_server, name

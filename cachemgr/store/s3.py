@@ -1,0 +1,211 @@
+"""`s3://bucket/prefix`: Amazon S3 and S3-compatible stores through boto3.
+
+boto3 is synchronous; every call runs in a worker thread under one `trio.CapacityLimiter`, which
+bounds both threads and connections (the client's pool is sized to match). botocore's own
+retries are turned off (`max_attempts=1`): `RetryingStore` owns the retry policy so that every
+retry is visible in our statistics and logs.
+
+Credentials come only from the standard AWS chain (environment, shared config/credentials
+files, profile, instance metadata): this module never takes keys as arguments.
+
+Checksums: every PUT and part upload sends its CRC32C (`x-amz-checksum-crc32c`), which S3
+verifies on receipt; the whole object's CRC32C is also stored as user metadata
+(`x-amz-meta-ckptfs-crc32c`), because a multipart object's S3 checksum is a checksum of part
+checksums, not of the content.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import boto3
+import botocore.config
+import botocore.exceptions
+import trio
+
+from .base import (
+    NotFound,
+    ObjectInfo,
+    ObjectStore,
+    Part,
+    PreconditionFailed,
+    StoreError,
+    TransientStoreError,
+    check_key,
+    crc32c,
+    crc32c_b64,
+)
+
+log = logging.getLogger(__name__)
+
+META_CRC = "ckptfs-crc32c"
+_TRANSIENT_CODES = {
+    "SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "RequestTimeTooSkewed",
+    "InternalError", "ServiceUnavailable", "503", "500", "502", "504",
+}
+
+
+@dataclass(frozen=True)
+class S3Options:
+    endpoint_url: str | None = None
+    region: str | None = None
+    path_style: bool = False
+    profile: str | None = None
+    max_connections: int = 16
+    connect_timeout: float = 10.0
+    read_timeout: float = 60.0
+
+
+def parse_s3_url(url: str) -> tuple[str, str]:
+    rest = url[len("s3://"):]
+    bucket, _, prefix = rest.partition("/")
+    if not bucket:
+        raise StoreError(f"no bucket in {url!r}")
+    prefix = prefix.strip("/")
+    return bucket, (prefix + "/" if prefix else "")
+
+
+class S3Store(ObjectStore):
+    def __init__(self, url: str, opts: S3Options = S3Options()) -> None:
+        self.url = url
+        self.bucket, self.prefix = parse_s3_url(url)
+        session = boto3.session.Session(profile_name=opts.profile, region_name=opts.region)
+        cfg = botocore.config.Config(
+            retries={"max_attempts": 1, "mode": "standard"},
+            max_pool_connections=opts.max_connections,
+            connect_timeout=opts.connect_timeout,
+            read_timeout=opts.read_timeout,
+            s3={"addressing_style": "path" if opts.path_style else "auto"},
+            # We send our own CRC32C; don't let botocore compute another checksum per request.
+            request_checksum_calculation="when_required",
+            response_checksum_validation="when_required",
+        )
+        self.client = session.client("s3", endpoint_url=opts.endpoint_url, config=cfg)
+        self._limiter = trio.CapacityLimiter(opts.max_connections)
+        # Conditional writes (If-None-Match / If-Match on PUT) exist on AWS S3 since 2024; a
+        # store that ignores them would make them unsafe, so the commit protocol checks
+        # `supports_conditional_put` and the caller can turn it off per endpoint.
+        self.supports_conditional_put = True
+
+    def _k(self, key: str) -> str:
+        return self.prefix + check_key(key)
+
+    async def _call(self, key: str | None, fn, **kw):
+        def run():
+            try:
+                return fn(**kw)
+            except botocore.exceptions.ClientError as e:
+                raise _translate(e, key) from None
+            except (botocore.exceptions.ConnectionError, botocore.exceptions.HTTPClientError,
+                    botocore.exceptions.ReadTimeoutError,
+                    botocore.exceptions.ConnectTimeoutError) as e:
+                raise TransientStoreError(f"{fn.__name__} {key}: {e}", key=key) from None
+        return await trio.to_thread.run_sync(run, limiter=self._limiter)
+
+    async def put(self, key, data, *, if_none_match=False, if_match=None) -> ObjectInfo:
+        crc = crc32c(data)
+        kw = dict(Bucket=self.bucket, Key=self._k(key), Body=bytes(data),
+                  ChecksumCRC32C=crc32c_b64(crc), Metadata={META_CRC: str(crc)})
+        if if_none_match:
+            kw["IfNoneMatch"] = "*"
+        if if_match is not None:
+            kw["IfMatch"] = if_match
+        r = await self._call(key, self.client.put_object, **kw)
+        return ObjectInfo(key, len(data), r["ETag"], crc)
+
+    async def get(self, key, start=0, length=None) -> bytes:
+        kw = dict(Bucket=self.bucket, Key=self._k(key))
+        if start or length is not None:
+            if length == 0:
+                return b""
+            end = "" if length is None else str(start + length - 1)
+            kw["Range"] = f"bytes={start}-{end}"
+
+        def fetch():
+            try:
+                r = self.client.get_object(**kw)
+                return r["Body"].read()
+            except botocore.exceptions.ClientError as e:
+                if e.response.get("Error", {}).get("Code") == "InvalidRange":
+                    return b""
+                raise _translate(e, key) from None
+            except (botocore.exceptions.ConnectionError, botocore.exceptions.HTTPClientError,
+                    botocore.exceptions.ReadTimeoutError, ConnectionError) as e:
+                raise TransientStoreError(f"get {key}: {e}", key=key) from None
+        return await trio.to_thread.run_sync(fetch, limiter=self._limiter)
+
+    async def head(self, key) -> ObjectInfo:
+        r = await self._call(key, self.client.head_object, Bucket=self.bucket, Key=self._k(key))
+        crc = r.get("Metadata", {}).get(META_CRC)
+        return ObjectInfo(key, r["ContentLength"], r["ETag"], int(crc) if crc else None,
+                          r["LastModified"].timestamp())
+
+    async def list(self, prefix="") -> list[ObjectInfo]:
+        def run():
+            out = []
+            pages = self.client.get_paginator("list_objects_v2").paginate(
+                Bucket=self.bucket, Prefix=self.prefix + prefix)
+            try:
+                for page in pages:
+                    for o in page.get("Contents", []):
+                        out.append(ObjectInfo(o["Key"][len(self.prefix):], o["Size"], o["ETag"],
+                                              None, o["LastModified"].timestamp()))
+            except botocore.exceptions.ClientError as e:
+                raise _translate(e, prefix) from None
+            except (botocore.exceptions.ConnectionError,
+                    botocore.exceptions.HTTPClientError) as e:
+                raise TransientStoreError(f"list {prefix}: {e}") from None
+            return out
+        return sorted(await trio.to_thread.run_sync(run, limiter=self._limiter),
+                      key=lambda i: i.key)
+
+    async def delete(self, key) -> None:
+        await self._call(key, self.client.delete_object, Bucket=self.bucket, Key=self._k(key))
+
+    async def create_multipart(self, key) -> str:
+        r = await self._call(key, self.client.create_multipart_upload, Bucket=self.bucket,
+                             Key=self._k(key), ChecksumAlgorithm="CRC32C")
+        return r["UploadId"]
+
+    async def upload_part(self, key, upload_id, number, data) -> Part:
+        crc = crc32c(data)
+        r = await self._call(key, self.client.upload_part, Bucket=self.bucket, Key=self._k(key),
+                             UploadId=upload_id, PartNumber=number, Body=bytes(data),
+                             ChecksumCRC32C=crc32c_b64(crc))
+        return Part(number, r["ETag"], crc, len(data))
+
+    async def complete_multipart(self, key, upload_id, parts, crc32c) -> ObjectInfo:
+        ordered = sorted(parts, key=lambda p: p.number)
+        r = await self._call(
+            key, self.client.complete_multipart_upload, Bucket=self.bucket, Key=self._k(key),
+            UploadId=upload_id,
+            MultipartUpload={"Parts": [{"PartNumber": p.number, "ETag": p.etag,
+                                        "ChecksumCRC32C": crc32c_b64(p.crc32c)}
+                                       for p in ordered]},
+        )
+        # S3 verified every part's CRC32C; the whole object's CRC32C is not known when the upload
+        # is created (it streams), so it is not in the object's metadata: callers record it in
+        # their manifest, and head() of a multipart object reports crc32c=None.
+        return ObjectInfo(key, sum(p.size for p in ordered), r["ETag"], crc32c)
+
+    async def abort_multipart(self, key, upload_id) -> None:
+        try:
+            await self._call(key, self.client.abort_multipart_upload, Bucket=self.bucket,
+                             Key=self._k(key), UploadId=upload_id)
+        except NotFound:
+            pass
+
+
+def _translate(e: botocore.exceptions.ClientError, key: str | None) -> StoreError:
+    err = e.response.get("Error", {})
+    code = str(err.get("Code", ""))
+    status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+    msg = f"{code or status}: {err.get('Message', '')} ({key})"
+    if code in ("NoSuchKey", "404", "NotFound", "NoSuchUpload"):
+        return NotFound(msg, key=key)
+    if code in ("PreconditionFailed", "412", "ConditionalRequestConflict") or status in (409, 412):
+        return PreconditionFailed(msg, key=key)
+    if code in _TRANSIENT_CODES or status >= 500 or status == 429:
+        return TransientStoreError(msg, key=key)
+    return StoreError(msg, key=key)

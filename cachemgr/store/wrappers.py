@@ -1,0 +1,143 @@
+"""Stores that wrap stores: retries with backoff, and fault injection for tests.
+
+`RetryingStore` retries transient failures (throttling, 5xx, timeouts, resets, read-back
+integrity mismatches) with exponential backoff and full jitter, up to a deadline; it counts every
+retry in `statistics()`. `FaultyStore` injects failures deterministically (every Nth call of an
+operation, or the next K calls) so tests can provoke them on purpose; it is a real store in
+between, never a mock.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from dataclasses import dataclass, field
+
+import trio
+
+from .base import ObjectInfo, ObjectStore, Part, TransientStoreError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RetryPolicy:
+    attempts: int = 8          # total tries per call
+    base_delay: float = 0.05   # first backoff ceiling, seconds
+    max_delay: float = 5.0     # backoff ceiling cap
+    # Full jitter (sleep uniform(0, ceiling)): AWS's recommendation for throttled clients, it
+    # spreads retries of many uploaders instead of synchronising them.
+
+
+@dataclass
+class RetryStats:
+    calls: int = 0
+    retries: int = 0
+    failures: int = 0
+    by_error: dict[str, int] = field(default_factory=dict)
+
+
+class _Wrapper(ObjectStore):
+    def __init__(self, inner: ObjectStore) -> None:
+        self.inner = inner
+        self.url = inner.url
+        self.supports_conditional_put = inner.supports_conditional_put
+
+    async def _do(self, op: str, *args, **kw):
+        return await getattr(self.inner, op)(*args, **kw)
+
+    async def put(self, key, data, *, if_none_match=False, if_match=None) -> ObjectInfo:
+        return await self._do("put", key, data, if_none_match=if_none_match, if_match=if_match)
+
+    async def get(self, key, start=0, length=None) -> bytes:
+        return await self._do("get", key, start, length)
+
+    async def head(self, key) -> ObjectInfo:
+        return await self._do("head", key)
+
+    async def list(self, prefix="") -> list[ObjectInfo]:
+        return await self._do("list", prefix)
+
+    async def delete(self, key) -> None:
+        return await self._do("delete", key)
+
+    async def create_multipart(self, key) -> str:
+        return await self._do("create_multipart", key)
+
+    async def upload_part(self, key, upload_id, number, data) -> Part:
+        return await self._do("upload_part", key, upload_id, number, data)
+
+    async def complete_multipart(self, key, upload_id, parts, crc32c) -> ObjectInfo:
+        return await self._do("complete_multipart", key, upload_id, parts, crc32c)
+
+    async def abort_multipart(self, key, upload_id) -> None:
+        return await self._do("abort_multipart", key, upload_id)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+class RetryingStore(_Wrapper):
+    def __init__(self, inner: ObjectStore, policy: RetryPolicy | None = None,
+                 rng: random.Random | None = None) -> None:
+        super().__init__(inner)
+        self.policy = policy or RetryPolicy()
+        self._rng = rng or random.Random()
+        self.stats = RetryStats()
+
+    def statistics(self) -> RetryStats:
+        return self.stats
+
+    async def _do(self, op: str, *args, **kw):
+        p = self.policy
+        self.stats.calls += 1
+        for attempt in range(1, p.attempts + 1):
+            try:
+                return await getattr(self.inner, op)(*args, **kw)
+            except Exception as e:
+                if not getattr(e, "transient", False) or attempt == p.attempts:
+                    if getattr(e, "transient", False):
+                        self.stats.failures += 1
+                        log.warning("%s failed after %d attempts: %s", op, attempt, e)
+                    raise
+                name = type(e).__name__
+                self.stats.retries += 1
+                self.stats.by_error[name] = self.stats.by_error.get(name, 0) + 1
+                ceiling = min(p.max_delay, p.base_delay * 2 ** (attempt - 1))
+                delay = self._rng.uniform(0, ceiling)
+                log.info("%s: %s; retry %d/%d in %.3fs", op, e, attempt, p.attempts - 1, delay)
+                await trio.sleep(delay)
+        raise AssertionError("unreachable")
+
+
+class FaultyStore(_Wrapper):
+    """Injects failures: `fail_next(op, n, exc)` makes the next n calls of `op` raise `exc`
+    (default: a transient 503 SlowDown) before reaching the inner store; `fail_every(op, k)`
+    makes every k-th call fail."""
+
+    def __init__(self, inner: ObjectStore) -> None:
+        super().__init__(inner)
+        self._next: dict[str, list[Exception]] = {}
+        self._every: dict[str, tuple[int, Exception]] = {}
+        self.calls: dict[str, int] = {}
+        self.injected: dict[str, int] = {}
+
+    def fail_next(self, op: str, n: int = 1, exc: Exception | None = None) -> None:
+        exc = exc or TransientStoreError("injected 503 SlowDown")
+        self._next.setdefault(op, []).extend([exc] * n)
+
+    def fail_every(self, op: str, k: int, exc: Exception | None = None) -> None:
+        self._every[op] = (k, exc or TransientStoreError("injected 500 InternalError"))
+
+    async def _do(self, op: str, *args, **kw):
+        n = self.calls[op] = self.calls.get(op, 0) + 1
+        pending = self._next.get(op)
+        exc = None
+        if pending:
+            exc = pending.pop(0)
+        elif op in self._every and n % self._every[op][0] == 0:
+            exc = self._every[op][1]
+        if exc is not None:
+            self.injected[op] = self.injected.get(op, 0) + 1
+            raise exc
+        return await getattr(self.inner, op)(*args, **kw)
