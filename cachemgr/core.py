@@ -74,6 +74,9 @@ class Inode:
     nlink: int
     rdev: int
     target: bytes | None
+    version: int = 0          # content version: bumped by every write-open and truncate
+    writing: int = 0          # persisted "open for writing" flag (see schema.sql)
+    cached: int = 1           # 1: data in the cache file; 0: evicted, lives in the store
     lookups: int = 0          # kernel lookup count (lookup/create/mkdir/... minus forget)
     opens: int = 0            # open handles
     writers: int = 0          # open handles with write access
@@ -134,6 +137,12 @@ class CacheFs:
         self._next_fh = 1
         self._xattr_inos = index.xattr_inos()
         self.stats = CoreStats()
+        # Tiering hooks (cachemgr.tiering.Tiering) or None for a purely local cache.
+        self.tiering = None
+        # Bytes of file data held in cache files (evicted files excluded): what --cache-size
+        # limits. Kept up to date by every size change.
+        self.cached_bytes = index.cached_bytes()
+        self._last_used: dict[int, float] = {}
 
     # ------------------------------------------------------------------------------------------
     # lifecycle
@@ -172,7 +181,10 @@ class CacheFs:
                 self._unlink_data(ino)
                 self.index.delete_inode(ino)
                 report["orphans"] += 1
+            evicted = self.index.evicted_files()
             for ino, size in self.index.regular_files():
+                if ino in evicted:
+                    continue  # its data is in the store; the cache file is empty on purpose
                 try:
                     actual = os.stat(self._data_path(ino)).st_size
                 except FileNotFoundError:
@@ -214,6 +226,8 @@ class CacheFs:
 
     def _data_path(self, ino: int) -> str:
         return f"{self.data_dir}/{ino}"
+
+    data_path = _data_path
 
     def _make_data_file(self, ino: int) -> None:
         fd = os.open(self._data_path(ino), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -283,8 +297,13 @@ class CacheFs:
         self._inodes.pop(node.ino, None)
 
     def _purge(self, node: Inode) -> None:
+        if self.tiering is not None:
+            self.tiering.on_purge(node.ino)
         if node.is_reg:
             self._unlink_data(node.ino)
+            if node.cached:
+                self.cached_bytes -= node.size
+            self._last_used.pop(node.ino, None)
         self.index.delete_inode(node.ino)
         self._xattr_inos.discard(node.ino)
         self._inodes.pop(node.ino, None)
@@ -389,13 +408,18 @@ class CacheFs:
         return node
 
     def _truncate(self, node: Inode, size: int, fh: int | None) -> None:
+        if not node.cached:
+            raise FsError(errno.EIO, f"inode {node.ino} is not in the cache (fetch it first)")
         h = self._handles.get(fh) if fh is not None else None
         if h is not None:
             os.ftruncate(h.fd, size)
         else:
             os.truncate(self._data_path(node.ino), size)
+        self.cached_bytes += size - node.size
         node.size = size
         node.gen += 1
+        if not node.writers:
+            self._new_version(node)
 
     def mkdir(self, parent: int, name: bytes, mode: int, uid: int, gid: int) -> Inode:
         d = self._dir(parent)
@@ -405,7 +429,11 @@ class CacheFs:
         d = self._dir(parent)
         if len(target) > SYMLINK_MAX:
             raise FsError(errno.ENAMETOOLONG, f"symlink target longer than {SYMLINK_MAX} bytes")
-        return self._new_inode(d, name, stat.S_IFLNK | 0o777, uid, gid, target=target)
+        node = self._new_inode(d, name, stat.S_IFLNK | 0o777, uid, gid, target=target)
+        if self.tiering is not None:
+            with self.index.tx():
+                self.tiering.on_symlink(node, parent, name)
+        return node
 
     def readlink(self, ino: int) -> bytes:
         node = self.inode(ino)
@@ -432,12 +460,15 @@ class CacheFs:
         if node.is_dir:
             raise FsError(errno.EISDIR)
         now = _now()
+        path = self.index.path_of(node.ino) if self.tiering is not None else None
         with self.index.tx():
             self.index.remove_dentry(parent, name)
             node.nlink -= 1
             node.ctime_ns = now
             self._save(node, "nlink", "ctime_ns")
             self._touch_dir(d, now)
+            if path is not None:
+                self.tiering.on_remove(node, path)
         self._maybe_drop(node)
 
     def rmdir(self, parent: int, name: bytes) -> None:
@@ -448,12 +479,15 @@ class CacheFs:
         if self.index.has_children(node.ino):
             raise FsError(errno.ENOTEMPTY)
         now = _now()
+        path = self.index.path_of(node.ino) if self.tiering is not None else None
         with self.index.tx():
             self.index.remove_dentry(parent, name)
             node.nlink = 0
             self._save(node, "nlink")
             d.nlink -= 1
             self._touch_dir(d, now)
+            if path is not None:
+                self.tiering.on_remove(node, path)
         self._maybe_drop(node)
 
     def rename(self, old_parent: int, old_name: bytes, new_parent: int, new_name: bytes,
@@ -487,6 +521,7 @@ class CacheFs:
             if dst.is_dir and self.index.has_children(dst.ino):
                 raise FsError(errno.ENOTEMPTY)
         now = _now()
+        old_path = self.index.path_of(src.ino) if self.tiering is not None else None
         with self.index.tx():
             if dst is not None:
                 self.index.remove_dentry(new_parent, new_name)
@@ -506,6 +541,11 @@ class CacheFs:
             self._touch_dir(od, now)
             if nd is not od:
                 self._touch_dir(nd, now)
+            if old_path is not None:
+                # Inside the rename's transaction: the commit it triggers (if any) is durable
+                # exactly when the rename is.
+                self.tiering.on_rename(src, dst, old_parent, old_name, new_parent, new_name,
+                                       old_path)
         if dst is not None:
             self._maybe_drop(dst)
 
@@ -575,19 +615,31 @@ class CacheFs:
     def _open_node(self, node: Inode, flags: int) -> OpenResult:
         accmode = flags & os.O_ACCMODE
         writable = accmode in (os.O_WRONLY, os.O_RDWR)
+        trunc = bool(flags & os.O_TRUNC) and writable
+        if not node.cached and not trunc:
+            # The FUSE layer fetches evicted data before it opens; reaching here is a bug.
+            raise FsError(errno.EIO, f"inode {node.ino} is not in the cache (fetch it first)")
         fd = os.open(self._data_path(node.ino), os.O_RDWR)
         try:
-            if flags & os.O_TRUNC and writable and node.size:
+            if trunc and (node.size or not node.cached):
                 os.ftruncate(fd, 0)
                 now = _now()
+                if node.cached:
+                    self.cached_bytes -= node.size
                 node.size = 0
+                node.cached = 1
                 node.gen += 1
                 node.mtime_ns = node.ctime_ns = now
                 with self.index.tx():
-                    self._save(node, "size", "mtime_ns", "ctime_ns")
+                    self._save(node, "size", "mtime_ns", "ctime_ns", "cached")
+            if writable and not node.writers:
+                # The first writer starts a new content version: the unit of upload and commit.
+                node.writing = 1
+                self._new_version(node)
         except BaseException:
             os.close(fd)
             raise
+        self._last_used[node.ino] = time.monotonic()
         fh = self._next_fh
         self._next_fh += 1
         self._handles[fh] = Handle(fh, node, fd, writable, bool(flags & os.O_APPEND))
@@ -638,6 +690,7 @@ class CacheFs:
         node = h.inode
         end = off + n
         if end > node.size:
+            self.cached_bytes += end - node.size
             node.size = end
         node.mtime_ns = node.ctime_ns = time.time_ns()
         node.dirty = True
@@ -680,10 +733,83 @@ class CacheFs:
         node.opens -= 1
         if h.writable:
             node.writers -= 1
-        if node.dirty:
-            with self.index.tx():
+        with self.index.tx():
+            if node.dirty:
                 self._persist(node)
+            if h.writable and not node.writers:
+                node.writing = 0
+                self._save(node, "writing")
+                self._closed(node)
         self._maybe_drop(node)
+
+    def _new_version(self, node: Inode) -> None:
+        """The file's content is about to change: (ino, version) names one closed content, so a
+        new one begins. Sets holding the old content can no longer be published as committed."""
+        old = node.version
+        node.version += 1
+        with self.index.tx():
+            if self.tiering is not None:
+                self.tiering.on_content_change(node.ino, old)
+            self._save(node, "version", "writing")
+        if not node.writing:
+            self._closed(node)
+
+    def _closed(self, node: Inode) -> None:
+        """A content version is complete (last writer closed, or a truncate without writers)."""
+        if self.tiering is None or node.nlink == 0:
+            return
+        row = self.index.conn.execute(
+            "SELECT parent, name FROM dentries WHERE ino=? LIMIT 1", (node.ino,)).fetchone()
+        if row is not None:
+            with self.index.tx():
+                self.tiering.on_close(node, row[0], bytes(row[1]))
+
+    # -- eviction and refill (driven by cachemgr.tiering) ---------------------------------------
+
+    def needs_fetch(self, ino: int) -> bool:
+        return not self.inode(ino).cached
+
+    def eviction_candidates(self) -> list[tuple[int, int]]:
+        """(ino, version) of cached files whose current content is in the store and that nobody
+        has open, least recently used first."""
+        rows = self.index.conn.execute(
+            "SELECT ino, version, mtime_ns FROM inodes WHERE (mode & 61440) = 32768 AND"
+            " cached = 1 AND writing = 0 AND nlink > 0 AND obj_version = version AND size > 0"
+        ).fetchall()
+        out = []
+        for ino, version, mtime_ns in rows:
+            node = self._inodes.get(ino)
+            if node is not None and (node.opens or node.version != version):
+                continue
+            out.append((self._last_used.get(ino, mtime_ns / 1e9 - 1e12), ino, version))
+        out.sort()
+        return [(ino, version) for _, ino, version in out]
+
+    def evict(self, ino: int, version: int) -> bool:
+        """Drop the cached data of (ino, version) if it is safely in the store and unused."""
+        node = self.inode(ino)
+        if not node.is_reg or not node.cached or node.opens or node.version != version:
+            return False
+        row = self.index.conn.execute(
+            "SELECT obj_version FROM inodes WHERE ino=?", (ino,)).fetchone()
+        if row is None or row[0] != version:
+            return False  # never evict data that is not uploaded
+        with self.index.tx():
+            node.cached = 0
+            self._save(node, "cached")
+        os.truncate(self._data_path(ino), 0)
+        self.cached_bytes -= node.size
+        log.debug("evicted inode %d (%d bytes)", ino, node.size)
+        return True
+
+    def fetched(self, ino: int, size: int) -> None:
+        """The cache file of an evicted inode was refilled from the store."""
+        node = self.inode(ino)
+        with self.index.tx():
+            node.cached = 1
+            self._save(node, "cached")
+        self.cached_bytes += node.size
+        node.gen += 1
 
     # ------------------------------------------------------------------------------------------
     # xattrs
@@ -698,11 +824,12 @@ class CacheFs:
             raise FsError(errno.ERANGE if name else errno.EINVAL)
 
     def getxattr(self, ino: int, name: bytes) -> bytes:
+        # Name check first: system.* is ENOTSUP whether or not the inode has other xattrs.
+        self._check_xattr_name(name)
         if ino not in self._xattr_inos:
             # Fast path: the kernel asks for security.capability before every write.
             self.inode(ino)
             raise FsError(errno.ENODATA)
-        self._check_xattr_name(name)
         value = self.index.get_xattr(ino, name)
         if value is None:
             raise FsError(errno.ENODATA)
@@ -751,13 +878,17 @@ class CacheFs:
                     totals["bytes"] += node.size - row[4]
         st = os.statvfs(self.cache_dir)
         s = self.stats
-        return {
+        out = {
             "cache": {**totals, "open_handles": len(self._handles),
+                      "cached_bytes": self.cached_bytes,
                       "disk_free_bytes": st.f_bavail * st.f_frsize,
                       "disk_total_bytes": st.f_blocks * st.f_frsize},
             "io": {"write_requests": s.writes, "bytes_written": s.bytes_written,
                    "read_requests": s.reads, "bytes_read": s.bytes_read, "fsyncs": s.fsyncs},
         }
+        if self.tiering is not None:
+            out["tiering"] = self.tiering.status()
+        return out
 
     def check_consistency(self) -> list[str]:
         """Invariants of index and cache files, for tests and `ckptfs fsck`-style checks.
@@ -788,7 +919,7 @@ class CacheFs:
                     problems.append(f"directory {ino} nlink {nlink} != {want}")
             elif nlink != counts.get(ino, 0):
                 problems.append(f"inode {ino} nlink {nlink} != {counts.get(ino, 0)} entries")
-            if stat.S_ISREG(mode):
+            if stat.S_ISREG(mode) and row[13]:  # cached (evicted files have empty cache files)
                 size = mem.size if mem is not None else row[4]
                 try:
                     actual = os.stat(self._data_path(ino)).st_size

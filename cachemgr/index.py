@@ -31,7 +31,7 @@ ROOT_INO = 1
 
 INODE_COLUMNS = (
     "ino", "mode", "uid", "gid", "size", "atime_ns", "mtime_ns", "ctime_ns", "nlink", "rdev",
-    "target",
+    "target", "version", "writing", "cached",
 )
 _INODE_SELECT = "SELECT " + ", ".join(INODE_COLUMNS) + " FROM inodes"
 
@@ -83,8 +83,8 @@ class Index:
         try:
             conn.executescript(schema)
             conn.execute(
-                "INSERT INTO meta VALUES ('layout_version', ?), ('created_ns', ?)",
-                (str(LAYOUT_VERSION), str(now)),
+                "INSERT INTO meta VALUES ('layout_version', ?), ('created_ns', ?), ('node_id', ?)",
+                (str(LAYOUT_VERSION), str(now), os.urandom(4).hex()),
             )
             conn.execute(
                 "INSERT INTO inodes (ino, mode, uid, gid, size, atime_ns, mtime_ns, ctime_ns,"
@@ -102,6 +102,24 @@ class Index:
             os.fsync(dfd)
         finally:
             os.close(dfd)
+
+    def meta(self, key: str) -> str | None:
+        row = self.conn.execute("SELECT value FROM meta WHERE key=?", (key,)).fetchone()
+        return row[0] if row else None
+
+    def path_of(self, ino: int) -> str | None:
+        """The path of `ino` relative to the root ('' for the root), or None if unlinked."""
+        parts: list[str] = []
+        cur = ino
+        while cur != ROOT_INO:
+            row = self.conn.execute(
+                "SELECT parent, name FROM dentries WHERE ino=? LIMIT 1", (cur,)
+            ).fetchone()
+            if row is None:
+                return None
+            parts.append(bytes(row[1]).decode("utf-8", "surrogateescape"))
+            cur = row[0]
+        return "/".join(reversed(parts))
 
     def close(self) -> None:
         try:
@@ -177,6 +195,15 @@ class Index:
         return self.conn.execute(
             "SELECT ino, size FROM inodes WHERE (mode & 61440) = 32768"
         ).fetchall()
+
+    def evicted_files(self) -> set[int]:
+        return {r[0] for r in self.conn.execute(
+            "SELECT ino FROM inodes WHERE (mode & 61440) = 32768 AND cached = 0")}
+
+    def cached_bytes(self) -> int:
+        return self.conn.execute(
+            "SELECT COALESCE(SUM(size), 0) FROM inodes WHERE (mode & 61440) = 32768 AND"
+            " cached = 1 AND nlink > 0").fetchone()[0]
 
     def all_inos(self) -> set[int]:
         return {r[0] for r in self.conn.execute("SELECT ino FROM inodes")}

@@ -33,7 +33,21 @@ CREATE TABLE inodes (
     -- recovery deletes every nlink = 0 row left behind by a crash.
     nlink    INTEGER NOT NULL,
     rdev     INTEGER NOT NULL DEFAULT 0,
-    target   BLOB                          -- symlink target; NULL for every other type
+    target   BLOB,                         -- symlink target; NULL for every other type
+    -- Tiering (regular files only). `version` is bumped by every open for writing and every
+    -- truncate: (ino, version) names one immutable content of the file, which is the unit of
+    -- upload. `writing` = 1 while some handle has the file open for writing; a crash leaves it
+    -- at 1, and recovery then bumps `version` (the content after the crash is not one that
+    -- was ever closed, so no commit may use it).
+    version  INTEGER NOT NULL DEFAULT 0,
+    writing  INTEGER NOT NULL DEFAULT 0,
+    -- 1 = the cache file holds the data; 0 = evicted (durable in the store as `obj`; the cache
+    -- file is empty and is refilled from the store on open).
+    cached   INTEGER NOT NULL DEFAULT 1,
+    -- The uploaded object (StoredObject JSON, see cachemgr/transfer.py) of content `obj_version`,
+    -- or NULL if no upload of this file has finished.
+    obj         TEXT,
+    obj_version INTEGER
 );
 
 -- Directory entries. `id` is the readdir offset: AUTOINCREMENT makes it strictly increasing and
@@ -54,4 +68,56 @@ CREATE TABLE xattrs (
     name  BLOB    NOT NULL,
     value BLOB    NOT NULL,
     PRIMARY KEY (ino, name)
+);
+
+-- Node identity (meta key 'node_id'): a random id made when the index is created; it names this
+-- cache's objects in the store (data/<path>@<node_id>.<ino>.<version>).
+
+-- Shard sets: one row per commit. A set is a directory (its whole subtree), a single file, or a
+-- symlink, named by its path at commit time. States (see docs/SEMANTICS.md "Shard sets"):
+--   committed  -> recorded; its files' uploads are queued in commit order (seq)
+--   uploading  -> at least one upload of its files has started
+--   durable    -> every object uploaded and verified, manifest published at manifest_key
+--   failed     -> `error` says why (store refused, a file changed after commit, ...)
+--   superseded -> a later commit of the same path replaced it before it became durable
+--   replaced   -> was durable; a later commit of the same path is now durable instead
+--   deleted    -> the set's path was deleted through the mount; removed from the store
+CREATE TABLE sets (
+    seq          INTEGER PRIMARY KEY AUTOINCREMENT,   -- commit order
+    path         TEXT    NOT NULL,                    -- relative to the mount root, no leading /
+    kind         TEXT    NOT NULL,                    -- 'dir' | 'file' | 'symlink'
+    root_ino     INTEGER NOT NULL,
+    state        TEXT    NOT NULL,
+    reason       TEXT    NOT NULL,                    -- what committed it (dcp, rename, close...)
+    committed_ns INTEGER NOT NULL,
+    durable_ns   INTEGER,
+    error        TEXT,
+    layout       TEXT    NOT NULL                     -- JSON: dirs and symlinks of the set
+);
+CREATE INDEX sets_by_path ON sets(path);
+CREATE INDEX sets_by_state ON sets(state);
+
+-- The regular files of each set, as of the commit: content (ino, version) plus the metadata the
+-- manifest records. `obj` is filled in when the upload of exactly that content has finished.
+CREATE TABLE set_files (
+    seq      INTEGER NOT NULL REFERENCES sets(seq),
+    rel      TEXT    NOT NULL,                        -- path inside the set; '' for a file set
+    ino      INTEGER NOT NULL,
+    version  INTEGER NOT NULL,
+    size     INTEGER NOT NULL,
+    mode     INTEGER NOT NULL,
+    mtime_ns INTEGER NOT NULL,
+    obj      TEXT,
+    PRIMARY KEY (seq, rel)
+);
+CREATE INDEX set_files_by_content ON set_files(ino, version);
+
+-- Objects this node put in the store and has not deleted yet, for garbage collection: an object
+-- is deleted once no live set (committed/uploading/durable) refers to it and it is not the
+-- latest upload of a live inode.
+CREATE TABLE objects (
+    key      TEXT PRIMARY KEY,
+    ino      INTEGER NOT NULL,
+    version  INTEGER NOT NULL,
+    size     INTEGER NOT NULL
 );

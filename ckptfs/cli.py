@@ -9,14 +9,23 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
-from . import __version__, control
-from .config import LOG_LEVELS, ConfigError, MountConfig, default_cache_dir
+from . import __version__, api, control
+from .config import (
+    LOG_LEVELS,
+    ConfigError,
+    MountConfig,
+    default_cache_dir,
+    default_store_url,
+    parse_size,
+)
 from .mount import (
     EXIT_ERROR,
     EXIT_MOUNTPOINT,
     EXIT_OK,
+    EXIT_STORE,
     EXIT_USAGE,
     MountError,
     check_cache_dir,
@@ -78,12 +87,54 @@ def build_parser() -> argparse.ArgumentParser:
                    help="do data reads/writes in N worker threads (default 0: inline)")
     t.add_argument("--read-ahead-kb", type=int, default=1024,
                    help="kernel readahead for the mount in KiB (default 1024; 0 = kernel default)")
+    o = m.add_argument_group("object store and tiering")
+    o.add_argument("--store", default=None,
+                   help="s3://bucket[/prefix] or file:///dir (default: the embedded file store "
+                   f"{default_store_url()})")
+    o.add_argument("--s3-endpoint", default=None,
+                   help="S3 endpoint URL for S3-compatible stores (MinIO, Ceph, ...); "
+                   "credentials always come from the AWS chain (env, config files, profile)")
+    o.add_argument("--s3-region", default=None, help="S3 region")
+    o.add_argument("--s3-path-style", action="store_true", help="path-style S3 addressing")
+    o.add_argument("--s3-profile", default=None, help="AWS profile name")
+    o.add_argument("--compress", default="auto", type=str.lower,
+                   choices=("auto", "lz4", "off"),
+                   help="lz4 compression: auto samples each file and skips incompressible "
+                   "ones (trained weights usually are) at ~no cost; lz4 always (costs CPU "
+                   "for ~nothing on weights); off (default auto)")
+    o.add_argument("--part-size", default="64M",
+                   help="multipart upload part size (default 64M; S3 allows 5M-5G and 10,000 "
+                   "parts, so this also caps one file at 10,000 parts)")
+    o.add_argument("--parts-in-flight", type=int, default=8,
+                   help="parts uploading at once across all files; upload memory is about "
+                   "part-size x this (default 8)")
+    o.add_argument("--upload-files", type=int, default=4,
+                   help="files uploading at once (default 4)")
+    o.add_argument("--cache-size", default=None,
+                   help="file data to keep in the cache (e.g. 200G); beyond it durable data is "
+                   "evicted and writers wait for uploads (default: the disk's size)")
+    o.add_argument("--keep-local", type=int, default=None,
+                   help="keep only the newest N durable sets' data in the cache (older ones "
+                   "are read back from the store on open)")
 
     u = sub.add_parser("umount", help="unmount a ckptfs mount",
-                       description="Unmount and wait for the daemon to persist its state.")
+                       description="Wait until committed sets are durable in the store (with "
+                       "a progress bar), then unmount and wait for the daemon to persist its "
+                       "state.")
     u.add_argument("mountpoint", type=Path)
-    u.add_argument("--timeout", type=_nonneg_float, default=300.0,
-                   help="seconds to wait for the daemon to finish (default 300)")
+    u.add_argument("--no-wait", action="store_true",
+                   help="do not wait for uploads; they resume at the next mount of this cache")
+    u.add_argument("--timeout", type=_nonneg_float, default=None,
+                   help="seconds to wait for uploads (default: no limit); on timeout unmount "
+                   "anyway and exit 7")
+
+    c = sub.add_parser("commit", help="commit a file or directory as a shard set now")
+    c.add_argument("path", type=Path)
+
+    w = sub.add_parser("wait", help="wait until the set holding PATH is durable in the store")
+    w.add_argument("path", type=Path)
+    w.add_argument("--timeout", type=_nonneg_float, default=None,
+                   help="seconds (default: no limit); exit 7 on timeout")
     st = sub.add_parser("status", help="show what a mount's cache holds and its I/O counters")
     st.add_argument("mountpoint", type=Path)
     st.add_argument("--json", action="store_true", help="machine-readable output")
@@ -98,6 +149,12 @@ def _fail(code: int, msg: str) -> int:
 def cmd_mount(a: argparse.Namespace) -> int:
     try:
         cfg = MountConfig(
+            store=a.store, s3_endpoint=a.s3_endpoint, s3_region=a.s3_region,
+            s3_path_style=a.s3_path_style, s3_profile=a.s3_profile, compress=a.compress,
+            part_size=parse_size(a.part_size), parts_in_flight=a.parts_in_flight,
+            upload_files=a.upload_files,
+            cache_size=parse_size(a.cache_size) if a.cache_size else None,
+            keep_local=a.keep_local,
             mountpoint=a.mountpoint.absolute(),
             cache_dir=(a.cache_dir or default_cache_dir()).absolute(),
             foreground=a.foreground,
@@ -131,11 +188,78 @@ def cmd_mount(a: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _bar(done: int, total: int, width: int = 30) -> str:
+    frac = 1.0 if total <= 0 else min(1.0, done / total)
+    return "[" + "#" * int(frac * width) + "-" * (width - int(frac * width)) + f"] {frac:4.0%}"
+
+
+def _drain(mp: Path, timeout: float | None) -> bool:
+    """Show upload progress until no committed set is pending. False on timeout."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    tty = sys.stderr.isatty()
+    total = None
+    last_line = 0.0
+    while True:
+        st = api.status(mp).get("tiering", {})
+        pending, nsets = st.get("pending_bytes", 0), st.get("pending_sets", 0)
+        if nsets == 0:
+            if total:
+                print(("\r" if tty else "") + f"uploads {_bar(1, 1)} all sets durable" +
+                      " " * 20, file=sys.stderr)
+            return True
+        total = max(total or 0, pending)
+        rate = st.get("uploads", {}).get("rate_bytes_per_s", 0.0)
+        line = (f"uploads {_bar(total - pending, total)} {nsets} sets, "
+                f"{_human(pending)} pending, {_human(rate)}/s, store "
+                f"{st.get('store', {}).get('health', '?')}")
+        now = time.monotonic()
+        if tty:
+            print("\r" + line + " " * 10, end="", file=sys.stderr, flush=True)
+        elif now - last_line >= 5:
+            print(line, file=sys.stderr, flush=True)
+            last_line = now
+        if deadline is not None and now >= deadline:
+            if tty:
+                print(file=sys.stderr)
+            return False
+        time.sleep(0.2)
+
+
 def cmd_umount(a: argparse.Namespace) -> int:
-    code, msg = umount(a.mountpoint.absolute(), timeout=a.timeout)
+    mp = a.mountpoint.absolute()
+    drained = True
+    if not a.no_wait:
+        entry = find_mount(mp)
+        if entry is not None and entry["fstype"] == "fuse.ckptfs":
+            try:
+                drained = _drain(mp, a.timeout)
+            except api.CkptfsError as e:
+                print(f"ckptfs: not waiting for uploads: {e}", file=sys.stderr)
+    code, msg = umount(mp)
     if code != EXIT_OK:
         return _fail(code, msg)
+    if not drained:
+        return _fail(EXIT_STORE, f"{msg}, but uploads were still pending after {a.timeout}s; "
+                     "they resume at the next mount of this cache dir")
     print(f"ckptfs: {msg}")
+    return EXIT_OK
+
+
+def cmd_commit(a: argparse.Namespace) -> int:
+    try:
+        seq = api.commit(a.path)
+    except api.CkptfsError as e:
+        return _fail(e.code, str(e))
+    print(f"ckptfs: committed {a.path} as set {seq}")
+    return EXIT_OK
+
+
+def cmd_wait(a: argparse.Namespace) -> int:
+    try:
+        r = api.wait_durable(a.path, timeout=a.timeout)
+    except api.CkptfsError as e:
+        return _fail(e.code, str(e))
+    print(f"ckptfs: {r['path']} is durable (set {r['seq']})")
     return EXIT_OK
 
 
@@ -173,6 +297,22 @@ def cmd_status(a: argparse.Namespace) -> int:
     print(f"I/O        {io['write_requests']} writes ({_human(io['bytes_written'])}, "
           f"avg {_human(avg)}), {io['read_requests']} reads ({_human(io['bytes_read'])}), "
           f"{io['fsyncs']} fsyncs; {c['open_handles']} open handles")
+    t = st.get("tiering")
+    if t:
+        up, store = t["uploads"], t["store"]
+        print(f"store      {store['url']}: {store['health']}"
+              + (f" (last error: {store['last_error']})" if store.get("last_error") else ""))
+        print(f"uploads    {t['pending_sets']} sets pending, {_human(t['pending_bytes'])} to "
+              f"upload, {up['running']} running, {up['queued']} queued, "
+              f"{_human(up['rate_bytes_per_s'])}/s; {up['done']} done, "
+              f"{up['cancelled']} cancelled")
+        if t["sets"]:
+            print(f"{'set':>5}  {'state':<10} {'files':>5} {'size':>10} {'uploaded':>10}  path")
+            for x in t["sets"]:
+                err = f"  ({x['error']})" if x.get("error") and x["state"] != "durable" else ""
+                print(f"{x['seq']:>5}  {x['state']:<10} {x['files']:>5} "
+                      f"{_human(x['bytes']):>10} {_human(x['bytes_uploaded']):>10}  "
+                      f"{x['path']}{err}")
     return EXIT_OK
 
 
@@ -185,6 +325,10 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_umount(args)
         if args.cmd == "status":
             return cmd_status(args)
+        if args.cmd == "commit":
+            return cmd_commit(args)
+        if args.cmd == "wait":
+            return cmd_wait(args)
     except KeyboardInterrupt:
         return _fail(EXIT_ERROR, "interrupted")
     except Exception as e:  # never a traceback on the terminal

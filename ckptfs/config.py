@@ -24,6 +24,33 @@ def default_cache_dir() -> Path:
     return Path(base) / "ckptfs"
 
 
+def default_store_url() -> str:
+    """The embedded store used when --store is not given: a file:// store in the user's data
+    directory (one per user, shared by that user's mounts, like one bucket)."""
+    if os.getuid() == 0:
+        return "file:///var/lib/ckptfs/store"
+    base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local",
+                                                           "share")
+    return f"file://{base}/ckptfs/store"
+
+
+def parse_size(text: str) -> int:
+    """'512M', '2G', '1.5T', '4096' -> bytes (binary units)."""
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    mult = 1
+    for suffix, m in (("K", 1 << 10), ("M", 1 << 20), ("G", 1 << 30), ("T", 1 << 40)):
+        if t.endswith(suffix):
+            t, mult = t[:-1], m
+            break
+    try:
+        v = float(t)
+    except ValueError:
+        raise ConfigError(f"not a size: {text!r} (e.g. 512M, 20G)") from None
+    if v < 0:
+        raise ConfigError(f"size must be >= 0: {text!r}")
+    return int(v * mult)
+
+
 def runtime_dir() -> Path:
     """Where running daemons register themselves (mount point -> pid, cache dir)."""
     if os.getuid() == 0:
@@ -53,8 +80,41 @@ class MountConfig:
     # Kernel readahead for the mount's backing device; 0 leaves the kernel default (128 KiB).
     read_ahead_kb: int = 1024
     allow_other: bool = os.getuid() == 0
+    # -- tiering ---------------------------------------------------------------------------
+    # s3://bucket/prefix or file:///dir; None: the embedded default, default_store_url().
+    store: str | None = None
+    s3_endpoint: str | None = None
+    s3_region: str | None = None
+    s3_path_style: bool = False
+    s3_profile: str | None = None
+    compress: str = "auto"
+    # 64 MiB parts: measured ~120 MB/s to moto with 8 parts in flight, vs ~24 MB/s with 16 MiB
+    # (ANCHORS.md); S3 allows 10,000 parts, so 64 MiB parts cap an object at 625 GiB.
+    part_size: int = 64 << 20
+    parts_in_flight: int = 8        # memory bound of uploads: part_size * parts_in_flight
+    upload_files: int = 4           # files uploading at once
+    cache_size: int | None = None   # bytes; None: bounded only by the cache disk
+    keep_local: int | None = None   # keep only the newest N durable sets' data locally
 
     def __post_init__(self) -> None:
+        if self.store is not None and not (self.store.startswith("s3://")
+                                           or self.store.startswith("file:///")):
+            raise ConfigError("--store must be s3://bucket[/prefix] or file:///absolute/dir")
+        if self.store is not None and self.store.startswith("s3://") and \
+                len(self.store) <= len("s3://"):
+            raise ConfigError("--store s3:// needs a bucket name")
+        if self.compress not in ("auto", "lz4", "off"):
+            raise ConfigError("--compress must be auto, lz4 or off")
+        if not (5 << 20 <= self.part_size <= 5 << 30):
+            raise ConfigError("--part-size must be between 5 MiB and 5 GiB (S3's limits)")
+        if not (1 <= self.parts_in_flight <= 256):
+            raise ConfigError("--parts-in-flight must be between 1 and 256")
+        if not (1 <= self.upload_files <= 64):
+            raise ConfigError("--upload-files must be between 1 and 64")
+        if self.cache_size is not None and self.cache_size < (64 << 20):
+            raise ConfigError("--cache-size must be at least 64M")
+        if self.keep_local is not None and self.keep_local < 0:
+            raise ConfigError("--keep-local must be >= 0")
         if self.log_level not in LOG_LEVELS:
             raise ConfigError(f"--log-level must be one of {', '.join(LOG_LEVELS)}")
         if not (0 <= self.attr_timeout <= 3600):

@@ -14,7 +14,7 @@ import json
 import logging
 import os
 import socket
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import trio
@@ -22,7 +22,7 @@ import trio
 log = logging.getLogger(__name__)
 
 MAX_REQUEST = 64 * 1024
-Handler = Callable[[dict], dict]
+Handler = Callable[[dict], Awaitable[dict]]
 
 
 async def serve(path: Path, handler: Handler, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -60,7 +60,7 @@ async def _handle(stream: trio.SocketStream, handler: Handler) -> None:
                 req = json.loads(buf.decode() or "{}")
                 if not isinstance(req, dict):
                     raise ValueError("request must be a JSON object")
-                reply = handler(req)
+                reply = await handler(req)
             except ValueError as e:
                 reply = {"error": f"bad request: {e}"}
             except Exception as e:  # a bug in a handler must not take the daemon down
@@ -71,7 +71,7 @@ async def _handle(stream: trio.SocketStream, handler: Handler) -> None:
             pass
 
 
-def request(path: Path, req: dict, *, timeout: float = 10.0) -> dict:
+def request(path: Path, req: dict, *, timeout: float | None = 10.0) -> dict:
     """Blocking client: send `req`, return the reply. Raises OSError if the daemon is gone."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(timeout)

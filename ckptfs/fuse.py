@@ -136,8 +136,17 @@ class FuseOps(pyfuse3.Operations):
     async def getattr(self, inode, ctx=None):
         return self._entry(self.core.getattr(inode))
 
+    async def _ensure_cached(self, inode: int) -> None:
+        """Evicted data comes back from the store before anything reads or changes it."""
+        if self.core.needs_fetch(inode):
+            if self.core.tiering is None:
+                raise FsError(errno.EIO, f"inode {inode} was evicted and no store is attached")
+            await self.core.tiering.fetch(inode)
+
     @_guarded
     async def setattr(self, inode, attr, fields, fh, ctx):
+        if fields.update_size:
+            await self._ensure_cached(inode)
         node = self.core.setattr(
             inode,
             size=attr.st_size if fields.update_size else None,
@@ -213,6 +222,9 @@ class FuseOps(pyfuse3.Operations):
 
     @_guarded
     async def open(self, inode, flags, ctx):
+        truncating = flags & os.O_TRUNC and flags & os.O_ACCMODE != os.O_RDONLY
+        if not truncating:
+            await self._ensure_cached(inode)
         return self._fileinfo(self.core.open(inode, flags))
 
     @staticmethod
@@ -228,6 +240,10 @@ class FuseOps(pyfuse3.Operations):
 
     @_guarded
     async def write(self, fh, off, buf):
+        limit = self.core.tiering.cfg.cache_size if self.core.tiering is not None else None
+        if limit is not None and self.core.cached_bytes + len(buf) > limit:
+            # Backpressure: wait for uploads to make data evictable, never fail the write.
+            await self.core.tiering.wait_for_room(len(buf))
         if self._io_limiter is None:
             return self.core.write(fh, off, buf)
         h = self.core.io_handle(fh)

@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from .config import MountConfig, runtime_dir
+from .config import MountConfig, default_store_url, runtime_dir
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +42,9 @@ EXIT_MOUNTPOINT = 3     # mount point missing, not a directory, not empty, (not)
 EXIT_CACHE_DIR = 4      # cache dir unwritable, in use by another daemon, incompatible
 EXIT_NO_FUSE = 5        # /dev/fuse or fusermount3 missing
 EXIT_NOT_READY = 6      # the daemon died or did not answer before the mount was ready
+EXIT_STORE = 7          # the object store is unusable (no bucket, access denied, bad URL);
+                        # `wait`/`umount`: timed out with uploads still pending
+EXIT_NO_SET = 8         # `wait`: the path is in no committed set
 
 READY_TIMEOUT_S = 60.0  # generous: recovery of a large cache index runs before readiness
 
@@ -89,9 +92,11 @@ def find_mount(path: Path) -> dict | None:
 
 
 def _stat_state(path: Path) -> int:
-    """0 if the path answers stat, else the errno (ENOTCONN: a FUSE daemon died)."""
+    """0 if the mount answers, else the errno (ENOTCONN: a FUSE daemon died). statvfs, not stat:
+    FUSE always asks the daemon for statfs, while a stat of the mount point is answered from the
+    kernel's attribute cache (for up to --attr-timeout) even when the daemon is dead."""
     try:
-        os.stat(path)
+        os.statvfs(path)
         return 0
     except OSError as e:
         return e.errno or errno.EIO
@@ -119,7 +124,10 @@ def check_mountpoint(mp: Path) -> None:
     entry = find_mount(mp)
     if entry is not None:
         state = _stat_state(mp)
-        if state == errno.ENOTCONN and entry["fstype"].startswith("fuse"):
+        # ECONNABORTED: a request that was in flight while the dying daemon's connection was
+        # aborted; the mount is just as dead.
+        if (state in (errno.ENOTCONN, errno.ECONNABORTED)
+                and entry["fstype"].startswith("fuse")):
             res = _fusermount_unmount(mp, lazy=True)
             if res.returncode != 0:
                 raise MountError(EXIT_MOUNTPOINT, f"{mp}: stale mount of a dead daemon and "
@@ -268,6 +276,24 @@ def tune_readahead(mp: Path, kb: int) -> None:
 Notify = Callable[[int, str], None]
 
 
+async def _probe_store(store) -> None:
+    """Fail the mount early on a store that cannot work at all (no such bucket, no access);
+    transient trouble only warns: writes land in the cache and uploads retry."""
+    import trio
+
+    from cachemgr.store import StoreError
+
+    with trio.move_on_after(30) as scope:
+        try:
+            await store.list("manifests/")
+        except StoreError as e:
+            if not e.transient:
+                raise
+            log.warning("object store not reachable yet (%s); uploads will retry", e)
+    if scope.cancelled_caught:
+        log.warning("object store did not answer within 30s; uploads will retry")
+
+
 def run_daemon(cfg: MountConfig, notify: Notify) -> int:
     """Run one mount until it is unmounted. `notify(code, msg)` is called exactly once: with
     EXIT_OK when the mount is ready, or with the error code before returning it."""
@@ -275,6 +301,9 @@ def run_daemon(cfg: MountConfig, notify: Notify) -> int:
 
     from cachemgr.core import CacheFs
     from cachemgr.errors import FsError
+    from cachemgr.store import RetryingStore, StoreError, open_store
+    from cachemgr.tiering import Tiering, TieringConfig
+    from cachemgr.transfer import TransferConfig
 
     from . import control, fuse
 
@@ -304,6 +333,39 @@ def run_daemon(cfg: MountConfig, notify: Notify) -> int:
             log.error("%s", msg)
             tell(EXIT_CACHE_DIR, msg)
             return EXIT_CACHE_DIR
+        store_url = cfg.store or default_store_url()
+        try:
+            store = RetryingStore(open_store(
+                store_url, endpoint_url=cfg.s3_endpoint, region=cfg.s3_region,
+                path_style=cfg.s3_path_style, profile=cfg.s3_profile)
+                if store_url.startswith("s3://") else open_store(store_url))
+            trio.run(_probe_store, store)
+        except (StoreError, OSError) as e:
+            msg = f"object store {store_url} is unusable: {e}"
+            log.error("%s", msg)
+            tell(EXIT_STORE, msg)
+            return EXIT_STORE
+        except Exception as e:  # botocore config/credential errors
+            msg = f"object store {store_url} is unusable: {e.__class__.__name__}: {e}"
+            log.error("%s", msg)
+            tell(EXIT_STORE, msg)
+            return EXIT_STORE
+        bound = core.index.meta("store_url")
+        if bound is not None and bound != store_url:
+            msg = (f"cache dir {cfg.cache_dir} holds data of store {bound}, not {store_url}; "
+                   "use that store or another --cache-dir")
+            log.error("%s", msg)
+            tell(EXIT_CACHE_DIR, msg)
+            return EXIT_CACHE_DIR
+        if bound is None:
+            with core.index.tx():
+                core.index.conn.execute("INSERT INTO meta VALUES ('store_url', ?)", (store_url,))
+        tiering = Tiering(core, store, TieringConfig(
+            transfer=TransferConfig(part_size=cfg.part_size, compress=cfg.compress,
+                                    max_parts_in_flight=cfg.parts_in_flight),
+            file_concurrency=cfg.upload_files, cache_size=cfg.cache_size,
+            keep_local=cfg.keep_local))
+        core.tiering = tiering
         ops = fuse.FuseOps(core, attr_timeout=cfg.attr_timeout, io_threads=cfg.io_threads)
         ops.enable_writeback_cache = cfg.writeback_cache
         try:
@@ -315,13 +377,16 @@ def run_daemon(cfg: MountConfig, notify: Notify) -> int:
             tell(EXIT_NOT_READY, msg)
             return EXIT_NOT_READY
         mounted = True
-        log.info("mounted %s (cache %s, pid %d)", cfg.mountpoint, cfg.cache_dir, os.getpid())
+        default = "" if cfg.store else " (embedded default)"
+        log.info("mounted %s (cache %s, store %s%s, pid %d)", cfg.mountpoint, cfg.cache_dir,
+                 store_url, default, os.getpid())
 
         async def ready() -> None:
             await trio.to_thread.run_sync(os.stat, cfg.mountpoint)
             await trio.to_thread.run_sync(tune_readahead, cfg.mountpoint, cfg.read_ahead_kb)
             register(cfg)
-            tell(EXIT_OK, f"mounted {cfg.mountpoint} (cache {cfg.cache_dir}, pid {os.getpid()})")
+            tell(EXIT_OK, f"mounted {cfg.mountpoint} (cache {cfg.cache_dir}, store {store_url}"
+                 f"{default}, pid {os.getpid()})")
 
         async def on_signals(cancel: trio.CancelScope) -> None:
             with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as sigs:
@@ -332,16 +397,29 @@ def run_daemon(cfg: MountConfig, notify: Notify) -> int:
 
         started = time.time()
 
-        def on_control(req: dict) -> dict:
-            if req.get("op") == "status":
-                return {"pid": os.getpid(), "mountpoint": str(cfg.mountpoint),
-                        "cache_dir": str(cfg.cache_dir), "uptime_s": time.time() - started,
-                        **core.status()}
-            return {"error": f"unknown op {req.get('op')!r}"}
+        async def on_control(req: dict) -> dict:
+            op = req.get("op")
+            try:
+                if op == "status":
+                    return {"pid": os.getpid(), "mountpoint": str(cfg.mountpoint),
+                            "cache_dir": str(cfg.cache_dir), "uptime_s": time.time() - started,
+                            **core.status()}
+                if op == "commit":
+                    return {"seq": tiering.commit_path(str(req["path"]))}
+                if op == "wait":
+                    timeout = req.get("timeout")
+                    return await tiering.wait(str(req["path"]),
+                                              None if timeout is None else float(timeout))
+            except FsError as e:
+                return {"error": e.msg, "errno": e.errno}
+            except (KeyError, TypeError, ValueError) as e:
+                return {"error": f"bad request: {e}"}
+            return {"error": f"unknown op {op!r}"}
 
         async def serve() -> None:
             async with trio.open_nursery() as nursery:
                 await nursery.start(control.serve, control_path(cfg.mountpoint), on_control)
+                await nursery.start(tiering.run)
                 nursery.start_soon(ready)
                 nursery.start_soon(on_signals, nursery.cancel_scope)
                 await main()
@@ -417,6 +495,21 @@ def start(cfg: MountConfig) -> tuple[int, str]:
     return int(code_s), msg.strip()
 
 
+def _pid_running(pid: int) -> bool:
+    """True while `pid` exists and is not a zombie. The daemon is reparented to PID 1 once the
+    mounting CLI exits; a PID 1 that reaps late (or never: a shell as a container's init) leaves
+    it a zombie after it has finished, which `kill(pid, 0)` alone would count as running."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
 def umount(mp: Path, *, timeout: float = 300.0) -> tuple[int, str]:
     entry = find_mount(mp)
     if entry is None:
@@ -435,9 +528,7 @@ def umount(mp: Path, *, timeout: float = 300.0) -> tuple[int, str]:
         pid = int(reg["pid"])
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
+            if not _pid_running(pid):
                 break
             time.sleep(0.05)
         else:

@@ -75,6 +75,7 @@ class Mount:
         self.mountpoint = mountpoint or root / f"{name}-mnt"
         self.cache_dir = cache_dir or root / f"{name}-cache"
         self.log_file = root / f"{name}.log"
+        self.store_dir = root / f"{name}-store"
         self.mountpoint.mkdir(parents=True, exist_ok=True)
         self.pid: int | None = None
         self.extra: list[str] = []
@@ -87,8 +88,11 @@ class Mount:
         require_fuse()
         if extra:
             self.extra = list(extra)
+        # Each test gets its own file:// store unless it names one: the embedded default is
+        # shared by every mount of the user.
+        store = [] if "--store" in self.extra else ["--store", f"file://{self.store_dir}"]
         res = run_cli("mount", str(self.mountpoint), "--cache-dir", str(self.cache_dir),
-                      "--log-file", str(self.log_file), *self.extra)
+                      "--log-file", str(self.log_file), *store, *self.extra)
         if check:
             assert res.returncode == 0, f"mount failed ({res.returncode}): {res.stderr}"
             m = re.search(r"pid (\d+)", res.stdout)
@@ -132,7 +136,8 @@ class Mount:
 
     def unexpected_errors(self) -> list[str]:
         """Log lines of handler failures answered with EIO (bugs, not refusals)."""
-        return [ln for ln in self.log_text().splitlines() if "unexpected" in ln]
+        return [ln for ln in self.log_text().splitlines()
+                if "unexpected" in ln or "Traceback" in ln]
 
 
 def _alive(pid: int) -> bool:

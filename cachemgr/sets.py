@@ -1,0 +1,282 @@
+"""Shard sets: what a commit is, when one happens, and their durable records in the index.
+
+A *shard set* is what becomes visible in the object store atomically: a directory (its whole
+subtree), a single regular file, or a symlink, named by its path in the mount at commit time.
+The commit rules (docs/SEMANTICS.md "Shard sets") are decided here, from the namespace alone:
+
+  * DCP: a file renamed to `.metadata` commits its directory.
+  * A directory renamed (e.g. `step_100.tmp` -> `step_100`) commits the directory at its new name.
+  * A regular file closed by its last writer commits itself, if it is *outside any open set*:
+    its own name does not look temporary and no directory above it is open (temporary-looking
+    name, a DCP directory, or a directory that is already a set). A file renamed from a
+    temporary name to a final one outside any open set commits too (torch.save `x.tmp` -> `x`).
+  * A symlink created, or renamed into place, outside any open set commits itself (`latest`).
+  * `ckptfs commit PATH` commits any file or directory.
+
+This module is synchronous and runs inside the core's index transactions: a commit is recorded
+in the same transaction as the rename that triggered it, so after a crash a set is committed if
+and only if its triggering operation completed.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import stat
+import time
+from dataclasses import dataclass
+
+from .index import ROOT_INO, Index
+
+# Names that mark a file or directory as still being written. Sources: torch.save callers
+# (`x.tmp`), DCP (`.metadata.tmp`), HF Trainer (`tmp-checkpoint-500`), Orbax
+# (`<step>.orbax-checkpoint-tmp-<ts>`), Lightning/fsspec (`.tmp` suffixes), rsync (`.~tmp~`).
+_TEMP_RE = re.compile(
+    r"(\.tmp$|\.temp$|\.partial$|\.part$|^\.?tmp|^\.?temp[-_.]|[-_.]tmp[-_.]|~tmp~|"
+    r"orbax-checkpoint-tmp)",
+    re.IGNORECASE,
+)
+DCP_METADATA = ".metadata"
+LIVE_STATES = ("committed", "uploading")
+KEPT_STATES = ("committed", "uploading", "durable")
+
+
+def is_temp_name(name: str) -> bool:
+    return bool(_TEMP_RE.search(name))
+
+
+def _name(b: bytes) -> str:
+    return b.decode("utf-8", "surrogateescape")
+
+
+@dataclass(frozen=True, slots=True)
+class SetRow:
+    seq: int
+    path: str
+    kind: str
+    root_ino: int
+    state: str
+    reason: str
+    committed_ns: int
+    durable_ns: int | None
+    error: str | None
+    layout: str
+
+
+_SET_COLS = "seq, path, kind, root_ino, state, reason, committed_ns, durable_ns, error, layout"
+
+
+class SetRegistry:
+    """The `sets` and `set_files` tables. Every method runs inside the caller's transaction."""
+
+    def __init__(self, index: Index) -> None:
+        self.index = index
+        self.conn = index.conn
+
+    # -- namespace questions -----------------------------------------------------------------
+
+    def is_dcp_dir(self, dir_ino: int) -> bool:
+        return self.conn.execute(
+            "SELECT 1 FROM dentries WHERE parent=? AND (name=CAST(? AS BLOB) OR"
+            " name=CAST(? AS BLOB) OR CAST(name AS TEXT) LIKE '%.distcp') LIMIT 1",
+            (dir_ino, DCP_METADATA, DCP_METADATA + ".tmp"),
+        ).fetchone() is not None
+
+    def is_dir_set_root(self, ino: int) -> bool:
+        return self.conn.execute(
+            f"SELECT 1 FROM sets WHERE root_ino=? AND kind='dir' AND state IN {KEPT_STATES}"
+            " LIMIT 1", (ino,)
+        ).fetchone() is not None
+
+    def in_open_set(self, parent_ino: int) -> bool:
+        """True if a file in directory `parent_ino` belongs to a set being built (or already
+        committed) above it, rather than being a set of its own."""
+        cur = parent_ino
+        while cur != ROOT_INO:
+            row = self.conn.execute(
+                "SELECT parent, name FROM dentries WHERE ino=? LIMIT 1", (cur,)
+            ).fetchone()
+            if row is None:
+                return True  # an unlinked directory: nothing in it commits
+            if is_temp_name(_name(bytes(row[1]))) or self.is_dcp_dir(cur) or \
+                    self.is_dir_set_root(cur):
+                return True
+            cur = row[0]
+        return False
+
+    # -- commits -----------------------------------------------------------------------------
+
+    def snapshot(self, root_ino: int) -> tuple[list[tuple], dict]:
+        """Files (rel, ino, version, size, mode, mtime_ns) and layout {dirs, symlinks} of the
+        subtree at `root_ino` as it is now."""
+        files: list[tuple] = []
+        dirs: list[dict] = []
+        links: list[dict] = []
+        stack = [(root_ino, "")]
+        while stack:
+            d, prefix = stack.pop()
+            for name, ino, mode, size, mtime_ns, version, target in self.conn.execute(
+                "SELECT d.name, i.ino, i.mode, i.size, i.mtime_ns, i.version, i.target"
+                " FROM dentries d JOIN inodes i ON i.ino = d.ino WHERE d.parent=?", (d,)
+            ):
+                rel = prefix + _name(bytes(name))
+                if stat.S_ISDIR(mode):
+                    dirs.append({"path": rel, "mode": stat.S_IMODE(mode), "mtime_ns": mtime_ns})
+                    stack.append((ino, rel + "/"))
+                elif stat.S_ISLNK(mode):
+                    links.append({"path": rel, "target": _name(bytes(target))})
+                elif stat.S_ISREG(mode):
+                    files.append((rel, ino, version, size, stat.S_IMODE(mode), mtime_ns))
+        files.sort()
+        dirs.sort(key=lambda x: x["path"])
+        links.sort(key=lambda x: x["path"])
+        return files, {"dirs": dirs, "symlinks": links}
+
+    def commit(self, path: str, root_ino: int, reason: str) -> int:
+        """Record a commit of the set at `path` (rooted at `root_ino`); returns its seq.
+        Earlier sets at the same path that are not durable yet are superseded."""
+        row = self.index.get_inode(root_ino)
+        assert row is not None
+        mode = row[1]
+        now = time.time_ns()
+        layout: dict = {"dirs": [], "symlinks": []}
+        if stat.S_ISDIR(mode):
+            kind = "dir"
+            files, layout = self.snapshot(root_ino)
+            layout["mode"] = stat.S_IMODE(mode)
+        elif stat.S_ISLNK(mode):
+            kind = "symlink"
+            files = []
+            layout["target"] = _name(bytes(row[10]))
+        else:
+            kind = "file"
+            files = [("", root_ino, row[11], row[4], stat.S_IMODE(mode), row[6])]
+        self.conn.execute(
+            f"UPDATE sets SET state='superseded', error='a later commit of the same path'"
+            f" WHERE path=? AND state IN {LIVE_STATES}", (path,))
+        cur = self.conn.execute(
+            "INSERT INTO sets (path, kind, root_ino, state, reason, committed_ns, layout)"
+            " VALUES (?, ?, ?, 'committed', ?, ?, ?)",
+            (path, kind, root_ino, reason, now, json.dumps(layout)),
+        )
+        seq = int(cur.lastrowid)
+        for rel, ino, version, size, fmode, mtime_ns in files:
+            obj = self.conn.execute(
+                "SELECT obj FROM inodes WHERE ino=? AND obj_version=?", (ino, version)
+            ).fetchone()
+            self.conn.execute(
+                "INSERT INTO set_files (seq, rel, ino, version, size, mode, mtime_ns, obj)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (seq, rel, ino, version, size, fmode, mtime_ns, obj[0] if obj else None),
+            )
+        return seq
+
+    def supersede_content(self, ino: int, version: int, why: str) -> list[int]:
+        """A file's content (ino, version) is about to change: every live set holding it can
+        no longer become durable as committed."""
+        seqs = [r[0] for r in self.conn.execute(
+            f"SELECT DISTINCT s.seq FROM sets s JOIN set_files f ON f.seq = s.seq"
+            f" WHERE f.ino=? AND f.version=? AND s.state IN {LIVE_STATES}", (ino, version))]
+        for seq in seqs:
+            self.set_state(seq, "superseded", why)
+        return seqs
+
+    def record_upload(self, ino: int, version: int, obj_json: str) -> list[int]:
+        """The content (ino, version) is in the store as `obj_json`; returns the live sets that
+        were waiting for it."""
+        self.conn.execute(
+            "UPDATE inodes SET obj=?, obj_version=? WHERE ino=? AND version=?",
+            (obj_json, version, ino, version))
+        self.conn.execute(
+            "UPDATE set_files SET obj=? WHERE ino=? AND version=? AND obj IS NULL",
+            (obj_json, ino, version))
+        return [r[0] for r in self.conn.execute(
+            f"SELECT DISTINCT s.seq FROM sets s JOIN set_files f ON f.seq = s.seq"
+            f" WHERE f.ino=? AND f.version=? AND s.state IN {LIVE_STATES}", (ino, version))]
+
+    # -- queries -----------------------------------------------------------------------------
+
+    def get(self, seq: int) -> SetRow | None:
+        r = self.conn.execute(f"SELECT {_SET_COLS} FROM sets WHERE seq=?", (seq,)).fetchone()
+        return SetRow(*r) if r else None
+
+    def by_states(self, states: tuple[str, ...]) -> list[SetRow]:
+        q = ",".join("?" * len(states))
+        return [SetRow(*r) for r in self.conn.execute(
+            f"SELECT {_SET_COLS} FROM sets WHERE state IN ({q}) ORDER BY seq", states)]
+
+    def recent(self, limit: int) -> list[SetRow]:
+        return [SetRow(*r) for r in self.conn.execute(
+            f"SELECT {_SET_COLS} FROM sets ORDER BY seq DESC LIMIT ?", (limit,))][::-1]
+
+    def at_or_under(self, path: str, states: tuple[str, ...]) -> list[SetRow]:
+        q = ",".join("?" * len(states))
+        like = path.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "/%"
+        return [SetRow(*r) for r in self.conn.execute(
+            f"SELECT {_SET_COLS} FROM sets WHERE (path=? OR path LIKE ? ESCAPE '\\')"
+            f" AND state IN ({q}) ORDER BY seq", (path, like, *states))]
+
+    def holding(self, path: str) -> SetRow | None:
+        """The newest set whose path is `path` or one of its ancestors."""
+        parts = path.split("/")
+        cands = ["/".join(parts[:i]) for i in range(len(parts), 0, -1)]
+        q = ",".join("?" * len(cands))
+        r = self.conn.execute(
+            f"SELECT {_SET_COLS} FROM sets WHERE path IN ({q}) ORDER BY seq DESC LIMIT 1",
+            cands).fetchone()
+        return SetRow(*r) if r else None
+
+    def files(self, seq: int) -> list[tuple]:
+        """(rel, ino, version, size, mode, mtime_ns, obj_json) of a set."""
+        return self.conn.execute(
+            "SELECT rel, ino, version, size, mode, mtime_ns, obj FROM set_files WHERE seq=?"
+            " ORDER BY rel", (seq,)).fetchall()
+
+    def missing_uploads(self, seq: int) -> list[tuple[int, int, int]]:
+        """(ino, version, size) of the set's files not uploaded yet."""
+        return self.conn.execute(
+            "SELECT ino, version, size FROM set_files WHERE seq=? AND obj IS NULL", (seq,)
+        ).fetchall()
+
+    def set_state(self, seq: int, state: str, error: str | None = None) -> None:
+        durable = time.time_ns() if state == "durable" else None
+        self.conn.execute(
+            "UPDATE sets SET state=?, error=COALESCE(?, error),"
+            " durable_ns=COALESCE(?, durable_ns) WHERE seq=?",
+            (state, error, durable, seq))
+
+    def content_wanted(self, ino: int, version: int) -> bool:
+        """Does a live set need (ino, version)?"""
+        return self.conn.execute(
+            f"SELECT 1 FROM set_files f JOIN sets s ON s.seq=f.seq WHERE f.ino=? AND"
+            f" f.version=? AND s.state IN {LIVE_STATES} LIMIT 1", (ino, version)
+        ).fetchone() is not None
+
+    def live_commit_seq(self, ino: int, version: int) -> int | None:
+        r = self.conn.execute(
+            f"SELECT MIN(s.seq) FROM set_files f JOIN sets s ON s.seq=f.seq WHERE f.ino=? AND"
+            f" f.version=? AND s.state IN {LIVE_STATES}", (ino, version)).fetchone()
+        return r[0] if r else None
+
+    # -- objects (for garbage collection) ----------------------------------------------------
+
+    def object_key(self, ino: int, version: int) -> str | None:
+        r = self.conn.execute(
+            "SELECT key FROM objects WHERE ino=? AND version=?", (ino, version)).fetchone()
+        return r[0] if r else None
+
+    def add_object(self, key: str, ino: int, version: int, size: int) -> None:
+        self.conn.execute("INSERT OR REPLACE INTO objects VALUES (?, ?, ?, ?)",
+                          (key, ino, version, size))
+
+    def garbage(self) -> list[str]:
+        """Keys of objects no kept set refers to and that are not the current upload of a
+        live file."""
+        return [r[0] for r in self.conn.execute(
+            f"SELECT o.key FROM objects o WHERE NOT EXISTS (SELECT 1 FROM set_files f JOIN sets"
+            f" s ON s.seq=f.seq WHERE f.ino=o.ino AND f.version=o.version AND s.state IN"
+            f" {KEPT_STATES}) AND NOT EXISTS (SELECT 1 FROM inodes i WHERE i.ino=o.ino AND"
+            f" i.version=o.version AND i.nlink>0)")]
+
+    def forget_object(self, key: str) -> None:
+        self.conn.execute("DELETE FROM objects WHERE key=?", (key,))

@@ -1,0 +1,705 @@
+"""Tiering: uploads cache files to the object store, publishes committed sets atomically,
+deletes and garbage-collects, evicts durable data, and answers "is it durable yet?".
+
+Runs as one trio service inside the daemon (`Tiering.run`, started in the daemon's nursery
+after the FUSE loop). The core calls the synchronous hooks (`on_*`) from FUSE handlers, inside
+the index transaction of the operation that triggers them; hooks only record facts in the index
+and wake the service, never do I/O to the store.
+
+Tasks, all in one nursery (teardown: cancelled when the FUSE loop ends; everything they did
+not finish is resumed from the index at the next mount):
+
+  * `file_concurrency` upload workers: take the most urgent pending content (ino, version) —
+    files of committed sets in commit order first, then files closed but not committed yet, in
+    close order — and upload it (`transfer.Uploader`, multipart, bounded by a shared limiter of
+    parts in flight). An upload whose content changes meanwhile is cancelled (`Superseded`).
+  * one namespace task: publishes sets whose objects are all uploaded, deletes manifests of
+    deleted/moved sets, in the order these events happened (one FIFO, so a delete and a later
+    re-publish of one path can never be reordered); then garbage-collects objects nothing
+    refers to, and applies retention.
+
+Invariants:
+  * A manifest is PUT only after every object it names has been uploaded and its size checked.
+  * Data not yet uploaded (`obj_version != version`) is never evicted.
+  * Set states only move forward: committed -> uploading -> durable -> replaced/deleting ->
+    deleted; committed/uploading -> superseded/failed/deleted.
+
+Crash states and recovery (`_recover`): a file open for writing at the crash (`writing = 1`) has
+its version bumped and every live set holding the old content superseded; live sets re-queue
+their missing uploads (keys are per (ino, version), so a re-upload overwrites the same object);
+sets whose objects are all in are re-published (the manifest PUT is idempotent); `deleting`
+sets have their manifest deletion retried; garbage is collected.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import math
+import stat
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import trio
+
+from . import manifest as mf
+from .errors import FsError
+from .sets import DCP_METADATA, KEPT_STATES, LIVE_STATES, SetRegistry, is_temp_name
+from .store import NotFound, ObjectStore, StoreError
+from .transfer import StoredObject, Superseded, TransferConfig, Uploader, download_file
+
+log = logging.getLogger(__name__)
+
+# Priority of content closed but not in any committed set: after every committed set.
+_UNCOMMITTED = 1 << 62
+
+
+@dataclass(frozen=True)
+class TieringConfig:
+    transfer: TransferConfig = field(default_factory=TransferConfig)
+    file_concurrency: int = 4        # files uploading at once (each with its parts in flight)
+    cache_size: int | None = None    # bytes of file data kept in the cache before eviction
+    keep_local: int | None = None    # keep data of only the newest N durable sets locally
+    retry_pause: float = 1.0         # pause before re-queueing an upload that failed
+
+
+@dataclass
+class _Job:
+    ino: int
+    version: int
+    prio: int
+    cancel: trio.CancelScope | None = None
+
+
+class Tiering:
+    def __init__(self, core, store: ObjectStore, cfg: TieringConfig) -> None:
+        self.core = core
+        self.index = core.index
+        self.sets = SetRegistry(self.index)
+        self.store = store
+        self.cfg = cfg
+        self.node = self.index.meta("node_id") or "node"
+        self._parts = trio.CapacityLimiter(max(1, cfg.transfer.max_parts_in_flight))
+        self.uploader = Uploader(store, cfg.transfer, self._parts)
+        self._jobs: dict[tuple[int, int], _Job] = {}
+        self._running: dict[tuple[int, int], _Job] = {}
+        self._events: deque[tuple] = deque()
+        self._wake_uploads = trio.Event()
+        self._wake_ns = trio.Event()
+        self._changed = trio.Event()
+        self._fetches: dict[int, trio.Event] = {}
+        self._close_seq = 0
+        # Sets a commit replaces at *other* paths (moves, nested sets), published-away when it
+        # becomes durable. In memory only: after a crash such old manifests stay until their
+        # path is committed again or deleted, which is visible but never torn.
+        self._absorb: dict[int, set[tuple[int, str]]] = {}
+        self._spawn: list = []  # coroutines for the namespace worker's helper nursery
+        self.running = False
+        # statistics
+        self.bytes_uploaded = 0
+        self._rate: deque[tuple[float, int]] = deque(maxlen=64)
+        self.last_error: str | None = None
+        self.consecutive_failures = 0
+        self.uploads_done = 0
+        self.uploads_cancelled = 0
+
+    # ==========================================================================================
+    # hooks from the core (synchronous, inside the operation's transaction)
+
+    def _poke(self) -> None:
+        self._wake_uploads.set()
+        self._wake_ns.set()
+
+    def _changed_now(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    def on_content_change(self, ino: int, old_version: int) -> None:
+        """A file's content (ino, old_version) is about to change (write-open or truncate)."""
+        for seq in self.sets.supersede_content(ino, old_version, "a file was modified before"
+                                               " the set became durable"):
+            log.info("set %d superseded: content of inode %d changed", seq, ino)
+        job = self._running.get((ino, old_version))
+        if job is not None and job.cancel is not None:
+            job.cancel.cancel()
+        self._jobs.pop((ino, old_version), None)
+        self._changed_now()
+
+    def on_close(self, node, parent_ino: int, name: bytes) -> None:
+        """The last writer of a regular file closed it."""
+        self._enqueue(node.ino, node.version)
+        if not is_temp_name(_s(name)) and not self.sets.in_open_set(parent_ino):
+            path = self.index.path_of(node.ino)
+            if path:
+                self._commit(path, node.ino, "close")
+
+    def on_rename(self, src, dst, old_parent: int, old_name: bytes, new_parent: int,
+                  new_name: bytes, old_path: str) -> None:
+        new_path = self.index.path_of(src.ino)
+        if new_path is None:
+            return
+        moved = self.sets.at_or_under(old_path, KEPT_STATES) if old_path else []
+        committed = False
+        if stat.S_ISDIR(src.mode):
+            self._commit(new_path, src.ino, "rename", absorb_paths=[old_path, new_path])
+            committed = True
+        elif _s(new_name) == DCP_METADATA:
+            dir_path = self.index.path_of(new_parent)
+            if dir_path:  # the mount root itself is never a set
+                self._commit(dir_path, new_parent, "dcp", absorb_paths=[dir_path, old_path])
+                committed = True
+        elif not is_temp_name(_s(new_name)) and not self.sets.in_open_set(new_parent):
+            if not (stat.S_ISREG(src.mode) and src.writing):  # else: commits at its last close
+                self._commit(new_path, src.ino, "rename", absorb_paths=[old_path])
+                committed = True
+        if not committed:
+            # The old path is gone, and so is whatever the rename replaced at the new path.
+            gone = moved + (self.sets.at_or_under(new_path, KEPT_STATES) if dst is not None
+                            else [])
+            if gone:
+                self._delete_sets(gone, f"renamed away ({old_path} -> {new_path})")
+
+    def on_remove(self, node, path: str) -> None:
+        """`path` (a file, empty directory or symlink) was unlinked/removed."""
+        victims = self.sets.at_or_under(path, KEPT_STATES)
+        if victims:
+            self._delete_sets(victims, "deleted through the mount")
+        if stat.S_ISREG(node.mode):
+            for key in list(self._jobs):
+                if key[0] == node.ino:
+                    self._jobs.pop(key, None)
+            for key, job in list(self._running.items()):
+                if key[0] == node.ino and job.cancel is not None:
+                    job.cancel.cancel()
+        self._enqueue_gc()
+
+    def on_symlink(self, node, parent_ino: int, name: bytes) -> None:
+        if not is_temp_name(_s(name)) and not self.sets.in_open_set(parent_ino):
+            path = self.index.path_of(node.ino)
+            if path:
+                self._commit(path, node.ino, "symlink")
+
+    def on_purge(self, ino: int) -> None:
+        self._enqueue_gc()
+
+    # -- commit / delete bookkeeping ----------------------------------------------------------
+
+    def commit_path(self, path: str) -> int:
+        """`ckptfs commit PATH` (PATH relative to the mount root)."""
+        path = path.strip("/")
+        if not path:
+            raise FsError(errno.EINVAL, "the mount root cannot be a set; commit a directory in it")
+        ino = self._resolve(path)
+        with self.index.tx():
+            node = self.core.inode(ino)
+            if node.is_reg and node.writers:
+                raise FsError(errno.EBUSY, f"{path} is still open for writing")
+            return self._commit(path, ino, "request", absorb_paths=[path])
+
+    def _resolve(self, path: str) -> int:
+        ino = 1
+        for part in path.split("/"):
+            child = self.index.lookup(ino, part.encode("utf-8", "surrogateescape"))
+            if child is None:
+                raise FsError(errno.ENOENT, f"no such file: {path}")
+            ino = child
+        return ino
+
+    def _commit(self, path: str, root_ino: int, reason: str,
+                absorb_paths: list[str] | None = None) -> int:
+        with self.index.tx():
+            # Sets under the new set's path (or at the path it came from) are absorbed: their
+            # manifests go once this one is durable.
+            absorbed = []
+            for p in absorb_paths or []:
+                if p:
+                    absorbed += [s for s in self.sets.at_or_under(p, KEPT_STATES)
+                                 if s.path != path or s.kind != _kind_of(self.index, root_ino)]
+            for s in self.sets.at_or_under(path, LIVE_STATES):
+                if s.path != path and s not in absorbed:
+                    absorbed.append(s)
+            seq = self.sets.commit(path, root_ino, reason)
+            for s in absorbed:
+                if s.state in LIVE_STATES:
+                    self.sets.set_state(s.seq, "superseded", f"absorbed by set {seq} ({path})")
+                self._absorb.setdefault(seq, set()).add((s.seq, s.path))
+            missing = self.sets.missing_uploads(seq)
+        for ino, version, _size in missing:
+            self._enqueue(ino, version, prio=seq)
+        log.info("commit %d: %s (%s), %d files to upload", seq, path, reason, len(missing))
+        if not missing:
+            self._events.append(("publish", seq))
+        self._poke()
+        self._changed_now()
+        return seq
+
+    def _delete_sets(self, victims, why: str) -> None:
+        for s in victims:
+            if s.state in LIVE_STATES:
+                self.sets.set_state(s.seq, "deleted", why)
+            else:  # durable: its manifest must go from the store
+                self.sets.set_state(s.seq, "deleting", why)
+                self._events.append(("unpublish", s.seq, s.path))
+            log.info("set %d (%s) %s", s.seq, s.path, why)
+        self._poke()
+        self._changed_now()
+
+    def _enqueue(self, ino: int, version: int, prio: int | None = None) -> None:
+        key = (ino, version)
+        if prio is None:
+            live = self.sets.live_commit_seq(ino, version)
+            if live is not None:
+                prio = live
+            else:
+                self._close_seq += 1
+                prio = _UNCOMMITTED + self._close_seq
+        job = self._jobs.get(key)
+        if job is None:
+            if key in self._running:
+                self._running[key].prio = min(self._running[key].prio, prio)
+                return
+            self._jobs[key] = _Job(ino, version, prio)
+        else:
+            job.prio = min(job.prio, prio)
+        self._wake_uploads.set()
+
+    def _enqueue_gc(self) -> None:
+        self._events.append(("gc",))
+        self._wake_ns.set()
+
+    # ==========================================================================================
+    # the service
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        self._recover()
+        self.running = True
+        try:
+            async with trio.open_nursery() as nursery:
+                for _ in range(max(1, self.cfg.file_concurrency)):
+                    nursery.start_soon(self._supervised, self._upload_worker)
+                nursery.start_soon(self._supervised, self._namespace_worker)
+                task_status.started()
+        finally:
+            self.running = False
+
+    async def _supervised(self, fn) -> None:
+        """Run a worker forever: a bug in tiering must never take the mount down with it.
+        The failure is logged with its traceback and shown in status; the worker restarts."""
+        while True:
+            try:
+                await fn()
+                return
+            except Exception as e:
+                self.last_error = f"{time.strftime('%H:%M:%S')} internal: {e!r}"
+                self.consecutive_failures += 1
+                log.exception("tiering worker %s failed; restarting it", fn.__name__)
+                await trio.sleep(self.cfg.retry_pause)
+
+    def _recover(self) -> None:
+        with self.index.tx():
+            for ino, version in self.index.conn.execute(
+                    "SELECT ino, version FROM inodes WHERE writing=1").fetchall():
+                self.sets.supersede_content(ino, version, "the daemon crashed while a file was"
+                                            " being written")
+                self.index.update_inode(ino, version=version + 1, writing=0)
+                node = self.core._inodes.get(ino)
+                if node is not None:
+                    node.version, node.writing = version + 1, 0
+            for s in self.sets.by_states(LIVE_STATES):
+                missing = self.sets.missing_uploads(s.seq)
+                stale = [m for m in missing if not self._content_present(m[0], m[1])]
+                if stale:
+                    self.sets.set_state(s.seq, "superseded", "a file changed after the commit,"
+                                        " before its upload")
+                    continue
+                for ino, version, _ in missing:
+                    self._enqueue(ino, version, prio=s.seq)
+                if not missing:
+                    self._events.append(("publish", s.seq))
+            for s in self.sets.by_states(("deleting",)):
+                self._events.append(("unpublish", s.seq, s.path))
+            # Closed files whose current content is not uploaded yet.
+            for ino, version in self.index.conn.execute(
+                    "SELECT ino, version FROM inodes WHERE (mode & 61440) = 32768 AND nlink > 0"
+                    " AND writing = 0 AND cached = 1 AND (obj_version IS NULL OR"
+                    " obj_version != version)").fetchall():
+                self._enqueue(ino, version)
+        self._events.append(("gc",))
+        n_live = len(self.sets.by_states(LIVE_STATES))
+        if n_live or self._jobs:
+            log.info("tiering: resuming %d sets, %d uploads", n_live, len(self._jobs))
+
+    def _content_present(self, ino: int, version: int) -> bool:
+        row = self.index.conn.execute(
+            "SELECT version, nlink, cached FROM inodes WHERE ino=?", (ino,)).fetchone()
+        return row is not None and row[0] == version and row[1] > 0 and row[2] == 1
+
+    def _next_job(self) -> _Job | None:
+        if not self._jobs:
+            return None
+        key = min(self._jobs, key=lambda k: self._jobs[k].prio)
+        return self._jobs.pop(key)
+
+    async def _upload_worker(self) -> None:
+        while True:
+            job = self._next_job()
+            if job is None:
+                self._wake_uploads = trio.Event() if self._wake_uploads.is_set() else \
+                    self._wake_uploads
+                await self._wake_uploads.wait()
+                continue
+            await self._upload(job)
+
+    def _valid(self, ino: int, version: int) -> bool:
+        node = self.core._inodes.get(ino)
+        if node is not None:
+            return node.version == version and node.nlink > 0 and not node.writers
+        return self._content_present(ino, version)
+
+    async def _upload(self, job: _Job) -> None:
+        ino, version = job.ino, job.version
+        if not self._valid(ino, version):
+            return
+        row = self.index.conn.execute(
+            "SELECT obj_version, size FROM inodes WHERE ino=?", (ino,)).fetchone()
+        if row is None or row[0] == version:
+            return  # already uploaded (e.g. enqueued twice)
+        node = self.core._inodes.get(ino)
+        size = node.size if node is not None else row[1]
+        key = self.sets.object_key(ino, version)
+        if key is None:
+            path = self.index.path_of(ino) or f"{ino}"
+            key = f"data/{self.node}/{ino}/{version}/{path.rsplit('/', 1)[-1]}"
+            with self.index.tx():
+                self.sets.add_object(key, ino, version, size)
+        with self.index.tx():
+            for seq in self._live_sets_of(ino, version):
+                s = self.sets.get(seq)
+                if s is not None and s.state == "committed":
+                    self.sets.set_state(seq, "uploading")
+        self._running[(ino, version)] = job
+        job.cancel = trio.CancelScope()
+        obj: StoredObject | None = None
+        try:
+            with job.cancel:
+                obj = await self.uploader.upload_file(
+                    self.core.data_path(ino), key, size=size,
+                    still_valid=lambda: self._valid(ino, version), progress=self._progress)
+        except Superseded:
+            self.uploads_cancelled += 1
+            log.info("upload of %s cancelled: content changed", key)
+        except StoreError as e:
+            self._failed(job, key, e)
+        except OSError as e:
+            if e.errno == errno.ENOENT or not self._valid(ino, version):
+                self.uploads_cancelled += 1  # deleted while uploading
+            else:
+                self._failed(job, key, e)
+        finally:
+            self._running.pop((ino, version), None)
+        if obj is None:
+            if job.cancel.cancelled_caught:
+                self.uploads_cancelled += 1
+            return
+        self.consecutive_failures = 0
+        self.uploads_done += 1
+        with self.index.tx():
+            if self.index.get_inode(ino) is None:
+                waiting: list[int] = []
+            else:
+                waiting = self.sets.record_upload(ino, version, json.dumps(obj.to_json()))
+        for seq in waiting:
+            if not self.sets.missing_uploads(seq):
+                self._events.append(("publish", seq))
+        self._wake_ns.set()
+        self._changed_now()
+
+    def _live_sets_of(self, ino: int, version: int) -> list[int]:
+        return [r[0] for r in self.index.conn.execute(
+            f"SELECT DISTINCT s.seq FROM sets s JOIN set_files f ON f.seq=s.seq WHERE f.ino=?"
+            f" AND f.version=? AND s.state IN {LIVE_STATES}", (ino, version))]
+
+    def _failed(self, job: _Job, key: str, e: Exception) -> None:
+        self.consecutive_failures += 1
+        self.last_error = f"{time.strftime('%H:%M:%S')} upload {key}: {e}"
+        transient = getattr(e, "transient", False) or isinstance(e, OSError)
+        if transient:
+            log.warning("upload of %s failed (%s); will retry", key, e)
+            # Retries already backed off inside RetryingStore; pause, then requeue.
+            self._requeue_later(job)  # keeps its priority: its place in commit order
+        else:
+            log.error("upload of %s failed permanently: %s", key, e)
+            with self.index.tx():
+                for seq in self._live_sets_of(job.ino, job.version):
+                    self.sets.set_state(seq, "failed", f"upload of {key} refused by the store:"
+                                        f" {e}")
+            self._changed_now()
+
+    def _requeue_later(self, job: _Job) -> None:
+        async def later():
+            await trio.sleep(self.cfg.retry_pause)
+            if self._valid(job.ino, job.version):
+                self._enqueue(job.ino, job.version, prio=job.prio)
+        self._nursery_soon(later)
+
+    def _nursery_soon(self, fn) -> None:
+        self._spawn.append(fn)
+        self._wake_ns.set()
+
+    def _progress(self, n: int) -> None:
+        self.bytes_uploaded += n
+        self._rate.append((time.monotonic(), self.bytes_uploaded))
+
+    # -- namespace worker: publish, unpublish, gc, retention ----------------------------------
+
+    async def _namespace_worker(self) -> None:
+        async with trio.open_nursery() as helpers:
+            while True:
+                while self._spawn:
+                    helpers.start_soon(self._spawn.pop(0))
+                if not self._events:
+                    self._wake_ns = trio.Event()
+                    await self._wake_ns.wait()
+                    continue
+                ev = self._events.popleft()
+                try:
+                    if ev[0] == "publish":
+                        await self._publish(ev[1])
+                    elif ev[0] == "unpublish":
+                        await self._unpublish(ev[1], ev[2])
+                    elif ev[0] == "gc":
+                        if ("gc",) not in self._events:  # coalesce bursts
+                            await self._gc()
+                except StoreError as e:
+                    self.consecutive_failures += 1
+                    self.last_error = f"{time.strftime('%H:%M:%S')} {ev[0]}: {e}"
+                    log.warning("%s failed (%s); retrying in %.1fs", ev, e, self.cfg.retry_pause)
+                    await trio.sleep(self.cfg.retry_pause)
+                    self._events.appendleft(ev)
+
+    async def _publish(self, seq: int) -> None:
+        s = self.sets.get(seq)
+        if s is None or s.state not in LIVE_STATES or self.sets.missing_uploads(seq):
+            return
+        files = []
+        for rel, _ino, _version, _size, mode, mtime_ns, obj_json in self.sets.files(seq):
+            obj = json.loads(obj_json)
+            files.append({"path": rel, "size": obj["size"], "mode": mode, "mtime_ns": mtime_ns,
+                          "object": obj})
+        # Verify every object is really there (a GC of another set, or a store losing data,
+        # must not publish a manifest pointing at nothing).
+        for f in files:
+            try:
+                info = await self.store.head(f["object"]["key"])
+            except NotFound:
+                msg = f"object {f['object']['key']} vanished from the store before publication"
+                log.error("set %d (%s) failed: %s", seq, s.path, msg)
+                with self.index.tx():
+                    self.sets.set_state(seq, "failed", msg)
+                self._changed_now()
+                return
+            if info.size != f["object"]["stored_size"]:
+                raise StoreError(f"object {f['object']['key']} has size {info.size}, expected"
+                                 f" {f['object']['stored_size']}")
+        m = mf.build(path=s.path, kind=s.kind, seq=seq, node=self.node, reason=s.reason,
+                     committed_ns=s.committed_ns, layout=json.loads(s.layout), files=files)
+        # The set may have been superseded or deleted while we checked.
+        s = self.sets.get(seq)
+        if s is None or s.state not in LIVE_STATES:
+            return
+        await self.store.put(mf.manifest_key(s.path), mf.dumps(m))
+        with self.index.tx():
+            s2 = self.sets.get(seq)
+            if s2 is None or s2.state not in LIVE_STATES:
+                # Deleted while the PUT was in flight: take the manifest back out.
+                self._events.appendleft(("unpublish", seq, s.path))
+                if s2 is not None and s2.state == "deleted":
+                    self.sets.set_state(seq, "deleting")
+                return
+            self.sets.set_state(seq, "durable")
+            for old in self.sets.at_or_under(s.path, ("durable",)):
+                if old.seq != seq and old.path == s.path:
+                    self.sets.set_state(old.seq, "replaced", f"replaced by set {seq}")
+            for old_seq, old_path in self._absorb.pop(seq, set()):
+                old = self.sets.get(old_seq)
+                if old is not None and old.state == "durable":
+                    if old_path == s.path:
+                        self.sets.set_state(old_seq, "replaced", f"replaced by set {seq}")
+                    else:
+                        self.sets.set_state(old_seq, "deleting", f"absorbed by set {seq}")
+                        self._events.append(("unpublish", old_seq, old_path))
+        log.info("set %d durable: %s (%d files, %d bytes)", seq, s.path, len(files),
+                 m["total_bytes"])
+        self._changed_now()
+        self._events.append(("gc",))
+        self._retention()
+
+    async def _unpublish(self, seq: int, path: str) -> None:
+        # Only remove the manifest if no newer set of this path is (being) published.
+        newer = [x for x in self.sets.at_or_under(path, KEPT_STATES)
+                 if x.path == path and x.seq > seq]
+        if not newer:
+            await self.store.delete(mf.manifest_key(path))
+        with self.index.tx():
+            s = self.sets.get(seq)
+            if s is not None and s.state == "deleting":
+                self.sets.set_state(seq, "deleted")
+        self._changed_now()
+        self._events.append(("gc",))
+
+    async def _gc(self) -> None:
+        keys = self.sets.garbage()
+        for key in keys:
+            await self.store.delete(key)
+            with self.index.tx():
+                self.sets.forget_object(key)
+        if keys:
+            log.info("gc: deleted %d unreferenced objects", len(keys))
+
+    # -- eviction -----------------------------------------------------------------------------
+
+    def _retention(self) -> None:
+        n = self.cfg.keep_local
+        if n is None:
+            return
+        durable = [s for s in self.sets.by_states(("durable",)) if s.kind != "symlink"]
+        for s in durable[:max(0, len(durable) - n)]:
+            for _rel, ino, version, *_ in self.sets.files(s.seq):
+                self.core.evict(ino, version)
+
+    def make_room(self, need: int) -> bool:
+        """Evict durable data, least recently used first, until `need` more bytes fit under
+        --cache-size. Returns True if they fit."""
+        limit = self.cfg.cache_size
+        if limit is None:
+            return True
+        if self.core.cached_bytes + need <= limit:
+            return True
+        newest = self.sets.by_states(("durable",))
+        keep = {r[1] for r in self.sets.files(newest[-1].seq)} if newest else set()
+        for ino, version in self.core.eviction_candidates():
+            if ino in keep:
+                continue
+            self.core.evict(ino, version)
+            if self.core.cached_bytes + need <= limit:
+                return True
+        return self.core.cached_bytes + need <= limit
+
+    async def wait_for_room(self, need: int) -> None:
+        """Backpressure for writers: block until `need` bytes fit under --cache-size."""
+        warned = False
+        while not self.make_room(need):
+            if not warned:
+                log.warning("cache full (%d of %d bytes, none evictable yet): writers wait for"
+                            " uploads", self.core.cached_bytes, self.cfg.cache_size)
+                warned = True
+            await self._changed.wait()
+
+    # -- read-through of evicted data ----------------------------------------------------------
+
+    async def fetch(self, ino: int) -> None:
+        """Bring an evicted file's data back into its cache file (concurrent callers share one
+        download)."""
+        ev = self._fetches.get(ino)
+        if ev is not None:
+            await ev.wait()
+            return
+        ev = self._fetches[ino] = trio.Event()
+        try:
+            row = self.index.conn.execute(
+                "SELECT obj, obj_version, version, cached FROM inodes WHERE ino=?",
+                (ino,)).fetchone()
+            if row is None or row[3] == 1:
+                return
+            if row[0] is None or row[1] != row[2]:
+                raise FsError(errno.EIO, f"inode {ino} is evicted but has no object")
+            obj = StoredObject.from_json(json.loads(row[0]))
+            await self.wait_for_room(obj.size)
+            last: Exception | None = None
+            for _attempt in range(3):
+                try:
+                    await download_file(self.store, obj, self.core.data_path(ino))
+                    break
+                except StoreError as e:  # IntegrityError included: fetch again
+                    last = e
+                    log.warning("fetch of inode %d (%s) failed: %s", ino, obj.key, e)
+            else:
+                raise FsError(errno.EIO, f"cannot fetch {obj.key} from the store: {last}")
+            self.core.fetched(ino, obj.size)
+        finally:
+            ev.set()
+            del self._fetches[ino]
+
+    # ==========================================================================================
+    # questions
+
+    def upload_rate(self) -> float:
+        now = time.monotonic()
+        pts = [(t, b) for t, b in self._rate if now - t <= 10]
+        if len(pts) < 2 or pts[-1][0] == pts[0][0]:
+            return 0.0
+        return (pts[-1][1] - pts[0][1]) / (now - pts[0][0])
+
+    def health(self) -> str:
+        if self.consecutive_failures == 0:
+            return "normal"
+        return "unstable" if self.consecutive_failures < 5 else "down"
+
+    def status(self, limit: int = 50) -> dict:
+        sets = []
+        pending = 0
+        for s in self.sets.recent(limit):
+            files = self.sets.files(s.seq)
+            total = sum(f[3] for f in files)
+            done = sum(json.loads(f[6])["size"] for f in files if f[6])
+            if s.state in LIVE_STATES:
+                pending += total - done
+            sets.append({"seq": s.seq, "path": s.path, "kind": s.kind, "state": s.state,
+                         "reason": s.reason, "files": len(files), "bytes": total,
+                         "bytes_uploaded": done, "committed_ns": s.committed_ns,
+                         "durable_ns": s.durable_ns, "error": s.error})
+        live = self.sets.by_states(LIVE_STATES)
+        return {
+            "store": {"url": self.store.url, "health": self.health(),
+                      "last_error": self.last_error,
+                      "consecutive_failures": self.consecutive_failures},
+            "uploads": {"queued": len(self._jobs), "running": len(self._running),
+                        "done": self.uploads_done, "cancelled": self.uploads_cancelled,
+                        "bytes_uploaded": self.bytes_uploaded,
+                        "rate_bytes_per_s": self.upload_rate()},
+            "pending_sets": len(live),
+            "pending_bytes": pending,
+            "sets": sets,
+        }
+
+    async def wait(self, path: str, timeout: float | None) -> dict:
+        """Wait until the set holding `path` is durable (following supersession to the newest
+        set of that path). Returns {"state", "seq", "path", "error"}."""
+        path = path.strip("/")
+        with trio.move_on_after(math.inf if timeout is None else timeout):
+            while True:
+                s = self.sets.holding(path)
+                if s is None:
+                    return {"state": "none", "error": f"{path or '/'} is not in any committed"
+                            " set"}
+                if s.state in ("durable", "failed", "deleted", "deleting", "replaced"):
+                    return {"state": s.state, "seq": s.seq, "path": s.path, "error": s.error}
+                await self._changed.wait()
+        s = self.sets.holding(path)
+        return {"state": "timeout", "seq": s.seq if s else None, "path": s.path if s else None,
+                "error": f"not durable after {timeout}s (state {s.state if s else '?'})"}
+
+
+def _s(name: bytes) -> str:
+    return name.decode("utf-8", "surrogateescape")
+
+
+def _kind_of(index, ino: int) -> str:
+    row = index.get_inode(ino)
+    if row is None:
+        return "?"
+    mode = row[1]
+    return "dir" if stat.S_ISDIR(mode) else "symlink" if stat.S_ISLNK(mode) else "file"
+

@@ -1,0 +1,732 @@
+"""Moving one cache file to or from one object: uploads (single PUT or multipart, optionally lz4
+framed), ranged reads, and parallel verified downloads.
+
+This module owns the byte movement of one file and its integrity checks; it does not decide
+*what* to upload or when (the scheduler does), and it does not retry (the caller wraps the store
+in `RetryingStore`, and retries a whole transfer on `IntegrityError`).
+
+Upload (`Uploader.upload_file`)
+    A producer reads the cache file in order (`os.pread` in a worker thread), computes the raw
+    content's CRC32C on the way (so it is always in order), compresses it in frames when asked,
+    and cuts it into parts; each part is sent by its own task, up to `max_parts_in_flight` at
+    once, and the upload is completed with the parts in order. An object whose raw size is at
+    most `single_put_max` goes in one PUT; so does a compressed object whose stored bytes all
+    fit in the first part (a GB of zeros is a few KiB). The multipart upload is created lazily,
+    once a second part is certain. `still_valid()` is asked after each part is read (just
+    before it is sent) and before completing: a superseded or deleted checkpoint stops costing
+    bandwidth at the next part boundary. Any failure, `Superseded` or trio cancellation aborts
+    the multipart upload in a shielded cleanup (bounded by ABORT_TIMEOUT); a bucket lifecycle
+    rule (AbortIncompleteMultipartUpload) is the backstop for a process that dies mid-upload.
+    After completion, `head()` must report the stored size (and the stored CRC32C when the store
+    recorded one), else IntegrityError.
+
+Memory bound
+    A part's buffer is allocated only after a token is taken, and the token is given back when
+    the store has acknowledged the part. Tokens come from a per-upload semaphore of
+    `max_parts_in_flight` and, when given, from a `parts_limiter` shared by all uploads (taken
+    in that order, so one big upload cannot starve the others of the shared pool). So:
+
+        uploads:   tokens x (part_size + one stored frame) + one raw frame per compressing upload
+                   (defaults: 8 x 64 MiB = 512 MiB, shared across uploads with a shared limiter)
+        downloads: concurrency x (range_size + one raw frame)   (defaults: 8 x 64 MiB = 512 MiB)
+
+    (plus whatever the store client copies while sending). Single PUTs hold up to
+    `single_put_max` raw bytes under one token. Files that would need more than S3's 10,000
+    parts get a larger part size (rounded up to 1 MiB) instead of failing: at 64 MiB parts the
+    plain limit is 625 GiB (Mountpoint for S3's 78 GiB cap at its default part size is a known
+    complaint).
+
+Defaults and why
+    - part_size 64 MiB: ANCHORS measures moto at ~120 MB/s up and ~100 MB/s down with 64 MiB
+      parts and 8 threads, against ~24 MB/s down with 16 MiB parts: per-request cost (~5 ms per
+      small request on moto, plus boto3's per-call CPU on a 2-core VM) must be amortised over
+      big requests. S3 itself accepts 5 MiB..5 GiB parts.
+    - max_parts_in_flight 8: the 8 threads of that measurement; S3Store's default 16 connections
+      leave room for concurrent downloads, heads and lists. 512 MiB of buffers per upload.
+    - single_put_max = part_size: an object that fits in one part gains nothing from multipart
+      (three requests instead of one) and PUT is atomic on every store.
+    - download range_size 64 MiB, concurrency 8: the same ANCHORS measurement, downstream.
+    - frame_size 4 MiB and the `auto` threshold: see `cachemgr.compress`.
+
+Integrity
+    `StoredObject.crc32c` is the CRC32C of the RAW content, checked end to end by
+    `download_file` after decompression: ranges are fetched and written in any order, each
+    range's raw CRC32C is computed in the worker thread that decodes it, and the per-range
+    values are folded in order with `crc32c_combine` (GF(2) arithmetic, ~0.1 ms per range), so
+    the file is never re-read. `read_range` checks lengths and frame structure only (a ranged
+    GET carries no checksum of its own); `download_file` is the verified path.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import math
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import trio
+
+from .compress import (
+    DEFAULT_FRAME_SIZE,
+    MODES,
+    FrameError,
+    compress_frame,
+    frame_offsets,
+    frames_for_range,
+    iter_decompress,
+    should_compress,
+)
+from .store.base import IntegrityError, ObjectInfo, ObjectStore, Part, crc32c
+
+log = logging.getLogger(__name__)
+
+MiB = 1 << 20
+GiB = 1 << 30
+S3_MIN_PART = 5 * MiB        # every part but the last
+S3_MAX_PART = 5 * GiB
+S3_MAX_PARTS = 10_000
+S3_MAX_PUT = 5 * GiB
+
+DEFAULT_PART_SIZE = 64 * MiB
+DEFAULT_PARTS_IN_FLIGHT = 8
+DEFAULT_RANGE_SIZE = 64 * MiB
+DEFAULT_DOWNLOAD_CONCURRENCY = 8
+# A shielded abort must not hang a cancellation forever on a dead store; after this the upload
+# is left to the bucket's lifecycle rule (and logged).
+ABORT_TIMEOUT = 30.0
+# lz4's worst case: incompressible input grows by 1/255 plus a few bytes of block and frame
+# headers (64 per frame is generous for 1 MiB blocks in a 4 MiB frame).
+_LZ4_FRAME_SLACK = 64
+
+
+class Superseded(Exception):
+    """`still_valid()` said no: the upload was aborted and nothing was published."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__(f"upload of {key} superseded")
+        self.key = key
+
+
+class SourceChanged(OSError):
+    """The cache file is shorter than the size the caller gave (it changed under the upload)."""
+
+    def __init__(self, msg: str) -> None:
+        super().__init__(errno.EIO, msg)
+
+
+@dataclass(frozen=True)
+class TransferConfig:
+    part_size: int = DEFAULT_PART_SIZE
+    max_parts_in_flight: int = DEFAULT_PARTS_IN_FLIGHT
+    compress: str = "auto"                 # "auto" | "lz4" | "off"
+    frame_size: int = DEFAULT_FRAME_SIZE
+    single_put_max: int | None = None      # None: part_size
+
+    def __post_init__(self) -> None:
+        if not S3_MIN_PART <= self.part_size <= S3_MAX_PART:
+            raise ValueError(f"part_size must be within [5 MiB, 5 GiB] (S3's limits), "
+                             f"got {self.part_size}")
+        if self.max_parts_in_flight < 1:
+            raise ValueError(f"max_parts_in_flight must be >= 1, got {self.max_parts_in_flight}")
+        if self.compress not in MODES:
+            raise ValueError(f"compress must be one of {MODES}, got {self.compress!r}")
+        if not 4096 <= self.frame_size <= self.part_size:
+            raise ValueError(f"frame_size must be within [4 KiB, part_size], "
+                             f"got {self.frame_size}")
+        if self.single_put_max is None:
+            object.__setattr__(self, "single_put_max", self.part_size)
+        elif not 0 <= self.single_put_max <= S3_MAX_PUT:
+            raise ValueError(f"single_put_max must be within [0, 5 GiB] (S3's PUT limit), "
+                             f"got {self.single_put_max}")
+
+
+@dataclass(frozen=True)
+class StoredObject:
+    """Where and how one file's bytes are stored; serialised into the set manifest.
+
+    `size` and `crc32c` describe the RAW content; `stored_size` the object's bytes. For
+    compression "lz4", `frames` is the tuple of stored frame lengths and raw frame i covers
+    [i*frame_size, ...); for "none", frames is None and frame_size 0."""
+
+    key: str
+    size: int
+    stored_size: int
+    crc32c: int
+    compression: str = "none"              # "none" | "lz4"
+    frame_size: int = 0
+    frames: tuple[int, ...] | None = None
+    # Prefix sums of `frames` (not serialised, not compared): O(1) frame -> stored offset.
+    offsets: list[int] | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.size < 0 or self.stored_size < 0 or not 0 <= self.crc32c < 1 << 32:
+            raise ValueError(f"bad StoredObject sizes/crc: {self!r}")
+        if self.compression == "none":
+            if self.frames is not None or self.stored_size != self.size:
+                raise ValueError(f"uncompressed object with frames or stored_size != size: "
+                                 f"{self!r}")
+        elif self.compression == "lz4":
+            if self.frames is None or self.frame_size <= 0:
+                raise ValueError(f"lz4 object without a frame index: {self!r}")
+            frames = tuple(self.frames)
+            object.__setattr__(self, "frames", frames)
+            if len(frames) != math.ceil(self.size / self.frame_size):
+                raise ValueError(f"{len(frames)} frames cannot hold {self.size} bytes in "
+                                 f"frames of {self.frame_size}")
+            offs = frame_offsets(frames)
+            if offs[-1] != self.stored_size:
+                raise ValueError(f"frame lengths sum to {offs[-1]}, stored_size is "
+                                 f"{self.stored_size}")
+            object.__setattr__(self, "offsets", offs)
+        else:
+            raise ValueError(f"unknown compression {self.compression!r}")
+
+    def raw_frame_len(self, i: int) -> int:
+        return min(self.frame_size, self.size - i * self.frame_size)
+
+    def to_json(self) -> dict:
+        """A dict of JSON types (the manifest embeds it; `json.dumps` it for a string)."""
+        return {"key": self.key, "size": self.size, "stored_size": self.stored_size,
+                "crc32c": self.crc32c, "compression": self.compression,
+                "frame_size": self.frame_size,
+                "frames": list(self.frames) if self.frames is not None else None}
+
+    @classmethod
+    def from_json(cls, d: dict | str) -> StoredObject:
+        """Inverse of `to_json` (also accepts its `json.dumps` string); validates the index."""
+        if isinstance(d, str | bytes):
+            d = json.loads(d)
+        frames = d["frames"]
+        return cls(key=d["key"], size=int(d["size"]), stored_size=int(d["stored_size"]),
+                   crc32c=int(d["crc32c"]), compression=d["compression"],
+                   frame_size=int(d["frame_size"]),
+                   frames=tuple(int(n) for n in frames) if frames is not None else None)
+
+
+# ----------------------------------------------------------------------------------------------
+# CRC32C combine: crc(A || B) from crc(A), crc(B) and len(B). zlib's crc32_combine (1.2.12+
+# algorithm: multiply by x^(8*len2) modulo the polynomial) with the Castagnoli polynomial;
+# CRC32C has the same reflected form and all-ones pre/post conditioning as CRC-32.
+
+_POLY = 0x82F63B78  # CRC32C, reflected
+
+
+def _multmodp(a: int, b: int) -> int:
+    m = 1 << 31
+    p = 0
+    while True:
+        if a & m:
+            p ^= b
+            if (a & (m - 1)) == 0:
+                break
+        m >>= 1
+        b = (b >> 1) ^ _POLY if b & 1 else b >> 1
+    return p
+
+
+def _make_x2n() -> list[int]:
+    table = [0] * 32
+    p = 1 << 30  # x^1
+    table[0] = p
+    for n in range(1, 32):
+        p = table[n] = _multmodp(p, p)
+    return table
+
+
+_X2N = _make_x2n()  # x^(2^n) mod P
+
+
+def _x2nmodp(n: int, k: int) -> int:
+    p = 1 << 31  # x^0 == 1
+    while n:
+        if n & 1:
+            p = _multmodp(_X2N[k & 31], p)
+        n >>= 1
+        k += 1
+    return p
+
+
+def crc32c_combine(crc1: int, crc2: int, len2: int) -> int:
+    """CRC32C of A||B given crc1 = crc32c(A), crc2 = crc32c(B), len2 = len(B)."""
+    return _multmodp(_x2nmodp(len2, 3), crc1) ^ crc2
+
+
+# ----------------------------------------------------------------------------------------------
+# upload
+
+
+def _pread_exact(fd: int, n: int, off: int) -> bytes:
+    data = os.pread(fd, n, off)
+    if len(data) == n or not data:
+        if len(data) != n:
+            raise SourceChanged(f"cache file ends before byte {off + n}")
+        return data
+    chunks = [data]
+    got = len(data)
+    while got < n:
+        more = os.pread(fd, n - got, off + got)
+        if not more:
+            raise SourceChanged(f"cache file ends at byte {off + got}, expected {off + n}")
+        chunks.append(more)
+        got += len(more)
+    return b"".join(chunks)
+
+
+def _pread_sample(fd: int, off: int, n: int) -> bytes:
+    return os.pread(fd, n, off)
+
+
+@dataclass(slots=True)
+class _Chunk:
+    data: bytes | None
+    raw_len: int
+    last: bool
+
+
+class _Producer:
+    """Reads, checksums, (compresses) and cuts one file into parts, strictly in order. Each
+    `next_part` runs in a worker thread; calls never overlap (the upload awaits each)."""
+
+    def __init__(self, fd: int, size: int, compressed: bool, frame_size: int,
+                 target: float) -> None:
+        self.fd = fd
+        self.size = size
+        self.compressed = compressed
+        self.frame_size = frame_size
+        self.target = target        # stored bytes per part (math.inf: one part)
+        self.raw_off = 0
+        self.crc_raw = 0
+        self.crc_stored = 0
+        self.stored = 0
+        self.frames: list[int] = []
+
+    def next_part(self) -> _Chunk:
+        start = self.raw_off
+        if not self.compressed:
+            n = int(min(self.target, self.size - start))
+            data = _pread_exact(self.fd, n, start)
+            self.crc_raw = crc32c(data, self.crc_raw)
+            self.crc_stored = self.crc_raw
+        else:
+            pieces: list[bytes] = []
+            got = 0
+            while self.raw_off < self.size and got < self.target:
+                n = min(self.frame_size, self.size - self.raw_off)
+                raw = _pread_exact(self.fd, n, self.raw_off)
+                self.crc_raw = crc32c(raw, self.crc_raw)
+                c = compress_frame(raw)
+                del raw  # one raw frame alive at a time
+                pieces.append(c)
+                self.frames.append(len(c))
+                got += len(c)
+                self.raw_off += n
+            data = pieces[0] if len(pieces) == 1 else b"".join(pieces)
+            del pieces
+            self.crc_stored = crc32c(data, self.crc_stored)
+            n = self.raw_off - start
+        self.raw_off = start + n
+        self.stored += len(data)
+        return _Chunk(data, n, self.raw_off >= self.size)
+
+
+@dataclass
+class UploadStats:
+    uploads: int = 0
+    single_puts: int = 0
+    multipart: int = 0
+    parts: int = 0
+    compressed: int = 0
+    raw_bytes: int = 0
+    stored_bytes: int = 0
+    superseded: int = 0
+    aborted: int = 0
+    abort_failures: int = 0
+    parts_in_flight: int = 0
+    peak_parts_in_flight: int = 0
+
+
+def _always() -> bool:
+    return True
+
+
+def _unwrap(eg: BaseExceptionGroup) -> BaseException | None:
+    """The one exception a caller should see from a failed nursery: Superseded first, else the
+    first leaf that is not a Cancelled. None if every leaf is a Cancelled (let the group reach
+    the cancel scope that owns it)."""
+    leaves: list[BaseException] = []
+
+    def walk(e: BaseException) -> None:
+        if isinstance(e, BaseExceptionGroup):
+            for sub in e.exceptions:
+                walk(sub)
+        else:
+            leaves.append(e)
+
+    walk(eg)
+    real = [e for e in leaves if not isinstance(e, trio.Cancelled)]
+    for e in real:
+        if isinstance(e, Superseded):
+            return e
+    return real[0] if real else None
+
+
+class Uploader:
+    """Uploads cache files to objects. One Uploader may run many uploads concurrently; give all
+    of them one `parts_limiter` to bound their combined part buffers."""
+
+    def __init__(self, store: ObjectStore, cfg: TransferConfig | None = None,
+                 parts_limiter: trio.CapacityLimiter | None = None) -> None:
+        self.store = store
+        self.cfg = cfg or TransferConfig()
+        self.parts_limiter = parts_limiter
+        self.stats = UploadStats()
+
+    def statistics(self) -> UploadStats:
+        return self.stats
+
+    def part_size_for(self, size: int, compressed: bool) -> int:
+        """The part size for a file of `size` raw bytes: cfg.part_size, grown (to a multiple of
+        1 MiB) when the object would otherwise need more than 10,000 parts."""
+        bound = size
+        if compressed:
+            nframes = math.ceil(size / self.cfg.frame_size)
+            bound = size + size // 255 + nframes * _LZ4_FRAME_SLACK
+        part = max(self.cfg.part_size, math.ceil(bound / S3_MAX_PARTS / MiB) * MiB)
+        # A compressed part can overshoot its target by one stored frame.
+        slack = self.cfg.frame_size + self.cfg.frame_size // 255 + _LZ4_FRAME_SLACK
+        if part + (slack if compressed else 0) > S3_MAX_PART:
+            raise ValueError(f"{size} bytes do not fit in {S3_MAX_PARTS} parts of at most 5 GiB")
+        return part
+
+    async def _acquire(self, sem: trio.Semaphore) -> object:
+        await sem.acquire()
+        token = object()
+        if self.parts_limiter is not None:
+            try:
+                await self.parts_limiter.acquire_on_behalf_of(token)
+            except BaseException:
+                sem.release()
+                raise
+        st = self.stats
+        st.parts_in_flight += 1
+        st.peak_parts_in_flight = max(st.peak_parts_in_flight, st.parts_in_flight)
+        return token
+
+    def _release(self, sem: trio.Semaphore, token: object) -> None:
+        self.stats.parts_in_flight -= 1
+        if self.parts_limiter is not None:
+            self.parts_limiter.release_on_behalf_of(token)
+        sem.release()
+
+    def _check(self, still_valid: Callable[[], bool], key: str) -> None:
+        if not still_valid():
+            raise Superseded(key)
+
+    async def upload_file(self, path: str | os.PathLike, key: str, *, size: int,
+                          still_valid: Callable[[], bool] = _always,
+                          progress: Callable[[int], None] | None = None) -> StoredObject:
+        """Upload the first `size` bytes of the cache file at `path` to `key`. Raises Superseded
+        if `still_valid()` turns False (nothing published, multipart aborted), IntegrityError
+        if the stored object does not read back at the right size, StoreError from the store,
+        SourceChanged if the file is shorter than `size`."""
+        if size < 0:
+            raise ValueError(f"negative size {size}")
+        fd = await trio.to_thread.run_sync(os.open, os.fspath(path), os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            return await self._upload(fd, key, size, still_valid, progress)
+        except SourceChanged:
+            # A file that shrank under us is a superseded one if the caller says so.
+            self._check(still_valid, key)
+            raise
+        finally:
+            os.close(fd)
+
+    async def _decide(self, fd: int, size: int) -> bool:
+        mode = self.cfg.compress
+        if size == 0 or mode == "off":
+            return False  # nothing to gain on an empty file, and no frame index to keep
+        if mode == "lz4":
+            return True
+        return await trio.to_thread.run_sync(
+            should_compress, lambda off, n: _pread_sample(fd, off, n), size)
+
+    async def _upload(self, fd: int, key: str, size: int, still_valid, progress) -> StoredObject:
+        cfg = self.cfg
+        st = self.stats
+        st.uploads += 1
+        compressed = await self._decide(fd, size)
+        target = (math.inf if size <= cfg.single_put_max
+                  else self.part_size_for(size, compressed))
+        prod = _Producer(fd, size, compressed, cfg.frame_size, target)
+        sem = trio.Semaphore(cfg.max_parts_in_flight)
+        upload_id: str | None = None
+        parts: dict[int, Part] = {}
+
+        async def send(number: int, chunk: _Chunk, token: object) -> None:
+            data, raw_len = chunk.data, chunk.raw_len
+            chunk.data = None
+            try:
+                part = await self.store.upload_part(key, upload_id, number, data)
+            finally:
+                del data  # drop the buffer before its token goes back
+                self._release(sem, token)
+            parts[number] = part
+            st.parts += 1
+            if progress is not None:
+                progress(raw_len)
+
+        try:
+            token = await self._acquire(sem)
+            try:
+                chunk = await trio.to_thread.run_sync(prod.next_part)
+                self._check(still_valid, key)
+                if chunk.last:
+                    info = await self.store.put(key, chunk.data)
+                    chunk.data = None
+                    st.single_puts += 1
+                    if progress is not None:
+                        progress(chunk.raw_len)
+                else:
+                    upload_id = await self.store.create_multipart(key)
+            except BaseException:
+                self._release(sem, token)
+                raise
+            if upload_id is None:
+                self._release(sem, token)
+            else:
+                st.multipart += 1
+                try:
+                    async with trio.open_nursery() as nursery:
+                        number = 1
+                        nursery.start_soon(send, number, chunk, token)
+                        last = chunk.last
+                        chunk = None
+                        while not last:
+                            token = await self._acquire(sem)
+                            try:
+                                chunk = await trio.to_thread.run_sync(prod.next_part)
+                                self._check(still_valid, key)
+                            except BaseException:
+                                self._release(sem, token)
+                                raise
+                            number += 1
+                            nursery.start_soon(send, number, chunk, token)
+                            last = chunk.last
+                            chunk = None
+                except BaseExceptionGroup as eg:
+                    e = _unwrap(eg)
+                    if e is None:
+                        raise
+                    raise e from None
+                self._check(still_valid, key)
+                info = await self.store.complete_multipart(
+                    key, upload_id, [parts[n] for n in sorted(parts)], prod.crc_stored)
+                upload_id = None  # published: nothing to abort any more
+        except BaseException as e:
+            if isinstance(e, Superseded):
+                st.superseded += 1
+            if upload_id is not None:
+                await self._abort(key, upload_id)
+            raise
+
+        head = await self.store.head(key)
+        self._verify(key, head, prod)
+        st.raw_bytes += size
+        st.stored_bytes += prod.stored
+        if compressed:
+            st.compressed += 1
+        log.debug("uploaded %s: %d raw, %d stored bytes, %s, etag %s", key, size, prod.stored,
+                  "lz4" if compressed else "none", info.etag)
+        return StoredObject(
+            key=key, size=size, stored_size=prod.stored, crc32c=prod.crc_raw,
+            compression="lz4" if compressed else "none",
+            frame_size=cfg.frame_size if compressed else 0,
+            frames=tuple(prod.frames) if compressed else None)
+
+    @staticmethod
+    def _verify(key: str, head: ObjectInfo, prod: _Producer) -> None:
+        if head.size != prod.stored:
+            raise IntegrityError(f"{key}: stored object is {head.size} bytes, sent {prod.stored}",
+                                 key=key)
+        if head.crc32c is not None and head.crc32c != prod.crc_stored:
+            raise IntegrityError(f"{key}: store reports CRC32C {head.crc32c:08x}, sent "
+                                 f"{prod.crc_stored:08x}", key=key)
+
+    async def _abort(self, key: str, upload_id: str) -> None:
+        self.stats.aborted += 1
+        with trio.CancelScope(shield=True):
+            with trio.move_on_after(ABORT_TIMEOUT) as scope:
+                try:
+                    await self.store.abort_multipart(key, upload_id)
+                    return
+                except Exception as e:
+                    log.warning("abort of multipart upload %s of %s failed: %s; left to the "
+                                "bucket lifecycle rule", upload_id, key, e)
+            if scope.cancelled_caught:
+                log.warning("abort of multipart upload %s of %s timed out after %.0fs",
+                            upload_id, key, ABORT_TIMEOUT)
+            self.stats.abort_failures += 1
+
+
+# ----------------------------------------------------------------------------------------------
+# reads
+
+
+def _decode(obj: StoredObject, blob: bytes, first: int, last: int) -> bytes:
+    try:
+        return b"".join(iter_decompress(
+            blob, obj.frames[first:last + 1],
+            raw_lengths=[obj.raw_frame_len(i) for i in range(first, last + 1)]))
+    except FrameError as e:
+        raise IntegrityError(f"{obj.key}: {e}", key=obj.key) from None
+
+
+async def read_range(store: ObjectStore, obj: StoredObject, offset: int, length: int) -> bytes:
+    """Raw bytes [offset, offset+length) of `obj`, clamped to its size: one ranged GET of just
+    the stored bytes needed (whole frames for lz4), decompressed in a worker thread."""
+    if offset < 0 or length < 0:
+        raise ValueError(f"negative range: offset={offset} length={length}")
+    end = min(offset + length, obj.size)
+    if offset >= end:
+        return b""
+    if obj.compression == "none":
+        data = await store.get(obj.key, offset, end - offset)
+        if len(data) != end - offset:
+            raise IntegrityError(f"{obj.key}: got {len(data)} bytes at {offset}, expected "
+                                 f"{end - offset}", key=obj.key)
+        return data
+    first, last, s, e = frames_for_range(obj.frame_size, obj.frames, offset, end - offset,
+                                         offsets=obj.offsets)
+    blob = await store.get(obj.key, s, e - s)
+    if len(blob) != e - s:
+        raise IntegrityError(f"{obj.key}: got {len(blob)} stored bytes at {s}, expected {e - s}",
+                             key=obj.key)
+    raw = await trio.to_thread.run_sync(_decode, obj, blob, first, last)
+    lo = offset - first * obj.frame_size
+    if lo == 0 and len(raw) == end - offset:
+        return raw
+    return raw[lo:lo + end - offset]
+
+
+@dataclass(frozen=True, slots=True)
+class _Range:
+    raw_off: int
+    raw_len: int
+    stored_off: int
+    stored_len: int
+    first: int      # frames [first, last] (lz4 only)
+    last: int
+
+
+def _plan_ranges(obj: StoredObject, range_size: int) -> list[_Range]:
+    if obj.compression == "none":
+        return [_Range(off, min(range_size, obj.size - off), off, min(range_size, obj.size - off),
+                       0, -1) for off in range(0, obj.size, range_size)]
+    # Whole frames per range, as many as fit in range_size raw bytes (at least one): bounded by
+    # raw size, so a range of highly compressible frames stays a bounded write too.
+    per = max(1, range_size // obj.frame_size)
+    n = len(obj.frames)
+    out = []
+    for first in range(0, n, per):
+        last = min(first + per, n) - 1
+        raw_off = first * obj.frame_size
+        raw_end = min((last + 1) * obj.frame_size, obj.size)
+        s, e = obj.offsets[first], obj.offsets[last + 1]
+        out.append(_Range(raw_off, raw_end - raw_off, s, e - s, first, last))
+    return out
+
+
+def _pwrite_all(fd: int, data: bytes | memoryview, off: int) -> None:
+    mv = memoryview(data)
+    while mv:
+        n = os.pwrite(fd, mv, off)
+        mv = mv[n:]
+        off += n
+
+
+def _write_range(fd: int, obj: StoredObject, r: _Range, blob: bytes) -> int:
+    """Decode one fetched range, write it at its raw offset, return its raw CRC32C."""
+    if len(blob) != r.stored_len:
+        raise IntegrityError(f"{obj.key}: got {len(blob)} bytes at {r.stored_off}, expected "
+                             f"{r.stored_len}", key=obj.key)
+    if obj.compression == "none":
+        _pwrite_all(fd, blob, r.raw_off)
+        return crc32c(blob)
+    crc = 0
+    pos = r.raw_off
+    try:
+        for raw in iter_decompress(blob, obj.frames[r.first:r.last + 1],
+                                   raw_lengths=[obj.raw_frame_len(i)
+                                                for i in range(r.first, r.last + 1)]):
+            crc = crc32c(raw, crc)
+            _pwrite_all(fd, raw, pos)
+            pos += len(raw)
+    except FrameError as e:
+        raise IntegrityError(f"{obj.key}: {e}", key=obj.key) from None
+    return crc
+
+
+def _open_dest(path: str | os.PathLike, size: int) -> int:
+    fd = os.open(os.fspath(path), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    try:
+        os.ftruncate(fd, size)  # sparse: ranges land in any order
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+async def download_file(store: ObjectStore, obj: StoredObject, dest_path: str | os.PathLike, *,
+                        range_size: int = DEFAULT_RANGE_SIZE,
+                        concurrency: int = DEFAULT_DOWNLOAD_CONCURRENCY,
+                        limiter: trio.CapacityLimiter | None = None,
+                        progress: Callable[[int], None] | None = None) -> None:
+    """Fetch `obj` into `dest_path` (created or truncated to obj.size) with up to `concurrency`
+    ranged GETs in flight (and, if given, a token of the shared `limiter` per range), each
+    decoded and written with os.pwrite in a worker thread. Raises IntegrityError if the raw
+    content's CRC32C is not obj.crc32c (the caller retries). Does not fsync: the caller owns
+    durability (write to a temp file, fsync, rename)."""
+    if range_size <= 0 or concurrency < 1:
+        raise ValueError(f"range_size and concurrency must be positive "
+                         f"({range_size}, {concurrency})")
+    ranges = _plan_ranges(obj, range_size)
+    crcs: list[int | None] = [None] * len(ranges)
+    fd = await trio.to_thread.run_sync(_open_dest, dest_path, obj.size)
+    try:
+        todo = iter(enumerate(ranges))  # shared by the workers: each takes the next range
+
+        async def worker() -> None:
+            for i, r in todo:
+                token = object()
+                if limiter is not None:
+                    await limiter.acquire_on_behalf_of(token)
+                try:
+                    blob = await store.get(obj.key, r.stored_off, r.stored_len)
+                    crcs[i] = await trio.to_thread.run_sync(_write_range, fd, obj, r, blob)
+                    del blob
+                finally:
+                    if limiter is not None:
+                        limiter.release_on_behalf_of(token)
+                if progress is not None:
+                    progress(r.raw_len)
+
+        try:
+            async with trio.open_nursery() as nursery:
+                for _ in range(min(concurrency, len(ranges))):
+                    nursery.start_soon(worker)
+        except BaseExceptionGroup as eg:
+            e = _unwrap(eg)
+            if e is None:
+                raise
+            raise e from None
+    finally:
+        os.close(fd)
+    total = 0
+    for r, c in zip(ranges, crcs, strict=True):
+        total = crc32c_combine(total, c, r.raw_len)
+    if total != obj.crc32c:
+        raise IntegrityError(f"{obj.key}: downloaded content has CRC32C {total:08x}, manifest "
+                             f"says {obj.crc32c:08x}", key=obj.key)

@@ -1,0 +1,96 @@
+"""Python API for training code: ask a ckptfs mount about durability, and wait for it.
+
+    import ckptfs
+    torch.save(state, "/mnt/ckpt/step_100.pt")
+    ckptfs.wait_durable("/mnt/ckpt/step_100.pt", timeout=600)   # in the object store now
+
+Every function takes a path inside a ckptfs mount and talks to that mount's daemon over its
+control socket. Nothing here imports pyfuse3 or the cache manager.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from . import control
+from .mount import find_mount, registration
+
+
+class CkptfsError(Exception):
+    """A request to the daemon failed. `code` is the CLI exit code for the same failure."""
+
+    def __init__(self, msg: str, code: int = 1) -> None:
+        super().__init__(msg)
+        self.code = code
+
+
+class NotDurable(CkptfsError):
+    """wait_durable ended without the set being durable: `state` is failed, deleted, timeout or
+    none (the path is in no committed set)."""
+
+    def __init__(self, msg: str, state: str, code: int) -> None:
+        super().__init__(msg, code)
+        self.state = state
+
+
+def locate(path: str | os.PathLike) -> tuple[Path, str]:
+    """(mount point, path relative to it) of `path`, which must be inside a ckptfs mount."""
+    p = Path(os.path.abspath(path))
+    for cand in (p, *p.parents):
+        entry = find_mount(cand)
+        if entry is not None:
+            if entry["fstype"] != "fuse.ckptfs":
+                break
+            return cand, str(p.relative_to(cand)) if p != cand else ""
+    raise CkptfsError(f"{path} is not inside a ckptfs mount", code=3)
+
+
+def _request(mountpoint: Path, req: dict, timeout: float | None = 10.0) -> dict:
+    reg = registration(mountpoint)
+    if reg is None:
+        raise CkptfsError(f"no daemon registered for {mountpoint} (it may have died)")
+    try:
+        reply = control.request(Path(reg["control"]), req, timeout=timeout)
+    except (OSError, ValueError) as e:
+        raise CkptfsError(f"daemon for {mountpoint} (pid {reg['pid']}) is not answering: "
+                          f"{e}") from None
+    return reply
+
+
+def status(mountpoint: str | os.PathLike) -> dict:
+    mp, _ = locate(mountpoint)
+    reply = _request(mp, {"op": "status"})
+    if "error" in reply:
+        raise CkptfsError(reply["error"])
+    return reply
+
+
+def commit(path: str | os.PathLike) -> int:
+    """Commit the file or directory at `path` as a shard set now; returns its sequence number."""
+    mp, rel = locate(path)
+    reply = _request(mp, {"op": "commit", "path": rel})
+    if "error" in reply:
+        raise CkptfsError(reply["error"], code=2 if reply.get("errno") == 2 else 1)
+    return int(reply["seq"])
+
+
+def wait_durable(path: str | os.PathLike, timeout: float | None = None) -> dict:
+    """Block until the set holding `path` is durable in the object store. Returns the set's
+    {"state": "durable", "seq", "path"}; raises NotDurable otherwise."""
+    from .mount import EXIT_ERROR, EXIT_NO_SET, EXIT_STORE
+
+    mp, rel = locate(path)
+    sock_timeout = None if timeout is None else timeout + 30
+    reply = _request(mp, {"op": "wait", "path": rel, "timeout": timeout}, timeout=sock_timeout)
+    state = reply.get("state")
+    if state == "durable":
+        return reply
+    msg = reply.get("error") or f"set is {state}"
+    if state == "none":
+        raise NotDurable(msg, "none", EXIT_NO_SET)
+    if state == "timeout":
+        raise NotDurable(msg, "timeout", EXIT_STORE)
+    if state is None:
+        raise CkptfsError(msg)
+    raise NotDurable(f"set {reply.get('path')} is {state}: {msg}", state, EXIT_ERROR)
