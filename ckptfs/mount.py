@@ -276,6 +276,28 @@ def tune_readahead(mp: Path, kb: int) -> None:
 Notify = Callable[[int, str], None]
 
 
+def _inject_faults(store, spec: str | None):
+    """Testing aid: CKPTFS_FAULTS="put=every:3,upload_part=next:5,get=every:4" wraps the store in
+    a FaultyStore that fails those calls with a transient 503/500 (every k-th call, or the next
+    n calls), below the retry layer, so tests can show that throttling loses nothing."""
+    if not spec:
+        return store
+    from cachemgr.store import FaultyStore
+
+    faulty = FaultyStore(store)
+    for item in spec.split(","):
+        op, _, rule = item.strip().partition("=")
+        kind, _, n = rule.partition(":")
+        if kind == "every":
+            faulty.fail_every(op, int(n))
+        elif kind == "next":
+            faulty.fail_next(op, int(n))
+        else:
+            raise ValueError(f"bad CKPTFS_FAULTS item {item!r}")
+    log.warning("fault injection active: %s", spec)
+    return faulty
+
+
 async def _probe_store(store) -> None:
     """Fail the mount early on a store that cannot work at all (no such bucket, no access);
     transient trouble only warns: writes land in the cache and uploads retry."""
@@ -335,10 +357,10 @@ def run_daemon(cfg: MountConfig, notify: Notify) -> int:
             return EXIT_CACHE_DIR
         store_url = cfg.store or default_store_url()
         try:
-            store = RetryingStore(open_store(
-                store_url, endpoint_url=cfg.s3_endpoint, region=cfg.s3_region,
-                path_style=cfg.s3_path_style, profile=cfg.s3_profile)
-                if store_url.startswith("s3://") else open_store(store_url))
+            inner = open_store(store_url, endpoint_url=cfg.s3_endpoint, region=cfg.s3_region,
+                               path_style=cfg.s3_path_style, profile=cfg.s3_profile) \
+                if store_url.startswith("s3://") else open_store(store_url)
+            store = RetryingStore(_inject_faults(inner, os.environ.get("CKPTFS_FAULTS")))
             trio.run(_probe_store, store)
         except (StoreError, OSError) as e:
             msg = f"object store {store_url} is unusable: {e}"
