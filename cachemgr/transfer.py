@@ -562,7 +562,7 @@ class Uploader:
                 try:
                     await self.store.abort_multipart(key, upload_id)
                     return
-                except Exception as e:
+                except Exception as e:  # noqa: BLE001 - cleanup must not mask the cause
                     log.warning("abort of multipart upload %s of %s failed: %s; left to the "
                                 "bucket lifecycle rule", upload_id, key, e)
             if scope.cancelled_caught:

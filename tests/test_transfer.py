@@ -1,0 +1,501 @@
+"""Uploads, ranged reads and verified downloads of one file (cachemgr.transfer, cachemgr.compress),
+against both real backends: a file:// directory and S3 over HTTP (moto_server on loopback).
+
+Parts are 5 MiB (S3's minimum) and lz4 frames 1 MiB so that multipart uploads, several frames
+per part and frame-crossing reads all happen on small files.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import trio
+
+from cachemgr import compress
+from cachemgr.store import (
+    FaultyStore,
+    IntegrityError,
+    LocalStore,
+    NotFound,
+    RetryingStore,
+    RetryPolicy,
+    crc32c,
+)
+from cachemgr.store.s3 import S3Options, S3Store
+from cachemgr.store.wrappers import _Wrapper
+from cachemgr.transfer import (
+    StoredObject,
+    Superseded,
+    TransferConfig,
+    Uploader,
+    crc32c_combine,
+    download_file,
+    read_range,
+)
+
+PART = 5 << 20
+FRAME = 1 << 20
+SIZES = [0, 1, PART - 1, PART, 3 * PART + 123]
+
+
+def cfg(**kw) -> TransferConfig:
+    base = {"part_size": PART, "max_parts_in_flight": 4, "compress": "off", "frame_size": FRAME}
+    base.update(kw)
+    return TransferConfig(**base)
+
+
+class Env:
+    """A store under test, plus a way to see its pending multipart uploads."""
+
+    def __init__(self, kind: str, store, pending) -> None:
+        self.kind = kind
+        self.store = store
+        self.pending = pending
+
+
+@pytest.fixture(params=["file", "s3"])
+def env(request, tmp_path) -> Env:
+    if request.param == "file":
+        store = LocalStore(tmp_path / "store")
+        return Env("file", store, lambda: sorted(os.listdir(tmp_path / "store" / "multipart")))
+    import boto3
+
+    endpoint, bucket = request.getfixturevalue("s3_bucket")
+    store = S3Store(f"s3://{bucket}/p", S3Options(endpoint_url=endpoint, path_style=True))
+    client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
+
+    def pending():
+        return client.list_multipart_uploads(Bucket=bucket).get("Uploads", [])
+
+    return Env("s3", store, pending)
+
+
+def mixed(size: int, seed: int = 0) -> bytes:
+    """Alternating 256 KiB of random bytes and of zeros: lz4 ratio ~2, bit errors visible."""
+    rng = random.Random(seed)
+    out = bytearray(size)
+    for off in range(0, size, 512 << 10):
+        n = min(256 << 10, size - off)
+        out[off:off + n] = rng.randbytes(n)
+    return bytes(out)
+
+
+def write(tmp_path: Path, name: str, data: bytes) -> Path:
+    p = tmp_path / name
+    p.write_bytes(data)
+    return p
+
+
+class Recorder(_Wrapper):
+    """Records every call (op, args) that reaches the inner store."""
+
+    def __init__(self, inner) -> None:
+        super().__init__(inner)
+        self.log: list[tuple] = []
+
+    async def _do(self, op, *args, **kw):
+        self.log.append((op, *args[:3]) if op == "get" else (op, *args[:1]))
+        return await getattr(self.inner, op)(*args, **kw)
+
+
+# ----------------------------------------------------------------------------------------------
+# compress.py units
+
+
+def test_frames_for_range():
+    lengths = [10, 20, 30, 40]  # raw frames of 100 bytes, last one shorter
+    offs = compress.frame_offsets(lengths)
+    assert offs == [0, 10, 30, 60, 100]
+    for kw in ({}, {"offsets": offs}):
+        assert compress.frames_for_range(100, lengths, 0, 1, **kw) == (0, 0, 0, 10)
+        assert compress.frames_for_range(100, lengths, 0, 100, **kw) == (0, 0, 0, 10)
+        assert compress.frames_for_range(100, lengths, 99, 2, **kw) == (0, 1, 0, 30)
+        assert compress.frames_for_range(100, lengths, 100, 100, **kw) == (1, 1, 10, 30)
+        assert compress.frames_for_range(100, lengths, 150, 200, **kw) == (1, 3, 10, 100)
+        assert compress.frames_for_range(100, lengths, 350, 10**9, **kw) == (3, 3, 60, 100)
+    with pytest.raises(ValueError):
+        compress.frames_for_range(100, lengths, 400, 1)
+    with pytest.raises(ValueError):
+        compress.frames_for_range(100, lengths, 0, 0)
+
+
+def test_frames_decompress_independently():
+    data = mixed(3 * FRAME + 17)
+    frames = [compress.compress_frame(data[o:o + FRAME]) for o in range(0, len(data), FRAME)]
+    lengths = [len(f) for f in frames]
+    blob = b"".join(frames)
+    assert compress.decompress_frames(blob, lengths) == data
+    # Any frame alone, and any run of frames, decompresses without its predecessors.
+    assert compress.decompress_frames(frames[2], lengths[2:3]) == data[2 * FRAME:3 * FRAME]
+    assert compress.decompress_frames(b"".join(frames[1:]), lengths[1:]) == data[FRAME:]
+    with pytest.raises(compress.FrameError):
+        compress.decompress_frames(frames[0], lengths[:1], raw_lengths=[FRAME - 1])
+    with pytest.raises(compress.FrameError):
+        compress.decompress_frames(b"\0" * lengths[0], lengths[:1])
+
+
+def test_should_compress_is_cheap_and_right():
+    calls = []
+
+    def sampler(data):
+        def fn(off, n):
+            calls.append((off, n))
+            return data[off:off + n]
+        return fn
+
+    weights = np.random.default_rng(0).standard_normal(4 << 20, dtype=np.float32).tobytes()
+    assert not compress.should_compress(sampler(weights), len(weights))
+    assert not compress.should_compress(sampler(os.urandom(1 << 20)), 1 << 20)
+    zeros = bytes(16 << 20)
+    assert compress.should_compress(sampler(zeros), len(zeros))
+    assert compress.should_compress(sampler(mixed(8 << 20)), 8 << 20)
+    # The work is bounded whatever the size: a 1 TiB "file" of zeros costs 8 reads of 64 KiB.
+    calls.clear()
+    assert compress.should_compress(lambda off, n: calls.append((off, n)) or bytes(n), 1 << 40)
+    assert len(calls) == compress.SAMPLE_WINDOWS
+    assert all(n == compress.SAMPLE_WINDOW for _, n in calls)
+    assert calls[0][0] == 0 and calls[-1][0] + calls[-1][1] == 1 << 40  # spread to the end
+    assert not compress.should_compress(lambda off, n: b"", 0)
+
+
+def test_crc32c_combine():
+    rng = random.Random(3)
+    for _ in range(300):
+        a = rng.randbytes(rng.choice([0, 1, rng.randint(0, 5000)]))
+        b = rng.randbytes(rng.choice([0, 1, rng.randint(0, 5000)]))
+        assert crc32c_combine(crc32c(a), crc32c(b), len(b)) == crc32c(a + b)
+
+
+def test_config_and_stored_object_validation(tmp_path):
+    assert TransferConfig().single_put_max == TransferConfig().part_size == 64 << 20
+    for bad in ({"part_size": (5 << 20) - 1}, {"max_parts_in_flight": 0},
+                {"compress": "zstd"}, {"frame_size": 128 << 20},
+                {"single_put_max": 6 << 30}):
+        with pytest.raises(ValueError):
+            TransferConfig(**bad)
+    o = StoredObject("k", 2 * FRAME + 1, 60, 7, "lz4", FRAME, (10, 20, 30))
+    assert StoredObject.from_json(o.to_json()) == o
+    import json
+    assert StoredObject.from_json(json.dumps(o.to_json())) == o
+    with pytest.raises(ValueError):
+        StoredObject("k", 2 * FRAME + 1, 60, 7, "lz4", FRAME, (10, 50))  # too few frames
+    with pytest.raises(ValueError):
+        StoredObject("k", 2 * FRAME + 1, 61, 7, "lz4", FRAME, (10, 20, 30))  # sum mismatch
+    with pytest.raises(ValueError):
+        StoredObject("k", 5, 4, 7)  # uncompressed but stored_size != size
+    # More than 10,000 parts' worth grows the part size instead of failing.
+    up = Uploader(LocalStore(tmp_path / "store"), TransferConfig())
+    assert up.part_size_for(1 << 30, False) == 64 << 20
+    big = up.part_size_for(1 << 40, False)
+    assert big % (1 << 20) == 0 and big * 10_000 >= 1 << 40
+
+
+# ----------------------------------------------------------------------------------------------
+# round trips
+
+
+@pytest.mark.parametrize("mode", ["off", "lz4", "auto"])
+def test_round_trip(env, tmp_path, mode):
+    up = Uploader(env.store, cfg(compress=mode))
+
+    async def go():
+        for i, size in enumerate(SIZES):
+            data = mixed(size, seed=i)
+            key = f"sets/s1/f{i}.bin"
+            sent = []
+            obj = await up.upload_file(write(tmp_path, f"in{i}", data), key, size=size,
+                                       progress=sent.append)
+            assert sum(sent) == size
+            assert obj.size == size and obj.crc32c == crc32c(data)
+            assert StoredObject.from_json(obj.to_json()) == obj
+            if size == 0 or mode == "off":
+                assert obj.compression == "none" and obj.stored_size == size
+            elif mode == "lz4" or size >= FRAME:  # auto: half zeros -> compressed
+                assert obj.compression == "lz4"
+                assert obj.frames is not None and len(obj.frames) == -(-size // FRAME)
+            if obj.compression == "lz4" and size >= FRAME:
+                assert obj.stored_size < 0.6 * size
+            info = await env.store.head(key)
+            assert info.size == obj.stored_size
+            # Bit-exact through both read paths.
+            dest = tmp_path / f"out{i}"
+            got = []
+            await download_file(env.store, obj, dest, range_size=2 * FRAME + 5, concurrency=3,
+                                progress=got.append)
+            assert sum(got) == size
+            assert dest.read_bytes() == data
+            assert await read_range(env.store, obj, 0, size + 10) == data
+
+    trio.run(go)
+    st = up.statistics()
+    assert st.uploads == len(SIZES) and st.parts_in_flight == 0
+    # Only the 3-part-plus file needs a multipart upload when stored uncompressed; compressed it
+    # is ~7.5 MiB stored, still more than one part.
+    assert st.multipart == 1 and st.single_puts == len(SIZES) - 1
+    assert env.pending() == []
+
+
+@pytest.mark.parametrize("kind", ["randn", "urandom", "zeros"])
+def test_auto_skips_random_and_compresses_zeros(env, tmp_path, kind):
+    size = 3 * PART + 123
+    if kind == "randn":
+        data = np.random.default_rng(1).standard_normal(size // 4 + 1,
+                                                        dtype=np.float32).tobytes()[:size]
+    elif kind == "urandom":
+        data = os.urandom(size)
+    else:
+        data = bytes(size)
+    up = Uploader(env.store, cfg(compress="auto"))
+
+    async def go():
+        obj = await up.upload_file(write(tmp_path, "f", data), "k", size=size)
+        if kind == "zeros":
+            assert obj.compression == "lz4"
+            assert obj.stored_size < size // 100  # ~255x on zeros
+            assert up.stats.single_puts == 1  # all of it fits in one part once compressed
+        else:
+            assert obj.compression == "none" and obj.frames is None
+            assert obj.stored_size == size
+            assert up.stats.multipart == 1
+        assert (await env.store.head("k")).size == obj.stored_size
+        await download_file(env.store, obj, tmp_path / "out")
+        assert (tmp_path / "out").read_bytes() == data
+
+    trio.run(go)
+
+
+@pytest.mark.parametrize("mode", ["off", "lz4"])
+def test_read_range_fetches_only_needed_frames(env, tmp_path, mode):
+    size = 3 * PART + 123
+    data = mixed(size, seed=5)
+    rec = Recorder(env.store)
+
+    async def go():
+        obj = await Uploader(rec, cfg(compress=mode)).upload_file(
+            write(tmp_path, "f", data), "k", size=size)
+        cases = [
+            (0, 1), (FRAME, FRAME), (FRAME - 10, 20), (2 * FRAME - 1, 1), (2 * FRAME, 1),
+            (FRAME - 1, 3 * FRAME + 2), (PART - 3, 7), (size - 123, 123), (size - 5, 100),
+            (size - 1, 1), (0, size),
+        ]
+        for off, n in cases:
+            rec.log.clear()
+            got = await read_range(rec, obj, off, n)
+            assert got == data[off:off + n], (off, n)
+            [(op, key, start, length)] = rec.log  # exactly one ranged GET
+            assert op == "get" and key == "k"
+            end = min(off + n, size)
+            if mode == "off":
+                assert (start, length) == (off, end - off)
+            else:
+                first, last = off // FRAME, (end - 1) // FRAME
+                assert start == sum(obj.frames[:first])
+                assert length == sum(obj.frames[first:last + 1])
+        rec.log.clear()
+        assert await read_range(rec, obj, size, 10) == b""
+        assert await read_range(rec, obj, size + 100, 10) == b""
+        assert await read_range(rec, obj, 3, 0) == b""
+        assert rec.log == []  # nothing to fetch, no request
+
+    trio.run(go)
+
+
+# ----------------------------------------------------------------------------------------------
+# superseded, cancelled, faults, corruption
+
+
+@pytest.mark.parametrize("valid_calls", [0, 2, 4])
+def test_superseded_aborts_and_leaves_nothing(env, tmp_path, valid_calls):
+    """still_valid is asked once per part (4 parts here) and once before completing: turning
+    False before the first part, mid-upload, or just before completion publishes nothing."""
+    size = 4 * PART
+    data = mixed(size)
+    calls = []
+
+    def still_valid():
+        calls.append(1)
+        return len(calls) <= valid_calls
+
+    up = Uploader(env.store, cfg(max_parts_in_flight=2))
+
+    async def go():
+        with pytest.raises(Superseded):
+            await up.upload_file(write(tmp_path, "f", data), "sets/s/f", size=size,
+                                 still_valid=still_valid)
+        with pytest.raises(NotFound):
+            await env.store.head("sets/s/f")
+        assert await env.store.list("") == []
+
+    trio.run(go)
+    assert len(calls) == valid_calls + 1  # stopped at the first False
+    assert env.pending() == []
+    st = up.statistics()
+    assert st.superseded == 1 and st.parts_in_flight == 0
+    assert st.aborted == (1 if valid_calls else 0)  # no multipart existed before the first part
+
+
+def test_cancellation_aborts_multipart(env, tmp_path):
+    size = 4 * PART
+    up = Uploader(env.store, cfg(max_parts_in_flight=2))
+
+    async def go():
+        with trio.CancelScope() as scope:
+            # Cancel from inside the upload, as soon as the first part is acknowledged.
+            await up.upload_file(write(tmp_path, "f", mixed(size)), "k", size=size,
+                                 progress=lambda n: scope.cancel())
+        assert scope.cancelled_caught
+        with pytest.raises(NotFound):
+            await env.store.head("k")
+
+    trio.run(go)
+    assert up.stats.aborted == 1 and up.stats.abort_failures == 0
+    assert env.pending() == []
+
+
+@pytest.mark.parametrize("mode", ["off", "lz4"])
+def test_transient_faults_are_ridden_out(env, tmp_path, mode):
+    faulty = FaultyStore(env.store)
+    store = RetryingStore(faulty, RetryPolicy(attempts=6, base_delay=0.001, max_delay=0.005),
+                          rng=random.Random(1))
+    big, small = mixed(3 * PART + 123, seed=7), mixed(PART // 2, seed=8)
+
+    async def go():
+        up = Uploader(store, cfg(compress=mode))
+        faulty.fail_next("create_multipart", 2)
+        faulty.fail_every("upload_part", 2)
+        faulty.fail_next("complete_multipart", 1)
+        faulty.fail_next("put", 2)
+        faulty.fail_next("head", 1)
+        faulty.fail_every("get", 3)
+        for name, data in (("big", big), ("small", small)):
+            obj = await up.upload_file(write(tmp_path, name, data), name, size=len(data))
+            assert obj.crc32c == crc32c(data)
+            await download_file(store, obj, tmp_path / f"{name}.out", range_size=FRAME,
+                                concurrency=4)
+            assert (tmp_path / f"{name}.out").read_bytes() == data
+            assert await read_range(store, obj, FRAME - 7, FRAME) == data[FRAME - 7:2 * FRAME - 7]
+
+    trio.run(go)
+    for op in ("create_multipart", "upload_part", "complete_multipart", "put", "head", "get"):
+        assert faulty.injected.get(op, 0) >= 1, op
+    assert store.stats.retries == sum(faulty.injected.values())
+    assert store.stats.failures == 0
+    assert env.pending() == []
+
+
+@pytest.mark.parametrize("mode", ["off", "lz4"])
+def test_corrupt_object_fails_download(env, tmp_path, mode):
+    size = 2 * PART + 99
+    data = mixed(size, seed=11)
+
+    async def go():
+        obj = await Uploader(env.store, cfg(compress=mode)).upload_file(
+            write(tmp_path, "f", data), "k", size=size)
+        stored = bytearray(await env.store.get("k"))
+        assert len(stored) == obj.stored_size
+        # Flip one byte in each of a few places (header, literal run, last frame): each alone
+        # must be caught, whether lz4 notices or only the end-to-end CRC32C does.
+        for pos in (5, len(stored) // 2 + 1, len(stored) - 3):
+            bad = bytearray(stored)
+            bad[pos] ^= 0x40
+            await env.store.put("k", bytes(bad))
+            with pytest.raises(IntegrityError):
+                await download_file(env.store, obj, tmp_path / "out", range_size=FRAME)
+        # A truncated object is caught too, by length.
+        await env.store.put("k", bytes(stored[:-1]))
+        with pytest.raises(IntegrityError):
+            await download_file(env.store, obj, tmp_path / "out")
+        with pytest.raises(IntegrityError):
+            await read_range(env.store, obj, size - 10, 10)
+        # Restored, it downloads again.
+        await env.store.put("k", bytes(stored))
+        await download_file(env.store, obj, tmp_path / "out")
+        assert (tmp_path / "out").read_bytes() == data
+
+    trio.run(go)
+
+
+# ----------------------------------------------------------------------------------------------
+# the memory bound
+
+
+class PartGate(_Wrapper):
+    """Counts concurrent upload_part calls. Each call waits until `gate` calls are in flight (or
+    every expected part has started), so the test provokes maximal concurrency on purpose
+    instead of hoping the scheduler produces it."""
+
+    def __init__(self, inner, gate: int, total: int, limiter=None) -> None:
+        super().__init__(inner)
+        self.gate, self.total, self.limiter = gate, total, limiter
+        self.in_flight = self.peak = self.started = self.peak_tokens = 0
+        self._changed = trio.Event()
+
+    def _kick(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    async def upload_part(self, key, upload_id, number, data):
+        self.in_flight += 1
+        self.started += 1
+        self.peak = max(self.peak, self.in_flight)
+        if self.limiter is not None:
+            self.peak_tokens = max(self.peak_tokens, self.limiter.statistics().borrowed_tokens)
+        self._kick()
+        try:
+            with trio.fail_after(30):
+                while self.in_flight < self.gate and self.started < self.total:
+                    await self._changed.wait()
+            return await self.inner.upload_part(key, upload_id, number, data)
+        finally:
+            self.in_flight -= 1
+            self._kick()
+
+
+def test_parts_in_flight_bounded_per_upload(env, tmp_path):
+    size = 6 * PART + 1  # 7 parts
+    data = mixed(size, seed=2)
+    gate = PartGate(env.store, gate=2, total=7)
+    up = Uploader(gate, cfg(max_parts_in_flight=2))
+
+    async def go():
+        obj = await up.upload_file(write(tmp_path, "f", data), "k", size=size)
+        await download_file(env.store, obj, tmp_path / "out")
+
+    trio.run(go)
+    assert gate.started == 7
+    assert gate.peak == 2  # reached, never exceeded
+    assert up.stats.peak_parts_in_flight == 2  # buffers alive, including the one being read
+    assert (tmp_path / "out").read_bytes() == data
+
+
+def test_parts_in_flight_bounded_across_uploads(env, tmp_path):
+    """Two concurrent uploads (4 parts each, 4 allowed each) share a limiter of 2 tokens."""
+    size = 3 * PART + 7
+    limiter = trio.CapacityLimiter(2)
+    gate = PartGate(env.store, gate=2, total=8, limiter=limiter)
+    up = Uploader(gate, cfg(max_parts_in_flight=4), parts_limiter=limiter)
+    datas = [mixed(size, seed=20), mixed(size, seed=21)]
+
+    async def go():
+        objs = {}
+
+        async def one(i):
+            objs[i] = await up.upload_file(write(tmp_path, f"f{i}", datas[i]), f"k{i}",
+                                           size=size)
+
+        async with trio.open_nursery() as nursery:
+            for i in range(2):
+                nursery.start_soon(one, i)
+        for i in range(2):
+            await download_file(env.store, objs[i], tmp_path / f"out{i}")
+            assert (tmp_path / f"out{i}").read_bytes() == datas[i]
+
+    trio.run(go)
+    assert gate.started == 8
+    assert gate.peak == 2 and gate.peak_tokens <= 2
+    assert up.stats.peak_parts_in_flight == 2
+    assert limiter.statistics().borrowed_tokens == 0
