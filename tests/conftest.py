@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
+# scripts/ckpt_restore.py reads a store without ckptfs; tests use it to check what was published.
+sys.path.insert(0, str(REPO / "scripts"))
 IN_CI = os.environ.get("CI", "").lower() == "true"
 
 

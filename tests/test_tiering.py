@@ -12,7 +12,7 @@ import torch.distributed.checkpoint as dcp
 
 import ckptfs
 from conftest import run_cli, wait_for
-from storeview import FileStoreView, S3StoreView, manifests, restore, restore_to
+from ckpt_restore import FileStoreView, S3StoreView, manifests, restore, restore_to
 
 
 @pytest.fixture(params=["file", "s3"])

@@ -1,9 +1,20 @@
-"""Read a ckptfs store the way docs/FORMAT.md tells a user to: manifests, objects, lz4 frames,
-CRC32C. No ckptfs code is used, so these helpers check the format as well as the contents."""
+#!/usr/bin/env python3
+"""Restore a checkpoint from a ckptfs store without ckptfs: manifests, objects, lz4 frames and
+CRC32C, exactly as docs/FORMAT.md describes (needs only boto3, lz4 and crc32c).
+
+    python scripts/ckpt_restore.py list    file:///var/lib/ckptfs/store
+    python scripts/ckpt_restore.py restore s3://bucket/prefix ckpt/step_100 ./restored \
+        [--endpoint-url URL]
+
+The tests and the main job use the same functions to check what ckptfs published.
+"""
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
+import sys
 from pathlib import Path
 
 import crc32c
@@ -79,8 +90,6 @@ def restore(view, m: dict) -> dict[str, bytes]:
 
 def restore_to(view, m: dict, dest: Path) -> Path:
     """Materialise a set under `dest` (as a user restoring without ckptfs would)."""
-    import os
-
     root = dest / m["path"]
     if m["kind"] == "file":
         root.parent.mkdir(parents=True, exist_ok=True)
@@ -95,3 +104,42 @@ def restore_to(view, m: dict, dest: Path) -> Path:
     for s in m["symlinks"]:
         os.symlink(s["target"], root / s["path"])
     return root
+
+
+def open_view(url: str, endpoint_url: str | None = None):
+    if url.startswith("file://"):
+        return FileStoreView(Path(url[len("file://"):]))
+    if url.startswith("s3://"):
+        bucket, _, prefix = url[len("s3://"):].partition("/")
+        return S3StoreView(endpoint_url, bucket, prefix)
+    raise SystemExit(f"ckpt_restore: unsupported store URL {url!r}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    ls = sub.add_parser("list", help="list the published sets")
+    ls.add_argument("store")
+    r = sub.add_parser("restore", help="restore one set into a directory")
+    r.add_argument("store")
+    r.add_argument("set_path")
+    r.add_argument("dest", type=Path)
+    for q in (ls, r):
+        q.add_argument("--endpoint-url", default=os.environ.get("AWS_ENDPOINT_URL"))
+    a = p.parse_args(argv)
+    view = open_view(a.store, a.endpoint_url)
+    ms = manifests(view)
+    if a.cmd == "list":
+        for path, m in sorted(ms.items()):
+            print(f"{m['kind']:<8} {m['total_bytes']:>14}  {path}")
+        return 0
+    if a.set_path not in ms:
+        print(f"ckpt_restore: no set {a.set_path!r} in {a.store}", file=sys.stderr)
+        return 1
+    out = restore_to(view, ms[a.set_path], a.dest)
+    print(f"restored {a.set_path} to {out} (every CRC32C checked)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
