@@ -79,7 +79,7 @@ from .compress import (
     iter_decompress,
     should_compress,
 )
-from .store.base import IntegrityError, ObjectInfo, ObjectStore, Part, crc32c
+from .store.base import IntegrityError, NotFound, ObjectInfo, ObjectStore, Part, crc32c
 
 log = logging.getLogger(__name__)
 
@@ -522,8 +522,17 @@ class Uploader:
                         raise
                     raise e from None
                 self._check(still_valid, key)
-                info = await self.store.complete_multipart(
-                    key, upload_id, [parts[n] for n in sorted(parts)], prod.crc_stored)
+                ordered = [parts[n] for n in sorted(parts)]
+                try:
+                    info = await self.store.complete_multipart(key, upload_id, ordered,
+                                                               prod.crc_stored)
+                except NotFound:
+                    # A retried complete whose first attempt succeeded but whose answer was
+                    # lost finds the upload gone: accept the object if it is the one we sent.
+                    info = await self.store.head(key)
+                    if info.size != sum(p.size for p in ordered):
+                        raise
+                    log.info("complete of %s answered NoSuchUpload; the object is there", key)
                 upload_id = None  # published: nothing to abort any more
         except BaseException as e:
             if isinstance(e, Superseded):
