@@ -222,7 +222,7 @@ class FuseOps(pyfuse3.Operations):
 
     @_guarded
     async def open(self, inode, flags, ctx):
-        truncating = flags & os.O_TRUNC and flags & os.O_ACCMODE != os.O_RDONLY
+        truncating = flags & os.O_TRUNC  # any access mode (see CacheFs._open_node)
         if not truncating:
             await self._ensure_cached(inode)
         return self._fileinfo(self.core.open(inode, flags))
@@ -236,7 +236,10 @@ class FuseOps(pyfuse3.Operations):
         if self._io_limiter is None:
             return self.core.read(fh, off, size)
         h = self.core.io_handle(fh)
-        return await trio.to_thread.run_sync(os.pread, h.fd, size, off, limiter=self._io_limiter)
+        data = await trio.to_thread.run_sync(os.pread, h.fd, size, off, limiter=self._io_limiter)
+        self.core.stats.reads += 1
+        self.core.stats.bytes_read += len(data)
+        return data
 
     @_guarded
     async def write(self, fh, off, buf):
