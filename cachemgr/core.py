@@ -524,7 +524,10 @@ class CacheFs:
         old_path = self.index.path_of(src.ino) if self.tiering is not None else None
         with self.index.tx():
             if dst is not None:
-                self.index.remove_dentry(new_parent, new_name)
+                # The target entry keeps its row (its id = readdir position) and now names
+                # src: a listing under way sees the replaced name exactly once.
+                self.index.set_dentry_ino(new_parent, new_name, src.ino)
+                self.index.remove_dentry(old_parent, old_name)
                 if dst.is_dir:
                     dst.nlink = 0
                     nd.nlink -= 1
@@ -532,7 +535,8 @@ class CacheFs:
                     dst.nlink -= 1
                 dst.ctime_ns = now
                 self._save(dst, "nlink", "ctime_ns")
-            self.index.move_dentry(old_parent, old_name, new_parent, new_name)
+            else:
+                self.index.move_dentry(old_parent, old_name, new_parent, new_name)
             if src.is_dir and old_parent != new_parent:
                 od.nlink -= 1
                 nd.nlink += 1
@@ -615,7 +619,10 @@ class CacheFs:
     def _open_node(self, node: Inode, flags: int) -> OpenResult:
         accmode = flags & os.O_ACCMODE
         writable = accmode in (os.O_WRONLY, os.O_RDWR)
-        trunc = bool(flags & os.O_TRUNC) and writable
+        # O_TRUNC truncates whatever the access mode, as on Linux's local filesystems
+        # (O_RDONLY|O_TRUNC needs write permission, which the kernel checked). With
+        # atomic_o_trunc the kernel leaves the truncation to us and sets its size to 0.
+        trunc = bool(flags & os.O_TRUNC)
         if not node.cached and not trunc:
             # The FUSE layer fetches evicted data before it opens; reaching here is a bug.
             raise FsError(errno.EIO, f"inode {node.ino} is not in the cache (fetch it first)")
@@ -632,6 +639,8 @@ class CacheFs:
                 node.mtime_ns = node.ctime_ns = now
                 with self.index.tx():
                     self._save(node, "size", "mtime_ns", "ctime_ns", "cached")
+                if not writable and not node.writers:
+                    self._new_version(node)  # as a truncate without writers (_truncate)
             if writable and not node.writers:
                 # The first writer starts a new content version: the unit of upload and commit.
                 node.writing = 1

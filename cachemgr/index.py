@@ -43,6 +43,7 @@ class Index:
         self.conn = conn
         self.path = path
         self._depth = 0
+        self._next_ino: int | None = None  # see insert_inode
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -172,12 +173,26 @@ class Index:
         self, *, mode: int, uid: int, gid: int, now: int, nlink: int, size: int = 0,
         rdev: int = 0, target: bytes | None = None,
     ) -> int:
-        cur = self.conn.execute(
-            "INSERT INTO inodes (mode, uid, gid, size, atime_ns, mtime_ns, ctime_ns, nlink, rdev,"
-            " target) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            (mode, uid, gid, size, now, now, now, nlink, rdev, target),
+        # Inode numbers are never reused: (ino, version) names one content in the set records
+        # and in object keys (data/<node>/<ino>/<version>/...), which outlive the inode. The
+        # rowid alone would hand the newest deleted inode's number out again, and its upload
+        # would overwrite an object a published manifest still names.
+        if self._next_ino is None:
+            row = self.conn.execute(
+                "SELECT MAX(n) FROM (SELECT MAX(ino) AS n FROM inodes UNION ALL"
+                " SELECT MAX(ino) FROM set_files UNION ALL SELECT MAX(ino) FROM objects UNION ALL"
+                " SELECT CAST(value AS INTEGER) FROM meta WHERE key='ino_high_water')"
+            ).fetchone()
+            self._next_ino = int(row[0] or ROOT_INO) + 1
+        ino = self._next_ino
+        self.conn.execute(
+            "INSERT INTO inodes (ino, mode, uid, gid, size, atime_ns, mtime_ns, ctime_ns, nlink,"
+            " rdev, target) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (ino, mode, uid, gid, size, now, now, now, nlink, rdev, target),
         )
-        return int(cur.lastrowid)
+        self.conn.execute("INSERT OR REPLACE INTO meta VALUES ('ino_high_water', ?)", (str(ino),))
+        self._next_ino = ino + 1  # a rolled-back insert only leaves a gap
+        return ino
 
     def update_inode(self, ino: int, **fields: int) -> None:
         cols = ", ".join(f"{k}=?" for k in fields)

@@ -172,11 +172,13 @@ class SetRegistry:
         return seq
 
     def supersede_content(self, ino: int, version: int, why: str) -> list[int]:
-        """A file's content (ino, version) is about to change: every live set holding it can
-        no longer become durable as committed."""
+        """A file's content (ino, version) is about to change or go away: every live set that
+        still needs to upload it can no longer become durable as committed. (A set whose copy
+        of it is already in the store is unaffected: it publishes exactly what was committed.)"""
         seqs = [r[0] for r in self.conn.execute(
             f"SELECT DISTINCT s.seq FROM sets s JOIN set_files f ON f.seq = s.seq"
-            f" WHERE f.ino=? AND f.version=? AND s.state IN {LIVE_STATES}", (ino, version))]
+            f" WHERE f.ino=? AND f.version=? AND f.obj IS NULL AND s.state IN {LIVE_STATES}",
+            (ino, version))]
         for seq in seqs:
             self.set_state(seq, "superseded", why)
         return seqs

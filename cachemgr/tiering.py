@@ -167,6 +167,10 @@ class Tiering:
         if victims:
             self._delete_sets(victims, "deleted through the mount")
         if stat.S_ISREG(node.mode):
+            # A set that still needed this file's upload can never be published as committed.
+            for seq in self.sets.supersede_content(node.ino, node.version, f"{path} was deleted"
+                                                   " before its upload"):
+                log.info("set %d superseded: %s deleted before its upload", seq, path)
             for key in list(self._jobs):
                 if key[0] == node.ino:
                     self._jobs.pop(key, None)
@@ -371,7 +375,9 @@ class Tiering:
         key = self.sets.object_key(ino, version)
         if key is None:
             path = self.index.path_of(ino) or f"{ino}"
-            key = f"data/{self.node}/{ino}/{version}/{path.rsplit('/', 1)[-1]}"
+            # The name is a hint for humans browsing the store; cut so a 255-byte file name still
+            # makes a key every store can hold.
+            key = f"data/{self.node}/{ino}/{version}/{path.rsplit('/', 1)[-1][:100]}"
             with self.index.tx():
                 self.sets.add_object(key, ino, version, size)
         with self.index.tx():
@@ -475,9 +481,19 @@ class Tiering:
                 except StoreError as e:
                     self.consecutive_failures += 1
                     self.last_error = f"{time.strftime('%H:%M:%S')} {ev[0]}: {e}"
-                    log.warning("%s failed (%s); retrying in %.1fs", ev, e, self.cfg.retry_pause)
-                    await trio.sleep(self.cfg.retry_pause)
-                    self._events.appendleft(ev)
+                    if e.transient:
+                        log.warning("%s failed (%s); retrying in %.1fs", ev, e,
+                                    self.cfg.retry_pause)
+                        await trio.sleep(self.cfg.retry_pause)
+                        self._events.appendleft(ev)
+                    elif ev[0] == "publish":
+                        log.error("set %d cannot be published: %s", ev[1], e)
+                        with self.index.tx():
+                            self.sets.set_state(ev[1], "failed", f"the store refused its"
+                                                f" manifest: {e}")
+                        self._changed_now()
+                    else:
+                        log.error("%s failed for good: %s", ev, e)
 
     async def _publish(self, seq: int) -> None:
         s = self.sets.get(seq)
@@ -579,9 +595,12 @@ class Tiering:
             return True
         newest = self.sets.by_states(("durable",))
         keep = {r[1] for r in self.sets.files(newest[-1].seq)} if newest else set()
-        for ino, version in self.core.eviction_candidates():
-            if ino in keep:
-                continue
+        cands = self.core.eviction_candidates()
+        # The newest durable set goes last, not never: when it is all that can make room (a
+        # file being written plus the last checkpoint exceed the limit), skipping it would
+        # block the writer forever.
+        for ino, version in ([c for c in cands if c[0] not in keep] +
+                             [c for c in cands if c[0] in keep]):
             self.core.evict(ino, version)
             if self.core.cached_bytes + need <= limit:
                 return True
@@ -661,10 +680,13 @@ class Tiering:
                          "bytes_uploaded": done, "committed_ns": s.committed_ns,
                          "durable_ns": s.durable_ns, "error": s.error})
         live = self.sets.by_states(LIVE_STATES)
+        retry = getattr(self.store, "stats", None)  # RetryingStore: transient errors ridden out
         return {
             "store": {"url": self.store.url, "health": self.health(),
                       "last_error": self.last_error,
-                      "consecutive_failures": self.consecutive_failures},
+                      "consecutive_failures": self.consecutive_failures,
+                      "retries": getattr(retry, "retries", 0),
+                      "retry_failures": getattr(retry, "failures", 0)},
             "uploads": {"queued": len(self._jobs), "running": len(self._running),
                         "done": self.uploads_done, "cancelled": self.uploads_cancelled,
                         "bytes_uploaded": self.bytes_uploaded,

@@ -1,7 +1,8 @@
 """`file:///dir`: a directory with object-store semantics.
 
-Layout under the root: `objects/<key>` holds each object's bytes, `objects/<key>` + xattr-free
-sidecar `meta/<key>.json` holds its CRC32C; `multipart/<upload_id>/<n>` holds pending parts.
+Layout under the root: `objects/<key>` holds each object's bytes, a sidecar
+`meta/<h[:2]>/<h>.json` (h = sha1 of the key) holds its CRC32C; `multipart/<upload_id>/<n>`
+holds pending parts.
 Objects appear atomically: written to a temp file, fsync'd, then renamed (or hard-linked, for
 If-None-Match, so that two writers racing for one key cannot both win). If-Match takes an
 exclusive flock on a per-root lock file, so it is atomic across processes on one machine (the
@@ -14,7 +15,9 @@ the etag changes with every version without hashing the data.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
+import hashlib
 import json
 import os
 import shutil
@@ -30,6 +33,7 @@ from .base import (
     Part,
     PreconditionFailed,
     StoreError,
+    TransientStoreError,
     check_key,
     crc32c,
 )
@@ -49,13 +53,23 @@ class LocalStore(ObjectStore):
         self._limiter = trio.CapacityLimiter(threads)
 
     async def _run(self, fn, *args):
-        return await trio.to_thread.run_sync(fn, *args, limiter=self._limiter)
+        try:
+            return await trio.to_thread.run_sync(fn, *args, limiter=self._limiter)
+        except OSError as e:
+            # A key this directory cannot represent (a path component over 255 bytes, an object
+            # where the key needs a directory) is refused for good; anything else the disk says
+            # (ENOSPC, EIO) may pass.
+            if e.errno in (errno.ENAMETOOLONG, errno.ENOTDIR, errno.EISDIR, errno.EINVAL):
+                raise StoreError(f"file store cannot hold this key: {e}") from None
+            raise TransientStoreError(f"file store: {e}") from None
 
     def _path(self, key: str) -> Path:
         return self._objects / check_key(key)
 
     def _meta_path(self, key: str) -> Path:
-        return self._meta / (check_key(key) + ".json")
+        # Named by a hash of the key: a sidecar must not make a 255-byte key component longer.
+        h = hashlib.sha1(check_key(key).encode()).hexdigest()
+        return self._meta / h[:2] / f"{h}.json"
 
     @contextlib.contextmanager
     def _locked(self):

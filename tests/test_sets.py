@@ -1,0 +1,183 @@
+"""Commit rules, in-process: the core with tiering hooks attached but the upload service not
+running, so every set stays exactly where the hooks put it (deterministic, no FUSE, no store
+traffic). What each rule means is in docs/SEMANTICS.md "When a set is committed"."""
+
+import os
+
+import pytest
+
+from cachemgr.core import CacheFs
+from cachemgr.sets import SetRegistry, is_temp_name
+from cachemgr.store import LocalStore
+from cachemgr.tiering import Tiering, TieringConfig
+
+ROOT = 1
+O_W = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+
+
+@pytest.fixture
+def fs(tmp_path):
+    core = CacheFs.load(tmp_path / "cache")
+    core.tiering = Tiering(core, LocalStore(tmp_path / "store"), TieringConfig())
+    yield core
+    assert core.check_consistency() == []
+
+
+def sets(fs) -> dict[str, str]:
+    """{path: state} of the newest set of each path."""
+    out = {}
+    for s in SetRegistry(fs.index).recent(1000):
+        out[s.path] = s.state
+    return out
+
+
+def write_file(fs, parent: int, name: bytes, data: bytes = b"x", fsync: bool = False) -> int:
+    """open(O_CREAT|O_TRUNC) + write + close, as the kernel would send it."""
+    existing = fs.index.lookup(parent, name)
+    if existing is None:
+        res, node = fs.create(parent, name, 0o644, O_W, 0, 0)
+    else:
+        node = fs.inode(existing)
+        res = fs.open(existing, O_W)
+    fs.write(res.fh, 0, data)
+    if fsync:
+        fs.fsync(res.fh, False)
+    fs.flush(res.fh)
+    fs.release(res.fh)
+    return node.ino
+
+
+def mkdir(fs, parent: int, name: bytes) -> int:
+    return fs.mkdir(parent, name, 0o755, 0, 0).ino
+
+
+@pytest.mark.parametrize("name,temp", [
+    ("model.pt.tmp", True), (".metadata.tmp", True), ("tmp-checkpoint-500", True),
+    ("step_100.tmp", True), ("42.orbax-checkpoint-tmp-1700000000", True), ("x.partial", True),
+    ("model.pt", False), ("step_100", False), ("latest", False), ("__0_0.distcp", False),
+    ("checkpoint-500", False), ("template.json", False), ("attempt_3", False),
+])
+def test_temporary_names(name, temp):
+    assert is_temp_name(name) == temp
+
+
+def test_dcp_commits_at_metadata_rename_only(fs):
+    d = mkdir(fs, ROOT, b"step_100")
+    for r in range(2):
+        write_file(fs, d, f"__{r}_0.distcp".encode(), os.urandom(1000), fsync=True)
+    write_file(fs, d, b".metadata.tmp", b"meta", fsync=True)
+    assert sets(fs) == {}  # shards and the tmp metadata: no set yet
+    fs.rename(d, b".metadata.tmp", d, b".metadata")
+    assert sets(fs) == {"step_100": "committed"}
+    reg = SetRegistry(fs.index)
+    (s,) = reg.recent(1)
+    assert s.kind == "dir" and s.reason == "dcp"
+    assert [f[0] for f in reg.files(s.seq)] == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+
+
+def test_dcp_resave_supersedes_the_unfinished_set(fs):
+    d = mkdir(fs, ROOT, b"ck")
+    write_file(fs, d, b"__0_0.distcp", b"v1")
+    write_file(fs, d, b".metadata.tmp", b"m1")
+    fs.rename(d, b".metadata.tmp", d, b".metadata")
+    # The re-save overwrites the shard in place (O_TRUNC) while the old .metadata exists:
+    write_file(fs, d, b"__0_0.distcp", b"v2")
+    reg = SetRegistry(fs.index)
+    assert reg.recent(1)[0].state == "superseded"
+    fs.unlink(d, b".metadata")
+    write_file(fs, d, b".metadata.tmp", b"m2")
+    fs.rename(d, b".metadata.tmp", d, b".metadata")
+    states = [s.state for s in reg.recent(10)]
+    assert states == ["superseded", "committed"]
+
+
+def test_torch_save_tmp_then_rename(fs):
+    d = mkdir(fs, ROOT, b"ckpts")
+    write_file(fs, d, b"model.pt.tmp", b"weights")
+    assert sets(fs) == {}
+    fs.rename(d, b"model.pt.tmp", d, b"model.pt")
+    assert sets(fs) == {"ckpts/model.pt": "committed"}
+    fs.symlink(d, b"latest.tmp", b"model.pt", 0, 0)
+    assert "ckpts/latest.tmp" not in sets(fs)
+    fs.rename(d, b"latest.tmp", d, b"latest")
+    assert sets(fs)["ckpts/latest"] == "committed"
+
+
+def test_file_closed_outside_open_sets_commits_itself(fs):
+    write_file(fs, ROOT, b"epoch=3.ckpt")
+    assert sets(fs) == {"epoch=3.ckpt": "committed"}
+    # Overwriting it before it is durable supersedes the first commit; closing commits again.
+    write_file(fs, ROOT, b"epoch=3.ckpt", b"again")
+    reg = SetRegistry(fs.index)
+    assert [s.state for s in reg.recent(10)] == ["superseded", "committed"]
+
+
+def test_directory_rename_commits_and_temp_dir_contents_do_not(fs):
+    tmp = mkdir(fs, ROOT, b"step_7.tmp")
+    sub = mkdir(fs, tmp, b"shards")
+    for r in range(3):
+        write_file(fs, sub, f"rank{r}.pt".encode())
+    assert sets(fs) == {}
+    fs.rename(ROOT, b"step_7.tmp", ROOT, b"step_7")
+    assert sets(fs) == {"step_7": "committed"}
+    (s,) = SetRegistry(fs.index).recent(1)
+    assert [f[0] for f in SetRegistry(fs.index).files(s.seq)] == [
+        "shards/rank0.pt", "shards/rank1.pt", "shards/rank2.pt"]
+    # Writing into a committed directory set makes no set of its own.
+    write_file(fs, sub, b"rank3.pt")
+    assert set(sets(fs)) == {"step_7"}
+
+
+def test_deleting_a_file_before_its_upload_supersedes_the_set(fs):
+    d = mkdir(fs, ROOT, b"step_1.tmp")
+    write_file(fs, d, b"a.bin")
+    write_file(fs, d, b"b.bin")
+    fs.rename(ROOT, b"step_1.tmp", ROOT, b"step_1")
+    b = fs.lookup(d, b"b.bin").ino
+    fs.forget(b, 1)
+    fs.unlink(d, b"b.bin")
+    (s,) = SetRegistry(fs.index).recent(1)
+    assert s.state == "superseded" and "deleted" in s.error
+    # Removing the set's root deletes it.
+    fs.unlink(d, b"a.bin")
+    fs.rmdir(ROOT, b"step_1")
+    assert sets(fs) == {"step_1": "superseded"}
+
+
+def test_deleting_a_committed_set_root(fs):
+    write_file(fs, ROOT, b"model.pt")
+    fs.unlink(ROOT, b"model.pt")
+    assert sets(fs) == {"model.pt": "deleted"}
+
+
+def test_explicit_commit_absorbs_per_file_sets(fs):
+    d = mkdir(fs, ROOT, b"plain")
+    for r in range(2):
+        write_file(fs, d, f"rank{r}.bin".encode())
+    assert sets(fs) == {"plain/rank0.bin": "committed", "plain/rank1.bin": "committed"}
+    fs.tiering.commit_path("plain")
+    assert sets(fs) == {"plain/rank0.bin": "superseded", "plain/rank1.bin": "superseded",
+                        "plain": "committed"}
+
+
+def test_crash_while_writing_supersedes_commits_of_old_content(tmp_path):
+    core = CacheFs.load(tmp_path / "cache")
+    core.tiering = Tiering(core, LocalStore(tmp_path / "store"), TieringConfig())
+    write_file(core, ROOT, b"model.pt", b"v1")
+    ino = core.lookup(ROOT, b"model.pt").ino
+    res = core.open(ino, os.O_WRONLY)  # a writer is active when the daemon dies
+    core.write(res.fh, 0, b"v2-partial")
+    version = core.inode(ino).version
+    core.index.conn.close()  # kill -9: nothing is released or flushed
+    again = CacheFs.load(tmp_path / "cache")
+    t = Tiering(again, LocalStore(tmp_path / "store"), TieringConfig())
+    again.tiering = t
+    t._recover()
+    row = again.index.conn.execute(
+        "SELECT version, writing FROM inodes WHERE ino=?", (ino,)).fetchone()
+    assert row == (version + 1, 0)
+    # model.pt v1 was committed at its close and never uploaded: it is still publishable only
+    # if its bytes were unchanged, which the crash cannot promise.
+    reg = SetRegistry(again.index)
+    assert [s.state for s in reg.recent(10)] == ["superseded"]
+    assert again.check_consistency() == []
