@@ -1,0 +1,460 @@
+"""The `ckptfs` command line: documented exit codes and one-line messages (README "Exit codes").
+
+Every failure must print exactly one line on stderr, starting with `ckptfs: `, and no traceback.
+Tests that mount use the `mnt`/`mount_factory` fixtures (real daemons through the real CLI).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ckptfs import mount as ckmount
+from ckptfs.mount import (
+    EXIT_CACHE_DIR,
+    EXIT_ERROR,
+    EXIT_MOUNTPOINT,
+    EXIT_NO_FUSE,
+    EXIT_OK,
+    EXIT_USAGE,
+    MountError,
+)
+from tests.conftest import REPO, _alive, ckptfs_cmd, is_mounted, require_fuse, run_cli, wait_for
+
+IS_ROOT = os.geteuid() == 0
+
+
+def one_line_error(res: subprocess.CompletedProcess, code: int, *needles: str) -> str:
+    """Assert `res` failed with `code` and exactly one `ckptfs: ` line on stderr containing every
+    needle; return that line."""
+    lines = res.stderr.splitlines()
+    assert res.returncode == code, (res.returncode, res.stdout, res.stderr)
+    assert len(lines) == 1, f"stderr is not one line: {res.stderr!r}"
+    line = lines[0]
+    assert line.startswith("ckptfs: "), line
+    assert "Traceback" not in res.stderr and "Traceback" not in res.stdout
+    for n in needles:
+        assert n in line, f"{n!r} not in {line!r}"
+    assert res.stdout == "", f"unexpected stdout on failure: {res.stdout!r}"
+    return line
+
+
+def store_opt(tmp_path: Path) -> list[str]:
+    """A file:// store of the test's own (not the user's shared embedded default)."""
+    return ["--store", f"file://{tmp_path / 'store'}"]
+
+
+def mount_cli(mp: Path, cache: Path, *extra: str) -> subprocess.CompletedProcess:
+    return run_cli("mount", str(mp), "--cache-dir", str(cache),
+                   *store_opt(mp.parent), *extra)
+
+
+# ----------------------------------------------------------------------------------------------
+# help and usage errors (2)
+
+
+def test_help() -> None:
+    res = run_cli("--help")
+    assert res.returncode == 0, res.stderr
+    assert "mount" in res.stdout and "umount" in res.stdout
+    assert res.stderr == ""
+    for sub in ("mount", "umount"):
+        res = run_cli(sub, "--help")
+        assert res.returncode == 0, res.stderr
+        assert res.stdout.startswith("usage: ckptfs " + sub), res.stdout
+        assert "mountpoint" in res.stdout
+        assert res.stderr == ""
+    res = run_cli("mount", "--help")
+    for opt in ("--cache-dir", "--foreground", "--log-level", "--attr-timeout", "--io-threads"):
+        assert opt in res.stdout
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--log-level", "nonsense"], "--log-level"),
+        (["--attr-timeout", "-1"], "--attr-timeout"),
+        (["--attr-timeout", "soon"], "--attr-timeout"),
+        (["--attr-timeout", "7200"], "--attr-timeout"),
+        (["--io-threads", "999"], "--io-threads"),
+        (["--io-threads", "-1"], "--io-threads"),
+        (["--read-ahead-kb", "1000000"], "--read-ahead-kb"),
+        (["--no-such-option"], "--no-such-option"),
+    ],
+    ids=["log-level", "attr-timeout-neg", "attr-timeout-nan", "attr-timeout-big", "io-threads-big",
+         "io-threads-neg", "read-ahead-big", "unknown-option"],
+)
+def test_bad_option_values(tmp_path: Path, args: list[str], needle: str) -> None:
+    mp = tmp_path / "mp"
+    mp.mkdir()
+    cache = tmp_path / "cache"
+    res = mount_cli(mp, cache, *args)
+    one_line_error(res, EXIT_USAGE, needle)
+    # Refused before anything was touched.
+    assert not is_mounted(mp)
+    assert not cache.exists()
+
+
+def test_usage_errors(tmp_path: Path) -> None:
+    one_line_error(run_cli(), EXIT_USAGE)                       # no command
+    one_line_error(run_cli("frobnicate"), EXIT_USAGE, "frobnicate")
+    one_line_error(run_cli("mount"), EXIT_USAGE, "mountpoint")  # missing argument
+    one_line_error(run_cli("umount", str(tmp_path), "--timeout", "x"), EXIT_USAGE, "--timeout")
+
+
+# ----------------------------------------------------------------------------------------------
+# mount point (3)
+
+
+def test_mountpoint_missing(tmp_path: Path) -> None:
+    require_fuse()  # preflight checks FUSE first
+    mp = tmp_path / "nope"
+    line = one_line_error(mount_cli(mp, tmp_path / "cache"), EXIT_MOUNTPOINT, str(mp))
+    assert "does not exist" in line
+    assert not mp.exists()
+
+
+def test_mountpoint_not_a_directory(tmp_path: Path) -> None:
+    require_fuse()  # preflight checks FUSE first
+    mp = tmp_path / "file"
+    mp.write_bytes(b"x")
+    line = one_line_error(mount_cli(mp, tmp_path / "cache"), EXIT_MOUNTPOINT, str(mp))
+    assert "not a directory" in line
+    assert mp.read_bytes() == b"x"
+
+
+def test_mountpoint_not_empty(tmp_path: Path) -> None:
+    require_fuse()  # preflight checks FUSE first
+    mp = tmp_path / "mp"
+    mp.mkdir()
+    (mp / "precious").write_bytes(b"keep me")
+    line = one_line_error(mount_cli(mp, tmp_path / "cache"), EXIT_MOUNTPOINT, str(mp))
+    assert "not empty" in line
+    assert not is_mounted(mp)
+    assert (mp / "precious").read_bytes() == b"keep me"
+
+
+def test_mountpoint_already_mounted(mnt, tmp_path: Path) -> None:
+    (mnt.path / "f").write_bytes(b"data")
+    line = one_line_error(mount_cli(mnt.path, tmp_path / "other-cache"), EXIT_MOUNTPOINT,
+                          str(mnt.path))
+    assert "already mounted" in line
+    # The existing mount is untouched and still answers.
+    assert _alive(mnt.pid)
+    assert (mnt.path / "f").read_bytes() == b"data"
+
+
+@pytest.mark.skipif(not IS_ROOT, reason="mounting a tmpfs needs root")
+def test_mountpoint_already_mounted_other_fs(tmp_path: Path) -> None:
+    require_fuse()  # preflight checks FUSE first
+    mp = tmp_path / "mp"
+    mp.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "tmpfs", str(mp)], check=True)
+    try:
+        line = one_line_error(mount_cli(mp, tmp_path / "cache"), EXIT_MOUNTPOINT, str(mp))
+        assert "already mounted (tmpfs)" in line
+    finally:
+        subprocess.run(["umount", str(mp)], check=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# cache dir (4)
+
+
+def test_cache_dir_parent_is_a_file(tmp_path: Path) -> None:
+    require_fuse()  # preflight checks FUSE before the cache dir
+    mp = tmp_path / "mp"
+    mp.mkdir()
+    (tmp_path / "plain").write_bytes(b"")
+    cache = tmp_path / "plain" / "cache"
+    line = one_line_error(mount_cli(mp, cache), EXIT_CACHE_DIR, str(cache))
+    assert "cannot create cache dir" in line
+    assert not is_mounted(mp)
+
+
+def test_cache_dir_is_a_file(tmp_path: Path) -> None:
+    require_fuse()
+    mp = tmp_path / "mp"
+    mp.mkdir()
+    cache = tmp_path / "cache"
+    cache.write_bytes(b"")
+    one_line_error(mount_cli(mp, cache), EXIT_CACHE_DIR, str(cache))
+    assert not is_mounted(mp)
+
+
+@pytest.mark.skipif(not IS_ROOT, reason="mounting a read-only tmpfs needs root")
+def test_cache_dir_read_only(tmp_path: Path) -> None:
+    require_fuse()
+    mp = tmp_path / "mp"
+    mp.mkdir()
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "ro", "tmpfs", str(ro)], check=True)
+    try:
+        # The cache dir exists but cannot be written.
+        line = one_line_error(mount_cli(mp, ro), EXIT_CACHE_DIR, str(ro))
+        assert "not writable" in line
+        # The cache dir would have to be created on a read-only filesystem.
+        line = one_line_error(mount_cli(mp, ro / "cache"), EXIT_CACHE_DIR, str(ro / "cache"))
+        assert "cannot create cache dir" in line
+        assert not is_mounted(mp)
+    finally:
+        subprocess.run(["umount", str(ro)], check=True)
+
+
+def test_cache_dir_in_use(mnt, mount_factory) -> None:
+    other = mount_factory("other", cache_dir=mnt.cache_dir)
+    res = other.start("--store", f"file://{mnt.store_dir}", check=False)
+    line = one_line_error(res, EXIT_CACHE_DIR, str(mnt.cache_dir), f"pid {mnt.pid}")
+    assert "in use" in line
+    assert not is_mounted(other.path)
+    # The first mount is unaffected, and its lock still names it.
+    assert _alive(mnt.pid)
+    (mnt.path / "still-works").write_bytes(b"ok")
+    assert (mnt.path / "still-works").read_bytes() == b"ok"
+    assert (mnt.cache_dir / "lock").read_text().strip() == str(mnt.pid)
+
+
+def test_cache_dir_incompatible_layout(mount_factory) -> None:
+    m = mount_factory("old")
+    m.cache_dir.mkdir()
+    (m.cache_dir / "layout.json").write_text(json.dumps({"format": "ckptfs-cache",
+                                                         "version": 99}))
+    res = m.start(check=False)
+    line = one_line_error(res, EXIT_CACHE_DIR, str(m.cache_dir))
+    assert "version" in line
+    assert not is_mounted(m.path)
+
+
+# ----------------------------------------------------------------------------------------------
+# FUSE missing (5)
+
+
+@pytest.mark.skipif(not IS_ROOT or shutil.which("unshare") is None,
+                    reason="needs root and unshare for a private mount namespace")
+def test_dev_fuse_missing(tmp_path: Path) -> None:
+    """Run the CLI in a private mount namespace where an empty tmpfs hides /dev."""
+    mp = tmp_path / "mp"
+    mp.mkdir()
+    cache = tmp_path / "cache"
+    script = ('mount -t tmpfs tmpfs /dev && test ! -e /dev/fuse && exec "$@"')
+    res = subprocess.run(  # noqa: PLW1510 (the exit code is what is tested)
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh",
+         *ckptfs_cmd("mount", str(mp), "--cache-dir", str(cache), *store_opt(tmp_path))],
+        capture_output=True, text=True, timeout=60, cwd=REPO)
+    line = one_line_error(res, EXIT_NO_FUSE, "/dev/fuse")
+    assert "missing" in line
+    assert not cache.exists()
+
+
+def test_check_fuse_unit(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """`check_fuse` directly: /dev/fuse missing, then fusermount3 missing from PATH."""
+    real_exists = os.path.exists
+    monkeypatch.setattr(ckmount.os.path, "exists",
+                        lambda p: False if p == "/dev/fuse" else real_exists(p))
+    with pytest.raises(MountError) as ei:
+        ckmount.check_fuse()
+    assert ei.value.code == EXIT_NO_FUSE and "/dev/fuse" in ei.value.msg
+    monkeypatch.undo()
+    if not os.path.exists("/dev/fuse"):
+        return
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(MountError) as ei:
+        ckmount.check_fuse()
+    assert ei.value.code == EXIT_NO_FUSE and "fusermount3" in ei.value.msg
+
+
+# ----------------------------------------------------------------------------------------------
+# umount
+
+
+def test_umount_not_mounted(tmp_path: Path) -> None:
+    line = one_line_error(run_cli("umount", str(tmp_path)), EXIT_MOUNTPOINT, str(tmp_path))
+    assert "not mounted" in line
+    missing = tmp_path / "missing"
+    one_line_error(run_cli("umount", str(missing)), EXIT_MOUNTPOINT, str(missing))
+
+
+@pytest.mark.skipif(not IS_ROOT, reason="mounting a tmpfs needs root")
+def test_umount_not_ckptfs(tmp_path: Path) -> None:
+    mp = tmp_path / "mp"
+    mp.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "tmpfs", str(mp)], check=True)
+    try:
+        line = one_line_error(run_cli("umount", str(mp)), EXIT_MOUNTPOINT, str(mp))
+        assert "not a ckptfs mount" in line
+        assert is_mounted(mp)
+    finally:
+        subprocess.run(["umount", str(mp)], check=True)
+
+
+def test_umount_busy(mnt) -> None:
+    (mnt.path / "d").mkdir()
+    sleeper = subprocess.Popen(["sleep", "600"], cwd=mnt.path / "d")
+    try:
+        line = one_line_error(run_cli("umount", str(mnt.path)), EXIT_ERROR, str(mnt.path))
+        assert "busy" in line
+        # Still mounted, daemon alive, mount answering.
+        assert is_mounted(mnt.path)
+        assert _alive(mnt.pid)
+        assert os.listdir(mnt.path) == ["d"]
+    finally:
+        sleeper.kill()
+        sleeper.wait(timeout=30)
+    res = run_cli("umount", str(mnt.path))
+    assert res.returncode == EXIT_OK, res.stderr
+    assert res.stdout.startswith("ckptfs: unmounted") and res.stderr == ""
+    assert not is_mounted(mnt.path)
+    assert not _alive(mnt.pid)
+    mnt.pid = None
+
+
+def test_mount_umount_roundtrip(mount_factory) -> None:
+    m = mount_factory("rt")
+    res = m.start()
+    assert res.stdout.startswith("ckptfs: mounted ") and res.stderr == ""
+    assert len(res.stdout.splitlines()) == 1
+    assert str(m.path) in res.stdout and f"pid {m.pid}" in res.stdout
+    pid = m.pid
+    res = run_cli("umount", str(m.path))
+    assert res.returncode == EXIT_OK and res.stderr == ""
+    assert res.stdout == f"ckptfs: unmounted {m.path}\n"
+    # umount returns only once the daemon has exited (and released the cache-dir lock).
+    assert not _alive(pid)
+    assert not is_mounted(m.path)
+    assert (m.cache_dir / "lock").read_text() == ""
+    m.pid = None
+
+
+# ----------------------------------------------------------------------------------------------
+# foreground
+
+
+def test_foreground_sigterm(tmp_path: Path) -> None:
+    require_fuse()
+    mp = tmp_path / "mp"
+    mp.mkdir()
+    cache = tmp_path / "cache"
+    err_path = tmp_path / "fg.stderr"
+    with open(err_path, "w") as err:
+        proc = subprocess.Popen(ckptfs_cmd("mount", "--foreground", str(mp), "--cache-dir",
+                                           str(cache), *store_opt(tmp_path)),
+                                stdout=subprocess.DEVNULL, stderr=err, cwd=REPO)
+    try:
+        wait_for(lambda: "ckptfs: mounted" in err_path.read_text(), timeout=60,
+                 what="foreground mount to report ready")
+        assert proc.poll() is None
+        assert is_mounted(mp)
+        assert f"pid {proc.pid}" in err_path.read_text()
+        (mp / "f").write_bytes(b"hello")
+        assert (mp / "f").read_bytes() == b"hello"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == EXIT_OK, err_path.read_text()
+        assert not is_mounted(mp)
+        assert "Traceback" not in err_path.read_text()
+        assert os.listdir(mp) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+        if is_mounted(mp):
+            subprocess.run(["fusermount3", "-u", "-z", str(mp)], capture_output=True, check=False)
+    # What was written survived the SIGTERM shutdown.
+    res = mount_cli(mp, cache)
+    assert res.returncode == 0, res.stderr
+    try:
+        assert (mp / "f").read_bytes() == b"hello"
+    finally:
+        res = run_cli("umount", str(mp))
+        assert res.returncode == 0, res.stderr
+
+
+# ----------------------------------------------------------------------------------------------
+# stale mount of a dead daemon
+
+
+@pytest.mark.parametrize("idle", [False, True], ids=["after-writes", "idle"])
+def test_stale_mount_cleaned_up(mnt, idle: bool) -> None:
+    """`idle`: the daemon dies right after mounting, while the kernel still caches the mount
+    point's attributes (a plain stat of it succeeds); the dead mount must be detected anyway."""
+    if not idle:
+        (mnt.path / "kept").write_bytes(b"survives")
+    old_pid = mnt.pid
+    mnt.kill9()
+    assert is_mounted(mnt.path)
+    with pytest.raises(OSError) as ei:
+        os.listdir(mnt.path)
+    # ECONNABORTED when the request raced the kernel aborting the dying daemon's connection.
+    assert ei.value.errno in (errno.ENOTCONN, errno.ECONNABORTED)
+    res = mnt.start()  # asserts exit 0, mounted, pid
+    assert mnt.pid != old_pid
+    note = res.stderr.splitlines()
+    assert len(note) == 1 and note[0].startswith("ckptfs: ")
+    assert "stale mount" in note[0] and str(mnt.path) in note[0]
+    assert "Traceback" not in res.stderr
+    assert res.stdout.startswith("ckptfs: mounted")
+    # Exactly one mount at the mount point (the stale one is gone), and it answers.
+    with open("/proc/self/mountinfo") as f:
+        assert sum(ln.split()[4] == str(mnt.path) for ln in f) == 1
+    assert os.listdir(mnt.path) == ([] if idle else ["kept"])
+    if not idle:
+        assert (mnt.path / "kept").read_bytes() == b"survives"
+    mnt.stop()
+    assert not is_mounted(mnt.path)
+
+
+def test_python_m_entry_point_matches_console_script() -> None:
+    """`ckptfs` (console script) and `python -m ckptfs` are the same program."""
+    exe = Path(sys.executable).parent / "ckptfs"
+    if not exe.exists():
+        pytest.skip("console script not installed in this environment")
+    res = subprocess.run([str(exe), "umount", "/nonexistent-ckptfs-test"], capture_output=True,
+                         text=True, timeout=60, check=False)
+    one_line_error(res, EXIT_MOUNTPOINT, "not mounted")
+
+
+def test_umount_daemon_left_unreaped(tmp_path: Path) -> None:
+    """`umount` returns once the daemon has exited even if its parent never reaps it (a
+    container init that does not reap): a zombie daemon counts as gone."""
+    require_fuse()
+    mp = tmp_path / "mp"
+    mp.mkdir()
+    cache = tmp_path / "cache"
+    # A subreaper that adopts the daemon and does not reap it until its stdin closes.
+    wrapper = (
+        "import ctypes, subprocess, sys\n"
+        "assert ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0) == 0\n"
+        "r = subprocess.run(sys.argv[1:], capture_output=True, text=True)\n"
+        "print(r.returncode, r.stdout.strip(), flush=True)\n"
+        "sys.stdin.read()\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", wrapper,
+                             *ckptfs_cmd("mount", str(mp), "--cache-dir", str(cache),
+                                         *store_opt(tmp_path))],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO)
+    pid = None
+    try:
+        first = proc.stdout.readline().split()
+        assert first[0] == "0", first
+        pid = int(first[-1].rstrip(")"))
+        assert is_mounted(mp)
+        res = run_cli("umount", str(mp), "--timeout", "30")
+        assert res.returncode == EXIT_OK, res.stderr
+        assert not is_mounted(mp)
+        with open(f"/proc/{pid}/stat") as f:  # still there, unreaped, but finished
+            assert f.read().rpartition(")")[2].split()[0] == "Z"
+    finally:
+        if is_mounted(mp):
+            subprocess.run(["fusermount3", "-u", "-z", str(mp)], capture_output=True, check=False)
+        proc.stdin.close()
+        proc.wait(timeout=30)
+        if pid is not None:
+            wait_for(lambda: not _alive(pid), what="daemon to be reaped")
