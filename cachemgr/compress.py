@@ -109,9 +109,10 @@ def decompress_frames(blob: bytes | memoryview, lengths: Sequence[int], *,
 
 
 def iter_decompress(blob: bytes | memoryview, lengths: Sequence[int], *,
-                    raw_lengths: Sequence[int] | None = None):
+                    raw_lengths: Sequence[int] | None = None, first: int = 0):
     """Like `decompress_frames`, one raw frame at a time (lets a caller write each frame out
-    without joining them first)."""
+    without joining them first). `first` is the object-wide number of the first frame, for
+    error messages only."""
     mv = memoryview(blob)
     if sum(lengths) != len(mv):
         raise FrameError(f"blob is {len(mv)} bytes, frame index says {sum(lengths)}")
@@ -120,9 +121,9 @@ def iter_decompress(blob: bytes | memoryview, lengths: Sequence[int], *,
         try:
             raw = lz4.frame.decompress(mv[pos:pos + n])
         except RuntimeError as e:  # lz4 reports corrupt input as RuntimeError
-            raise FrameError(f"frame {i}: {e}") from None
+            raise FrameError(f"frame {first + i}: {e}") from None
         if raw_lengths is not None and len(raw) != raw_lengths[i]:
-            raise FrameError(f"frame {i} decompressed to {len(raw)} bytes, "
+            raise FrameError(f"frame {first + i} decompressed to {len(raw)} bytes, "
                              f"expected {raw_lengths[i]}")
         pos += n
         yield raw

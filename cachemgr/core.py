@@ -143,6 +143,9 @@ class CacheFs:
         # limits. Kept up to date by every size change.
         self.cached_bytes = index.cached_bytes()
         self._last_used: dict[int, float] = {}
+        # Set by the FUSE layer: tell the kernel to forget a directory entry changed behind its
+        # back (sets restored from the store).
+        self.invalidate_entry = lambda parent, name: None
 
     # ------------------------------------------------------------------------------------------
     # lifecycle
@@ -806,10 +809,80 @@ class CacheFs:
         with self.index.tx():
             node.cached = 0
             self._save(node, "cached")
+            self.index.conn.execute("UPDATE inodes SET present=NULL WHERE ino=?", (ino,))
         os.truncate(self._data_path(ino), 0)
         self.cached_bytes -= node.size
         log.debug("evicted inode %d (%d bytes)", ino, node.size)
         return True
+
+    # -- sets restored from the store (driven by cachemgr.restore) -----------------------------
+
+    def ensure_dirs(self, parts: list[str]) -> int:
+        """The directory at `parts` below the root, creating missing ones (mode 0755, like
+        mkdir -p) without tiering hooks. ENOTDIR if a component is not a directory."""
+        ino = ROOT_INO
+        for part in parts:
+            name = part.encode("utf-8", "surrogateescape")
+            child = self.index.lookup(ino, name)
+            if child is None:
+                child = self.raw_create(ino, name, stat.S_IFDIR | 0o755)
+            elif not self.inode(child).is_dir:
+                raise FsError(errno.ENOTDIR, f"{'/'.join(parts)}: {part} is not a directory")
+            ino = child
+        return ino
+
+    def raw_create(self, parent: int, name: bytes, mode: int, *, size: int = 0,
+                   mtime_ns: int | None = None, target: bytes | None = None,
+                   obj: str | None = None) -> int:
+        """Create an entry the kernel has not seen, without tiering hooks: restored sets.
+        A regular file is created evicted (`cached = 0`) with its object `obj`: its data
+        comes from the store on first read."""
+        self._check_name(name)
+        if self.index.lookup(parent, name) is not None:
+            raise FsError(errno.EEXIST)
+        d = self.inode(parent)
+        now = _now()
+        is_dir = stat.S_ISDIR(mode)
+        with self.index.tx():
+            ino = self.index.insert_inode(
+                mode=mode, uid=os.getuid(), gid=os.getgid(), now=now,
+                nlink=2 if is_dir else 1, size=len(target) if target is not None else size,
+                target=target)
+            if mtime_ns is not None:
+                self.index.update_inode(ino, mtime_ns=mtime_ns)
+            if stat.S_ISREG(mode):
+                self._make_data_file(ino)
+                self.index.update_inode(ino, cached=0)
+                self.index.conn.execute(
+                    "UPDATE inodes SET obj=?, obj_version=0 WHERE ino=?", (obj, ino))
+            self.index.add_dentry(parent, name, ino)
+            if is_dir:
+                d.nlink += 1
+            self._touch_dir(d, now)
+        return ino
+
+    def remove_tree(self, parent: int, name: bytes) -> None:
+        """rm -rf of one entry without tiering hooks (a restored set replaced from the store).
+        Files still open stay readable through their descriptors until closed."""
+        ino = self.index.lookup(parent, name)
+        if ino is None:
+            return
+        node = self.inode(ino)
+        if node.is_dir:
+            for child_name, _child in [(bytes(n), i) for _id, n, i in
+                                       self.index.list_dentries(ino, 0, 1 << 30)]:
+                self.remove_tree(ino, child_name)
+        d = self.inode(parent)
+        with self.index.tx():
+            self.index.remove_dentry(parent, name)
+            if node.is_dir:
+                node.nlink = 0
+                d.nlink -= 1
+            else:
+                node.nlink -= 1
+            self._save(node, "nlink")
+            self._touch_dir(d, _now())
+        self._maybe_drop(node)
 
     def fetched(self, ino: int, size: int) -> None:
         """The cache file of an evicted inode was refilled from the store."""
@@ -817,6 +890,7 @@ class CacheFs:
         with self.index.tx():
             node.cached = 1
             self._save(node, "cached")
+            self.index.conn.execute("UPDATE inodes SET present=NULL WHERE ino=?", (ino,))
         self.cached_bytes += node.size
         node.gen += 1
 

@@ -47,7 +47,11 @@ CREATE TABLE inodes (
     -- The uploaded object (StoredObject JSON, see cachemgr/transfer.py) of content `obj_version`,
     -- or NULL if no upload of this file has finished.
     obj         TEXT,
-    obj_version INTEGER
+    obj_version INTEGER,
+    -- For cached = 0: bitmap of the object's chunks already in the cache file (bit i of byte
+    -- i // 8 = chunk i, chunks of the object's chunk_size); NULL = none yet. When every chunk is
+    -- in, cached becomes 1 and this NULL again.
+    present     BLOB
 );
 
 -- Directory entries. `id` is the readdir offset: AUTOINCREMENT makes it strictly increasing and
@@ -92,7 +96,11 @@ CREATE TABLE sets (
     committed_ns INTEGER NOT NULL,
     durable_ns   INTEGER,
     error        TEXT,
-    layout       TEXT    NOT NULL                     -- JSON: dirs and symlinks of the set
+    layout       TEXT    NOT NULL,                    -- JSON: dirs and symlinks of the set
+    -- 'local' for sets committed on this node; else the node id of the store manifest this set
+    -- was materialised from (restore on another node), with that manifest's etag.
+    origin       TEXT    NOT NULL DEFAULT 'local',
+    etag         TEXT
 );
 CREATE INDEX sets_by_path ON sets(path);
 CREATE INDEX sets_by_state ON sets(state);

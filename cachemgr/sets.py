@@ -61,9 +61,12 @@ class SetRow:
     durable_ns: int | None
     error: str | None
     layout: str
+    origin: str = "local"
+    etag: str | None = None
 
 
-_SET_COLS = "seq, path, kind, root_ino, state, reason, committed_ns, durable_ns, error, layout"
+_SET_COLS = ("seq, path, kind, root_ino, state, reason, committed_ns, durable_ns, error, layout,"
+             " origin, etag")
 
 
 class SetRegistry:
@@ -170,6 +173,43 @@ class SetRegistry:
                 (seq, rel, ino, version, size, fmode, mtime_ns, obj[0] if obj else None),
             )
         return seq
+
+    def record_remote(self, m: dict, root_ino: int, etag: str, files: list[tuple]) -> int:
+        """A set materialised from another node's manifest `m`: durable from the start.
+        `files`: (rel, ino, size, mode, mtime_ns, obj_json)."""
+        layout = {"dirs": m.get("dirs", []), "symlinks": m.get("symlinks", [])}
+        if "mode" in m:
+            layout["mode"] = m["mode"]
+        if m["kind"] == "symlink":
+            layout["target"] = m["target"]
+        now = time.time_ns()
+        cur = self.conn.execute(
+            "INSERT INTO sets (path, kind, root_ino, state, reason, committed_ns, durable_ns,"
+            " layout, origin, etag) VALUES (?, ?, ?, 'durable', ?, ?, ?, ?, ?, ?)",
+            (m["path"], m["kind"], root_ino, "store:" + m["commit"].get("reason", "?"),
+             m["commit"].get("committed_ns", now), now, json.dumps(layout),
+             m["commit"].get("node", "?"), etag))
+        seq = int(cur.lastrowid)
+        for rel, ino, size, mode, mtime_ns, obj_json in files:
+            self.conn.execute(
+                "INSERT INTO set_files (seq, rel, ino, version, size, mode, mtime_ns, obj)"
+                " VALUES (?, ?, ?, 0, ?, ?, ?, ?)", (seq, rel, ino, size, mode, mtime_ns, obj_json))
+        return seq
+
+    def newest_at(self, path: str) -> SetRow | None:
+        r = self.conn.execute(
+            f"SELECT {_SET_COLS} FROM sets WHERE path=? ORDER BY seq DESC LIMIT 1",
+            (path,)).fetchone()
+        return SetRow(*r) if r else None
+
+    def set_of_file(self, ino: int) -> SetRow | None:
+        """The newest kept set holding the current content of file `ino`."""
+        r = self.conn.execute(
+            f"SELECT {', '.join('s.' + c.strip() for c in _SET_COLS.split(','))} FROM sets s"
+            f" JOIN set_files f ON f.seq = s.seq JOIN inodes i ON i.ino = f.ino"
+            f" WHERE f.ino=? AND f.version = i.version AND s.state IN {KEPT_STATES}"
+            f" ORDER BY s.seq DESC LIMIT 1", (ino,)).fetchone()
+        return SetRow(*r) if r else None
 
     def supersede_content(self, ino: int, version: int, why: str) -> list[int]:
         """A file's content (ino, version) is about to change or go away: every live set that

@@ -63,6 +63,9 @@ class TieringConfig:
     cache_size: int | None = None    # bytes of file data kept in the cache before eviction
     keep_local: int | None = None    # keep data of only the newest N durable sets locally
     retry_pause: float = 1.0         # pause before re-queueing an upload that failed
+    prefetch: bool = True            # opening a file of a set prefetches the whole set
+    prefetch_concurrency: int = 8    # chunk GETs in flight per prefetch (memory: x chunk size)
+    refresh_interval: float = 10.0   # seconds between listings of the store's manifests
 
 
 @dataclass
@@ -96,6 +99,11 @@ class Tiering:
         # path is committed again or deleted, which is visible but never torn.
         self._absorb: dict[int, set[tuple[int, str]]] = {}
         self._spawn: list = []  # coroutines for the namespace worker's helper nursery
+        from .restore import RemoteSync, Restorer
+
+        self.restorer = Restorer(self, concurrency=cfg.prefetch_concurrency,
+                                 auto_prefetch=cfg.prefetch)
+        self.remote = RemoteSync(self, cfg.refresh_interval)
         self.running = False
         # statistics
         self.bytes_uploaded = 0
@@ -121,6 +129,7 @@ class Tiering:
         for seq in self.sets.supersede_content(ino, old_version, "a file was modified before"
                                                " the set became durable"):
             log.info("set %d superseded: content of inode %d changed", seq, ino)
+        self.restorer.forget(ino)
         job = self._running.get((ino, old_version))
         if job is not None and job.cancel is not None:
             job.cancel.cancel()
@@ -241,11 +250,12 @@ class Tiering:
 
     def _delete_sets(self, victims, why: str) -> None:
         for s in victims:
-            if s.state in LIVE_STATES:
-                self.sets.set_state(s.seq, "deleted", why)
-            else:  # durable: its manifest must go from the store
-                self.sets.set_state(s.seq, "deleting", why)
-                self._events.append(("unpublish", s.seq, s.path))
+            # Durable: its manifest must go from the store. Live ones too: a crash between a
+            # manifest PUT and the index recording it leaves a live set whose manifest is in
+            # the store (and so may a superseded one's be, at the same path); unpublishing a
+            # path with no manifest costs one DELETE.
+            self.sets.set_state(s.seq, "deleting", why)
+            self._events.append(("unpublish", s.seq, s.path))
             log.info("set %d (%s) %s", s.seq, s.path, why)
         self._poke()
         self._changed_now()
@@ -284,6 +294,8 @@ class Tiering:
                 for _ in range(max(1, self.cfg.file_concurrency)):
                     nursery.start_soon(self._supervised, self._upload_worker)
                 nursery.start_soon(self._supervised, self._namespace_worker)
+                await nursery.start(self.restorer.run)
+                nursery.start_soon(self._supervised, self.remote.run)
                 task_status.started()
         finally:
             self.running = False
@@ -553,8 +565,11 @@ class Tiering:
         self._retention()
 
     async def _unpublish(self, seq: int, path: str) -> None:
-        # Only remove the manifest if no newer set of this path is (being) published.
-        newer = [x for x in self.sets.at_or_under(path, KEPT_STATES)
+        # Only remove the manifest if it is not a newer set's. A newer set still uploading does
+        # not count: until it publishes, the manifest there is an older one, whose objects GC
+        # deletes once this set is gone (the namespace worker also runs every publish, so
+        # none is in flight now).
+        newer = [x for x in self.sets.at_or_under(path, ("durable",))
                  if x.path == path and x.seq > seq]
         if not newer:
             await self.store.delete(mf.manifest_key(path))
@@ -583,7 +598,8 @@ class Tiering:
         durable = [s for s in self.sets.by_states(("durable",)) if s.kind != "symlink"]
         for s in durable[:max(0, len(durable) - n)]:
             for _rel, ino, version, *_ in self.sets.files(s.seq):
-                self.core.evict(ino, version)
+                if self.core.evict(ino, version):
+                    self.restorer.forget(ino)
 
     def make_room(self, need: int) -> bool:
         """Evict durable data, least recently used first, until `need` more bytes fit under
@@ -601,7 +617,8 @@ class Tiering:
         # block the writer forever.
         for ino, version in ([c for c in cands if c[0] not in keep] +
                              [c for c in cands if c[0] in keep]):
-            self.core.evict(ino, version)
+            if self.core.evict(ino, version):
+                self.restorer.forget(ino)
             if self.core.cached_bytes + need <= limit:
                 return True
         return self.core.cached_bytes + need <= limit
@@ -647,6 +664,7 @@ class Tiering:
             else:
                 raise FsError(errno.EIO, f"cannot fetch {obj.key} from the store: {last}")
             self.core.fetched(ino, obj.size)
+            self.restorer.forget(ino)
         finally:
             ev.set()
             del self._fetches[ino]
@@ -691,6 +709,8 @@ class Tiering:
                         "done": self.uploads_done, "cancelled": self.uploads_cancelled,
                         "bytes_uploaded": self.bytes_uploaded,
                         "rate_bytes_per_s": self.upload_rate()},
+            "restore": self.restorer.status(),
+            "remote": self.remote.status(),
             "pending_sets": len(live),
             "pending_bytes": pending,
             "sets": sets,

@@ -52,14 +52,28 @@ Integrity
     `StoredObject.crc32c` is the CRC32C of the RAW content, checked end to end by
     `download_file` after decompression: ranges are fetched and written in any order, each
     range's raw CRC32C is computed in the worker thread that decodes it, and the per-range
-    values are folded in order with `crc32c_combine` (GF(2) arithmetic, ~0.1 ms per range), so
+    values are folded in order with `crc32c_combine` (GF(2) arithmetic, ~10 us per fold), so
     the file is never re-read. `read_range` checks lengths and frame structure only (a ranged
-    GET carries no checksum of its own); `download_file` is the verified path.
+    GET carries no checksum of its own); `download_file` and `fetch_chunk` are verified paths.
+
+Chunks
+    Every object is also cut into raw chunks of `chunk_size` bytes (the frame size, 4 MiB by
+    default, whether compressed or not; for lz4 a chunk is exactly one frame), and
+    `chunk_crcs[i]` is the CRC32C of raw chunk i, [i*chunk_size, min((i+1)*chunk_size, size)).
+    So any chunk can be checked on its own: `fetch_chunk` fetches one chunk with one ranged GET
+    and verifies it (serving a read as soon as its range is in), `verify_chunk` checks a chunk
+    read back from a local cache file, and `download_file` checks every chunk it writes. The
+    uploader computes the chunk CRCs on the way (memoryview slices of each part, ~0.5 ms per
+    4 MiB) and derives the whole-file CRC32C from them with `crc32c_combine`, so the raw bytes
+    are still checksummed once. Objects from before chunk CRCs (`chunk_crcs` None) still read:
+    their chunks are the lz4 frames, or DEFAULT_FRAME_SIZE slices of an uncompressed object,
+    checked by length only (and by the whole-file CRC32C in `download_file`).
 """
 
 from __future__ import annotations
 
 import errno
+import functools
 import json
 import logging
 import math
@@ -149,7 +163,11 @@ class StoredObject:
 
     `size` and `crc32c` describe the RAW content; `stored_size` the object's bytes. For
     compression "lz4", `frames` is the tuple of stored frame lengths and raw frame i covers
-    [i*frame_size, ...); for "none", frames is None and frame_size 0."""
+    [i*frame_size, ...); for "none", frames is None and frame_size 0.
+
+    `chunk_crcs[i]` is the CRC32C of raw chunk i, [i*chunk_size, min((i+1)*chunk_size, size))
+    (for lz4, chunk_size == frame_size: chunks are frames). Objects written before chunk CRCs
+    existed have chunk_size 0 and chunk_crcs None (see `chunk_span` for their chunks)."""
 
     key: str
     size: int
@@ -158,6 +176,8 @@ class StoredObject:
     compression: str = "none"              # "none" | "lz4"
     frame_size: int = 0
     frames: tuple[int, ...] | None = None
+    chunk_size: int = 0
+    chunk_crcs: tuple[int, ...] | None = None
     # Prefix sums of `frames` (not serialised, not compared): O(1) frame -> stored offset.
     offsets: list[int] | None = field(default=None, init=False, repr=False, compare=False)
 
@@ -183,6 +203,21 @@ class StoredObject:
             object.__setattr__(self, "offsets", offs)
         else:
             raise ValueError(f"unknown compression {self.compression!r}")
+        if self.chunk_size < 0:
+            raise ValueError(f"negative chunk_size: {self!r}")
+        if (self.compression == "lz4" and self.chunk_size
+                and self.chunk_size != self.frame_size):
+            raise ValueError(f"lz4 object whose chunks are not its frames: {self!r}")
+        if self.chunk_crcs is not None:
+            crcs = tuple(self.chunk_crcs)
+            object.__setattr__(self, "chunk_crcs", crcs)
+            if self.chunk_size <= 0:
+                raise ValueError(f"chunk CRCs without a chunk_size: {self!r}")
+            if len(crcs) != math.ceil(self.size / self.chunk_size):
+                raise ValueError(f"{len(crcs)} chunk CRCs cannot cover {self.size} bytes in "
+                                 f"chunks of {self.chunk_size}")
+            if not all(0 <= c < 1 << 32 for c in crcs):
+                raise ValueError(f"chunk CRC out of range: {self!r}")
 
     def raw_frame_len(self, i: int) -> int:
         return min(self.frame_size, self.size - i * self.frame_size)
@@ -192,18 +227,24 @@ class StoredObject:
         return {"key": self.key, "size": self.size, "stored_size": self.stored_size,
                 "crc32c": self.crc32c, "compression": self.compression,
                 "frame_size": self.frame_size,
-                "frames": list(self.frames) if self.frames is not None else None}
+                "frames": list(self.frames) if self.frames is not None else None,
+                "chunk_size": self.chunk_size,
+                "chunk_crcs": list(self.chunk_crcs) if self.chunk_crcs is not None else None}
 
     @classmethod
     def from_json(cls, d: dict | str) -> StoredObject:
-        """Inverse of `to_json` (also accepts its `json.dumps` string); validates the index."""
+        """Inverse of `to_json` (also accepts its `json.dumps` string); validates the index.
+        Dicts written before chunk CRCs (no chunk_size/chunk_crcs) load with 0/None."""
         if isinstance(d, str | bytes):
             d = json.loads(d)
         frames = d["frames"]
+        crcs = d.get("chunk_crcs")
         return cls(key=d["key"], size=int(d["size"]), stored_size=int(d["stored_size"]),
                    crc32c=int(d["crc32c"]), compression=d["compression"],
                    frame_size=int(d["frame_size"]),
-                   frames=tuple(int(n) for n in frames) if frames is not None else None)
+                   frames=tuple(int(n) for n in frames) if frames is not None else None,
+                   chunk_size=int(d.get("chunk_size") or 0),
+                   chunk_crcs=tuple(int(c) for c in crcs) if crcs is not None else None)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -249,9 +290,14 @@ def _x2nmodp(n: int, k: int) -> int:
     return p
 
 
+@functools.lru_cache(maxsize=64)
+def _shift_for(len2: int) -> int:
+    return _x2nmodp(len2, 3)  # x^(8*len2) mod P: the same few lengths (chunks, ranges) recur
+
+
 def crc32c_combine(crc1: int, crc2: int, len2: int) -> int:
     """CRC32C of A||B given crc1 = crc32c(A), crc2 = crc32c(B), len2 = len(B)."""
-    return _multmodp(_x2nmodp(len2, 3), crc1) ^ crc2
+    return _multmodp(_shift_for(len2), crc1) ^ crc2
 
 
 # ----------------------------------------------------------------------------------------------
@@ -288,27 +334,56 @@ class _Chunk:
 
 class _Producer:
     """Reads, checksums, (compresses) and cuts one file into parts, strictly in order. Each
-    `next_part` runs in a worker thread; calls never overlap (the upload awaits each)."""
+    `next_part` runs in a worker thread; calls never overlap (the upload awaits each).
+
+    The raw bytes are checksummed once, chunk by chunk (chunk = frame_size raw bytes, a frame
+    when compressing; an uncompressed part need not hold whole chunks, so a chunk's CRC may
+    carry over to the next part), and the whole-file CRC is folded from the chunk CRCs."""
 
     def __init__(self, fd: int, size: int, compressed: bool, frame_size: int,
                  target: float) -> None:
         self.fd = fd
         self.size = size
         self.compressed = compressed
-        self.frame_size = frame_size
+        self.frame_size = frame_size  # also the chunk size
         self.target = target        # stored bytes per part (math.inf: one part)
         self.raw_off = 0
         self.crc_raw = 0
         self.crc_stored = 0
         self.stored = 0
         self.frames: list[int] = []
+        self.chunk_crcs: list[int] = []
+        self._done_crc = 0      # CRC32C of the completed chunks
+        self._cur_crc = 0       # CRC32C and length of the chunk being filled (uncompressed)
+        self._cur_len = 0
+
+    def _chunk_done(self, crc: int, n: int) -> None:
+        self.chunk_crcs.append(crc)
+        self._done_crc = crc32c_combine(self._done_crc, crc, n)
+
+    def _checksum(self, data: bytes, last: bool) -> None:
+        """Chunk CRCs of the next uncompressed raw bytes (memoryview slices, no copies)."""
+        mv = memoryview(data)
+        pos, end, cs = 0, len(mv), self.frame_size
+        while pos < end:
+            n = min(cs - self._cur_len, end - pos)
+            self._cur_crc = crc32c(mv[pos:pos + n], self._cur_crc)
+            self._cur_len += n
+            pos += n
+            if self._cur_len == cs:
+                self._chunk_done(self._cur_crc, cs)
+                self._cur_crc = self._cur_len = 0
+        if last and self._cur_len:
+            self._chunk_done(self._cur_crc, self._cur_len)
+            self._cur_crc = self._cur_len = 0
+        self.crc_raw = crc32c_combine(self._done_crc, self._cur_crc, self._cur_len)
 
     def next_part(self) -> _Chunk:
         start = self.raw_off
         if not self.compressed:
             n = int(min(self.target, self.size - start))
             data = _pread_exact(self.fd, n, start)
-            self.crc_raw = crc32c(data, self.crc_raw)
+            self._checksum(data, start + n >= self.size)
             self.crc_stored = self.crc_raw
         else:
             pieces: list[bytes] = []
@@ -316,7 +391,8 @@ class _Producer:
             while self.raw_off < self.size and got < self.target:
                 n = min(self.frame_size, self.size - self.raw_off)
                 raw = _pread_exact(self.fd, n, self.raw_off)
-                self.crc_raw = crc32c(raw, self.crc_raw)
+                self._chunk_done(crc32c(raw), n)
+                self.crc_raw = self._done_crc
                 c = compress_frame(raw)
                 del raw  # one raw frame alive at a time
                 pieces.append(c)
@@ -553,7 +629,8 @@ class Uploader:
             key=key, size=size, stored_size=prod.stored, crc32c=prod.crc_raw,
             compression="lz4" if compressed else "none",
             frame_size=cfg.frame_size if compressed else 0,
-            frames=tuple(prod.frames) if compressed else None)
+            frames=tuple(prod.frames) if compressed else None,
+            chunk_size=cfg.frame_size, chunk_crcs=tuple(prod.chunk_crcs))
 
     @staticmethod
     def _verify(key: str, head: ObjectInfo, prod: _Producer) -> None:
@@ -581,6 +658,87 @@ class Uploader:
 
 
 # ----------------------------------------------------------------------------------------------
+# chunks
+
+
+def _chunk_size(obj: StoredObject) -> int:
+    if obj.compression == "lz4":
+        return obj.frame_size
+    # An uncompressed object from before chunk CRCs: the default frame size is as good a cut
+    # as any (there is nothing to check but lengths).
+    return obj.chunk_size or DEFAULT_FRAME_SIZE
+
+
+def chunk_count(obj: StoredObject) -> int:
+    """How many raw chunks `obj` has (0 for an empty object)."""
+    return math.ceil(obj.size / _chunk_size(obj))
+
+
+def chunk_span(obj: StoredObject, index: int) -> tuple[int, int]:
+    """(raw_offset, raw_len) of raw chunk `index`. Raises IndexError outside [0, count)."""
+    cs = _chunk_size(obj)
+    if not 0 <= index < math.ceil(obj.size / cs):
+        raise IndexError(f"{obj.key}: no chunk {index} in {chunk_count(obj)}")
+    off = index * cs
+    return off, min(cs, obj.size - off)
+
+
+def _stored_span(obj: StoredObject, first: int, last: int) -> tuple[int, int]:
+    """(stored_offset, stored_len) of chunks [first, last]."""
+    if obj.compression == "lz4":
+        s = obj.offsets[first]
+        return s, obj.offsets[last + 1] - s
+    cs = _chunk_size(obj)
+    s = first * cs
+    return s, min((last + 1) * cs, obj.size) - s
+
+
+def _crc_mismatch(obj: StoredObject, index: int, got: int) -> IntegrityError:
+    off, n = chunk_span(obj, index)
+    return IntegrityError(f"{obj.key}: chunk {index} (raw bytes [{off}, {off + n})) has CRC32C "
+                          f"{got:08x}, manifest says {obj.chunk_crcs[index]:08x}", key=obj.key)
+
+
+def verify_chunk(obj: StoredObject, index: int, raw: bytes | memoryview) -> bool:
+    """Whether `raw` can be raw chunk `index` of `obj` (e.g. read back from a local cache file):
+    its length must be the chunk's, and its CRC32C `obj.chunk_crcs[index]` when the object has
+    chunk CRCs (True on length alone when it has none)."""
+    _, n = chunk_span(obj, index)
+    if len(raw) != n:
+        return False
+    return obj.chunk_crcs is None or crc32c(raw) == obj.chunk_crcs[index]
+
+
+def _decode_chunk(obj: StoredObject, index: int, blob: bytes) -> bytes:
+    if obj.compression == "lz4":
+        raw = _decode(obj, blob, index, index)  # checks the raw length too
+    else:
+        raw = blob
+    if obj.chunk_crcs is not None:
+        c = crc32c(raw)
+        if c != obj.chunk_crcs[index]:
+            raise _crc_mismatch(obj, index, c)
+    return raw
+
+
+async def fetch_chunk(store: ObjectStore, obj: StoredObject, index: int) -> bytes:
+    """Raw chunk `index` of `obj` (`chunk_span` gives its place), verified: one ranged GET of
+    exactly its stored bytes (its frame for lz4), decompressed and checked against
+    `obj.chunk_crcs[index]` in a worker thread (length and frame structure only when the object
+    has no chunk CRCs). Raises IntegrityError on any mismatch, IndexError for a chunk that does
+    not exist."""
+    chunk_span(obj, index)  # range check
+    s, n = _stored_span(obj, index, index)
+    blob = await store.get(obj.key, s, n)
+    if len(blob) != n:
+        raise IntegrityError(f"{obj.key}: got {len(blob)} stored bytes of chunk {index} at {s}, "
+                             f"expected {n}", key=obj.key)
+    if obj.compression == "none" and obj.chunk_crcs is None:
+        return blob  # nothing to decode or check: skip the thread hop
+    return await trio.to_thread.run_sync(_decode_chunk, obj, index, blob)
+
+
+# ----------------------------------------------------------------------------------------------
 # reads
 
 
@@ -588,7 +746,7 @@ def _decode(obj: StoredObject, blob: bytes, first: int, last: int) -> bytes:
     try:
         return b"".join(iter_decompress(
             blob, obj.frames[first:last + 1],
-            raw_lengths=[obj.raw_frame_len(i) for i in range(first, last + 1)]))
+            raw_lengths=[obj.raw_frame_len(i) for i in range(first, last + 1)], first=first))
     except FrameError as e:
         raise IntegrityError(f"{obj.key}: {e}", key=obj.key) from None
 
@@ -626,25 +784,24 @@ class _Range:
     raw_len: int
     stored_off: int
     stored_len: int
-    first: int      # frames [first, last] (lz4 only)
+    first: int      # chunks (= frames for lz4) [first, last]
     last: int
 
 
 def _plan_ranges(obj: StoredObject, range_size: int) -> list[_Range]:
-    if obj.compression == "none":
-        return [_Range(off, min(range_size, obj.size - off), off, min(range_size, obj.size - off),
-                       0, -1) for off in range(0, obj.size, range_size)]
-    # Whole frames per range, as many as fit in range_size raw bytes (at least one): bounded by
-    # raw size, so a range of highly compressible frames stays a bounded write too.
-    per = max(1, range_size // obj.frame_size)
-    n = len(obj.frames)
+    # Whole chunks per range (so each chunk's CRC can be checked), as many as fit in range_size
+    # raw bytes (at least one): bounded by raw size, so a range of highly compressible frames
+    # stays a bounded write too.
+    cs = _chunk_size(obj)
+    per = max(1, range_size // cs)
+    n = chunk_count(obj)
     out = []
     for first in range(0, n, per):
         last = min(first + per, n) - 1
-        raw_off = first * obj.frame_size
-        raw_end = min((last + 1) * obj.frame_size, obj.size)
-        s, e = obj.offsets[first], obj.offsets[last + 1]
-        out.append(_Range(raw_off, raw_end - raw_off, s, e - s, first, last))
+        raw_off = first * cs
+        raw_end = min((last + 1) * cs, obj.size)
+        s, sn = _stored_span(obj, first, last)
+        out.append(_Range(raw_off, raw_end - raw_off, s, sn, first, last))
     return out
 
 
@@ -657,20 +814,40 @@ def _pwrite_all(fd: int, data: bytes | memoryview, off: int) -> None:
 
 
 def _write_range(fd: int, obj: StoredObject, r: _Range, blob: bytes) -> int:
-    """Decode one fetched range, write it at its raw offset, return its raw CRC32C."""
+    """Decode one fetched range, check each chunk's CRC32C (when the object has chunk CRCs),
+    write it at its raw offset, return the range's raw CRC32C (folded from its chunks')."""
     if len(blob) != r.stored_len:
         raise IntegrityError(f"{obj.key}: got {len(blob)} bytes at {r.stored_off}, expected "
                              f"{r.stored_len}", key=obj.key)
+    crcs = obj.chunk_crcs
     if obj.compression == "none":
-        _pwrite_all(fd, blob, r.raw_off)
-        return crc32c(blob)
+        if crcs is None:
+            _pwrite_all(fd, blob, r.raw_off)
+            return crc32c(blob)
+        mv = memoryview(blob)
+        crc = pos = 0
+        for i in range(r.first, r.last + 1):
+            _, n = chunk_span(obj, i)
+            c = crc32c(mv[pos:pos + n])
+            if c != crcs[i]:
+                raise _crc_mismatch(obj, i, c)
+            crc = crc32c_combine(crc, c, n)
+            pos += n
+        _pwrite_all(fd, blob, r.raw_off)  # checked before a byte of it lands
+        return crc
     crc = 0
     pos = r.raw_off
     try:
-        for raw in iter_decompress(blob, obj.frames[r.first:r.last + 1],
-                                   raw_lengths=[obj.raw_frame_len(i)
-                                                for i in range(r.first, r.last + 1)]):
-            crc = crc32c(raw, crc)
+        for i, raw in enumerate(
+                iter_decompress(blob, obj.frames[r.first:r.last + 1],
+                                raw_lengths=[obj.raw_frame_len(i)
+                                             for i in range(r.first, r.last + 1)],
+                                first=r.first),
+                start=r.first):
+            c = crc32c(raw)
+            if crcs is not None and c != crcs[i]:
+                raise _crc_mismatch(obj, i, c)
+            crc = crc32c_combine(crc, c, len(raw))
             _pwrite_all(fd, raw, pos)
             pos += len(raw)
     except FrameError as e:
@@ -695,9 +872,11 @@ async def download_file(store: ObjectStore, obj: StoredObject, dest_path: str | 
                         progress: Callable[[int], None] | None = None) -> None:
     """Fetch `obj` into `dest_path` (created or truncated to obj.size) with up to `concurrency`
     ranged GETs in flight (and, if given, a token of the shared `limiter` per range), each
-    decoded and written with os.pwrite in a worker thread. Raises IntegrityError if the raw
-    content's CRC32C is not obj.crc32c (the caller retries). Does not fsync: the caller owns
-    durability (write to a temp file, fsync, rename)."""
+    decoded and written with os.pwrite in a worker thread. Ranges are whole chunks; each
+    chunk is checked against `obj.chunk_crcs` when present (before an uncompressed range is
+    written). Raises IntegrityError if a chunk's or the raw content's CRC32C does not match
+    (the caller retries). Does not fsync: the caller owns durability (write to a temp file,
+    fsync, rename)."""
     if range_size <= 0 or concurrency < 1:
         raise ValueError(f"range_size and concurrency must be positive "
                          f"({range_size}, {concurrency})")

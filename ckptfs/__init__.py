@@ -8,6 +8,7 @@ and the Python API re-exported here: `wait_durable`, `commit`, `status`.
 
 __version__ = "0.2.0"
 
-from .api import CkptfsError, NotDurable, commit, status, wait_durable  # noqa: E402
+from .api import CkptfsError, NotDurable, commit, prefetch, status, wait_durable  # noqa: E402
 
-__all__ = ["CkptfsError", "NotDurable", "commit", "status", "wait_durable", "__version__"]
+__all__ = ["CkptfsError", "NotDurable", "commit", "prefetch", "status", "wait_durable",
+           "__version__"]

@@ -75,6 +75,17 @@ def commit(path: str | os.PathLike) -> int:
     return int(reply["seq"])
 
 
+def prefetch(path: str | os.PathLike) -> dict:
+    """Start fetching the set holding `path` (or every file under it) into the cache; returns
+    the job ({"path", "files", "bytes_total", "bytes_done", "finished", "error"}). Progress is
+    in status(mountpoint)["tiering"]["restore"]["jobs"]."""
+    mp, rel = locate(path)
+    reply = _request(mp, {"op": "prefetch", "path": rel})
+    if "error" in reply and "path" not in reply:
+        raise CkptfsError(reply["error"], code=2 if reply.get("errno") == 2 else 1)
+    return reply
+
+
 def wait_durable(path: str | os.PathLike, timeout: float | None = None) -> dict:
     """Block until the set holding `path` is durable in the object store. Returns the set's
     {"state": "durable", "seq", "path"}; raises NotDurable otherwise."""

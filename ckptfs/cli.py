@@ -113,6 +113,15 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--cache-size", default=None,
                    help="file data to keep in the cache (e.g. 200G); beyond it durable data is "
                    "evicted and writers wait for uploads (default: the disk's size)")
+    o.add_argument("--no-prefetch", dest="prefetch", action="store_false",
+                   help="do not prefetch a whole set when one of its files is opened (reads "
+                   "still fetch their own ranges)")
+    o.add_argument("--prefetch-concurrency", type=int, default=8,
+                   help="chunk GETs in flight per prefetch; memory is about 4 MiB x this "
+                   "(default 8)")
+    o.add_argument("--refresh-interval", type=_nonneg_float, default=10.0,
+                   help="seconds between listings of the store's sets: sets committed by "
+                   "other nodes appear within this (default 10; 0 = only at mount)")
     o.add_argument("--keep-local", type=int, default=None,
                    help="keep only the newest N durable sets' data in the cache (older ones "
                    "are read back from the store on open)")
@@ -130,6 +139,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("commit", help="commit a file or directory as a shard set now")
     c.add_argument("path", type=Path)
+
+    pf = sub.add_parser("prefetch", help="fetch the set holding PATH (or everything under "
+                        "PATH) into the cache now, in parallel, with a progress bar")
+    pf.add_argument("path", type=Path)
+    pf.add_argument("--no-wait", action="store_true", help="start it and return")
 
     w = sub.add_parser("wait", help="wait until the set holding PATH is durable in the store")
     w.add_argument("path", type=Path)
@@ -154,7 +168,9 @@ def cmd_mount(a: argparse.Namespace) -> int:
             part_size=parse_size(a.part_size), parts_in_flight=a.parts_in_flight,
             upload_files=a.upload_files,
             cache_size=parse_size(a.cache_size) if a.cache_size else None,
-            keep_local=a.keep_local,
+            keep_local=a.keep_local, prefetch=a.prefetch,
+            prefetch_concurrency=a.prefetch_concurrency,
+            refresh_interval=a.refresh_interval,
             mountpoint=a.mountpoint.absolute(),
             cache_dir=(a.cache_dir or default_cache_dir()).absolute(),
             foreground=a.foreground,
@@ -254,6 +270,41 @@ def cmd_commit(a: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_prefetch(a: argparse.Namespace) -> int:
+    try:
+        job = api.prefetch(a.path)
+        if a.no_wait or job["finished"]:
+            print(f"ckptfs: prefetch of {job['path']}: {job['files']} files, "
+                  f"{_human(job['bytes_total'])}" + (" (already cached)" if job["finished"]
+                                                     else " started"))
+            return EXIT_OK
+        mp, _ = api.locate(a.path)
+        tty = sys.stderr.isatty()
+        t0 = time.monotonic()
+        while True:
+            jobs = {j["path"]: j for j in
+                    api.status(mp)["tiering"]["restore"]["jobs"]}
+            j = jobs.get(job["path"], job)
+            rate = j["bytes_done"] / max(time.monotonic() - t0, 1e-3)
+            line = (f"prefetch {_bar(j['bytes_done'], j['bytes_total'])} "
+                    f"{_human(j['bytes_done'])} of {_human(j['bytes_total'])}, "
+                    f"{_human(rate)}/s")
+            if tty:
+                print("\r" + line + " " * 10, end="", file=sys.stderr, flush=True)
+            if j["finished"]:
+                if tty:
+                    print(file=sys.stderr)
+                break
+            time.sleep(0.2)
+    except api.CkptfsError as e:
+        return _fail(e.code, str(e))
+    if j.get("error"):
+        return _fail(EXIT_ERROR, f"prefetch of {j['path']} incomplete: {j['error']}")
+    print(f"ckptfs: prefetched {j['path']}: {j['files']} files, {_human(j['bytes_total'])} in "
+          f"{time.monotonic() - t0:.1f}s")
+    return EXIT_OK
+
+
 def cmd_wait(a: argparse.Namespace) -> int:
     try:
         r = api.wait_durable(a.path, timeout=a.timeout)
@@ -329,6 +380,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_commit(args)
         if args.cmd == "wait":
             return cmd_wait(args)
+        if args.cmd == "prefetch":
+            return cmd_prefetch(args)
     except KeyboardInterrupt:
         return _fail(EXIT_ERROR, "interrupted")
     except Exception as e:  # never a traceback on the terminal

@@ -95,6 +95,9 @@ class MountConfig:
     upload_files: int = 4           # files uploading at once
     cache_size: int | None = None   # bytes; None: bounded only by the cache disk
     keep_local: int | None = None   # keep only the newest N durable sets' data locally
+    prefetch: bool = True           # opening a file of a set prefetches the whole set
+    prefetch_concurrency: int = 8   # chunk GETs in flight per prefetch (x 4 MiB of memory)
+    refresh_interval: float = 10.0  # seconds between listings of the store's manifests
 
     def __post_init__(self) -> None:
         if self.store is not None and not (self.store.startswith("s3://")
@@ -113,6 +116,10 @@ class MountConfig:
             raise ConfigError("--upload-files must be between 1 and 64")
         if self.cache_size is not None and self.cache_size < (64 << 20):
             raise ConfigError("--cache-size must be at least 64M")
+        if not (1 <= self.prefetch_concurrency <= 256):
+            raise ConfigError("--prefetch-concurrency must be between 1 and 256")
+        if not (0 <= self.refresh_interval <= 86400):
+            raise ConfigError("--refresh-interval must be between 0 and 86400 seconds")
         if self.keep_local is not None and self.keep_local < 0:
             raise ConfigError("--keep-local must be >= 0")
         if self.log_level not in LOG_LEVELS:

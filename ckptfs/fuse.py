@@ -92,6 +92,13 @@ class FuseOps(pyfuse3.Operations):
         # stays on the loop thread, so the core still sees one thread. Off by default: measured
         # slower here (docs/ARCHITECTURE.md).
         self._io_limiter = trio.CapacityLimiter(io_threads) if io_threads > 0 else None
+        core.invalidate_entry = self._invalidate_entry
+
+    @staticmethod
+    def _invalidate_entry(parent: int, name: bytes) -> None:
+        # Asynchronous: a synchronous invalidation from the loop thread could deadlock on a
+        # request the kernel is waiting for.
+        pyfuse3.invalidate_entry_async(parent, name, ignore_enoent=True)
 
     # -- encoding ----------------------------------------------------------------------------
 
@@ -137,11 +144,11 @@ class FuseOps(pyfuse3.Operations):
         return self._entry(self.core.getattr(inode))
 
     async def _ensure_cached(self, inode: int) -> None:
-        """Evicted data comes back from the store before anything reads or changes it."""
+        """Data not in the cache comes back from the store before anything changes it."""
         if self.core.needs_fetch(inode):
             if self.core.tiering is None:
                 raise FsError(errno.EIO, f"inode {inode} was evicted and no store is attached")
-            await self.core.tiering.fetch(inode)
+            await self.core.tiering.restorer.ensure_all(inode)
 
     @_guarded
     async def setattr(self, inode, attr, fields, fh, ctx):
@@ -223,9 +230,14 @@ class FuseOps(pyfuse3.Operations):
     @_guarded
     async def open(self, inode, flags, ctx):
         truncating = flags & os.O_TRUNC  # any access mode (see CacheFs._open_node)
-        if not truncating:
+        writing = flags & os.O_ACCMODE != os.O_RDONLY
+        if writing and not truncating:
             await self._ensure_cached(inode)
-        return self._fileinfo(self.core.open(inode, flags))
+        res = self.core.open(inode, flags)
+        if not writing and self.core.tiering is not None:
+            # Reads wait only for their own ranges; the rest of the set comes in meanwhile.
+            self.core.tiering.restorer.on_open(inode)
+        return self._fileinfo(res)
 
     @staticmethod
     def _fileinfo(res) -> pyfuse3.FileInfo:
@@ -233,6 +245,13 @@ class FuseOps(pyfuse3.Operations):
 
     @_guarded
     async def read(self, fh, off, size):
+        t = self.core.tiering
+        if t is not None:
+            node = self.core.io_handle(fh).inode
+            if not node.cached:
+                await t.restorer.ensure_range(node.ino, off, size)
+            elif node.ino not in t.restorer.clean:
+                await t.restorer.verify_cached(node.ino, off, size)
         if self._io_limiter is None:
             return self.core.read(fh, off, size)
         h = self.core.io_handle(fh)

@@ -386,7 +386,9 @@ def run_daemon(cfg: MountConfig, notify: Notify) -> int:
             transfer=TransferConfig(part_size=cfg.part_size, compress=cfg.compress,
                                     max_parts_in_flight=cfg.parts_in_flight),
             file_concurrency=cfg.upload_files, cache_size=cfg.cache_size,
-            keep_local=cfg.keep_local))
+            keep_local=cfg.keep_local, prefetch=cfg.prefetch,
+            prefetch_concurrency=cfg.prefetch_concurrency,
+            refresh_interval=cfg.refresh_interval))
         core.tiering = tiering
         ops = fuse.FuseOps(core, attr_timeout=cfg.attr_timeout, io_threads=cfg.io_threads)
         ops.enable_writeback_cache = cfg.writeback_cache
@@ -426,6 +428,8 @@ def run_daemon(cfg: MountConfig, notify: Notify) -> int:
                     return {"pid": os.getpid(), "mountpoint": str(cfg.mountpoint),
                             "cache_dir": str(cfg.cache_dir), "uptime_s": time.time() - started,
                             **core.status()}
+                if op == "prefetch":
+                    return tiering.restorer.prefetch_path(str(req["path"]))
                 if op == "commit":
                     return {"seq": tiering.commit_path(str(req["path"]))}
                 if op == "wait":

@@ -1,0 +1,506 @@
+"""Restore: sets that live in the store come back into the cache, by range and in parallel, and
+sets committed by other nodes appear in the namespace.
+
+`Restorer` serves reads of files whose data is not (all) in the cache (`cached = 0`: restored
+from the store, or evicted): a read waits only for the chunks it covers (one ranged GET each,
+verified against the manifest's per-chunk CRC32C), while opening a file of a set prefetches the
+whole set in the background, `concurrency` chunks at a time (memory: concurrency x chunk size).
+Chunks already in the cache file are recorded in `inodes.present`, so a restore interrupted by a
+crash resumes where it stopped. A fully cached file whose content is in the store has each chunk
+checked against its CRC32C on its first read in this daemon's life; a damaged chunk is logged
+and fetched again from the store.
+
+`RemoteSync` lists `manifests/` every `interval` seconds and materialises sets published by
+other nodes (or by an earlier cache of this node) as evicted files: names, sizes, modes and
+times come from the manifest, data on demand. A newer manifest for a restored set replaces it;
+a restored set whose manifest vanished is removed. A local set (committed here) is never
+replaced by the store's version of its path: local wins, logged.
+
+Concurrency: everything runs on the daemon's trio thread; chunk downloads and file writes run
+in worker threads. Per (ino, chunk) at most one fetch is in flight (`_inflight`); other readers
+wait for it and re-check.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import stat
+import time
+
+import trio
+
+from . import manifest as mf
+from .errors import FsError
+from .sets import KEPT_STATES
+from .store import IntegrityError, StoreError
+from .transfer import StoredObject, chunk_count, chunk_span, fetch_chunk, verify_chunk
+
+log = logging.getLogger(__name__)
+
+FETCH_ATTEMPTS = 3
+
+
+class Restorer:
+    def __init__(self, tiering, *, concurrency: int = 8, auto_prefetch: bool = True) -> None:
+        self.t = tiering
+        self.core = tiering.core
+        self.index = tiering.index
+        self.concurrency = concurrency
+        self.auto_prefetch = auto_prefetch
+        self._limiter = trio.CapacityLimiter(max(1, concurrency))
+        self._bitmaps: dict[int, bytearray] = {}
+        self._inflight: dict[tuple[int, int], trio.Event] = {}
+        self._objs: dict[int, tuple[int, StoredObject | None]] = {}  # ino -> (version, obj)
+        self._verified: dict[int, set[int]] = {}
+        # Files needing no more checks this run (all chunks verified, or nothing to verify
+        # against): the read hot path tests membership only.
+        self.clean: set[int] = set()
+        self._jobs: dict[str, dict] = {}
+        self.nursery: trio.Nursery | None = None
+        self.bytes_fetched = 0
+        self.chunks_fetched = 0
+        self.integrity_errors = 0
+        self.damaged_chunks = 0
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as n:
+            self.nursery = n
+            task_status.started()
+            await trio.sleep_forever()
+
+    # -- objects and bitmaps -----------------------------------------------------------------
+
+    def obj_of(self, ino: int) -> StoredObject | None:
+        """The uploaded object of `ino`'s current content, or None."""
+        node = self.core.inode(ino)
+        hit = self._objs.get(ino)
+        if hit is not None and hit[0] == node.version:
+            return hit[1]
+        row = self.index.conn.execute(
+            "SELECT obj, obj_version FROM inodes WHERE ino=?", (ino,)).fetchone()
+        obj = None
+        if row is not None and row[0] is not None and row[1] == node.version:
+            obj = StoredObject.from_json(row[0])
+        self._objs[ino] = (node.version, obj)
+        return obj
+
+    def _bitmap(self, ino: int, n: int) -> bytearray:
+        bm = self._bitmaps.get(ino)
+        if bm is None:
+            row = self.index.conn.execute(
+                "SELECT present FROM inodes WHERE ino=?", (ino,)).fetchone()
+            bm = bytearray(row[0]) if row and row[0] else bytearray((n + 7) // 8)
+            if len(bm) != (n + 7) // 8:
+                bm = bytearray((n + 7) // 8)
+            self._bitmaps[ino] = bm
+        return bm
+
+    @staticmethod
+    def _has(bm: bytearray, i: int) -> bool:
+        return bool(bm[i >> 3] & (1 << (i & 7)))
+
+    def forget(self, ino: int) -> None:
+        """The file's cache state changed behind us (evicted, rewritten)."""
+        self._bitmaps.pop(ino, None)
+        self._verified.pop(ino, None)
+        self._objs.pop(ino, None)
+        self.clean.discard(ino)
+
+    # -- reads of files not (all) in the cache -----------------------------------------------
+
+    async def ensure_range(self, ino: int, off: int, size: int) -> None:
+        """Return once bytes [off, off+size) of `ino` are in its cache file."""
+        node = self.core.inode(ino)
+        if node.cached:
+            return
+        obj = self.obj_of(ino)
+        if obj is None:
+            raise FsError(errno.EIO, f"inode {ino} is not cached and has no object in the store")
+        if not obj.chunk_crcs:
+            await self.t.fetch(ino)  # an object without chunk checksums: whole-file download
+            return
+        end = min(off + size, obj.size)
+        if end <= off:
+            return
+        cs = obj.chunk_size
+        for i in range(off // cs, (end - 1) // cs + 1):
+            await self._ensure_chunk(ino, obj, i)
+
+    async def ensure_all(self, ino: int) -> None:
+        node = self.core.inode(ino)
+        if not node.cached:
+            await self.ensure_range(ino, 0, max(node.size, 1))
+
+    async def _ensure_chunk(self, ino: int, obj: StoredObject, i: int,
+                            limiter: trio.CapacityLimiter | None = None) -> None:
+        n = chunk_count(obj)
+        while True:
+            node = self.core.inode(ino)
+            if node.cached or self.obj_of(ino) != obj:
+                return  # completed, or rewritten/evicted meanwhile: the caller re-checks
+            if self._has(self._bitmap(ino, n), i):
+                return
+            ev = self._inflight.get((ino, i))
+            if ev is not None:
+                await ev.wait()
+                continue  # re-check: the other fetch may have failed
+            ev = self._inflight[(ino, i)] = trio.Event()
+            try:
+                raw = await self._fetch(obj, i, limiter)
+                await self._store_chunk(ino, obj, i, raw, n)
+            finally:
+                del self._inflight[(ino, i)]
+                ev.set()
+            return
+
+    async def _fetch(self, obj: StoredObject, i: int,
+                     limiter: trio.CapacityLimiter | None) -> bytes:
+        last: Exception | None = None
+        for _attempt in range(FETCH_ATTEMPTS):
+            try:
+                if limiter is None:
+                    raw = await fetch_chunk(self.t.store, obj, i)
+                else:
+                    async with limiter:
+                        raw = await fetch_chunk(self.t.store, obj, i)
+                self.chunks_fetched += 1
+                self.bytes_fetched += len(raw)
+                return raw
+            except StoreError as e:  # IntegrityError included: a re-read may be clean
+                last = e
+                if isinstance(e, IntegrityError):
+                    self.integrity_errors += 1
+                log.warning("fetch of %s chunk %d failed: %s", obj.key, i, e)
+        log.error("giving up on %s chunk %d after %d attempts: %s", obj.key, i, FETCH_ATTEMPTS,
+                  last)
+        raise FsError(errno.EIO, f"cannot read {obj.key} chunk {i} from the store: {last}")
+
+    async def _store_chunk(self, ino: int, obj: StoredObject, i: int, raw: bytes,
+                           n: int) -> None:
+        off, _ = chunk_span(obj, i)
+        path = self.core.data_path(ino)
+
+        def write() -> None:
+            fd = os.open(path, os.O_RDWR)
+            try:
+                if os.fstat(fd).st_size < obj.size:
+                    os.ftruncate(fd, obj.size)
+                os.pwrite(fd, raw, off)
+            finally:
+                os.close(fd)
+
+        await trio.to_thread.run_sync(write)
+        node = self.core.inode(ino)
+        if node.cached or self.obj_of(ino) != obj:
+            return
+        bm = self._bitmap(ino, n)
+        bm[i >> 3] |= 1 << (i & 7)
+        if all(self._has(bm, j) for j in range(n)):
+            self._bitmaps.pop(ino, None)
+            self._verified[ino] = set(range(n))
+            self.clean.add(ino)
+            self.core.fetched(ino, obj.size)
+        else:
+            with self.index.tx():
+                self.index.conn.execute(
+                    "UPDATE inodes SET present=? WHERE ino=?", (bytes(bm), ino))
+
+    # -- damaged cache files --------------------------------------------------------------------
+
+    async def verify_cached(self, ino: int, off: int, size: int) -> None:
+        """First read of each chunk of a cached file whose content is in the store: check it
+        against the chunk's CRC32C; a damaged chunk is fetched again."""
+        obj = self.obj_of(ino)
+        if obj is None or not obj.chunk_crcs:
+            self.clean.add(ino)
+            return
+        seen = self._verified.setdefault(ino, set())
+        end = min(off + size, obj.size)
+        if end <= off:
+            return
+        cs = obj.chunk_size
+        path = self.core.data_path(ino)
+        for i in range(off // cs, (end - 1) // cs + 1):
+            if i in seen:
+                continue
+            c_off, c_len = chunk_span(obj, i)
+
+            def read(c_off=c_off, c_len=c_len) -> bytes:
+                with open(path, "rb") as f:
+                    return os.pread(f.fileno(), c_len, c_off)
+
+            data = await trio.to_thread.run_sync(read)
+            if self.core.inode(ino).version != self._objs.get(ino, (-1,))[0]:
+                return  # rewritten meanwhile
+            if not verify_chunk(obj, i, data):
+                self.damaged_chunks += 1
+                log.error("cache file of inode %d (%s) is damaged in chunk %d: fetching it again",
+                          ino, obj.key, i)
+                raw = await self._fetch(obj, i, None)
+
+                def rewrite(raw=raw, c_off=c_off) -> None:
+                    fd = os.open(path, os.O_RDWR)
+                    try:
+                        os.pwrite(fd, raw, c_off)
+                        os.fsync(fd)
+                    finally:
+                        os.close(fd)
+
+                await trio.to_thread.run_sync(rewrite)
+            seen.add(i)
+        if len(seen) == chunk_count(obj):
+            self.clean.add(ino)
+
+    # -- prefetch ------------------------------------------------------------------------------
+
+    def on_open(self, ino: int) -> None:
+        """A file is being opened: prefetch its whole set (or the file) in the background."""
+        if not self.auto_prefetch or self.nursery is None:
+            return
+        s = self.t.sets.set_of_file(ino)
+        if s is None:
+            path = self.index.path_of(ino)
+            if path is not None and not self.core.inode(ino).cached:
+                self._start(path, [ino])
+            return
+        if s.path in self._jobs and not self._jobs[s.path]["finished"]:
+            return
+        inos = [f[1] for f in self.t.sets.files(s.seq)]
+        if any(not self.core.inode(i).cached for i in inos if self.index.get_inode(i)):
+            self._start(s.path, inos)
+
+    def prefetch_path(self, path: str) -> dict:
+        """`ckptfs prefetch PATH`: the set holding PATH, or every file under PATH."""
+        path = path.strip("/")
+        s = self.t.sets.holding(path) if path else None
+        if s is not None and s.state in KEPT_STATES:
+            inos = [f[1] for f in self.t.sets.files(s.seq)]
+            key = s.path
+        else:
+            root = self.t._resolve(path) if path else 1
+            inos = self._files_under(root)
+            key = path or "/"
+        return self._start(key, inos)
+
+    def _files_under(self, ino: int) -> list[int]:
+        node = self.core.inode(ino)
+        if node.is_reg:
+            return [ino]
+        out: list[int] = []
+        if node.is_dir:
+            for _id, _name, child in self.index.list_dentries(ino, 0, 1 << 30):
+                out += self._files_under(child)
+        return out
+
+    def _start(self, key: str, inos: list[int]) -> dict:
+        work = []
+        for ino in inos:
+            if self.index.get_inode(ino) is None or self.core.inode(ino).cached:
+                continue
+            obj = self.obj_of(ino)
+            if obj is not None:
+                work.append((ino, obj))
+        total = sum(o.size for _, o in work)
+        job = {"path": key, "files": len(work), "bytes_total": total, "bytes_done": 0,
+               "finished": not work, "error": None, "started": time.time()}
+        self._jobs[key] = job
+        if work and self.nursery is not None:
+            self.nursery.start_soon(self._prefetch, job, work)
+            log.info("prefetch %s: %d files, %d bytes", key, len(work), total)
+        return job
+
+    async def _prefetch(self, job: dict, work: list[tuple[int, StoredObject]]) -> None:
+        try:
+            async with trio.open_nursery() as n:
+                for ino, obj in work:
+                    if not obj.chunk_crcs:
+                        n.start_soon(self._whole, job, ino, obj)
+                        continue
+                    for i in range(chunk_count(obj)):
+                        await self._limiter.acquire_on_behalf_of((job["path"], ino, i))
+                        n.start_soon(self._one, job, ino, obj, i)
+        finally:
+            job["finished"] = True
+            job["seconds"] = time.time() - job["started"]
+            if job["error"] is None:
+                log.info("prefetch %s done: %d bytes in %.1fs", job["path"], job["bytes_done"],
+                         job["seconds"])
+
+    async def _one(self, job: dict, ino: int, obj: StoredObject, i: int) -> None:
+        try:
+            await self._ensure_chunk(ino, obj, i)
+            job["bytes_done"] += chunk_span(obj, i)[1]
+        except FsError as e:
+            job["error"] = e.msg  # a read of that range will retry and answer EIO if it must
+        finally:
+            self._limiter.release_on_behalf_of((job["path"], ino, i))
+
+    async def _whole(self, job: dict, ino: int, obj: StoredObject) -> None:
+        try:
+            await self.t.fetch(ino)
+            job["bytes_done"] += obj.size
+        except FsError as e:
+            job["error"] = e.msg
+
+    def status(self) -> dict:
+        return {"bytes_fetched": self.bytes_fetched, "chunks_fetched": self.chunks_fetched,
+                "integrity_errors": self.integrity_errors,
+                "damaged_cache_chunks": self.damaged_chunks,
+                "jobs": [dict(j) for j in list(self._jobs.values())[-20:]]}
+
+
+class RemoteSync:
+    """Materialise the store's sets in the local namespace; see the module docstring."""
+
+    def __init__(self, tiering, interval: float) -> None:
+        self.t = tiering
+        self.core = tiering.core
+        self.index = tiering.index
+        self.interval = interval
+        self.syncs = 0
+        self.last_sync: float | None = None
+        self.applied = 0
+        self.removed = 0
+
+    async def run(self) -> None:
+        while True:
+            try:
+                await self.sync_once()
+            except StoreError as e:
+                log.warning("listing the store's sets failed: %s", e)
+            if self.interval <= 0:
+                return
+            await trio.sleep(self.interval)
+
+    async def sync_once(self) -> None:
+        listed = {}
+        for info in await self.t.store.list(mf.MANIFEST_PREFIX):
+            path = mf.path_of_manifest_key(info.key)
+            if path:
+                listed[path] = info
+        for path, info in sorted(listed.items()):
+            cur = self.t.sets.newest_at(path)
+            if cur is not None and cur.etag == info.etag:
+                continue
+            if cur is not None and cur.origin == "local" and cur.state in KEPT_STATES + (
+                    "deleting",):
+                continue  # ours (or shadowed by a local set): local wins
+            try:
+                m = mf.loads(await self.t.store.get(info.key))
+            except (StoreError, mf.ManifestError) as e:
+                log.warning("skipping manifest %s: %s", info.key, e)
+                continue
+            if m["commit"].get("node") == self.t.node:
+                continue  # published by this cache
+            self._apply(m, info.etag, cur)
+        for s in self.t.sets.by_states(("durable",)):
+            if s.origin != "local" and s.path not in listed:
+                self._remove(s)
+        self.syncs += 1
+        self.last_sync = time.time()
+
+    def _apply(self, m: dict, etag: str, cur) -> None:
+        path = m["path"]
+        parts = path.split("/")
+        name = parts[-1].encode("utf-8", "surrogateescape")
+        try:
+            with self.index.tx():
+                parent = self.core.ensure_dirs(parts[:-1])
+                existing = self.index.lookup(parent, name)
+                if existing is not None:
+                    if cur is None or cur.origin == "local" or cur.root_ino != existing or \
+                            self._busy(existing):
+                        log.info("store set %s not restored: a local %s is in the way", path,
+                                 path)
+                        return
+                    self.core.remove_tree(parent, name)
+                    self.t.sets.set_state(cur.seq, "replaced", "a newer manifest in the store")
+                root, files = self._materialise(m, parent, name)
+                self.t.sets.record_remote(m, root, etag, files)
+        except FsError as e:
+            log.warning("store set %s not restored: %s", path, e)
+            return
+        self.applied += 1
+        log.info("restored set %s from the store (%d files, %d bytes, committed by node %s)",
+                 path, len(m["files"]), m.get("total_bytes", 0), m["commit"].get("node"))
+        self.core.invalidate_entry(parent, name)
+        self.t._changed_now()
+
+    def _busy(self, ino: int) -> bool:
+        node = self.core.inode(ino)
+        if node.is_reg:
+            return node.opens > 0
+        return any(self._busy(c) for _i, _n, c in self.index.list_dentries(ino, 0, 1 << 30))
+
+    def _materialise(self, m: dict, parent: int, name: bytes) -> tuple[int, list[tuple]]:
+        raw = self.core.raw_create
+        files: list[tuple] = []
+
+        def mkfile(d: int, fname: bytes, f: dict, rel: str) -> None:
+            obj = StoredObject.from_json(f["object"])  # validates
+            obj_json = json.dumps(obj.to_json())
+            mode = stat.S_IMODE(f.get("mode", 0o644))
+            ino = raw(d, fname, stat.S_IFREG | mode, size=f["size"], mtime_ns=f.get("mtime_ns"),
+                      obj=obj_json)
+            files.append((rel, ino, f["size"], mode, f.get("mtime_ns", 0), obj_json))
+
+        if m["kind"] == "file":
+            (f,) = m["files"]
+            mkfile(parent, name, f, "")
+            return files[0][1], files
+        if m["kind"] == "symlink":
+            root = raw(parent, name, stat.S_IFLNK | 0o777,
+                       target=m["target"].encode("utf-8", "surrogateescape"))
+            return root, files
+        root = raw(parent, name, stat.S_IFDIR | stat.S_IMODE(m.get("mode", 0o755)))
+
+        def under(rel: str) -> tuple[int, bytes]:
+            parts = rel.split("/")
+            d = root
+            for p in parts[:-1]:
+                b = p.encode("utf-8", "surrogateescape")
+                child = self.index.lookup(d, b)
+                d = child if child is not None else raw(d, b, stat.S_IFDIR | 0o755)
+            return d, parts[-1].encode("utf-8", "surrogateescape")
+
+        for d in sorted(m.get("dirs", []), key=lambda x: x["path"]):
+            pd, dn = under(d["path"])
+            if self.index.lookup(pd, dn) is None:
+                raw(pd, dn, stat.S_IFDIR | stat.S_IMODE(d.get("mode", 0o755)),
+                    mtime_ns=d.get("mtime_ns"))
+        for f in m["files"]:
+            pd, fn = under(f["path"])
+            mkfile(pd, fn, f, f["path"])
+        for s in m.get("symlinks", []):
+            pd, sn = under(s["path"])
+            raw(pd, sn, stat.S_IFLNK | 0o777, target=s["target"].encode("utf-8",
+                                                                          "surrogateescape"))
+        return root, files
+
+    def _remove(self, s) -> None:
+        parts = s.path.split("/")
+        parent = 1
+        for p in parts[:-1]:
+            child = self.index.lookup(parent, p.encode("utf-8", "surrogateescape"))
+            if child is None:
+                parent = None
+                break
+            parent = child
+        name = parts[-1].encode("utf-8", "surrogateescape")
+        with self.index.tx():
+            if parent is not None and self.index.lookup(parent, name) == s.root_ino and \
+                    not self._busy(s.root_ino):
+                self.core.remove_tree(parent, name)
+            self.t.sets.set_state(s.seq, "deleted", "its manifest left the store")
+        self.removed += 1
+        log.info("set %s left the store; removed it here", s.path)
+        if parent is not None:
+            self.core.invalidate_entry(parent, name)
+        self.t._changed_now()
+
+    def status(self) -> dict:
+        return {"interval_s": self.interval, "syncs": self.syncs, "last_sync": self.last_sync,
+                "restored_sets": self.applied, "removed_sets": self.removed}
