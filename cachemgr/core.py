@@ -626,8 +626,10 @@ class CacheFs:
         # (O_RDONLY|O_TRUNC needs write permission, which the kernel checked). With
         # atomic_o_trunc the kernel leaves the truncation to us and sets its size to 0.
         trunc = bool(flags & os.O_TRUNC)
-        if not node.cached and not trunc:
-            # The FUSE layer fetches evicted data before it opens; reaching here is a bug.
+        if not node.cached and writable and not trunc:
+            # The FUSE layer fetches the data before a write open; reaching here is a bug.
+            # (Read-only opens are fine: each read waits for its own range, see
+            # cachemgr.restore.)
             raise FsError(errno.EIO, f"inode {node.ino} is not in the cache (fetch it first)")
         fd = os.open(self._data_path(node.ino), os.O_RDWR)
         try:
