@@ -573,6 +573,15 @@ class Tiering:
                  if x.path == path and x.seq > seq]
         if not newer:
             await self.store.delete(mf.manifest_key(path))
+            s = self.sets.get(seq)
+            if s is not None and s.origin != "local":
+                # A set restored from another node's manifest: its objects are not in this
+                # node's `objects` table, so GC would never collect them. The manifest is gone,
+                # so nothing refers to them any more (objects are per writing node and
+                # content version; a newer manifest of the path would be durable here).
+                for *_rest, obj_json in self.sets.files(seq):
+                    if obj_json:
+                        await self.store.delete(json.loads(obj_json)["key"])
         with self.index.tx():
             s = self.sets.get(seq)
             if s is not None and s.state == "deleting":
