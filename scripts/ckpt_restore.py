@@ -80,6 +80,16 @@ def decode(obj: dict, stored: bytes) -> bytes:
         raw = b"".join(parts)
     assert len(raw) == obj["size"], f"{obj['key']}: raw size"
     assert crc32c.crc32c(raw) == obj["crc32c"], f"{obj['key']}: CRC32C mismatch"
+    crcs = obj.get("chunk_crcs")
+    if crcs is not None:  # optional, additive (docs/FORMAT.md "Chunk checksums")
+        cs = obj["chunk_size"]
+        assert cs > 0 and len(crcs) == -(-len(raw) // cs), f"{obj['key']}: chunk count"
+        if obj["compression"] == "lz4":
+            assert cs == obj["frame_size"], f"{obj['key']}: chunks are not frames"
+        view = memoryview(raw)
+        for i, c in enumerate(crcs):
+            assert crc32c.crc32c(view[i * cs:(i + 1) * cs]) == c, \
+                f"{obj['key']}: chunk {i} CRC32C mismatch"
     return raw
 
 

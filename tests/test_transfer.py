@@ -7,6 +7,9 @@ per part and frame-crossing reads all happen on small files.
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import math
 import os
 import random
 from pathlib import Path
@@ -32,9 +35,13 @@ from cachemgr.transfer import (
     Superseded,
     TransferConfig,
     Uploader,
+    chunk_count,
+    chunk_span,
     crc32c_combine,
     download_file,
+    fetch_chunk,
     read_range,
+    verify_chunk,
 )
 
 PART = 5 << 20
@@ -187,6 +194,25 @@ def test_config_and_stored_object_validation(tmp_path):
         StoredObject("k", 2 * FRAME + 1, 61, 7, "lz4", FRAME, (10, 20, 30))  # sum mismatch
     with pytest.raises(ValueError):
         StoredObject("k", 5, 4, 7)  # uncompressed but stored_size != size
+    # Chunk CRCs: one per chunk, lz4 chunks are its frames, and they round-trip through JSON.
+    c = StoredObject("k", 2 * FRAME + 1, 2 * FRAME + 1, 7, chunk_size=FRAME,
+                     chunk_crcs=(1, 2, 3))
+    assert StoredObject.from_json(json.dumps(c.to_json())) == c
+    assert c.to_json()["chunk_crcs"] == [1, 2, 3] and c.to_json()["chunk_size"] == FRAME
+    lz = dataclasses.replace(o, chunk_size=FRAME, chunk_crcs=(4, 5, 6))
+    assert StoredObject.from_json(lz.to_json()) == lz != o
+    assert StoredObject("k", 0, 0, 0, chunk_size=FRAME, chunk_crcs=()).chunk_crcs == ()
+    for bad in ({"chunk_size": FRAME, "chunk_crcs": (1, 2)},            # too few
+                {"chunk_size": FRAME, "chunk_crcs": (1, 2, 3, 4)},      # too many
+                {"chunk_size": 0, "chunk_crcs": (1, 2, 3)},             # no chunk size
+                {"chunk_size": FRAME, "chunk_crcs": (1, 2, 1 << 32)},   # not a CRC32C
+                {"chunk_size": -1}):
+        with pytest.raises(ValueError):
+            dataclasses.replace(c, **bad)
+    with pytest.raises(ValueError):  # lz4 chunks must be its frames
+        dataclasses.replace(o, chunk_size=2 * FRAME, chunk_crcs=(1, 2))
+    with pytest.raises(ValueError):
+        StoredObject("k", 0, 0, 0, chunk_size=FRAME, chunk_crcs=(0,))
     # More than 10,000 parts' worth grows the part size instead of failing.
     up = Uploader(LocalStore(tmp_path / "store"), TransferConfig())
     assert up.part_size_for(1 << 30, False) == 64 << 20
@@ -499,3 +525,248 @@ def test_parts_in_flight_bounded_across_uploads(env, tmp_path):
     assert gate.peak == 2 and gate.peak_tokens <= 2
     assert up.stats.peak_parts_in_flight == 2
     assert limiter.statistics().borrowed_tokens == 0
+
+
+# ----------------------------------------------------------------------------------------------
+# per-chunk checksums
+
+
+def chunk_crcs_of(data: bytes, cs: int) -> tuple[int, ...]:
+    return tuple(crc32c(data[o:o + cs]) for o in range(0, len(data), cs))
+
+
+CHUNK_SIZES = [0, 1, FRAME - 1, FRAME, 3 * FRAME + 5]
+
+
+@pytest.mark.parametrize("mode", ["off", "lz4", "auto"])
+def test_chunk_crcs_recorded(tmp_path, mode):
+    store = LocalStore(tmp_path / "store")
+    up = Uploader(store, cfg(compress=mode))
+    # The last case is a multipart upload (4 parts) of zeros: one compressed part, or 4 raw.
+    cases = [mixed(n, seed=n) for n in CHUNK_SIZES] + [bytes(3 * PART + 5)]
+
+    async def go():
+        for i, data in enumerate(cases):
+            size = len(data)
+            obj = await up.upload_file(write(tmp_path, f"f{i}", data), f"k{i}", size=size)
+            assert obj.chunk_size == FRAME  # the frame size, compressed or not
+            assert obj.chunk_crcs == chunk_crcs_of(data, FRAME)
+            assert len(obj.chunk_crcs) == chunk_count(obj) == math.ceil(size / FRAME)
+            assert obj.crc32c == crc32c(data)  # still the whole file's, folded from the chunks
+            if obj.compression == "lz4":
+                assert obj.frame_size == FRAME and len(obj.frames) == len(obj.chunk_crcs)
+            if mode == "lz4" and size:
+                assert obj.compression == "lz4"
+            for j in range(chunk_count(obj)):
+                off, n = chunk_span(obj, j)
+                assert (off, n) == (j * FRAME, min(FRAME, size - j * FRAME))
+                assert verify_chunk(obj, j, data[off:off + n])
+            again = StoredObject.from_json(json.dumps(obj.to_json()))
+            assert again == obj and again.chunk_crcs == obj.chunk_crcs
+
+    trio.run(go)
+    assert up.stats.multipart == (1 if mode == "off" else 0)
+
+
+@pytest.mark.parametrize("frame", [3 << 20, (1 << 20) + 7])
+def test_chunk_crcs_straddle_parts(tmp_path, frame):
+    """Uncompressed parts (5 MiB) that do not hold whole chunks: a chunk's CRC carries over from
+    one part to the next."""
+    store = LocalStore(tmp_path / "store")
+    size = 3 * PART + 5
+    data = mixed(size, seed=9)
+    up = Uploader(store, cfg(frame_size=frame))
+
+    async def go():
+        obj = await up.upload_file(write(tmp_path, "f", data), "k", size=size)
+        assert up.stats.parts == 4 and obj.compression == "none"
+        assert obj.chunk_size == frame and obj.chunk_crcs == chunk_crcs_of(data, frame)
+        assert obj.crc32c == crc32c(data)
+        got = [await fetch_chunk(store, obj, j) for j in range(chunk_count(obj))]
+        assert b"".join(got) == data
+        await download_file(store, obj, tmp_path / "out", range_size=2 * frame + 1)
+        assert (tmp_path / "out").read_bytes() == data
+
+    trio.run(go)
+
+
+@pytest.mark.parametrize("mode", ["off", "lz4"])
+def test_fetch_chunk_bit_exact(env, tmp_path, mode):
+    size = 3 * PART + 5  # multipart when uncompressed, 16 chunks, short last one
+    data = mixed(size, seed=13)
+    rec = Recorder(env.store)
+
+    async def go():
+        obj = await Uploader(rec, cfg(compress=mode)).upload_file(
+            write(tmp_path, "f", data), "k", size=size)
+        assert obj.compression == ("lz4" if mode == "lz4" else "none")
+        n_chunks = chunk_count(obj)
+        assert n_chunks == 16
+        for j in range(n_chunks):
+            rec.log.clear()
+            raw = await fetch_chunk(rec, obj, j)
+            off, n = chunk_span(obj, j)
+            assert raw == data[off:off + n] and len(raw) == n
+            [(op, key, start, length)] = rec.log  # exactly one ranged GET: just this chunk
+            assert op == "get" and key == "k"
+            if mode == "off":
+                assert (start, length) == (off, n)
+            else:
+                assert (start, length) == (sum(obj.frames[:j]), obj.frames[j])
+            assert verify_chunk(obj, j, raw)
+            assert not verify_chunk(obj, j, raw[:-1])  # wrong length
+            bad = bytearray(raw)
+            bad[len(bad) // 2] ^= 1
+            assert not verify_chunk(obj, j, bytes(bad))
+        rec.log.clear()
+        for j in (-1, n_chunks):
+            with pytest.raises(IndexError):
+                await fetch_chunk(rec, obj, j)
+            with pytest.raises(IndexError):
+                chunk_span(obj, j)
+        assert rec.log == []
+        # An empty object has no chunks.
+        empty = await Uploader(env.store, cfg(compress=mode)).upload_file(
+            write(tmp_path, "e", b""), "e", size=0)
+        assert chunk_count(empty) == 0 and empty.chunk_crcs == ()
+        with pytest.raises(IndexError):
+            await fetch_chunk(env.store, empty, 0)
+
+    trio.run(go)
+
+
+@pytest.mark.parametrize("mode", ["off", "lz4"])
+def test_fetch_chunk_detects_flipped_byte(env, tmp_path, mode):
+    size = 4 * FRAME + 77
+    data = mixed(size, seed=17)
+    bad_chunk = 2
+
+    async def go():
+        obj = await Uploader(env.store, cfg(compress=mode)).upload_file(
+            write(tmp_path, "f", data), "k", size=size)
+        stored = await env.store.get("k")
+        # A byte inside chunk 2's stored bytes, in its leading 256 KiB of random bytes (stored
+        # as literals by lz4, after ~1 KiB of headers and literal-length bytes, so lz4 decodes
+        # it without complaint: only the CRC can catch it).
+        start = obj.offsets[bad_chunk] if mode == "lz4" else bad_chunk * FRAME
+        pos = start + 5000
+        bad = bytearray(stored)
+        bad[pos] ^= 0x10
+        await env.store.put("k", bytes(bad))
+        with pytest.raises(IntegrityError, match="chunk 2 .*CRC32C"):
+            await fetch_chunk(env.store, obj, bad_chunk)
+        for j in range(chunk_count(obj)):
+            if j != bad_chunk:
+                off, n = chunk_span(obj, j)
+                assert await fetch_chunk(env.store, obj, j) == data[off:off + n]
+        # download_file names the bad chunk too.
+        with pytest.raises(IntegrityError, match="chunk 2 "):
+            await download_file(env.store, obj, tmp_path / "out", range_size=FRAME)
+        # A truncated object: the last chunk's GET comes back short.
+        await env.store.put("k", stored[:-1])
+        with pytest.raises(IntegrityError):
+            await fetch_chunk(env.store, obj, chunk_count(obj) - 1)
+        assert await fetch_chunk(env.store, obj, 0) == data[:FRAME]
+        if mode == "lz4":
+            # Damage lz4 does notice (chunk 2's frame header) is an IntegrityError naming it.
+            bad = bytearray(stored)
+            bad[start + 5] ^= 0xFF
+            await env.store.put("k", bytes(bad))
+            with pytest.raises(IntegrityError, match="frame 2"):
+                await fetch_chunk(env.store, obj, bad_chunk)
+            assert await fetch_chunk(env.store, obj, 3) == data[3 * FRAME:4 * FRAME]
+
+    trio.run(go)
+
+
+def test_download_checks_chunk_and_whole_crcs(tmp_path):
+    """A manifest whose chunk CRCs or whole-file CRC disagree with the content fails, each on
+    its own."""
+    store = LocalStore(tmp_path / "store")
+    data = mixed(3 * FRAME + 5, seed=19)
+
+    async def go():
+        for mode in ("off", "lz4"):
+            obj = await Uploader(store, cfg(compress=mode)).upload_file(
+                write(tmp_path, "f", data), mode, size=len(data))
+            crcs = list(obj.chunk_crcs)
+            crcs[3] ^= 1
+            wrong_chunk = dataclasses.replace(obj, chunk_crcs=tuple(crcs))
+            with pytest.raises(IntegrityError, match="chunk 3 "):
+                await download_file(store, wrong_chunk, tmp_path / "out")
+            with pytest.raises(IntegrityError, match="chunk 3 "):
+                await fetch_chunk(store, wrong_chunk, 3)
+            wrong_whole = dataclasses.replace(obj, crc32c=obj.crc32c ^ 1)
+            with pytest.raises(IntegrityError, match="downloaded content"):
+                await download_file(store, wrong_whole, tmp_path / "out")
+            await download_file(store, obj, tmp_path / "out", range_size=1)  # 1 chunk per range
+            assert (tmp_path / "out").read_bytes() == data
+
+    trio.run(go)
+
+
+@pytest.mark.parametrize("mode", ["off", "lz4"])
+def test_old_style_object_without_chunk_crcs(tmp_path, mode):
+    """Manifests written before chunk CRCs load, and their chunks fetch (checked by length and
+    lz4 structure only)."""
+    store = LocalStore(tmp_path / "store")
+    size = 2 * compress.DEFAULT_FRAME_SIZE + 12345
+    data = mixed(size, seed=23)
+
+    async def go():
+        new = await Uploader(store, cfg(compress=mode)).upload_file(
+            write(tmp_path, "f", data), "k", size=size)
+        d = new.to_json()
+        del d["chunk_size"], d["chunk_crcs"]
+        old = StoredObject.from_json(json.dumps(d))
+        assert old.chunk_size == 0 and old.chunk_crcs is None
+        assert old.to_json()["chunk_crcs"] is None
+        # lz4: chunks are the frames; none: DEFAULT_FRAME_SIZE slices.
+        cs = FRAME if mode == "lz4" else compress.DEFAULT_FRAME_SIZE
+        assert chunk_count(old) == math.ceil(size / cs)
+        for j in range(chunk_count(old)):
+            off, n = chunk_span(old, j)
+            assert (off, n) == (j * cs, min(cs, size - j * cs))
+            raw = await fetch_chunk(store, old, j)
+            assert raw == data[off:off + n]
+            assert verify_chunk(old, j, raw) and not verify_chunk(old, j, raw + b"x")
+            assert verify_chunk(old, j, bytes(n))  # no CRC to hold it against
+        await download_file(store, old, tmp_path / "out", range_size=3 * FRAME)
+        assert (tmp_path / "out").read_bytes() == data
+        if mode == "off":
+            # No chunk CRC: a flipped byte goes unnoticed by fetch_chunk (the whole-file CRC in
+            # download_file still catches it).
+            bad = bytearray(data)
+            bad[5] ^= 1
+            await store.put("k", bytes(bad))
+            assert await fetch_chunk(store, old, 0) == bytes(bad[:cs])
+            with pytest.raises(IntegrityError):
+                await download_file(store, old, tmp_path / "out")
+            with pytest.raises(IntegrityError):
+                await fetch_chunk(store, new, 0)
+
+    trio.run(go)
+
+
+def test_ckpt_restore_checks_chunk_crcs(tmp_path):
+    """scripts/ckpt_restore.decode (the no-ckptfs reader) checks chunk_crcs when present and
+    reads old objects without them."""
+    from ckpt_restore import decode
+
+    store = LocalStore(tmp_path / "store")
+    data = mixed(3 * FRAME + 5, seed=29)
+
+    async def go():
+        for mode in ("off", "lz4"):
+            obj = await Uploader(store, cfg(compress=mode)).upload_file(
+                write(tmp_path, "f", data), mode, size=len(data))
+            stored = await store.get(mode)
+            d = json.loads(json.dumps(obj.to_json()))
+            assert decode(d, stored) == data
+            d["chunk_crcs"][1] ^= 1
+            with pytest.raises(AssertionError, match="chunk 1"):
+                decode(d, stored)
+            del d["chunk_crcs"], d["chunk_size"]
+            assert decode(d, stored) == data
+
+    trio.run(go)
