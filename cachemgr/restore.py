@@ -119,8 +119,11 @@ class Restorer:
         obj = self.obj_of(ino)
         if obj is None:
             raise FsError(errno.EIO, f"inode {ino} is not cached and has no object in the store")
-        if not obj.chunk_crcs:
+        if obj.chunk_crcs is None:
             await self.t.fetch(ino)  # an object without chunk checksums: whole-file download
+            return
+        if obj.size == 0:
+            self.core.fetched(ino, 0)  # nothing to fetch: the empty cache file is the file
             return
         end = min(off + size, obj.size)
         if end <= off:
@@ -214,7 +217,7 @@ class Restorer:
         """First read of each chunk of a cached file whose content is in the store: check it
         against the chunk's CRC32C; a damaged chunk is fetched again."""
         obj = self.obj_of(ino)
-        if obj is None or not obj.chunk_crcs:
+        if obj is None or obj.chunk_crcs is None:
             self.clean.add(ino)
             return
         seen = self._verified.setdefault(ino, set())
@@ -316,7 +319,7 @@ class Restorer:
         try:
             async with trio.open_nursery() as n:
                 for ino, obj in work:
-                    if not obj.chunk_crcs:
+                    if obj.chunk_crcs is None:
                         n.start_soon(self._whole, job, ino, obj)
                         continue
                     for i in range(chunk_count(obj)):
