@@ -6,9 +6,9 @@ from the store, or evicted): a read waits only for the chunks it covers (one ran
 verified against the manifest's per-chunk CRC32C), while opening a file of a set prefetches the
 whole set in the background, `concurrency` chunks at a time (memory: concurrency x chunk size).
 Chunks already in the cache file are recorded in `inodes.present`, so a restore interrupted by a
-crash resumes where it stopped. A fully cached file whose content is in the store has each chunk
-checked against its CRC32C on its first read in this daemon's life; a damaged chunk is logged
-and fetched again from the store.
+crash resumes where it stopped. A fully cached file whose content is in the store and that was
+not written by this daemon (data at rest across a restart) has each chunk checked against its
+CRC32C on its first read in this daemon's life; a damaged chunk is logged and fetched again.
 
 `RemoteSync` lists `manifests/` every `interval` seconds and materialises sets published by
 other nodes (or by an earlier cache of this node) as evicted files: names, sizes, modes and

@@ -138,6 +138,9 @@ class Tiering:
 
     def on_close(self, node, parent_ino: int, name: bytes) -> None:
         """The last writer of a regular file closed it."""
+        # Written through this daemon: nothing to check against the store on its reads (the
+        # per-chunk check is for data at rest across restarts, see cachemgr.restore).
+        self.restorer.clean.add(node.ino)
         self._enqueue(node.ino, node.version)
         if not is_temp_name(_s(name)) and not self.sets.in_open_set(parent_ino):
             path = self.index.path_of(node.ino)
