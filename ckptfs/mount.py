@@ -521,7 +521,7 @@ def start(cfg: MountConfig) -> tuple[int, str]:
     return int(code_s), msg.strip()
 
 
-def _pid_running(pid: int) -> bool:
+def pid_running(pid: int) -> bool:
     """True while `pid` exists and is not a zombie. The daemon is reparented to PID 1 once the
     mounting CLI exits; a PID 1 that reaps late (or never: a shell as a container's init) leaves
     it a zombie after it has finished, which `kill(pid, 0)` alone would count as running."""
@@ -554,7 +554,7 @@ def umount(mp: Path, *, timeout: float = 300.0) -> tuple[int, str]:
         pid = int(reg["pid"])
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if not _pid_running(pid):
+            if not pid_running(pid):
                 break
             time.sleep(0.05)
         else:

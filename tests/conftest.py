@@ -143,16 +143,10 @@ class Mount:
 
 
 def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie (our child that exited) counts as dead.
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
+    """Running and not a zombie (a daemon that exited but was not reaped yet counts as dead)."""
+    from ckptfs.mount import pid_running
+
+    return pid_running(pid)
 
 
 @pytest.fixture
