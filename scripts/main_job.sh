@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The README's main job: set up everything (idempotent: apt packages, .venv, ckptfs, torch CPU),
 # then run the demo (scripts/train_demo.py): a training run checkpointing into ckptfs is killed
-# with SIGKILL and resumes bit-exactly from its torch.save and DCP checkpoints; then the ckptfs
-# daemon itself is killed with SIGKILL and every checkpoint is verified after a remount.
+# with SIGKILL and resumes bit-exactly from its torch.save and DCP checkpoints; the ckptfs
+# daemon itself is killed with SIGKILL and every checkpoint is verified after a remount; every
+# checkpoint becomes durable in the object store; a new "node" with an empty cache on the same
+# store sees them all and resumes training from the store bit-exactly.
 # Prints each step; exit status 0 only if every check passed. Takes about a minute.
 #
 # Options (passed to scripts/train_demo.py): --work DIR (default <repo>/demo-work, wiped at
@@ -26,10 +28,12 @@ source "$ROOT/scripts/setup.sh"
 # Belt and braces: the driver unmounts in its own `finally`; this catches a driver that was
 # itself killed, so a run never leaves its mount behind.
 cleanup() {
-    if grep -q " $WORK/mnt " /proc/self/mountinfo 2>/dev/null; then
-        "$VENV/bin/ckptfs" umount "$WORK/mnt" >/dev/null 2>&1 \
-            || fusermount3 -u -z "$WORK/mnt" 2>/dev/null || true
-    fi
+    for mnt in "$WORK/node2-mnt" "$WORK/mnt"; do
+        if grep -q " $mnt " /proc/self/mountinfo 2>/dev/null; then
+            "$VENV/bin/ckptfs" umount --no-wait "$mnt" >/dev/null 2>&1 \
+                || fusermount3 -u -z "$mnt" 2>/dev/null || true
+        fi
+    done
 }
 trap cleanup EXIT
 

@@ -1,11 +1,13 @@
 #!/usr/bin/env python3
 """The ckptfs demo: a training run checkpointing into ckptfs survives `kill -9` of the trainer and
-of the filesystem daemon, and resumes bit-exactly.
+of the filesystem daemon, and resumes bit-exactly; then a new node (a fresh mount with an empty
+cache on the same object store) sees every checkpoint and resumes training from the store.
 
 Two roles in one file:
 
   train_demo.py [demo] [--work DIR]      the driver (default): mounts ckptfs, runs, kills and
-                                         resumes the trainer, kills the daemon, verifies, unmounts
+                                         resumes the trainer, kills the daemon, verifies, unmounts,
+                                         then resumes on a new node from the store
   train_demo.py train --ckpt-dir D ...   the training program: an ordinary deterministic CPU
                                          training loop that checkpoints every N steps with
                                          torch.save (tmp + os.replace + `latest` symlink) and
@@ -302,8 +304,14 @@ def _file_hashes(root: Path) -> dict[str, str]:
     return out
 
 
+def _natural(name: str) -> tuple:
+    """Sort key: step_9 before step_10."""
+    return tuple(int(x) if x.isdigit() else x for x in re.split(r"(\d+)", name))
+
+
 class Demo:
-    TOTAL = 9
+    TOTAL = 11
+    EXTRA_STEPS = 10  # steps the new node trains after resuming from the store
 
     def __init__(self, a: argparse.Namespace) -> None:
         self.a = a
@@ -315,6 +323,11 @@ class Demo:
         self.log_file = self.logs / "ckptfs.log"
         self.ckptfs = Path(sys.executable).parent / "ckptfs"
         self.daemon_pid: int | None = None
+        # The new node: its own mount point and an empty cache dir, on the same store.
+        self.node2_mnt = self.work / "node2-mnt"
+        self.node2_cache = self.work / "node2-cache"
+        self.node2_log_file = self.logs / "ckptfs-node2.log"
+        self.node2_pid: int | None = None
         self.trainers: list[subprocess.Popen] = []
         self.n = 0
 
@@ -328,50 +341,74 @@ class Demo:
 
     # -- ckptfs ---------------------------------------------------------------------------
 
-    def mount(self) -> int:
+    def _ckptfs_mount(self, mnt: Path, cache: Path, log_file: Path) -> int:
         # The object store lives in the work dir too, so a wiped work dir is a fresh start.
-        res = subprocess.run([str(self.ckptfs), "mount", str(self.mnt), "--cache-dir",
-                              str(self.cache), "--store", f"file://{self.store}",
-                              "--log-file", str(self.log_file)],
+        res = subprocess.run([str(self.ckptfs), "mount", str(mnt), "--cache-dir",
+                              str(cache), "--store", f"file://{self.store}",
+                              "--log-file", str(log_file)],
                              check=False, capture_output=True, text=True, timeout=120)
-        check(res.returncode == 0, f"ckptfs mount failed ({res.returncode}): "
+        check(res.returncode == 0, f"ckptfs mount of {mnt} failed ({res.returncode}): "
               f"{res.stderr.strip() or res.stdout.strip()}")
         m = re.search(r"pid (\d+)", res.stdout)
-        check(m is not None and _mounted(self.mnt), f"mount did not report a pid: {res.stdout}")
-        self.daemon_pid = int(m.group(1))
+        check(m is not None and _mounted(mnt), f"mount did not report a pid: {res.stdout}")
+        return int(m.group(1))
+
+    def _ckptfs_umount(self, mnt: Path) -> None:
+        res = subprocess.run([str(self.ckptfs), "umount", str(mnt)], check=False,
+                             capture_output=True, text=True, timeout=300)
+        check(res.returncode == 0, f"ckptfs umount of {mnt} failed ({res.returncode}): "
+              f"{res.stderr.strip()}")
+
+    def mount(self) -> int:
+        self.daemon_pid = self._ckptfs_mount(self.mnt, self.cache, self.log_file)
         return self.daemon_pid
 
     def umount(self) -> None:
-        res = subprocess.run([str(self.ckptfs), "umount", str(self.mnt)], check=False, capture_output=True,
-                             text=True, timeout=300)
-        check(res.returncode == 0, f"ckptfs umount failed ({res.returncode}): "
-              f"{res.stderr.strip()}")
+        self._ckptfs_umount(self.mnt)
         self.daemon_pid = None
 
+    def mount_node2(self) -> int:
+        self.node2_pid = self._ckptfs_mount(self.node2_mnt, self.node2_cache,
+                                            self.node2_log_file)
+        return self.node2_pid
+
+    def umount_node2(self) -> None:
+        self._ckptfs_umount(self.node2_mnt)
+        self.node2_pid = None
+
+    def _force_umount(self, mnt: Path, pid: int | None) -> None:
+        """Unmount `mnt` if mounted: cleanly while its daemon lives, else lazily; then make sure
+        the daemon `pid` (ours) is gone."""
+        if _mounted(mnt):
+            if pid is not None and _alive(pid):
+                subprocess.run([str(self.ckptfs), "umount", str(mnt)], check=False,
+                               capture_output=True, timeout=300)
+            if _mounted(mnt):
+                subprocess.run(["fusermount3", "-u", "-z", str(mnt)], check=False,
+                               capture_output=True)
+        if pid is not None and _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
     def cleanup(self) -> None:
-        """Always runs: stop our trainers, unmount our mount (lazily if the daemon is dead)."""
+        """Always runs: stop our trainers, unmount both mounts (lazily if a daemon is dead)."""
         for p in self.trainers:
             if p.poll() is None:
                 p.kill()
                 p.wait()
-        if _mounted(self.mnt):
-            if self.daemon_pid is not None and _alive(self.daemon_pid):
-                subprocess.run([str(self.ckptfs), "umount", str(self.mnt)], check=False, capture_output=True,
-                               timeout=300)
-            if _mounted(self.mnt):
-                subprocess.run(["fusermount3", "-u", "-z", str(self.mnt)], check=False, capture_output=True)
-        if self.daemon_pid is not None and _alive(self.daemon_pid):
-            os.kill(self.daemon_pid, signal.SIGKILL)
+        self._force_umount(self.node2_mnt, self.node2_pid)
+        self._force_umount(self.mnt, self.daemon_pid)
 
     def prepare_work_dir(self) -> None:
-        # A previous run that was interrupted may have left its mount behind: unmount it before
-        # wiping, or the wipe would delete through the mount (or fail on a dead one).
-        if _mounted(self.mnt):
-            subprocess.run([str(self.ckptfs), "umount", str(self.mnt)], check=False, capture_output=True,
-                           timeout=300)
-            if _mounted(self.mnt):
-                subprocess.run(["fusermount3", "-u", "-z", str(self.mnt)], check=False, capture_output=True)
-            check(not _mounted(self.mnt), f"{self.mnt} is still mounted; unmount it first")
+        # A previous run that was interrupted may have left its mounts behind: unmount them
+        # before wiping, or the wipe would delete through a mount (or fail on a dead one).
+        for mnt in (self.node2_mnt, self.mnt):
+            if _mounted(mnt):
+                subprocess.run([str(self.ckptfs), "umount", str(mnt)], check=False,
+                               capture_output=True, timeout=300)
+                if _mounted(mnt):
+                    subprocess.run(["fusermount3", "-u", "-z", str(mnt)], check=False,
+                                   capture_output=True)
+                check(not _mounted(mnt), f"{mnt} is still mounted; unmount it first")
         if self.work.exists():
             shutil.rmtree(self.work)
         for d in (self.mnt, self.cache, self.store, self.logs, self.work / "reference"):
@@ -379,10 +416,11 @@ class Demo:
 
     # -- trainers -------------------------------------------------------------------------
 
-    def trainer_cmd(self, ckpt_dir: Path, records: Path, final: Path, resume: bool) -> list[str]:
+    def trainer_cmd(self, ckpt_dir: Path, records: Path, final: Path, resume: bool,
+                    steps: int | None = None) -> list[str]:
         cmd = [sys.executable, str(Path(__file__).resolve()), "train", "--ckpt-dir",
                str(ckpt_dir), "--records", str(records), "--final", str(final), "--steps",
-               str(self.a.steps), "--every", str(self.a.every)]
+               str(steps or self.a.steps), "--every", str(self.a.every)]
         return cmd + (["--resume"] if resume else [])
 
     def start_trainer(self, cmd: list[str], log: Path, on_line=None) -> tuple:
@@ -539,8 +577,11 @@ class Demo:
 
         self.tiering(run_dir, run_recs)
 
+        expected_sizes = {k: (run_dir / k).stat().st_size for k in files}
         self.umount()
         self.say(f"unmounted {self.mnt}")
+
+        self.new_node(run_recs, expected_sizes, expected_latest, records, ref_dir, ref_records)
 
     def tiering(self, run_dir: Path, run_recs: dict) -> None:
         """Every checkpoint becomes durable in the object store; the newest one restores from
@@ -577,6 +618,141 @@ class Demo:
         self.info(f"step {newest} restored from the store without ckptfs "
                   f"(scripts/ckpt_restore.py: manifests, objects, CRC32C): torch.save and DCP "
                   f"sha256 {h1[:16]} match the ones recorded at save time")
+
+    def new_node(self, run_recs: dict, expected_sizes: dict[str, int], expected_latest: str,
+                 records: Path, ref_dir: Path, ref_records: Path) -> None:
+        """A new node: a fresh mount with an empty cache dir on the same store shows every
+        committed checkpoint (from the store's manifests), prefetches the newest DCP checkpoint
+        and resumes training from the store, bit-identically to the reference run resumed from
+        its own checkpoint on the plain disk."""
+        from ckpt_restore import FileStoreView, manifests
+
+        import ckptfs
+
+        a = self.a
+        newest = max(run_recs)
+        target = a.steps + self.EXTRA_STEPS
+        # The reference resumes from its own step-`newest` checkpoint on the plain disk; it
+        # starts now so that it runs while the new node mounts.
+        ref_final = self.work / "reference" / f"final-{target}.pt"
+        ref = self.start_trainer(self.trainer_cmd(ref_dir, ref_records, ref_final, True, target),
+                                 self.logs / "reference-resume.log")
+        check(not self.node2_cache.exists(), f"{self.node2_cache} exists: not an empty cache")
+        self.node2_cache.mkdir()
+        self.node2_mnt.mkdir()
+        pid = self.mount_node2()
+        run2 = self.node2_mnt / "run"
+        want_pt = {f"step_{s}.pt" for s in run_recs}
+        want_dcp = {f"step_{s}" for s in run_recs}
+        seen: dict = {}
+
+        def visible() -> bool:
+            try:
+                seen["run"] = set(os.listdir(run2))
+                seen["dcp"] = set(os.listdir(run2 / "dcp"))
+            except FileNotFoundError:
+                return False
+            return want_pt <= seen["run"] and "latest" in seen["run"] and want_dcp <= seen["dcp"]
+
+        t0 = time.monotonic()
+        try:
+            wait_until(visible, 60, f"the store's checkpoints to appear in {run2}")
+        except Failed as e:
+            raise Failed(f"{e}; it lists {sorted(seen.get('run', []), key=_natural)}, dcp/ "
+                         f"{sorted(seen.get('dcp', []), key=_natural)}; daemon log "
+                         f"{self.node2_log_file}") from None
+        t_visible = time.monotonic() - t0
+        n_pt = sum(1 for n in seen["run"] if re.fullmatch(r"step_\d+\.pt", n))
+        n_dcp = sum(1 for n in seen["dcp"] if re.fullmatch(r"step_\d+", n))
+        latest2 = os.readlink(run2 / "latest")
+        check(latest2 == expected_latest, f"node 2: latest -> {latest2}, expected "
+              f"{expected_latest}")
+        bad_sizes = sorted(k for k, size in expected_sizes.items()
+                           if not (run2 / k).is_file() or (run2 / k).stat().st_size != size)
+        check(not bad_sizes, f"node 2: files missing or with another size: {bad_sizes}")
+        st = ckptfs.status(self.node2_mnt)
+        cache_before = st["cache"]["cached_bytes"]
+        fetched_before = st["tiering"]["restore"]["bytes_fetched"]
+
+        dcp_rel = f"run/dcp/step_{newest}"
+        res = subprocess.run([str(self.ckptfs), "prefetch", str(self.node2_mnt / dcp_rel)],
+                             check=False, capture_output=True, text=True, timeout=300)
+        out = res.stdout.strip()
+        check(res.returncode == 0, f"ckptfs prefetch {dcp_rel} failed ({res.returncode}): "
+              f"{res.stderr.strip() or out}")
+        m = re.search(r"prefetched \S+: (\d+) files, .* in ([\d.]+)s", out)
+        check(m is not None, f"ckptfs prefetch did not report a prefetch: {out!r}")
+        dcp_bytes = sum(size for k, size in expected_sizes.items()
+                        if k.startswith(f"dcp/step_{newest}/"))
+        secs = float(m.group(2))
+        took = f"{dcp_bytes / 1e6:.1f} MB in {secs:.1f} s" + (
+            f", {dcp_bytes / 1e6 / secs:.0f} MB/s" if secs > 0 else "")
+        st = ckptfs.status(self.node2_mnt)
+        cache_after = st["cache"]["cached_bytes"]
+        fetched = st["tiering"]["restore"]["bytes_fetched"] - fetched_before
+        check(cache_before == 0, f"node 2's new cache held {cache_before} bytes of file data "
+              f"before anything was read")
+        check(cache_after >= dcp_bytes and fetched >= dcp_bytes, f"after the prefetch of "
+              f"{dcp_rel} ({dcp_bytes} bytes) node 2's cache holds {cache_after} bytes, "
+              f"{fetched} fetched from the store")
+        self.say(f"new node: mounted {self.node2_mnt} with an empty cache "
+                 f"({self.node2_cache}) on the same store (daemon pid {pid}): {n_pt} torch.save "
+                 f"+ {n_dcp} DCP checkpoints visible; prefetched {dcp_rel} ({took})")
+        self.info(f"{run2}: {sorted(seen['run'], key=_natural)}")
+        self.info(f"{run2 / 'dcp'}: {sorted(seen['dcp'], key=_natural)}")
+        self.info(f"latest -> {latest2}; all {len(expected_sizes)} files listed with the sizes "
+                  f"they had on the first node ({t_visible:.1f}s after the mount)")
+        self.info(f"$ ckptfs prefetch {self.node2_mnt / dcp_rel}")
+        self.info(f"{out}")
+        self.info(f"node 2's cache held {cache_before:,} bytes of file data before the "
+                  f"prefetch, {cache_after:,} after ({fetched:,} bytes fetched from the store)")
+
+        # Resume on the new node from the store (the reference is already resuming).
+        n2_records = self.work / "node2-records.jsonl"
+        shutil.copyfile(records, n2_records)  # the hashes recorded at save time come along
+        n2_final = self.work / "node2-final.pt"
+        p3 = self.start_trainer(self.trainer_cmd(run2, n2_records, n2_final, True, target),
+                                self.logs / "train-node2.log")
+        lines3 = self.finish(*p3, self.logs / "train-node2.log", "trainer on the new node")
+        ref_lines = self.finish(*ref, self.logs / "reference-resume.log",
+                                "resumed reference trainer")
+        steps3 = [int(m.group(1)) for ln in lines3 if (m := re.match(r"step (\d+) ", ln))]
+        check(steps3 == list(range(newest + 1, target + 1)), f"node 2 ran steps "
+              f"{steps3[:1]}..{steps3[-1:]}, expected {newest + 1}..{target}")
+        check(any(ln == f"resume: latest -> step_{newest}.pt" for ln in lines3),
+              f"node 2 did not resume from step_{newest}.pt")
+        check(any("torch.save vs DCP: bit-identical" in ln for ln in lines3),
+              "node 2: resume did not show torch.save and DCP bit-identical")
+        check(sum("MATCH" in ln and "MISMATCH" not in ln for ln in lines3) == 2,
+              "node 2: resume hashes did not match the recorded ones")
+        got = [ln for ln in lines3 if ln.startswith("final ")][-1].split()[-1]
+        want = [ln for ln in ref_lines if ln.startswith("final ")][-1].split()[-1]
+        check(got == want, f"node 2 final state {got[:16]} != reference {want[:16]}")
+        self._compare_final(n2_final, ref_final)
+        n2_recs, ref_recs = _read_records(n2_records), _read_records(ref_records)
+        new_ckpts = [s for s in n2_recs if s > newest]
+        check(new_ckpts == [s for s in ref_recs if s > newest], f"node 2 saved checkpoints "
+              f"{new_ckpts}, the reference {[s for s in ref_recs if s > newest]}")
+        bad = [s for s in new_ckpts if n2_recs[s]["sha256"] != ref_recs[s]["sha256"]]
+        check(not bad, f"node 2 checkpoints differing from the reference: {bad}")
+        self.say(f"resumed from the store on the new node (trainer pid {p3[0].pid}): it verified "
+                 f"step {newest} (torch.save + DCP), trained steps {newest + 1}..{target} in "
+                 f"{run2}; the final state is bit-identical to the reference resumed on the "
+                 f"plain disk (sha256 {got[:16]})" + (
+                     f", and so are its checkpoints {new_ckpts}" if new_ckpts else ""))
+        for ln in lines3:
+            if ln.startswith("resume:"):
+                self.info(ln)
+
+        self.umount_node2()
+        published = manifests(FileStoreView(self.store))
+        for s in new_ckpts:
+            check(f"run/step_{s}.pt" in published and f"run/dcp/step_{s}" in published,
+                  f"node 2's checkpoint {s} is not in the store after its unmount")
+        self.info(f"unmounted {self.node2_mnt}" + (
+            f"; its checkpoint{'s' if len(new_ckpts) > 1 else ''} "
+            f"{', '.join(f'step {s}' for s in new_ckpts)} went to the store too "
+            f"({len(published)} sets published)" if new_ckpts else ""))
 
     def _compare_final(self, final: Path, ref_final: Path) -> None:
         import torch
