@@ -6,7 +6,10 @@ from the store, or evicted): a read waits only for the chunks it covers (one ran
 verified against the manifest's per-chunk CRC32C), while opening a file of a set prefetches the
 whole set in the background, `concurrency` chunks at a time (memory: concurrency x chunk size).
 Chunks already in the cache file are recorded in `inodes.present`, so a restore interrupted by a
-crash resumes where it stopped. A fully cached file whose content is in the store and that was
+crash resumes where it stopped. Restored chunks count against --cache-size: room is made before
+each chunk's GET (whole files first, then chunks of incomplete files nobody has open); a prefetch
+never evicts files of its own set and stops when nothing else can go; a read proceeds over the
+limit when nothing can be evicted. A fully cached file whose content is in the store and that was
 not written by this daemon (data at rest across a restart) has each chunk checked against its
 CRC32C on its first read in this daemon's life; a damaged chunk is logged and fetched again.
 
@@ -59,6 +62,12 @@ class Restorer:
         # against): the read hot path tests membership only.
         self.clean: set[int] = set()
         self._jobs: dict[str, dict] = {}
+        # --cache-size: bytes of chunks restored by this run into files not yet complete (counted
+        # in core.cached_bytes; a complete file counts its size instead), and of chunk fetches
+        # in flight (room is made for a chunk before its GET).
+        self._partial: dict[int, int] = {}
+        self._reserved = 0
+        self._warned_full = False
         self.nursery: trio.Nursery | None = None
         self.bytes_fetched = 0
         self.chunks_fetched = 0
@@ -103,7 +112,8 @@ class Restorer:
         return bool(bm[i >> 3] & (1 << (i & 7)))
 
     def forget(self, ino: int) -> None:
-        """The file's cache state changed behind us (evicted, rewritten)."""
+        """The file's cache state changed behind us (evicted, rewritten, fetched, deleted)."""
+        self.core.cached_bytes -= self._partial.pop(ino, 0)
         self._bitmaps.pop(ino, None)
         self._verified.pop(ino, None)
         self._objs.pop(ino, None)
@@ -138,26 +148,76 @@ class Restorer:
             await self.ensure_range(ino, 0, max(node.size, 1))
 
     async def _ensure_chunk(self, ino: int, obj: StoredObject, i: int,
-                            limiter: trio.CapacityLimiter | None = None) -> None:
+                            limiter: trio.CapacityLimiter | None = None,
+                            protect: set[int] | None = None) -> bool:
+        """Bring chunk `i` in. `protect` (a prefetch: the inos of its set) makes it give up
+        and return False when --cache-size has no room for the chunk without evicting them;
+        a read always proceeds (over the limit if nothing can be evicted)."""
         n = chunk_count(obj)
         while True:
             node = self.core.inode(ino)
             if node.cached or self.obj_of(ino) != obj:
-                return  # completed, or rewritten/evicted meanwhile: the caller re-checks
+                return True  # completed, or rewritten/evicted meanwhile: the caller re-checks
             if self._has(self._bitmap(ino, n), i):
-                return
+                return True
             ev = self._inflight.get((ino, i))
             if ev is not None:
                 await ev.wait()
                 continue  # re-check: the other fetch may have failed
+            length = chunk_span(obj, i)[1]
+            if not self._room(length, {ino} | (protect or set())):
+                if protect is not None:
+                    return False
+                if not self._warned_full:
+                    self._warned_full = True
+                    log.warning("cache full (%d of %d bytes, nothing evictable): reads of data "
+                                "not in the cache go over --cache-size", self.core.cached_bytes,
+                                self.t.cfg.cache_size)
             ev = self._inflight[(ino, i)] = trio.Event()
+            self._reserved += length
             try:
                 raw = await self._fetch(obj, i, limiter)
                 await self._store_chunk(ino, obj, i, raw, n)
             finally:
+                self._reserved -= length
                 del self._inflight[(ino, i)]
                 ev.set()
-            return
+            return True
+
+    def _room(self, need: int, protect: set[int]) -> bool:
+        """Make room under --cache-size for `need` more bytes (plus the chunks in flight):
+        evict whole files (least recently used first), then chunks of incomplete files,
+        never those of `protect`."""
+        limit = self.t.cfg.cache_size
+        if limit is None:
+            return True
+        return self.t.make_room(need + self._reserved, protect)
+
+    def drop_partials(self, need: int, protect: set[int] | frozenset[int]) -> bool:
+        """Part of Tiering.make_room: drop chunks restored into incomplete files (not open,
+        not in `protect`) until `need` more bytes fit under --cache-size."""
+        limit = self.t.cfg.cache_size
+        if limit is None:
+            return True
+        for ino in list(self._partial):
+            if self.core.cached_bytes + need <= limit:
+                return True
+            if ino not in protect:
+                self._drop_partial(ino)
+        return self.core.cached_bytes + need <= limit
+
+    def _drop_partial(self, ino: int) -> bool:
+        """Drop the chunks of an incomplete, unused file from the cache (they come back from
+        the store when read)."""
+        node = self.core.inode(ino)
+        if node.cached or node.opens or any(k[0] == ino for k in self._inflight):
+            return False
+        os.truncate(self.core.data_path(ino), 0)
+        with self.index.tx():
+            self.index.conn.execute("UPDATE inodes SET present=NULL WHERE ino=?", (ino,))
+        self.forget(ino)
+        log.debug("dropped the restored chunks of inode %d", ino)
+        return True
 
     async def _fetch(self, obj: StoredObject, i: int,
                      limiter: trio.CapacityLimiter | None) -> bytes:
@@ -200,8 +260,12 @@ class Restorer:
         if node.cached or self.obj_of(ino) != obj:
             return
         bm = self._bitmap(ino, n)
+        if not self._has(bm, i):
+            self._partial[ino] = self._partial.get(ino, 0) + len(raw)
+            self.core.cached_bytes += len(raw)
         bm[i >> 3] |= 1 << (i & 7)
         if all(self._has(bm, j) for j in range(n)):
+            self.core.cached_bytes -= self._partial.pop(ino, 0)  # fetched() counts the size
             self._bitmaps.pop(ino, None)
             self._verified[ino] = set(range(n))
             self.clean.add(ino)
@@ -227,35 +291,54 @@ class Restorer:
         cs = obj.chunk_size
         path = self.core.data_path(ino)
         for i in range(off // cs, (end - 1) // cs + 1):
-            if i in seen:
-                continue
-            c_off, c_len = chunk_span(obj, i)
-
-            def read(c_off=c_off, c_len=c_len) -> bytes:
-                with open(path, "rb") as f:
-                    return os.pread(f.fileno(), c_len, c_off)
-
-            data = await trio.to_thread.run_sync(read)
-            if self.core.inode(ino).version != self._objs.get(ino, (-1,))[0]:
-                return  # rewritten meanwhile
-            if not verify_chunk(obj, i, data):
-                self.damaged_chunks += 1
-                log.error("cache file of inode %d (%s) is damaged in chunk %d: fetching it again",
-                          ino, obj.key, i)
-                raw = await self._fetch(obj, i, None)
-
-                def rewrite(raw=raw, c_off=c_off) -> None:
-                    fd = os.open(path, os.O_RDWR)
-                    try:
-                        os.pwrite(fd, raw, c_off)
-                        os.fsync(fd)
-                    finally:
-                        os.close(fd)
-
-                await trio.to_thread.run_sync(rewrite)
-            seen.add(i)
+            while i not in seen:
+                # Concurrent reads of one chunk (the kernel splits and reads ahead) check it
+                # once: the others wait for that check (and its repair) and re-check.
+                ev = self._inflight.get((ino, i))
+                if ev is not None:
+                    await ev.wait()
+                    if self._verified.get(ino) is not seen:
+                        return  # rewritten meanwhile
+                    continue
+                ev = self._inflight[(ino, i)] = trio.Event()
+                try:
+                    if not await self._verify_chunk(ino, obj, i, path):
+                        return  # rewritten meanwhile
+                    seen.add(i)
+                finally:
+                    del self._inflight[(ino, i)]
+                    ev.set()
         if len(seen) == chunk_count(obj):
             self.clean.add(ino)
+
+    async def _verify_chunk(self, ino: int, obj: StoredObject, i: int, path: str) -> bool:
+        """Check chunk `i` of a cached file; fetch it again if damaged. False if the file was
+        rewritten meanwhile."""
+        c_off, c_len = chunk_span(obj, i)
+
+        def read() -> bytes:
+            with open(path, "rb") as f:
+                return os.pread(f.fileno(), c_len, c_off)
+
+        data = await trio.to_thread.run_sync(read)
+        if self.core.inode(ino).version != self._objs.get(ino, (-1,))[0]:
+            return False
+        if not verify_chunk(obj, i, data):
+            self.damaged_chunks += 1
+            log.error("cache file of inode %d (%s) is damaged in chunk %d: fetching it again",
+                      ino, obj.key, i)
+            raw = await self._fetch(obj, i, None)
+
+            def rewrite() -> None:
+                fd = os.open(path, os.O_RDWR)
+                try:
+                    os.pwrite(fd, raw, c_off)
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+
+            await trio.to_thread.run_sync(rewrite)
+        return True
 
     # -- prefetch ------------------------------------------------------------------------------
 
@@ -311,11 +394,14 @@ class Restorer:
                "finished": not work, "error": None, "started": time.time()}
         self._jobs[key] = job
         if work and self.nursery is not None:
-            self.nursery.start_soon(self._prefetch, job, work)
+            self.nursery.start_soon(self._prefetch, job, work, set(inos))
             log.info("prefetch %s: %d files, %d bytes", key, len(work), total)
         return job
 
-    async def _prefetch(self, job: dict, work: list[tuple[int, StoredObject]]) -> None:
+    async def _prefetch(self, job: dict, work: list[tuple[int, StoredObject]],
+                        protect: set[int]) -> None:
+        """`protect`: the files of the set (or tree) being prefetched: never evicted to make
+        room for each other; when nothing else can go, the prefetch stops."""
         try:
             async with trio.open_nursery() as n:
                 for ino, obj in work:
@@ -324,7 +410,12 @@ class Restorer:
                         continue
                     for i in range(chunk_count(obj)):
                         await self._limiter.acquire_on_behalf_of((job["path"], ino, i))
-                        n.start_soon(self._one, job, ino, obj, i)
+                        if job.get("cache_full"):
+                            self._limiter.release_on_behalf_of((job["path"], ino, i))
+                            break
+                        n.start_soon(self._one, job, ino, obj, i, protect)
+                    if job.get("cache_full"):
+                        break
         finally:
             job["finished"] = True
             job["seconds"] = time.time() - job["started"]
@@ -332,10 +423,21 @@ class Restorer:
                 log.info("prefetch %s done: %d bytes in %.1fs", job["path"], job["bytes_done"],
                          job["seconds"])
 
-    async def _one(self, job: dict, ino: int, obj: StoredObject, i: int) -> None:
+    async def _one(self, job: dict, ino: int, obj: StoredObject, i: int,
+                   protect: set[int]) -> None:
         try:
-            await self._ensure_chunk(ino, obj, i)
-            job["bytes_done"] += chunk_span(obj, i)[1]
+            if job.get("cache_full"):
+                return
+            if await self._ensure_chunk(ino, obj, i, protect=protect):
+                job["bytes_done"] += chunk_span(obj, i)[1]
+            elif not job.get("cache_full"):
+                # The rest would evict what this prefetch brought in: stop here; reads fetch
+                # the rest on demand.
+                job["cache_full"] = True
+                job["error"] = (f"the cache is full (--cache-size {self.t.cfg.cache_size} "
+                                "bytes): prefetch stopped")
+                log.info("prefetch %s stopped after %d of %d bytes: the cache is full",
+                         job["path"], job["bytes_done"], job["bytes_total"])
         except FsError as e:
             job["error"] = e.msg  # a read of that range will retry and answer EIO if it must
         finally:
@@ -481,6 +583,16 @@ class RemoteSync:
             pd, sn = under(s["path"])
             raw(pd, sn, stat.S_IFLNK | 0o777, target=s["target"].encode("utf-8",
                                                                           "surrogateescape"))
+        # Creating entries touched their directories: put the manifest's mtimes back last.
+        for d in m.get("dirs", []):
+            if d.get("mtime_ns") is None:
+                continue
+            pd, dn = under(d["path"])
+            ino = self.index.lookup(pd, dn)
+            if ino is not None:
+                node = self.core.inode(ino)
+                node.mtime_ns = d["mtime_ns"]
+                self.core._save(node, "mtime_ns")
         return root, files
 
     def _remove(self, s) -> None:

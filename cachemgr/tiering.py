@@ -198,6 +198,7 @@ class Tiering:
                 self._commit(path, node.ino, "symlink")
 
     def on_purge(self, ino: int) -> None:
+        self.restorer.forget(ino)  # a partly restored file's chunks leave the cache with it
         self._enqueue_gc()
 
     # -- commit / delete bookkeeping ----------------------------------------------------------
@@ -613,9 +614,10 @@ class Tiering:
                 if self.core.evict(ino, version):
                     self.restorer.forget(ino)
 
-    def make_room(self, need: int) -> bool:
+    def make_room(self, need: int, protect: set[int] | frozenset[int] = frozenset()) -> bool:
         """Evict durable data, least recently used first, until `need` more bytes fit under
-        --cache-size. Returns True if they fit."""
+        --cache-size. Returns True if they fit. Files in `protect` are never evicted (a
+        prefetch does not evict its own set)."""
         limit = self.cfg.cache_size
         if limit is None:
             return True
@@ -623,7 +625,7 @@ class Tiering:
             return True
         newest = self.sets.by_states(("durable",))
         keep = {r[1] for r in self.sets.files(newest[-1].seq)} if newest else set()
-        cands = self.core.eviction_candidates()
+        cands = [c for c in self.core.eviction_candidates() if c[0] not in protect]
         # The newest durable set goes last, not never: when it is all that can make room (a
         # file being written plus the last checkpoint exceed the limit), skipping it would
         # block the writer forever.
@@ -633,7 +635,8 @@ class Tiering:
                 self.restorer.forget(ino)
             if self.core.cached_bytes + need <= limit:
                 return True
-        return self.core.cached_bytes + need <= limit
+        # Then the chunks of partly restored files nobody has open (they count too).
+        return self.restorer.drop_partials(need, protect)
 
     async def wait_for_room(self, need: int) -> None:
         """Backpressure for writers: block until `need` bytes fit under --cache-size."""
