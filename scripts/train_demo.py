@@ -264,21 +264,15 @@ def check(cond: bool, what: str) -> None:
 
 
 def _mounted(path: Path) -> bool:
-    target = os.path.abspath(path)
-    with open("/proc/self/mountinfo") as f:
-        return any(line.split()[4] == target for line in f)
+    from ckptfs.mount import find_mount
+
+    return find_mount(path) is not None
 
 
 def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
+    from ckptfs.mount import pid_running  # running and not a zombie
+
+    return pid_running(pid)
 
 
 def wait_until(cond, timeout: float, what: str):
