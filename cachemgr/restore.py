@@ -39,7 +39,14 @@ from . import manifest as mf
 from .errors import FsError
 from .sets import KEPT_STATES
 from .store import IntegrityError, StoreError
-from .transfer import StoredObject, chunk_count, chunk_span, fetch_chunk, verify_chunk
+from .transfer import (
+    StoredObject,
+    chunk_count,
+    chunk_span,
+    fetch_chunk,
+    fetch_chunks,
+    verify_chunk,
+)
 
 log = logging.getLogger(__name__)
 
@@ -47,12 +54,16 @@ FETCH_ATTEMPTS = 3
 
 
 class Restorer:
-    def __init__(self, tiering, *, concurrency: int = 8, auto_prefetch: bool = True) -> None:
+    def __init__(self, tiering, *, concurrency: int = 8, auto_prefetch: bool = True,
+                 range_size: int = 32 << 20) -> None:
         self.t = tiering
         self.core = tiering.core
         self.index = tiering.index
         self.concurrency = concurrency
         self.auto_prefetch = auto_prefetch
+        # A prefetch GETs runs of adjacent chunks of up to range_size bytes at once (reads of
+        # data not yet in fetch just their chunks): see docs/ARCHITECTURE.md for the numbers.
+        self.range_size = range_size
         self._limiter = trio.CapacityLimiter(max(1, concurrency))
         self._bitmaps: dict[int, bytearray] = {}
         self._inflight: dict[tuple[int, int], trio.Event] = {}
@@ -408,12 +419,14 @@ class Restorer:
                     if obj.chunk_crcs is None:
                         n.start_soon(self._whole, job, ino, obj)
                         continue
-                    for i in range(chunk_count(obj)):
+                    per = max(1, self.range_size // max(1, obj.chunk_size))
+                    for i in range(0, chunk_count(obj), per):
+                        last = min(i + per, chunk_count(obj)) - 1
                         await self._limiter.acquire_on_behalf_of((job["path"], ino, i))
                         if job.get("cache_full"):
                             self._limiter.release_on_behalf_of((job["path"], ino, i))
                             break
-                        n.start_soon(self._one, job, ino, obj, i, protect)
+                        n.start_soon(self._run, job, ino, obj, i, last, protect)
                     if job.get("cache_full"):
                         break
         finally:
@@ -423,13 +436,15 @@ class Restorer:
                 log.info("prefetch %s done: %d bytes in %.1fs", job["path"], job["bytes_done"],
                          job["seconds"])
 
-    async def _one(self, job: dict, ino: int, obj: StoredObject, i: int,
+    async def _run(self, job: dict, ino: int, obj: StoredObject, first: int, last: int,
                    protect: set[int]) -> None:
+        """Prefetch chunks [first, last] of one file: the missing ones not already being
+        fetched come with one GET per contiguous group."""
         try:
             if job.get("cache_full"):
                 return
-            if await self._ensure_chunk(ino, obj, i, protect=protect):
-                job["bytes_done"] += chunk_span(obj, i)[1]
+            if await self._ensure_run(ino, obj, first, last, protect):
+                job["bytes_done"] += sum(chunk_span(obj, i)[1] for i in range(first, last + 1))
             elif not job.get("cache_full"):
                 # The rest would evict what this prefetch brought in: stop here; reads fetch
                 # the rest on demand.
@@ -441,7 +456,64 @@ class Restorer:
         except FsError as e:
             job["error"] = e.msg  # a read of that range will retry and answer EIO if it must
         finally:
-            self._limiter.release_on_behalf_of((job["path"], ino, i))
+            self._limiter.release_on_behalf_of((job["path"], ino, first))
+
+    async def _ensure_run(self, ino: int, obj: StoredObject, first: int, last: int,
+                          protect: set[int]) -> bool:
+        n = chunk_count(obj)
+        node = self.core.inode(ino)
+        if node.cached or self.obj_of(ino) != obj:
+            return True
+        bm = self._bitmap(ino, n)
+        todo = [i for i in range(first, last + 1)
+                if not self._has(bm, i) and (ino, i) not in self._inflight]
+        groups: list[list[int]] = []
+        for i in todo:
+            if groups and groups[-1][-1] == i - 1:
+                groups[-1].append(i)
+            else:
+                groups.append([i])
+        for g in groups:
+            length = sum(chunk_span(obj, i)[1] for i in g)
+            if not self._room(length, {ino} | protect):
+                return False
+            events = {i: trio.Event() for i in g}
+            for i, ev in events.items():
+                self._inflight[(ino, i)] = ev
+            self._reserved += length
+            try:
+                raws = await self._fetch_run(obj, g[0], g[-1])
+                for i, raw in zip(g, raws, strict=True):
+                    await self._store_chunk(ino, obj, i, raw, n)
+            finally:
+                self._reserved -= length
+                for i, ev in events.items():
+                    del self._inflight[(ino, i)]
+                    ev.set()
+        # Chunks others were fetching: wait for them (or fetch them if that failed).
+        for i in range(first, last + 1):
+            if not await self._ensure_chunk(ino, obj, i, protect=protect):
+                return False
+        return True
+
+    async def _fetch_run(self, obj: StoredObject, first: int, last: int) -> list[bytes]:
+        if first == last:
+            return [await self._fetch(obj, first, None)]
+        last_err: Exception | None = None
+        for _attempt in range(FETCH_ATTEMPTS):
+            try:
+                raws = await fetch_chunks(self.t.store, obj, first, last)
+                self.chunks_fetched += len(raws)
+                self.bytes_fetched += sum(len(r) for r in raws)
+                return raws
+            except StoreError as e:
+                last_err = e
+                if isinstance(e, IntegrityError):
+                    self.integrity_errors += 1
+                log.warning("fetch of %s chunks %d..%d failed: %s", obj.key, first, last, e)
+        # Fall back to single chunks: one bad chunk must not fail its neighbours.
+        log.info("fetching %s chunks %d..%d one by one after: %s", obj.key, first, last, last_err)
+        return [await self._fetch(obj, i, None) for i in range(first, last + 1)]
 
     async def _whole(self, job: dict, ino: int, obj: StoredObject) -> None:
         try:

@@ -64,7 +64,8 @@ class TieringConfig:
     keep_local: int | None = None    # keep data of only the newest N durable sets locally
     retry_pause: float = 1.0         # pause before re-queueing an upload that failed
     prefetch: bool = True            # opening a file of a set prefetches the whole set
-    prefetch_concurrency: int = 8    # chunk GETs in flight per prefetch (memory: x chunk size)
+    prefetch_concurrency: int = 8    # GETs in flight per prefetch (memory: x prefetch_range)
+    prefetch_range: int = 32 << 20   # bytes per prefetch GET (runs of adjacent chunks)
     refresh_interval: float = 10.0   # seconds between listings of the store's manifests
 
 
@@ -102,7 +103,7 @@ class Tiering:
         from .restore import RemoteSync, Restorer
 
         self.restorer = Restorer(self, concurrency=cfg.prefetch_concurrency,
-                                 auto_prefetch=cfg.prefetch)
+                                 auto_prefetch=cfg.prefetch, range_size=cfg.prefetch_range)
         self.remote = RemoteSync(self, cfg.refresh_interval)
         self.running = False
         # statistics

@@ -738,6 +738,30 @@ async def fetch_chunk(store: ObjectStore, obj: StoredObject, index: int) -> byte
     return await trio.to_thread.run_sync(_decode_chunk, obj, index, blob)
 
 
+async def fetch_chunks(store: ObjectStore, obj: StoredObject, first: int,
+                       last: int) -> list[bytes]:
+    """Raw chunks [first, last] of `obj` with ONE ranged GET (fewer, larger requests: on a store
+    with a per-request cost, 4 MiB GETs reach a fraction of what 64 MiB GETs do), each chunk
+    decoded and verified as by `fetch_chunk`. IntegrityError names the first bad chunk."""
+    chunk_span(obj, first)
+    chunk_span(obj, last)
+    s, n = _stored_span(obj, first, last)
+    blob = await store.get(obj.key, s, n)
+    if len(blob) != n:
+        raise IntegrityError(f"{obj.key}: got {len(blob)} stored bytes of chunks {first}.."
+                             f"{last} at {s}, expected {n}", key=obj.key)
+
+    def split() -> list[bytes]:
+        out = []
+        view = memoryview(blob)
+        for i in range(first, last + 1):
+            cs, cn = _stored_span(obj, i, i)
+            out.append(_decode_chunk(obj, i, bytes(view[cs - s:cs - s + cn])))
+        return out
+
+    return await trio.to_thread.run_sync(split)
+
+
 # ----------------------------------------------------------------------------------------------
 # reads
 

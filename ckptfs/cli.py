@@ -117,8 +117,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="do not prefetch a whole set when one of its files is opened (reads "
                    "still fetch their own ranges)")
     o.add_argument("--prefetch-concurrency", type=int, default=8,
-                   help="chunk GETs in flight per prefetch; memory is about 4 MiB x this "
+                   help="GETs in flight per prefetch; memory is about prefetch-range x this "
                    "(default 8)")
+    o.add_argument("--prefetch-range", default="32M",
+                   help="bytes per prefetch GET (runs of adjacent 4 MiB chunks; larger GETs "
+                   "amortise the store's per-request cost; default 32M)")
     o.add_argument("--refresh-interval", type=_nonneg_float, default=10.0,
                    help="seconds between listings of the store's sets: sets committed by "
                    "other nodes appear within this (default 10; 0 = only at mount)")
@@ -170,6 +173,7 @@ def cmd_mount(a: argparse.Namespace) -> int:
             cache_size=parse_size(a.cache_size) if a.cache_size else None,
             keep_local=a.keep_local, prefetch=a.prefetch,
             prefetch_concurrency=a.prefetch_concurrency,
+            prefetch_range=parse_size(a.prefetch_range),
             refresh_interval=a.refresh_interval,
             mountpoint=a.mountpoint.absolute(),
             cache_dir=(a.cache_dir or default_cache_dir()).absolute(),

@@ -96,7 +96,8 @@ class MountConfig:
     cache_size: int | None = None   # bytes; None: bounded only by the cache disk
     keep_local: int | None = None   # keep only the newest N durable sets' data locally
     prefetch: bool = True           # opening a file of a set prefetches the whole set
-    prefetch_concurrency: int = 8   # chunk GETs in flight per prefetch (x 4 MiB of memory)
+    prefetch_concurrency: int = 8   # GETs in flight per prefetch (memory: x prefetch_range)
+    prefetch_range: int = 32 << 20  # bytes per prefetch GET (docs/ARCHITECTURE.md: measured)
     refresh_interval: float = 10.0  # seconds between listings of the store's manifests
 
     def __post_init__(self) -> None:
@@ -118,6 +119,8 @@ class MountConfig:
             raise ConfigError("--cache-size must be at least 64M")
         if not (1 <= self.prefetch_concurrency <= 256):
             raise ConfigError("--prefetch-concurrency must be between 1 and 256")
+        if not (1 << 20 <= self.prefetch_range <= 1 << 30):
+            raise ConfigError("--prefetch-range must be between 1M and 1G")
         if not (0 <= self.refresh_interval <= 86400):
             raise ConfigError("--refresh-interval must be between 0 and 86400 seconds")
         if self.keep_local is not None and self.keep_local < 0:

@@ -589,7 +589,7 @@ def test_sets_committed_later_appear_and_deleted_sets_disappear(nodes):
     for p in ("step_2", "state.pt", "latest"):
         ckptfs.wait_durable(a.path / "run" / p, timeout=60)
     for rel in ("run/step_2/.metadata", "run/state.pt", "run/latest"):
-        wait_shown(b, rel, timeout=5)
+        wait_shown(b, rel, timeout=15)
     assert os.readlink(b.path / "run" / "latest") == "step_2"
     target = blank_like(sd)
     dcp.load(target, checkpoint_id=str(b.path / "run" / "latest"))
@@ -600,7 +600,7 @@ def test_sets_committed_later_appear_and_deleted_sets_disappear(nodes):
     # Rotation on A: the set leaves the store, then B drops it after a refresh.
     shutil.rmtree(a.path / "run" / "step_1")
     wait_for(lambda: "run/step_1" not in manifests(view), timeout=60, what="manifest deletion")
-    wait_for(lambda: not os.path.lexists(b.path / "run" / "step_1"), timeout=5,
+    wait_for(lambda: not os.path.lexists(b.path / "run" / "step_1"), timeout=15,
              what="run/step_1 to disappear on B")
     assert "step_1" not in os.listdir(b.path / "run")
     assert remote_stat(b)["removed_sets"] >= 1
@@ -612,13 +612,13 @@ def test_sets_committed_later_appear_and_deleted_sets_disappear(nodes):
     torch.save({"step": 3}, a.path / "run" / "state.pt")
     ckptfs.wait_durable(a.path / "run" / "state.pt", timeout=60)
     wait_for(lambda: torch.load(b.path / "run" / "state.pt", weights_only=True) == {"step": 3},
-             timeout=5, what="the re-saved run/state.pt on B")
+             timeout=15, what="the re-saved run/state.pt on B")
     # A re-save of a path on A replaces the set on B with the new content.
     first2 = {"w.bin": rand(2 * MiB, 41)}
     shutil.rmtree(a.path / "run" / "step_2")
     wait_for(lambda: "run/step_2" not in manifests(view), timeout=60, what="manifest deletion")
     _restore_set(a, "run/step_2", first2)
-    wait_for(lambda: os.path.exists(b.path / "run" / "step_2" / "w.bin"), timeout=5,
+    wait_for(lambda: os.path.exists(b.path / "run" / "step_2" / "w.bin"), timeout=15,
              what="the new run/step_2 on B")
     assert (b.path / "run" / "step_2" / "w.bin").read_bytes() == first2["w.bin"]
     assert not os.path.exists(b.path / "run" / "step_2" / ".metadata")
