@@ -464,16 +464,24 @@ class Restorer:
         node = self.core.inode(ino)
         if node.cached or self.obj_of(ino) != obj:
             return True
-        bm = self._bitmap(ino, n)
-        todo = [i for i in range(first, last + 1)
-                if not self._has(bm, i) and (ino, i) not in self._inflight]
-        groups: list[list[int]] = []
-        for i in todo:
-            if groups and groups[-1][-1] == i - 1:
-                groups[-1].append(i)
-            else:
-                groups.append([i])
-        for g in groups:
+        while True:
+            # The next contiguous group of chunks that are neither here nor being fetched,
+            # picked and registered with no await in between (a read may have taken some of
+            # them while the previous group was in flight).
+            node = self.core.inode(ino)
+            if node.cached or self.obj_of(ino) != obj:
+                return True
+            bm = self._bitmap(ino, n)
+            g: list[int] = []
+            for i in range(first, last + 1):
+                if not self._has(bm, i) and (ino, i) not in self._inflight:
+                    if g and g[-1] != i - 1:
+                        break
+                    g.append(i)
+                elif g:
+                    break
+            if not g:
+                break
             length = sum(chunk_span(obj, i)[1] for i in g)
             if not self._room(length, {ino} | protect):
                 return False
