@@ -232,11 +232,15 @@ class SetRegistry:
         self.conn.execute(
             "UPDATE set_files SET obj=? WHERE ino=? AND version=? AND obj IS NULL",
             (obj_json, ino, version))
+        return self.live_sets_of(ino, version)
+
+    # -- queries -----------------------------------------------------------------------------
+
+    def live_sets_of(self, ino: int, version: int) -> list[int]:
+        """Live (committed/uploading) sets holding the content (ino, version)."""
         return [r[0] for r in self.conn.execute(
             f"SELECT DISTINCT s.seq FROM sets s JOIN set_files f ON f.seq = s.seq"
             f" WHERE f.ino=? AND f.version=? AND s.state IN {LIVE_STATES}", (ino, version))]
-
-    # -- queries -----------------------------------------------------------------------------
 
     def get(self, seq: int) -> SetRow | None:
         r = self.conn.execute(f"SELECT {_SET_COLS} FROM sets WHERE seq=?", (seq,)).fetchone()
@@ -286,13 +290,6 @@ class SetRegistry:
             "UPDATE sets SET state=?, error=COALESCE(?, error),"
             " durable_ns=COALESCE(?, durable_ns) WHERE seq=?",
             (state, error, durable, seq))
-
-    def content_wanted(self, ino: int, version: int) -> bool:
-        """Does a live set need (ino, version)?"""
-        return self.conn.execute(
-            f"SELECT 1 FROM set_files f JOIN sets s ON s.seq=f.seq WHERE f.ino=? AND"
-            f" f.version=? AND s.state IN {LIVE_STATES} LIMIT 1", (ino, version)
-        ).fetchone() is not None
 
     def live_commit_seq(self, ino: int, version: int) -> int | None:
         r = self.conn.execute(

@@ -398,7 +398,7 @@ class Tiering:
             with self.index.tx():
                 self.sets.add_object(key, ino, version, size)
         with self.index.tx():
-            for seq in self._live_sets_of(ino, version):
+            for seq in self.sets.live_sets_of(ino, version):
                 s = self.sets.get(seq)
                 if s is not None and s.state == "committed":
                     self.sets.set_state(seq, "uploading")
@@ -439,11 +439,6 @@ class Tiering:
         self._wake_ns.set()
         self._changed_now()
 
-    def _live_sets_of(self, ino: int, version: int) -> list[int]:
-        return [r[0] for r in self.index.conn.execute(
-            f"SELECT DISTINCT s.seq FROM sets s JOIN set_files f ON f.seq=s.seq WHERE f.ino=?"
-            f" AND f.version=? AND s.state IN {LIVE_STATES}", (ino, version))]
-
     def _failed(self, job: _Job, key: str, e: Exception) -> None:
         self.consecutive_failures += 1
         self.last_error = f"{time.strftime('%H:%M:%S')} upload {key}: {e}"
@@ -455,7 +450,7 @@ class Tiering:
         else:
             log.error("upload of %s failed permanently: %s", key, e)
             with self.index.tx():
-                for seq in self._live_sets_of(job.ino, job.version):
+                for seq in self.sets.live_sets_of(job.ino, job.version):
                     self.sets.set_state(seq, "failed", f"upload of {key} refused by the store:"
                                         f" {e}")
             self._changed_now()
