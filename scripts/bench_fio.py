@@ -73,6 +73,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchlib import is_mounted, log, pid_alive, proc_status_kb, read_file  # noqa: E402
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 FIO_DIR = HERE / "fio"
@@ -103,10 +105,6 @@ class BenchError(Exception):
 # small helpers
 
 
-def log(msg: str) -> None:
-    print(msg, flush=True)
-
-
 def parse_size(s: str) -> int:
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*", s.lower())
     if not m:
@@ -131,13 +129,6 @@ def run_text(args: list[str]) -> str:
         return f"unavailable ({e.__class__.__name__})"
 
 
-def read_file(path: str | Path, default: str = "") -> str:
-    try:
-        return Path(path).read_text().strip()
-    except OSError:
-        return default
-
-
 def mountinfo_entry(path: Path) -> dict | None:
     """The /proc/self/mountinfo entry of the filesystem holding `path` (longest prefix)."""
     path = Path(os.path.realpath(path))
@@ -151,12 +142,6 @@ def mountinfo_entry(path: Path) -> dict | None:
             if inside and (best is None or len(mp) >= len(best["mountpoint"])):
                 best = {"mountpoint": mp, "fstype": parts[sep + 1], "source": parts[sep + 2]}
     return best
-
-
-def is_mounted(path: Path) -> bool:
-    target = os.path.realpath(path)
-    with open("/proc/self/mountinfo") as f:
-        return any(line.split()[4].replace("\\040", " ") == target for line in f)
 
 
 def touch_memory(nbytes: int) -> float:
@@ -189,27 +174,6 @@ def proc_cpu_s(pid: int) -> float | None:
         return None
     fields = stat.rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / CLK_TCK  # fields 14 and 15 of stat(5)
-
-
-def proc_status_kb(pid: int, key: str) -> int | None:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith(key + ":"):
-                return int(line.split()[1])
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # a zombie child is not running any more
-    return "State:\tZ" not in read_file(f"/proc/{pid}/status")
 
 
 def rep_label(rec: dict) -> str:

@@ -83,6 +83,8 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from benchlib import is_mounted, log, pid_alive, proc_status_kb, read_file  # noqa: E402
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 MiB = 1 << 20
@@ -100,10 +102,6 @@ class BenchError(Exception):
 
 # ----------------------------------------------------------------------------------------------
 # small helpers
-
-
-def log(msg: str) -> None:
-    print(msg, flush=True)
 
 
 def parse_size(s: str) -> int:
@@ -136,25 +134,12 @@ def fmt_size(n: int) -> str:
     return f"{n / MiB:.1f} MiB"
 
 
-def read_file(path: str | Path, default: str = "") -> str:
-    try:
-        return Path(path).read_text().strip()
-    except OSError:
-        return default
-
-
 def run_text(args: list[str]) -> str:
     try:
         res = subprocess.run(args, check=False, capture_output=True, text=True, timeout=60)
         return (res.stdout or res.stderr).strip()
     except (OSError, subprocess.SubprocessError) as e:
         return f"unavailable ({e.__class__.__name__})"
-
-
-def is_mounted(path: Path) -> bool:
-    target = os.path.realpath(path)
-    with open("/proc/self/mountinfo") as f:
-        return any(line.split()[4].replace("\\040", " ") == target for line in f)
 
 
 def touch_memory(nbytes: int) -> float:
@@ -195,26 +180,6 @@ def self_cpu_s() -> float:
     """CPU seconds of this process and its reaped children (the ckptfs CLI commands)."""
     t = os.times()
     return t.user + t.system + t.children_user + t.children_system
-
-
-def proc_status_kb(pid: int, key: str) -> int | None:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith(key + ":"):
-                return int(line.split()[1])
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return "State:\tZ" not in read_file(f"/proc/{pid}/status")
 
 
 def mmm(xs: list[float | None]) -> tuple[float, float, float] | None:
