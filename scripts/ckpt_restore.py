@@ -32,8 +32,11 @@ class FileStoreView:
         return sorted(str(p.relative_to(self.root)) for p in base.rglob("*")
                       if p.is_file() and not p.name.startswith(".tmp-"))
 
-    def get(self, key: str) -> bytes:
-        return (self.root / key).read_bytes()
+    def get(self, key: str) -> bytes | None:
+        try:
+            return (self.root / key).read_bytes()
+        except FileNotFoundError:
+            return None
 
 
 class S3StoreView:
@@ -51,15 +54,21 @@ class S3StoreView:
             out += [o["Key"][len(self.prefix):] for o in page.get("Contents", [])]
         return sorted(out)
 
-    def get(self, key: str) -> bytes:
-        return self.s3.get_object(Bucket=self.bucket, Key=self.prefix + key)["Body"].read()
+    def get(self, key: str) -> bytes | None:
+        try:
+            return self.s3.get_object(Bucket=self.bucket, Key=self.prefix + key)["Body"].read()
+        except self.s3.exceptions.NoSuchKey:
+            return None
 
 
 def manifests(view) -> dict[str, dict]:
     """{set path: manifest} of every published set."""
     out = {}
     for key in view.keys("manifests/"):
-        m = json.loads(view.get(key))
+        raw = view.get(key)
+        if raw is None:  # the set was deleted between the listing and the get
+            continue
+        m = json.loads(raw)
         assert m["format"] == "ckptfs-manifest" and m["version"] == 1
         assert key == f"manifests/{m['path']}.json"
         out[m["path"]] = m
@@ -95,7 +104,12 @@ def decode(obj: dict, stored: bytes) -> bytes:
 
 def restore(view, m: dict) -> dict[str, bytes]:
     """{file path inside the set: bytes}, every object checked end to end."""
-    return {f["path"]: decode(f["object"], view.get(f["object"]["key"])) for f in m["files"]}
+    out = {}
+    for f in m["files"]:
+        stored = view.get(f["object"]["key"])
+        assert stored is not None, f"{f['object']['key']}: object missing from the store"
+        out[f["path"]] = decode(f["object"], stored)
+    return out
 
 
 def restore_to(view, m: dict, dest: Path) -> Path:
