@@ -713,11 +713,17 @@ class CacheFs:
         st.writes += 1
         st.bytes_written += n
 
-    def flush(self, fh: int) -> None:
+    def flush(self, fh: int) -> int | None:
+        """close() of a handle. Returns a directory whose part record must name this file
+        before close() returns (the last writer of a file in an open set, cachemgr.parts):
+        the caller awaits `tiering.parts.announce(dir)`. Else None."""
         h = self._handle(fh)
         if h.inode.dirty:
             with self.index.tx():
                 self._persist(h.inode)
+        if self.tiering is not None and h.writable:
+            return self.tiering.announce_dir(h.inode)
+        return None
 
     def fsync(self, fh: int, datasync: bool) -> None:
         h = self._handle(fh)
@@ -862,6 +868,23 @@ class CacheFs:
                 d.nlink += 1
             self._touch_dir(d, now)
         return ino
+
+    def raw_move(self, old_parent: int, old_name: bytes, new_parent: int,
+                 new_name: bytes) -> None:
+        """Move a regular file's entry without tiering hooks (a file this node wrote, adopted
+        into a set another node committed). The target name must be free."""
+        ino = self.index.lookup(old_parent, old_name)
+        if ino is None:
+            raise FsError(errno.ENOENT)
+        if self.index.lookup(new_parent, new_name) is not None:
+            raise FsError(errno.EEXIST)
+        self._check_name(new_name)
+        now = _now()
+        with self.index.tx():
+            self.index.move_dentry(old_parent, old_name, new_parent, new_name)
+            self._touch_dir(self.inode(old_parent), now)
+            if new_parent != old_parent:
+                self._touch_dir(self.inode(new_parent), now)
 
     def remove_tree(self, parent: int, name: bytes) -> None:
         """rm -rf of one entry without tiering hooks (a restored set replaced from the store).

@@ -13,11 +13,8 @@ limit when nothing can be evicted. A fully cached file whose content is in the s
 not written by this daemon (data at rest across a restart) has each chunk checked against its
 CRC32C on its first read in this daemon's life; a damaged chunk is logged and fetched again.
 
-`RemoteSync` lists `manifests/` every `interval` seconds and materialises sets published by
-other nodes (or by an earlier cache of this node) as evicted files: names, sizes, modes and
-times come from the manifest, data on demand. A newer manifest for a restored set replaces it;
-a restored set whose manifest vanished is removed. A local set (committed here) is never
-replaced by the store's version of its path: local wins, logged.
+Sets published by other nodes appear in the namespace through `cachemgr.remote.RemoteSync`,
+as evicted files whose data this module then serves.
 
 Concurrency: everything runs on the daemon's trio thread; chunk downloads and file writes run
 in worker threads. Per (ino, chunk) at most one fetch is in flight (`_inflight`); other readers
@@ -27,15 +24,12 @@ wait for it and re-check.
 from __future__ import annotations
 
 import errno
-import json
 import logging
 import os
-import stat
 import time
 
 import trio
 
-from . import manifest as mf
 from .errors import FsError
 from .sets import KEPT_STATES
 from .store import IntegrityError, StoreError
@@ -535,167 +529,3 @@ class Restorer:
                 "integrity_errors": self.integrity_errors,
                 "damaged_cache_chunks": self.damaged_chunks,
                 "jobs": [dict(j) for j in list(self._jobs.values())[-20:]]}
-
-
-class RemoteSync:
-    """Materialise the store's sets in the local namespace; see the module docstring."""
-
-    def __init__(self, tiering, interval: float) -> None:
-        self.t = tiering
-        self.core = tiering.core
-        self.index = tiering.index
-        self.interval = interval
-        self.syncs = 0
-        self.last_sync: float | None = None
-        self.applied = 0
-        self.removed = 0
-
-    async def run(self) -> None:
-        while True:
-            try:
-                await self.sync_once()
-            except StoreError as e:
-                log.warning("listing the store's sets failed: %s", e)
-            if self.interval <= 0:
-                return
-            await trio.sleep(self.interval)
-
-    async def sync_once(self) -> None:
-        listed = {}
-        for info in await self.t.store.list(mf.MANIFEST_PREFIX):
-            path = mf.path_of_manifest_key(info.key)
-            if path:
-                listed[path] = info
-        for path, info in sorted(listed.items()):
-            cur = self.t.sets.newest_at(path)
-            if cur is not None and cur.etag == info.etag:
-                continue
-            if cur is not None and cur.origin == "local" and cur.state in KEPT_STATES + (
-                    "deleting",):
-                continue  # ours (or shadowed by a local set): local wins
-            try:
-                m = mf.loads(await self.t.store.get(info.key))
-            except (StoreError, mf.ManifestError) as e:
-                log.warning("skipping manifest %s: %s", info.key, e)
-                continue
-            if m["commit"].get("node") == self.t.node:
-                continue  # published by this cache
-            self._apply(m, info.etag, cur)
-        for s in self.t.sets.by_states(("durable",)):
-            if s.origin != "local" and s.path not in listed:
-                self._remove(s)
-        self.syncs += 1
-        self.last_sync = time.time()
-
-    def _apply(self, m: dict, etag: str, cur) -> None:
-        path = m["path"]
-        parts = path.split("/")
-        name = parts[-1].encode("utf-8", "surrogateescape")
-        try:
-            with self.index.tx():
-                parent = self.core.ensure_dirs(parts[:-1])
-                existing = self.index.lookup(parent, name)
-                if existing is not None:
-                    if cur is None or cur.origin == "local" or cur.root_ino != existing or \
-                            self._busy(existing):
-                        log.info("store set %s not restored: a local %s is in the way", path,
-                                 path)
-                        return
-                    self.core.remove_tree(parent, name)
-                    self.t.sets.set_state(cur.seq, "replaced", "a newer manifest in the store")
-                root, files = self._materialise(m, parent, name)
-                self.t.sets.record_remote(m, root, etag, files)
-        except FsError as e:
-            log.warning("store set %s not restored: %s", path, e)
-            return
-        self.applied += 1
-        log.info("restored set %s from the store (%d files, %d bytes, committed by node %s)",
-                 path, len(m["files"]), m.get("total_bytes", 0), m["commit"].get("node"))
-        self.core.invalidate_entry(parent, name)
-        self.t._changed_now()
-
-    def _busy(self, ino: int) -> bool:
-        node = self.core.inode(ino)
-        if node.is_reg:
-            return node.opens > 0
-        return any(self._busy(c) for _i, _n, c in self.index.list_dentries(ino, 0, 1 << 30))
-
-    def _materialise(self, m: dict, parent: int, name: bytes) -> tuple[int, list[tuple]]:
-        raw = self.core.raw_create
-        files: list[tuple] = []
-
-        def mkfile(d: int, fname: bytes, f: dict, rel: str) -> None:
-            obj = StoredObject.from_json(f["object"])  # validates
-            obj_json = json.dumps(obj.to_json())
-            mode = stat.S_IMODE(f.get("mode", 0o644))
-            ino = raw(d, fname, stat.S_IFREG | mode, size=f["size"], mtime_ns=f.get("mtime_ns"),
-                      obj=obj_json)
-            files.append((rel, ino, f["size"], mode, f.get("mtime_ns", 0), obj_json))
-
-        if m["kind"] == "file":
-            (f,) = m["files"]
-            mkfile(parent, name, f, "")
-            return files[0][1], files
-        if m["kind"] == "symlink":
-            root = raw(parent, name, stat.S_IFLNK | 0o777,
-                       target=m["target"].encode("utf-8", "surrogateescape"))
-            return root, files
-        root = raw(parent, name, stat.S_IFDIR | stat.S_IMODE(m.get("mode", 0o755)))
-
-        def under(rel: str) -> tuple[int, bytes]:
-            parts = rel.split("/")
-            d = root
-            for p in parts[:-1]:
-                b = p.encode("utf-8", "surrogateescape")
-                child = self.index.lookup(d, b)
-                d = child if child is not None else raw(d, b, stat.S_IFDIR | 0o755)
-            return d, parts[-1].encode("utf-8", "surrogateescape")
-
-        for d in sorted(m.get("dirs", []), key=lambda x: x["path"]):
-            pd, dn = under(d["path"])
-            if self.index.lookup(pd, dn) is None:
-                raw(pd, dn, stat.S_IFDIR | stat.S_IMODE(d.get("mode", 0o755)),
-                    mtime_ns=d.get("mtime_ns"))
-        for f in m["files"]:
-            pd, fn = under(f["path"])
-            mkfile(pd, fn, f, f["path"])
-        for s in m.get("symlinks", []):
-            pd, sn = under(s["path"])
-            raw(pd, sn, stat.S_IFLNK | 0o777, target=s["target"].encode("utf-8",
-                                                                          "surrogateescape"))
-        # Creating entries touched their directories: put the manifest's mtimes back last.
-        for d in m.get("dirs", []):
-            if d.get("mtime_ns") is None:
-                continue
-            pd, dn = under(d["path"])
-            ino = self.index.lookup(pd, dn)
-            if ino is not None:
-                node = self.core.inode(ino)
-                node.mtime_ns = d["mtime_ns"]
-                self.core._save(node, "mtime_ns")
-        return root, files
-
-    def _remove(self, s) -> None:
-        parts = s.path.split("/")
-        parent = 1
-        for p in parts[:-1]:
-            child = self.index.lookup(parent, p.encode("utf-8", "surrogateescape"))
-            if child is None:
-                parent = None
-                break
-            parent = child
-        name = parts[-1].encode("utf-8", "surrogateescape")
-        with self.index.tx():
-            if parent is not None and self.index.lookup(parent, name) == s.root_ino and \
-                    not self._busy(s.root_ino):
-                self.core.remove_tree(parent, name)
-            self.t.sets.set_state(s.seq, "deleted", "its manifest left the store")
-        self.removed += 1
-        log.info("set %s left the store; removed it here", s.path)
-        if parent is not None:
-            self.core.invalidate_entry(parent, name)
-        self.t._changed_now()
-
-    def status(self) -> dict:
-        return {"interval_s": self.interval, "syncs": self.syncs, "last_sync": self.last_sync,
-                "restored_sets": self.applied, "removed_sets": self.removed}

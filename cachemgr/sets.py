@@ -135,9 +135,11 @@ class SetRegistry:
         links.sort(key=lambda x: x["path"])
         return files, {"dirs": dirs, "symlinks": links}
 
-    def commit(self, path: str, root_ino: int, reason: str) -> int:
+    def commit(self, path: str, root_ino: int, reason: str, from_path: str | None = None) -> int:
         """Record a commit of the set at `path` (rooted at `root_ino`); returns its seq.
-        Earlier sets at the same path that are not durable yet are superseded."""
+        Earlier sets at the same path that are not durable yet are superseded. `from_path`:
+        where a renamed directory came from (other nodes' files of the set may still be
+        announced there, cachemgr.parts)."""
         row = self.index.get_inode(root_ino)
         assert row is not None
         mode = row[1]
@@ -147,6 +149,8 @@ class SetRegistry:
             kind = "dir"
             files, layout = self.snapshot(root_ino)
             layout["mode"] = stat.S_IMODE(mode)
+            if from_path and from_path != path:
+                layout["from"] = from_path
         elif stat.S_ISLNK(mode):
             kind = "symlink"
             files = []
@@ -176,7 +180,8 @@ class SetRegistry:
 
     def record_remote(self, m: dict, root_ino: int, etag: str, files: list[tuple]) -> int:
         """A set materialised from another node's manifest `m`: durable from the start.
-        `files`: (rel, ino, size, mode, mtime_ns, obj_json)."""
+        `files`: (rel, ino, version, size, mode, mtime_ns, obj_json); version 0 for files
+        created from the manifest, the inode's own for files this node wrote (adopted)."""
         layout = {"dirs": m.get("dirs", []), "symlinks": m.get("symlinks", [])}
         if "mode" in m:
             layout["mode"] = m["mode"]
@@ -190,10 +195,11 @@ class SetRegistry:
              m["commit"].get("committed_ns", now), now, json.dumps(layout),
              m["commit"].get("node", "?"), etag))
         seq = int(cur.lastrowid)
-        for rel, ino, size, mode, mtime_ns, obj_json in files:
+        for rel, ino, version, size, mode, mtime_ns, obj_json in files:
             self.conn.execute(
                 "INSERT INTO set_files (seq, rel, ino, version, size, mode, mtime_ns, obj)"
-                " VALUES (?, ?, ?, 0, ?, ?, ?, ?)", (seq, rel, ino, size, mode, mtime_ns, obj_json))
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (seq, rel, ino, version, size, mode, mtime_ns, obj_json))
         return seq
 
     def newest_at(self, path: str) -> SetRow | None:
@@ -283,6 +289,19 @@ class SetRegistry:
         return self.conn.execute(
             "SELECT ino, version, size FROM set_files WHERE seq=? AND obj IS NULL", (seq,)
         ).fetchall()
+
+    def set_etag(self, seq: int, etag: str) -> None:
+        """The etag of the manifest this set published (the If-Match of the next commit of its
+        path from this node)."""
+        self.conn.execute("UPDATE sets SET etag=? WHERE seq=?", (etag, seq))
+
+    def known_etag(self, path: str) -> str | None:
+        """Etag of the manifest this node believes is at `path`: that of the newest durable set
+        there, None if there is none (then a publish expects no manifest)."""
+        r = self.conn.execute(
+            "SELECT state, etag FROM sets WHERE path=? AND state IN ('durable', 'deleting',"
+            " 'deleted', 'replaced') ORDER BY seq DESC LIMIT 1", (path,)).fetchone()
+        return r[1] if r is not None and r[0] == "durable" else None
 
     def set_state(self, seq: int, state: str, error: str | None = None) -> None:
         durable = time.time_ns() if state == "durable" else None

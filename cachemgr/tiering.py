@@ -45,9 +45,11 @@ from dataclasses import dataclass, field
 import trio
 
 from . import manifest as mf
+from .dcp import storage_files
 from .errors import FsError
+from .parts import PartPublisher, read_records
 from .sets import DCP_METADATA, KEPT_STATES, LIVE_STATES, SetRegistry, is_temp_name
-from .store import NotFound, ObjectStore, StoreError
+from .store import NotFound, ObjectStore, PreconditionFailed, StoreError
 from .transfer import StoredObject, Superseded, TransferConfig, Uploader, download_file
 
 log = logging.getLogger(__name__)
@@ -67,6 +69,9 @@ class TieringConfig:
     prefetch_concurrency: int = 8    # GETs in flight per prefetch (memory: x prefetch_range)
     prefetch_range: int = 32 << 20   # bytes per prefetch GET (runs of adjacent chunks)
     refresh_interval: float = 10.0   # seconds between listings of the store's manifests
+    commit_timeout: float = 1800.0   # a commit waiting for other nodes' files fails after this
+    announce_timeout: float = 10.0   # close() waits at most this for its part record
+    gather_poll: float = 5.0         # longest pause between listings of other nodes' records
 
 
 @dataclass
@@ -100,11 +105,19 @@ class Tiering:
         # path is committed again or deleted, which is visible but never torn.
         self._absorb: dict[int, set[tuple[int, str]]] = {}
         self._spawn: list = []  # coroutines for the namespace worker's helper nursery
-        from .restore import RemoteSync, Restorer
+        from .remote import RemoteSync
+        from .restore import Restorer
 
         self.restorer = Restorer(self, concurrency=cfg.prefetch_concurrency,
                                  auto_prefetch=cfg.prefetch, range_size=cfg.prefetch_range)
         self.remote = RemoteSync(self, cfg.refresh_interval)
+        self.parts = PartPublisher(self, cfg.announce_timeout)
+        # Multi-node commits (see `_gather`): other nodes' durable files of a set, ready for its
+        # manifest, and what a set still waits for (status). In memory: recomputed after a
+        # restart from `.metadata` and the part records.
+        self._foreign: dict[int, list[dict]] = {}
+        self._waiting: dict[int, dict] = {}
+        self._gathering: set[int] = set()
         self.running = False
         # statistics
         self.bytes_uploaded = 0
@@ -143,10 +156,23 @@ class Tiering:
         # per-chunk check is for data at rest across restarts, see cachemgr.restore).
         self.restorer.clean.add(node.ino)
         self._enqueue(node.ino, node.version)
-        if not is_temp_name(_s(name)) and not self.sets.in_open_set(parent_ino):
+        if self.sets.in_open_set(parent_ino):
+            self.parts.mark(parent_ino)  # another node may commit this directory
+        elif not is_temp_name(_s(name)):
             path = self.index.path_of(node.ino)
             if path:
                 self._commit(path, node.ino, "close")
+
+    def announce_dir(self, node) -> int | None:
+        """A writer of `node` is closing (flush): the directory whose part record must name the
+        file before close() returns, or None (the file commits on its own, cachemgr.parts)."""
+        if node.nlink == 0 or node.writers != 1:
+            return None
+        row = self.index.conn.execute(
+            "SELECT parent FROM dentries WHERE ino=? LIMIT 1", (node.ino,)).fetchone()
+        if row is None or row[0] == 1 or not self.sets.in_open_set(row[0]):
+            return None
+        return row[0]
 
     def on_rename(self, src, dst, old_parent: int, old_name: bytes, new_parent: int,
                   new_name: bytes, old_path: str) -> None:
@@ -155,8 +181,10 @@ class Tiering:
             return
         moved = self.sets.at_or_under(old_path, KEPT_STATES) if old_path else []
         committed = False
+        self.parts.mark_all()  # record keys follow their directories' paths
         if stat.S_ISDIR(src.mode):
-            self._commit(new_path, src.ino, "rename", absorb_paths=[old_path, new_path])
+            self._commit(new_path, src.ino, "rename", absorb_paths=[old_path, new_path],
+                         from_path=old_path)
             committed = True
         elif _s(new_name) == DCP_METADATA:
             dir_path = self.index.path_of(new_parent)
@@ -179,6 +207,7 @@ class Tiering:
         victims = self.sets.at_or_under(path, KEPT_STATES)
         if victims:
             self._delete_sets(victims, "deleted through the mount")
+        self.parts.mark_all()
         if stat.S_ISREG(node.mode):
             # A set that still needed this file's upload can never be published as committed.
             for seq in self.sets.supersede_content(node.ino, node.version, f"{path} was deleted"
@@ -226,7 +255,7 @@ class Tiering:
         return ino
 
     def _commit(self, path: str, root_ino: int, reason: str,
-                absorb_paths: list[str] | None = None) -> int:
+                absorb_paths: list[str] | None = None, from_path: str | None = None) -> int:
         with self.index.tx():
             # Sets under the new set's path (or at the path it came from) are absorbed: their
             # manifests go once this one is durable.
@@ -238,7 +267,7 @@ class Tiering:
             for s in self.sets.at_or_under(path, LIVE_STATES):
                 if s.path != path and s not in absorbed:
                     absorbed.append(s)
-            seq = self.sets.commit(path, root_ino, reason)
+            seq = self.sets.commit(path, root_ino, reason, from_path)
             for s in absorbed:
                 if s.state in LIVE_STATES:
                     self.sets.set_state(s.seq, "superseded", f"absorbed by set {seq} ({path})")
@@ -301,6 +330,7 @@ class Tiering:
                 nursery.start_soon(self._supervised, self._namespace_worker)
                 await nursery.start(self.restorer.run)
                 nursery.start_soon(self._supervised, self.remote.run)
+                nursery.start_soon(self._supervised, self.parts.run)
                 task_status.started()
         finally:
             self.running = False
@@ -436,6 +466,11 @@ class Tiering:
         for seq in waiting:
             if not self.sets.missing_uploads(seq):
                 self._events.append(("publish", seq))
+        row = self.index.conn.execute(
+            "SELECT parent FROM dentries WHERE ino=? LIMIT 1", (ino,)).fetchone()
+        if row is not None and (row[0] in self.parts.published or
+                                (row[0] != 1 and self.sets.in_open_set(row[0]))):
+            self.parts.mark(row[0])  # its entry in the part record now has its object
         self._wake_ns.set()
         self._changed_now()
 
@@ -511,42 +546,63 @@ class Tiering:
         s = self.sets.get(seq)
         if s is None or s.state not in LIVE_STATES or self.sets.missing_uploads(seq):
             return
+        if _gathers(s) and seq not in self._foreign:
+            # Other nodes may hold files of this set: wait for them first (its own task, so
+            # the FIFO goes on); it queues this publish again when they are all durable.
+            if seq not in self._gathering:
+                self._gathering.add(seq)
+                self._nursery_soon(lambda: self._gather(seq))
+            return
         files = []
         for rel, _ino, _version, _size, mode, mtime_ns, obj_json in self.sets.files(seq):
             obj = json.loads(obj_json)
             files.append({"path": rel, "size": obj["size"], "mode": mode, "mtime_ns": mtime_ns,
                           "object": obj})
+        foreign = self._foreign.get(seq, [])
+        files = sorted(files + foreign, key=lambda f: f["path"])
         # Verify every object is really there (a GC of another set, or a store losing data,
         # must not publish a manifest pointing at nothing).
-        for f in files:
-            try:
-                info = await self.store.head(f["object"]["key"])
-            except NotFound:
-                msg = f"object {f['object']['key']} vanished from the store before publication"
-                log.error("set %d (%s) failed: %s", seq, s.path, msg)
-                with self.index.tx():
-                    self.sets.set_state(seq, "failed", msg)
-                self._changed_now()
-                return
-            if info.size != f["object"]["stored_size"]:
-                raise StoreError(f"object {f['object']['key']} has size {info.size}, expected"
-                                 f" {f['object']['stored_size']}")
+        bad = await self._check_objects(files)
+        if bad is not None:
+            msg = f"object {bad} vanished from the store before publication"
+            log.error("set %d (%s) failed: %s", seq, s.path, msg)
+            with self.index.tx():
+                self.sets.set_state(seq, "failed", msg)
+            self._foreign.pop(seq, None)
+            self._changed_now()
+            return
         m = mf.build(path=s.path, kind=s.kind, seq=seq, node=self.node, reason=s.reason,
                      committed_ns=s.committed_ns, layout=json.loads(s.layout), files=files)
+        nodes = sorted({self.node} | {f["node"] for f in foreign if "node" in f})
+        if len(nodes) > 1:
+            m["commit"]["nodes"] = nodes
+        for f in m["files"]:
+            f.pop("node", None)
         # The set may have been superseded or deleted while we checked.
         s = self.sets.get(seq)
         if s is None or s.state not in LIVE_STATES:
             return
-        await self.store.put(mf.manifest_key(s.path), mf.dumps(m))
+        try:
+            etag = await self._put_manifest(s, m)
+        except _LostRace as lost:
+            with self.index.tx():
+                self.sets.set_state(seq, "superseded", str(lost))
+            log.warning("set %d (%s): %s", seq, s.path, lost)
+            self._foreign.pop(seq, None)
+            self._changed_now()
+            return
+        self._foreign.pop(seq, None)
         with self.index.tx():
             s2 = self.sets.get(seq)
             if s2 is None or s2.state not in LIVE_STATES:
                 # Deleted while the PUT was in flight: take the manifest back out.
+                self.sets.set_etag(seq, etag)
                 self._events.appendleft(("unpublish", seq, s.path))
                 if s2 is not None and s2.state == "deleted":
                     self.sets.set_state(seq, "deleting")
                 return
             self.sets.set_state(seq, "durable")
+            self.sets.set_etag(seq, etag)
             for old in self.sets.at_or_under(s.path, ("durable",)):
                 if old.seq != seq and old.path == s.path:
                     self.sets.set_state(old.seq, "replaced", f"replaced by set {seq}")
@@ -564,6 +620,192 @@ class Tiering:
         self._events.append(("gc",))
         self._retention()
 
+    async def _check_objects(self, files: list[dict]) -> str | None:
+        """HEAD every object a manifest will name, 16 at a time; the key of one that is
+        missing, else None. A size mismatch is a StoreError (retried)."""
+        missing: list[str] = []
+        wrong: list[str] = []
+        limiter = trio.CapacityLimiter(16)
+
+        async def one(f: dict) -> None:
+            async with limiter:
+                try:
+                    info = await self.store.head(f["object"]["key"])
+                except NotFound:
+                    missing.append(f["object"]["key"])
+                    return
+            if info.size != f["object"]["stored_size"]:
+                wrong.append(f"object {f['object']['key']} has size {info.size}, expected"
+                             f" {f['object']['stored_size']}")
+
+        async with trio.open_nursery() as n:
+            for f in files:
+                n.start_soon(one, f)
+        if wrong:
+            raise StoreError(wrong[0])
+        return min(missing) if missing else None
+
+    async def _put_manifest(self, s, m: dict) -> str:
+        """PUT the manifest of set `s` so that concurrent commits of one path from several nodes
+        end in a defined state: the PUT is conditional on the manifest this node last saw there
+        (If-Match its etag, or If-None-Match when it saw none). When another node's manifest is
+        there instead, the commit with the later `committed_ns` (ties: the larger node id) wins:
+        if that is this one it replaces the other (If-Match its etag), else it raises _LostRace.
+        Returns the new manifest's etag."""
+        key = mf.manifest_key(s.path)
+        data = mf.dumps(m)
+        if not self.store.supports_conditional_put:
+            return (await self.store.put(key, data)).etag
+        expect = self.sets.known_etag(s.path)
+        ours = (s.committed_ns, self.node)
+        for _attempt in range(8):
+            try:
+                if expect is None:
+                    info = await self.store.put(key, data, if_none_match=True)
+                else:
+                    info = await self.store.put(key, data, if_match=expect)
+                return info.etag
+            except PreconditionFailed:
+                pass
+            try:
+                cur_info = await self.store.head(key)
+                cur = mf.loads(await self.store.get(key))
+            except NotFound:
+                expect = None
+                continue
+            except mf.ManifestError:
+                cur = {"commit": {}}
+                cur_info = await self.store.head(key)
+            c = cur.get("commit", {})
+            if c.get("node") == self.node and c.get("seq") == m["commit"]["seq"]:
+                return cur_info.etag  # this very set, PUT before a crash or a lost reply
+            theirs = (int(c.get("committed_ns") or 0), str(c.get("node") or ""))
+            if theirs > ours:
+                raise _LostRace(f"a concurrent commit of {s.path} on node {theirs[1]}, later"
+                                f" than this one, is in the store")
+            log.info("set %d (%s): replacing an earlier concurrent commit from node %s",
+                     m["commit"]["seq"], s.path, theirs[1])
+            expect = cur_info.etag
+        raise StoreError(f"the manifest of {s.path} kept changing under conditional PUTs")
+
+    # -- multi-node commits ---------------------------------------------------------------------
+
+    def _dcp_required(self, seq: int) -> set[str] | None:
+        """Storage files named by the set's `.metadata` (None: not readable)."""
+        for rel, ino, _version, _size, _mode, _mtime, _obj in self.sets.files(seq):
+            if rel == DCP_METADATA:
+                try:
+                    with open(self.core.data_path(ino), "rb") as f:
+                        data = f.read()
+                except OSError as e:
+                    log.warning("set %d: cannot read its .metadata: %s", seq, e)
+                    return None
+                if not data and self.index.conn.execute(
+                        "SELECT cached FROM inodes WHERE ino=?", (ino,)).fetchone()[0] == 0:
+                    return None  # evicted; the caller fetches it first
+                return storage_files(data)
+        return None
+
+    async def _gather(self, seq: int) -> None:
+        """Wait until every file of set `seq` written by other nodes is durable, then queue
+        its publish with them (docs/ARCHITECTURE.md "Many nodes"). What the set must include:
+          * DCP: every storage file its `.metadata` names (the ones not in this node's
+            directory must come from other nodes' part records, durable);
+          * otherwise (a directory renamed into place, `ckptfs commit`), or when `.metadata`
+            cannot be read: every file another node announced under the set's path or the path
+            it was renamed from, each durable.
+        Fails the set after `commit_timeout` seconds since its commit."""
+        try:
+            s = self.sets.get(seq)
+            if s is None:
+                return
+            layout = json.loads(s.layout)
+            roots = [s.path] + ([layout["from"]] if layout.get("from") else [])
+            local = {r[0] for r in self.sets.files(seq)}
+            required = None
+            if s.reason == "dcp":
+                for rel, ino, *_ in self.sets.files(seq):
+                    if rel == DCP_METADATA and not self.core.inode(ino).cached:
+                        await self.fetch(ino)
+                required = self._dcp_required(seq)
+            cache: dict = {}
+            pause = 0.1
+            while True:
+                s = self.sets.get(seq)
+                if s is None or s.state not in LIVE_STATES:
+                    self._waiting.pop(seq, None)
+                    return
+                foreign: dict[str, dict] = {}
+                pending: set[str] = set()
+                if required is None or not required <= local:
+                    try:
+                        foreign, pending = await self._collect(roots, local, cache)
+                    except StoreError as e:
+                        log.warning("set %d: reading other nodes' part records failed: %s",
+                                    seq, e)
+                        pending = {"(store unreachable)"}
+                if required is not None:
+                    waiting = sorted(required - local - set(foreign))
+                else:
+                    waiting = sorted(pending)
+                if not waiting:
+                    break
+                waited = (time.time_ns() - s.committed_ns) / 1e9
+                nodes = sorted({e["node"] for e in foreign.values()})
+                self._waiting[seq] = {"files": waiting[:50], "missing": len(waiting),
+                                      "nodes_seen": nodes, "waited_s": round(waited, 1),
+                                      "timeout_s": self.cfg.commit_timeout}
+                if waited >= self.cfg.commit_timeout:
+                    msg = (f"commit timed out after {waited:.0f}s waiting for {len(waiting)}"
+                           f" file(s) from other nodes: {', '.join(waiting[:10])}")
+                    log.error("set %d (%s) failed: %s", seq, s.path, msg)
+                    with self.index.tx():
+                        self.sets.set_state(seq, "failed", msg)
+                    self._waiting.pop(seq, None)
+                    self._changed_now()
+                    return
+                if pause >= 1.0 or len(self._waiting) == 1:
+                    log.info("set %d (%s) waits for %d file(s) from other nodes (%.0fs)", seq,
+                             s.path, len(waiting), waited)
+                self._changed_now()
+                await trio.sleep(min(pause, max(0.01, self.cfg.commit_timeout - waited)))
+                pause = min(pause * 2, self.cfg.gather_poll)
+            self._waiting.pop(seq, None)
+            self._foreign[seq] = [dict(e["file"], node=e["node"]) for e in foreign.values()]
+            if foreign:
+                log.info("set %d (%s): %d file(s) from node(s) %s are durable", seq, s.path,
+                         len(foreign), ", ".join(sorted({e["node"] for e in foreign.values()})))
+            self._events.append(("publish", seq))
+            self._wake_ns.set()
+        finally:
+            self._gathering.discard(seq)
+
+    async def _collect(self, roots: list[str], local: set[str],
+                       cache: dict) -> tuple[dict[str, dict], set[str]]:
+        """Other nodes' files under `roots`, by path inside the set: ({rel: {"node", "file"}}
+        of durable ones, {rel} of announced ones not durable yet). A path this node has
+        itself is never taken from another node; a path several nodes have is taken from the
+        newest durable copy."""
+        foreign: dict[str, dict] = {}
+        pending: set[str] = set()
+        for root in roots:
+            for rec in await read_records(self.store, root, self.node, cache):
+                d = rec["dir"]
+                sub = "" if d == root else d[len(root) + 1:]
+                for f in rec.get("files", []):
+                    rel = f"{sub}/{f['name']}" if sub else f["name"]
+                    if rel in local:
+                        continue
+                    if f.get("object") is None:
+                        pending.add(rel)
+                        continue
+                    entry = {"path": rel, "size": f["size"], "mode": f.get("mode", 0o644),
+                             "mtime_ns": f.get("mtime_ns", 0), "object": f["object"]}
+                    old = foreign.get(rel)
+                    if old is None or entry["mtime_ns"] > old["file"]["mtime_ns"]:
+                        foreign[rel] = {"node": rec["node"], "file": entry}
+        return foreign, pending - set(foreign)
+
     async def _unpublish(self, seq: int, path: str) -> None:
         # Only remove the manifest if it is not a newer set's. A newer set still uploading does
         # not count: until it publishes, the manifest there is an older one, whose objects GC
@@ -571,9 +813,22 @@ class Tiering:
         # none is in flight now).
         newer = [x for x in self.sets.at_or_under(path, ("durable",))
                  if x.path == path and x.seq > seq]
+        s = self.sets.get(seq)
+        if not newer and s is not None and s.etag is not None and \
+                self.store.supports_conditional_put:
+            # Another node may have replaced this set's manifest with a later commit: that one
+            # is not ours to delete. (A check, then a DELETE: a replacement landing in between
+            # is deleted with it; docs/SEMANTICS.md "Many nodes" names this window.)
+            try:
+                info = await self.store.head(mf.manifest_key(path))
+                if info.etag != s.etag:
+                    log.info("set %d (%s): the store holds another node's later manifest of"
+                             " this path; leaving it", seq, path)
+                    newer = [s]
+            except NotFound:
+                pass
         if not newer:
             await self.store.delete(mf.manifest_key(path))
-            s = self.sets.get(seq)
             if s is not None and s.origin != "local":
                 # A set restored from another node's manifest: its objects are not in this
                 # node's `objects` table, so GC would never collect them. The manifest is gone,
@@ -704,10 +959,13 @@ class Tiering:
             done = sum(json.loads(f[6])["size"] for f in files if f[6])
             if s.state in LIVE_STATES:
                 pending += total - done
-            sets.append({"seq": s.seq, "path": s.path, "kind": s.kind, "state": s.state,
-                         "reason": s.reason, "files": len(files), "bytes": total,
-                         "bytes_uploaded": done, "committed_ns": s.committed_ns,
-                         "durable_ns": s.durable_ns, "error": s.error})
+            row = {"seq": s.seq, "path": s.path, "kind": s.kind, "state": s.state,
+                   "reason": s.reason, "files": len(files), "bytes": total,
+                   "bytes_uploaded": done, "committed_ns": s.committed_ns,
+                   "durable_ns": s.durable_ns, "error": s.error, "origin": s.origin}
+            if s.seq in self._waiting:
+                row["waiting_for"] = self._waiting[s.seq]
+            sets.append(row)
         live = self.sets.by_states(LIVE_STATES)
         retry = getattr(self.store, "stats", None)  # RetryingStore: transient errors ridden out
         return {
@@ -722,6 +980,7 @@ class Tiering:
                         "rate_bytes_per_s": self.upload_rate()},
             "restore": self.restorer.status(),
             "remote": self.remote.status(),
+            "parts": self.parts.status(),
             "pending_sets": len(live),
             "pending_bytes": pending,
             "sets": sets,
@@ -743,6 +1002,16 @@ class Tiering:
         s = self.sets.holding(path)
         return {"state": "timeout", "seq": s.seq if s else None, "path": s.path if s else None,
                 "error": f"not durable after {timeout}s (state {s.state if s else '?'})"}
+
+
+class _LostRace(Exception):
+    pass
+
+
+def _gathers(s) -> bool:
+    """Can other nodes hold files of set `s`? Directories committed by DCP, a rename or a
+    request can; single files and symlinks commit on the node that has them."""
+    return s.kind == "dir" and s.reason in ("dcp", "rename", "request")
 
 
 def _s(name: bytes) -> str:

@@ -125,6 +125,10 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--refresh-interval", type=_nonneg_float, default=10.0,
                    help="seconds between listings of the store's sets: sets committed by "
                    "other nodes appear within this (default 10; 0 = only at mount)")
+    o.add_argument("--commit-timeout", type=_nonneg_float, default=1800.0,
+                   help="seconds a commit waits for files written by other nodes (a DCP "
+                   "checkpoint saved by several nodes) before the set fails; the previous "
+                   "checkpoint stays (default 1800)")
     o.add_argument("--keep-local", type=int, default=None,
                    help="keep only the newest N durable sets' data in the cache (older ones "
                    "are read back from the store on open)")
@@ -174,7 +178,7 @@ def cmd_mount(a: argparse.Namespace) -> int:
             keep_local=a.keep_local, prefetch=a.prefetch,
             prefetch_concurrency=a.prefetch_concurrency,
             prefetch_range=parse_size(a.prefetch_range),
-            refresh_interval=a.refresh_interval,
+            refresh_interval=a.refresh_interval, commit_timeout=a.commit_timeout,
             mountpoint=a.mountpoint.absolute(),
             cache_dir=(a.cache_dir or default_cache_dir()).absolute(),
             foreground=a.foreground,
@@ -368,6 +372,11 @@ def cmd_status(a: argparse.Namespace) -> int:
                 print(f"{x['seq']:>5}  {x['state']:<10} {x['files']:>5} "
                       f"{_human(x['bytes']):>10} {_human(x['bytes_uploaded']):>10}  "
                       f"{x['path']}{err}")
+                w = x.get("waiting_for")
+                if w:
+                    names = ", ".join(w["files"][:5]) + (" ..." if w["missing"] > 5 else "")
+                    print(f"{'':>5}  waiting {w['waited_s']:.0f}s (timeout {w['timeout_s']:.0f}s)"
+                          f" for {w['missing']} file(s) from other nodes: {names}")
     return EXIT_OK
 
 

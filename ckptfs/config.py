@@ -99,6 +99,7 @@ class MountConfig:
     prefetch_concurrency: int = 8   # GETs in flight per prefetch (memory: x prefetch_range)
     prefetch_range: int = 32 << 20  # bytes per prefetch GET (docs/ARCHITECTURE.md: measured)
     refresh_interval: float = 10.0  # seconds between listings of the store's manifests
+    commit_timeout: float = 1800.0  # a multi-node commit fails after waiting this long
 
     def __post_init__(self) -> None:
         if self.store is not None and not (self.store.startswith("s3://")
@@ -123,6 +124,8 @@ class MountConfig:
             raise ConfigError("--prefetch-range must be between 1M and 1G")
         if not (0 <= self.refresh_interval <= 86400):
             raise ConfigError("--refresh-interval must be between 0 and 86400 seconds")
+        if not (1 <= self.commit_timeout <= 7 * 86400):
+            raise ConfigError("--commit-timeout must be between 1 second and 7 days")
         if self.keep_local is not None and self.keep_local < 0:
             raise ConfigError("--keep-local must be >= 0")
         if self.log_level not in LOG_LEVELS:

@@ -277,7 +277,9 @@ class FuseOps(pyfuse3.Operations):
 
     @_guarded
     async def flush(self, fh):
-        self.core.flush(fh)
+        announce = self.core.flush(fh)
+        if announce is not None:
+            await self.core.tiering.parts.announce(announce)
 
     @_guarded
     async def fsync(self, fh, datasync):

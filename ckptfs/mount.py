@@ -388,7 +388,7 @@ def run_daemon(cfg: MountConfig, notify: Notify) -> int:
             file_concurrency=cfg.upload_files, cache_size=cfg.cache_size,
             keep_local=cfg.keep_local, prefetch=cfg.prefetch,
             prefetch_concurrency=cfg.prefetch_concurrency, prefetch_range=cfg.prefetch_range,
-            refresh_interval=cfg.refresh_interval))
+            refresh_interval=cfg.refresh_interval, commit_timeout=cfg.commit_timeout))
         core.tiering = tiering
         ops = fuse.FuseOps(core, attr_timeout=cfg.attr_timeout, io_threads=cfg.io_threads)
         ops.enable_writeback_cache = cfg.writeback_cache

@@ -1,0 +1,253 @@
+"""Part records: how a node tells the store which files it wrote into a set that may be
+committed on another node (docs/FORMAT.md "Part records", docs/ARCHITECTURE.md "Many nodes").
+
+On a cluster every node writes its ranks' shards into its own mount; the commit (DCP's
+`.metadata` rename, a directory rename, `ckptfs commit`) happens on one node only. That node
+can only publish the set once every shard is durable, whichever node wrote it, so each node
+keeps, per directory it writes into, one small JSON object in the store:
+
+    parts/<dir path>/@<node>.json   {"node", "dir", "files": [{name, size, mode, mtime_ns,
+                                      object | null}]}
+
+listing its own files in that directory: `object` is the uploaded object (durable) or null
+(closed or being written, upload pending). A record is written
+
+  * when the last writer of a file in an open set closes it: `close()` returns only once the
+    record naming the file is in the store (bounded by `announce_timeout`), so anything that
+    happens after the close on any node — a barrier, then rank 0's `.metadata` rename — sees it;
+  * again when that file's upload finishes (the entry gets its object);
+  * again, or deleted, when files in the directory change, move or go away, and under its new
+    key when the directory is renamed.
+
+Only directories in an open set (see cachemgr.sets.in_open_set) get records; single files that
+commit themselves never need one. The committer lists `parts/<set path>/` (and the path the set
+was renamed from), reads the other nodes' records, and waits until every file it must include
+is durable (cachemgr.tiering). Records are never read to serve data: a manifest is still the
+only thing that makes a set visible.
+
+Concurrency: `PartPublisher.run` is one trio task; hooks (`mark`, `mark_all`) are synchronous,
+called from FUSE handlers and tiering on the same thread. Which records this node has in the
+store is persisted in the index (`meta` rows `part:<dir ino>` = {"path", "digest"}) so a record
+is updated or deleted after a restart too. Crash state: a record may be stale (a file deleted
+just before the crash); recovery marks every recorded directory and rewrites or deletes it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+
+import trio
+
+from .store import StoreError
+
+log = logging.getLogger(__name__)
+
+FORMAT = "ckptfs-part"
+FORMAT_VERSION = 1
+PREFIX = "parts/"
+_META = "part:"
+
+
+class PartError(ValueError):
+    pass
+
+
+def part_key(dir_path: str, node: str) -> str:
+    return f"{PREFIX}{dir_path}/@{node}.json"
+
+
+def records_prefix(path: str) -> str:
+    """Prefix listing the records of every directory at or below `path`."""
+    return f"{PREFIX}{path}/"
+
+
+def parse_key(key: str) -> tuple[str, str] | None:
+    """(dir path, node) of a record key, or None."""
+    if not key.startswith(PREFIX) or not key.endswith(".json"):
+        return None
+    head, _, last = key[len(PREFIX):].rpartition("/")
+    if not head or not last.startswith("@"):
+        return None
+    return head, last[1:-len(".json")]
+
+
+def build(node: str, dir_path: str, files: list[dict]) -> dict:
+    return {"format": FORMAT, "version": FORMAT_VERSION, "node": node, "dir": dir_path,
+            "updated_ns": time.time_ns(), "files": files}
+
+
+def loads(data: bytes) -> dict:
+    try:
+        r = json.loads(data)
+    except ValueError as e:
+        raise PartError(f"part record is not JSON: {e}") from None
+    if not isinstance(r, dict) or r.get("format") != FORMAT:
+        raise PartError("not a ckptfs part record")
+    if r.get("version") != FORMAT_VERSION:
+        raise PartError(f"part record version {r.get('version')} is not {FORMAT_VERSION}")
+    for f in r.get("files", []):
+        if not isinstance(f, dict) or not {"name", "size"} <= f.keys():
+            raise PartError("part record file entry incomplete")
+    return r
+
+
+class PartPublisher:
+    """Keeps this node's part records in the store in step with its files."""
+
+    def __init__(self, tiering, announce_timeout: float) -> None:
+        self.t = tiering
+        self.index = tiering.index
+        self.node = tiering.node
+        self.announce_timeout = announce_timeout
+        self._dirty: dict[int, list[trio.Event]] = {}
+        self._wake = trio.Event()
+        self.published: dict[int, dict] = {}
+        for key, value in self.index.conn.execute(
+                "SELECT key, value FROM meta WHERE key LIKE 'part:%'").fetchall():
+            self.published[int(key[len(_META):])] = json.loads(value)
+        # statistics
+        self.puts = 0
+        self.deletes = 0
+        self.announce_timeouts = 0
+
+    # -- hooks (synchronous) -----------------------------------------------------------------
+
+    def mark(self, dir_ino: int) -> trio.Event:
+        """Directory `dir_ino`'s record must be brought up to date; the event is set once it
+        is (or once an attempt failed: waiters must not hang on a store outage)."""
+        ev = trio.Event()
+        self._dirty.setdefault(dir_ino, []).append(ev)
+        self._wake.set()
+        return ev
+
+    def mark_if_recorded(self, dir_ino: int) -> None:
+        if dir_ino in self.published:
+            self.mark(dir_ino)
+
+    def mark_all(self) -> None:
+        """Every directory with a record (a subtree moved or removed: paths may have changed)."""
+        for ino in list(self.published):
+            self.mark(ino)
+
+    async def announce(self, dir_ino: int) -> None:
+        """Called by the last writer's close: wait (bounded) until the record is in the store."""
+        ev = self.mark(dir_ino)
+        with trio.move_on_after(self.announce_timeout) as scope:
+            await ev.wait()
+        if scope.cancelled_caught:
+            self.announce_timeouts += 1
+            log.warning("part record of directory %d not in the store after %.0fs; close()"
+                        " returns anyway (the record follows when the store answers)", dir_ino,
+                        self.announce_timeout)
+
+    # -- the record of one directory ---------------------------------------------------------
+
+    def files_of(self, dir_ino: int) -> list[dict]:
+        """This node's own files directly in `dir_ino` (not those materialised from another
+        node's manifest: version 0), with their object when their current content is in."""
+        out = []
+        for name, ino, mode, size, mtime_ns, version, writing, obj, obj_version in \
+                self.index.conn.execute(
+                    "SELECT d.name, i.ino, i.mode, i.size, i.mtime_ns, i.version, i.writing,"
+                    " i.obj, i.obj_version FROM dentries d JOIN inodes i ON i.ino = d.ino"
+                    " WHERE d.parent=? AND (i.mode & 61440) = 32768 AND i.version > 0",
+                    (dir_ino,)):
+            node = self.t.core._inodes.get(ino)
+            if node is not None:  # sizes of open files live in memory
+                size, mtime_ns, writing = node.size, node.mtime_ns, node.writing
+            durable = obj is not None and obj_version == version and not writing
+            out.append({"name": bytes(name).decode("utf-8", "surrogateescape"), "size": size,
+                        "mode": mode & 0o7777, "mtime_ns": mtime_ns,
+                        "object": json.loads(obj) if durable else None})
+        out.sort(key=lambda f: f["name"])
+        return out
+
+    async def _sync_dir(self, dir_ino: int) -> None:
+        path = self.index.path_of(dir_ino)
+        files = self.files_of(dir_ino) if path else []
+        old = self.published.get(dir_ino)
+        if files and path:
+            # mtimes of files being written change with every write; the digest leaves them
+            # out so a record is rewritten when what a committer needs changes.
+            digest = hashlib.sha1(json.dumps(
+                [path, [(f["name"], f["object"] and f["object"]["key"]) for f in files]],
+                sort_keys=True).encode()).hexdigest()
+            if old is None or old["path"] != path or old["digest"] != digest:
+                body = json.dumps(build(self.node, path, files), sort_keys=True).encode()
+                await self.t.store.put(part_key(path, self.node), body)
+                self.puts += 1
+                if old is not None and old["path"] != path:
+                    await self.t.store.delete(part_key(old["path"], self.node))
+                    self.deletes += 1
+                rec = {"path": path, "digest": digest}
+                self.published[dir_ino] = rec
+                with self.index.tx():
+                    self.index.conn.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)",
+                                            (f"{_META}{dir_ino}", json.dumps(rec)))
+        elif old is not None:
+            await self.t.store.delete(part_key(old["path"], self.node))
+            self.deletes += 1
+            del self.published[dir_ino]
+            with self.index.tx():
+                self.index.conn.execute("DELETE FROM meta WHERE key=?", (f"{_META}{dir_ino}",))
+
+    async def run(self) -> None:
+        self.mark_all()  # after a restart: rewrite or drop what may be stale
+        while True:
+            if not self._dirty:
+                self._wake = trio.Event()
+                await self._wake.wait()
+                continue
+            dirty, self._dirty = self._dirty, {}
+            for dir_ino, events in dirty.items():
+                try:
+                    await self._sync_dir(dir_ino)
+                except StoreError as e:
+                    log.warning("part record of directory %d: %s; retrying", dir_ino, e)
+                    self.t.last_error = f"{time.strftime('%H:%M:%S')} part record: {e}"
+                    # Waiters are released (close() must not hang on the store); the record
+                    # is retried after a pause.
+                    self._dirty.setdefault(dir_ino, [])
+                    for ev in events:
+                        ev.set()
+                    await trio.sleep(self.t.cfg.retry_pause)
+                    continue
+                for ev in events:
+                    ev.set()
+
+    def status(self) -> dict:
+        return {"records": len(self.published), "puts": self.puts, "deletes": self.deletes,
+                "announce_timeouts": self.announce_timeouts}
+
+
+async def read_records(store, path: str, self_node: str, cache: dict) -> list[dict]:
+    """Every other node's part record at or below `path`. `cache` ({key: (etag, record)}) is
+    reused across calls so that only changed records are read again."""
+    out = []
+    for info in await store.list(records_prefix(path)):
+        parsed = parse_key(info.key)
+        if parsed is None or parsed[1] == self_node:
+            continue
+        hit = cache.get(info.key)
+        if hit is not None and hit[0] == info.etag:
+            out.append(hit[1])
+            continue
+        try:
+            rec = loads(await store.get(info.key))
+        except PartError as e:
+            log.warning("skipping part record %s: %s", info.key, e)
+            continue
+        except StoreError as e:
+            if getattr(e, "errno", None) == 2:  # deleted between the listing and the get
+                continue
+            raise
+        if rec.get("dir") != parsed[0]:
+            log.warning("skipping part record %s: it names directory %r", info.key,
+                        rec.get("dir"))
+            continue
+        cache[info.key] = (info.etag, rec)
+        out.append(rec)
+    return out

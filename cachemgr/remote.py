@@ -1,0 +1,384 @@
+"""Sets committed elsewhere appear here: `RemoteSync` lists the store's manifests every
+`interval` seconds and materialises the sets other nodes (or an earlier cache of this node)
+published, as evicted files whose data `cachemgr.restore.Restorer` serves on demand.
+
+What happens to a listed manifest at path P (docs/SEMANTICS.md "Many nodes"):
+
+  * nothing at P here: the set is created (names, sizes, modes, times from the manifest). Files
+    of the set that *this* node wrote (its own objects, `data/<this node>/...`) are not fetched
+    again: their cached inodes are moved into place (e.g. this node's `step_100.tmp/__3_0.distcp`
+    when another node renamed its `step_100.tmp` to `step_100`), and directories the move left
+    empty are removed — the rename happens on every node;
+  * a directory at P that is not a set here and holds only this node's own files of the
+    manifest (the DCP shards this node wrote into the directory rank 0 committed): the set is
+    completed in place around them (*adoption*);
+  * a set at P restored from an older manifest: replaced (files still open keep it until the
+    next listing);
+  * a set committed here and still uploading: left alone (the conditional manifest PUT decides
+    which commit wins, cachemgr.tiering); a set committed here and durable whose manifest was
+    since replaced by another node's later commit: replaced like a restored one;
+  * anything else (local data the manifest does not name, open files): left alone, logged, and
+    retried at the next listing.
+
+A restored set whose manifest left the store is removed here.
+
+Concurrency: runs on the daemon's trio thread; each apply is one index transaction (an apply
+refused half-way by a name conflict rolls back whole).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import stat
+import time
+
+import trio
+
+from . import manifest as mf
+from .errors import FsError
+from .sets import KEPT_STATES
+from .store import StoreError
+from .transfer import StoredObject
+
+log = logging.getLogger(__name__)
+
+
+class _InTheWay(Exception):
+    pass
+
+
+def _b(s: str) -> bytes:
+    return s.encode("utf-8", "surrogateescape")
+
+
+class RemoteSync:
+    """Materialise the store's sets in the local namespace; see the module docstring."""
+
+    def __init__(self, tiering, interval: float) -> None:
+        self.t = tiering
+        self.core = tiering.core
+        self.index = tiering.index
+        self.interval = interval
+        self.syncs = 0
+        self.last_sync: float | None = None
+        self.applied = 0
+        self.adopted_files = 0
+        self.removed = 0
+        self._blocked: dict[str, str] = {}  # path -> why it was not applied (logged once)
+
+    async def run(self) -> None:
+        while True:
+            try:
+                await self.sync_once()
+            except StoreError as e:
+                log.warning("listing the store's sets failed: %s", e)
+            if self.interval <= 0:
+                return
+            await trio.sleep(self.interval)
+
+    async def sync_once(self) -> None:
+        listed = {}
+        for info in await self.t.store.list(mf.MANIFEST_PREFIX):
+            path = mf.path_of_manifest_key(info.key)
+            if path:
+                listed[path] = info
+        for path, info in sorted(listed.items()):
+            cur = self.t.sets.newest_at(path)
+            if cur is not None and cur.etag == info.etag:
+                continue
+            if cur is not None and cur.origin == "local" and (
+                    cur.state in ("committed", "uploading", "deleting") or
+                    (cur.state == "durable" and cur.etag is None)):
+                # Ours and pending (its conditional PUT settles the race), being deleted, or
+                # published before manifests' etags were recorded: local wins.
+                continue
+            try:
+                m = mf.loads(await self.t.store.get(info.key))
+            except (StoreError, mf.ManifestError) as e:
+                log.warning("skipping manifest %s: %s", info.key, e)
+                continue
+            if m["commit"].get("node") == self.t.node:
+                continue  # published by this cache
+            self._apply(m, info.etag, cur)
+        for s in self.t.sets.by_states(("durable",)):
+            if s.origin != "local" and s.path not in listed:
+                self._remove(s)
+        self.syncs += 1
+        self.last_sync = time.time()
+
+    # -- applying one manifest ---------------------------------------------------------------
+
+    def _apply(self, m: dict, etag: str, cur) -> None:
+        path = m["path"]
+        parts = path.split("/")
+        name = _b(parts[-1])
+        moved: list[tuple[int, bytes]] = []
+        try:
+            with self.index.tx():
+                parent = self.core.ensure_dirs(parts[:-1])
+                root, files, moved, adopted = self._install(m, parent, name, cur)
+                if cur is not None and cur.state in KEPT_STATES:
+                    self.t.sets.set_state(cur.seq, "replaced", "a newer manifest in the store")
+                self.t.sets.record_remote(m, root, etag, files)
+        except _InTheWay as e:
+            if self._blocked.get(path) != str(e):
+                log.info("store set %s not restored here: %s", path, e)
+                self._blocked[path] = str(e)
+            return
+        except FsError as e:
+            log.warning("store set %s not restored: %s", path, e)
+            return
+        self._blocked.pop(path, None)
+        self.applied += 1
+        self.adopted_files += adopted
+        log.info("restored set %s from the store (%d files, %d of them written here, %d bytes,"
+                 " committed by node %s)", path, len(m["files"]), adopted,
+                 m.get("total_bytes", 0), m["commit"].get("node"))
+        for d, n in moved:
+            self.core.invalidate_entry(d, n)
+        self.core.invalidate_entry(parent, name)
+        self.t.parts.mark_all()
+        self.t._changed_now()
+
+    def _own(self, m: dict) -> dict[str, int]:
+        """{rel: ino} of the manifest's files whose object is this node's upload of a content
+        its inode still has (closed, not open for writing)."""
+        out = {}
+        prefix = f"data/{self.t.node}/"
+        for f in m["files"]:
+            key = f["object"]["key"]
+            if not key.startswith(prefix):
+                continue
+            r = self.index.conn.execute(
+                "SELECT o.ino FROM objects o JOIN inodes i ON i.ino = o.ino WHERE o.key=? AND"
+                " i.version = o.version AND i.obj_version = o.version AND i.nlink > 0 AND"
+                " i.writing = 0", (key,)).fetchone()
+            if r is not None and not self.core.inode(r[0]).writers:
+                out[f["path"]] = r[0]
+        return out
+
+    def _tree(self, root: int) -> dict[str, tuple[int, int, int, bytes]]:
+        """{rel: (ino, mode, parent, name)} of everything under directory `root`."""
+        out = {}
+        stack = [(root, "")]
+        while stack:
+            d, prefix = stack.pop()
+            for _id, name, ino in self.index.list_dentries(d, 0, 1 << 30):
+                name = bytes(name)
+                rel = prefix + name.decode("utf-8", "surrogateescape")
+                mode = self.core.inode(ino).mode
+                out[rel] = (ino, mode, d, name)
+                if stat.S_ISDIR(mode):
+                    stack.append((ino, rel + "/"))
+        return out
+
+    def _install(self, m: dict, parent: int, name: bytes, cur):
+        """Make the entry `name` in `parent` the manifest's set. Returns (root ino, set files,
+        moved entries, adopted count); raises _InTheWay (nothing changed: the caller's
+        transaction rolls back) when local data not in the manifest is there."""
+        own = self._own(m)
+        restored = cur is not None and (cur.origin != "local" or cur.state not in KEPT_STATES)
+        existing = self.index.lookup(parent, name)
+        if existing is not None:
+            node = self.core.inode(existing)
+            kind = "dir" if node.is_dir else "symlink" if stat.S_ISLNK(node.mode) else "file"
+            if kind != m["kind"] or m["kind"] == "symlink" or (
+                    m["kind"] == "file" and own.get("") != existing):
+                if not (restored and cur.root_ino == existing) or self._busy(existing):
+                    raise _InTheWay(f"a local {kind} is at {m['path']}")
+                self.core.remove_tree(parent, name)
+                existing = None
+        keep: dict[str, int] = {}
+        if existing is not None and m["kind"] == "dir":
+            want_files = {f["path"]: f for f in m["files"]}
+            want_links = {s["path"]: s["target"] for s in m.get("symlinks", [])}
+            want_dirs = {d["path"] for d in m.get("dirs", [])}
+            for rel in list(want_files) + list(want_links):
+                p = rel.rsplit("/", 1)[0] if "/" in rel else ""
+                while p:
+                    want_dirs.add(p)
+                    p = p.rsplit("/", 1)[0] if "/" in p else ""
+            tree = self._tree(existing)
+            remove = []
+            for rel, (ino, mode, d, n) in sorted(tree.items()):
+                if stat.S_ISDIR(mode):
+                    if rel not in want_dirs:
+                        remove.append((rel, d, n))
+                elif stat.S_ISREG(mode):
+                    if own.get(rel) == ino:
+                        keep[rel] = ino
+                    elif restored and self.core.inode(ino).version == 0 and \
+                            not self.core.inode(ino).opens:
+                        remove.append((rel, d, n))
+                    else:
+                        raise _InTheWay(f"{m['path']}/{rel} holds data this node has and the"
+                                        " manifest does not name")
+                elif stat.S_ISLNK(mode):
+                    target = self.core.inode(ino).target or b""
+                    if want_links.get(rel) == target.decode("utf-8", "surrogateescape"):
+                        keep[rel] = ino
+                    elif restored:
+                        remove.append((rel, d, n))
+                    else:
+                        raise _InTheWay(f"a local symlink is at {m['path']}/{rel}")
+                else:
+                    raise _InTheWay(f"a local special file is at {m['path']}/{rel}")
+            # A directory to remove must hold nothing this node keeps.
+            for rel, _d, _n in remove:
+                if any(k.startswith(rel + "/") for k in keep):
+                    raise _InTheWay(f"{m['path']}/{rel} holds files this node wrote")
+            for rel, d, n in sorted(remove, key=lambda x: x[0].count("/")):
+                if self.index.lookup(d, n) is not None:
+                    self.core.remove_tree(d, n)
+        elif existing is not None:  # a file set: this node's own file, already in place
+            keep[""] = existing
+        return self._materialise(m, parent, name, existing, keep, own)
+
+    def _busy(self, ino: int) -> bool:
+        node = self.core.inode(ino)
+        if node.is_reg:
+            return node.opens > 0
+        return any(self._busy(c) for _i, _n, c in self.index.list_dentries(ino, 0, 1 << 30))
+
+    def _materialise(self, m: dict, parent: int, name: bytes, existing: int | None,
+                     keep: dict[str, int], own: dict[str, int]):
+        raw = self.core.raw_create
+        files: list[tuple] = []
+        moved: list[tuple[int, bytes]] = []
+        emptied: set[int] = set()
+        adopted = 0
+
+        def place(d: int, fname: bytes, f: dict, rel: str) -> None:
+            nonlocal adopted
+            obj = StoredObject.from_json(f["object"])  # validates
+            obj_json = json.dumps(obj.to_json())
+            mode = stat.S_IMODE(f.get("mode", 0o644))
+            ino = keep.get(rel)
+            if ino is None and rel in own:
+                # This node's own copy, elsewhere in the tree: move it into place.
+                ino = own[rel]
+                row = self.index.conn.execute(
+                    "SELECT parent, name FROM dentries WHERE ino=? LIMIT 1", (ino,)).fetchone()
+                if row is None:
+                    ino = None
+                else:
+                    self.core.raw_move(row[0], bytes(row[1]), d, fname)
+                    moved.append((row[0], bytes(row[1])))
+                    emptied.add(row[0])
+            if ino is not None:
+                node = self.core.inode(ino)
+                files.append((rel, ino, node.version, f["size"], mode, f.get("mtime_ns", 0),
+                              obj_json))
+                adopted += 1
+                return
+            ino = raw(d, fname, stat.S_IFREG | mode, size=f["size"], mtime_ns=f.get("mtime_ns"),
+                      obj=obj_json)
+            files.append((rel, ino, 0, f["size"], mode, f.get("mtime_ns", 0), obj_json))
+
+        if m["kind"] == "file":
+            (f,) = m["files"]
+            place(parent, name, f, "")
+            self._drop_emptied(emptied, parent)
+            return files[0][1], files, moved, adopted
+        if m["kind"] == "symlink":
+            root = raw(parent, name, stat.S_IFLNK | 0o777, target=_b(m["target"]))
+            return root, files, moved, adopted
+        root = existing if existing is not None else \
+            raw(parent, name, stat.S_IFDIR | stat.S_IMODE(m.get("mode", 0o755)))
+
+        def under(rel: str) -> tuple[int, bytes]:
+            parts = rel.split("/")
+            d = root
+            for p in parts[:-1]:
+                child = self.index.lookup(d, _b(p))
+                d = child if child is not None else raw(d, _b(p), stat.S_IFDIR | 0o755)
+            return d, _b(parts[-1])
+
+        for d in sorted(m.get("dirs", []), key=lambda x: x["path"]):
+            pd, dn = under(d["path"])
+            if self.index.lookup(pd, dn) is None:
+                raw(pd, dn, stat.S_IFDIR | stat.S_IMODE(d.get("mode", 0o755)),
+                    mtime_ns=d.get("mtime_ns"))
+        for f in m["files"]:
+            pd, fn = under(f["path"])
+            if f["path"] in keep:
+                place(pd, fn, f, f["path"])
+                continue
+            if self.index.lookup(pd, fn) is not None:
+                raise _InTheWay(f"{m['path']}/{f['path']} exists here")
+            place(pd, fn, f, f["path"])
+        for s in m.get("symlinks", []):
+            if s["path"] in keep:
+                continue
+            pd, sn = under(s["path"])
+            raw(pd, sn, stat.S_IFLNK | 0o777, target=_b(s["target"]))
+        # Creating entries touched their directories: put the manifest's mtimes back last.
+        for d in m.get("dirs", []):
+            if d.get("mtime_ns") is None:
+                continue
+            pd, dn = under(d["path"])
+            ino = self.index.lookup(pd, dn)
+            if ino is not None:
+                node = self.core.inode(ino)
+                node.mtime_ns = d["mtime_ns"]
+                self.core._save(node, "mtime_ns")
+        self._drop_emptied(emptied, root)
+        return root, files, moved, adopted
+
+    def _drop_emptied(self, dirs: set[int], keep_ino: int) -> None:
+        """Directories this node's files were moved out of, now empty (its own copy of a
+        directory another node renamed): removed, and their parents likewise, up to the first
+        one that is not empty, is a set, or is an ancestor of the new set."""
+        for d in dirs:
+            cur = d
+            while cur != 1 and cur != keep_ino and not self.index.has_children(cur) and \
+                    not self.t.sets.is_dir_set_root(cur) and not self._is_ancestor(cur, keep_ino):
+                row = self.index.conn.execute(
+                    "SELECT parent, name FROM dentries WHERE ino=? LIMIT 1", (cur,)).fetchone()
+                if row is None:
+                    break
+                self.core.remove_tree(row[0], bytes(row[1]))
+                self.core.invalidate_entry(row[0], bytes(row[1]))
+                cur = row[0]
+
+    def _is_ancestor(self, a: int, b: int) -> bool:
+        cur = b
+        while cur != 1:
+            if cur == a:
+                return True
+            row = self.index.conn.execute(
+                "SELECT parent FROM dentries WHERE ino=? LIMIT 1", (cur,)).fetchone()
+            if row is None:
+                return False
+            cur = row[0]
+        return a == 1
+
+    # -- a set that left the store -----------------------------------------------------------
+
+    def _remove(self, s) -> None:
+        parts = s.path.split("/")
+        parent = 1
+        for p in parts[:-1]:
+            child = self.index.lookup(parent, _b(p))
+            if child is None:
+                parent = None
+                break
+            parent = child
+        name = _b(parts[-1])
+        with self.index.tx():
+            if parent is not None and self.index.lookup(parent, name) == s.root_ino and \
+                    not self._busy(s.root_ino):
+                self.core.remove_tree(parent, name)
+            self.t.sets.set_state(s.seq, "deleted", "its manifest left the store")
+        self.removed += 1
+        log.info("set %s left the store; removed it here", s.path)
+        if parent is not None:
+            self.core.invalidate_entry(parent, name)
+        self.t.parts.mark_all()
+        self.t._changed_now()
+
+    def status(self) -> dict:
+        return {"interval_s": self.interval, "syncs": self.syncs, "last_sync": self.last_sync,
+                "restored_sets": self.applied, "adopted_files": self.adopted_files,
+                "removed_sets": self.removed, "not_restored": dict(self._blocked)}
