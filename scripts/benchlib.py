@@ -44,3 +44,56 @@ def pid_alive(pid: int) -> bool:
         return True
     # a zombie child is not running any more
     return "State:\tZ" not in read_file(f"/proc/{pid}/status")
+
+
+def loadavg() -> list[float]:
+    """The 1/5/15-minute load averages (os.getloadavg), rounded; recorded around every
+    measurement because other jobs on this machine disturb timings."""
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def proc_rss_kb(pid: int) -> int | None:
+    return proc_status_kb(pid, "VmRSS")
+
+
+class RssSampler:
+    """Samples VmRSS of a set of pids in a background thread (every `interval` s) and keeps
+    the peak per pid; `peak_mib(pid)` also folds in the kernel's own VmHWM when readable."""
+
+    def __init__(self, interval: float = 0.1) -> None:
+        import threading
+
+        self.interval = interval
+        self.pids: dict[int, int] = {}  # pid -> peak kB seen
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="rss-sampler")
+        self._thread.start()
+
+    def watch(self, pid: int) -> None:
+        with self._lock:
+            self.pids.setdefault(pid, 0)
+
+    def _sample(self) -> None:
+        with self._lock:
+            pids = list(self.pids)
+        for pid in pids:
+            kb = proc_rss_kb(pid)
+            if kb is not None:
+                with self._lock:
+                    self.pids[pid] = max(self.pids[pid], kb)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self._sample()
+
+    def peak_mib(self, pid: int) -> float | None:
+        self._sample()
+        hwm = proc_status_kb(pid, "VmHWM") or 0
+        with self._lock:
+            kb = max(self.pids.get(pid, 0), hwm)
+        return round(kb / 1024, 1) if kb else None
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
