@@ -179,6 +179,9 @@ class RemoteSync:
         transaction rolls back) when local data not in the manifest is there."""
         own = self._own(m)
         restored = cur is not None and (cur.origin != "local" or cur.state not in KEPT_STATES)
+        # Files of the set the manifest replaces (restored from an older manifest, or this
+        # node's own commit of the path that lost to a later one) may go; nothing else may.
+        replaceable = {r[1] for r in self.t.sets.files(cur.seq)} if restored else set()
         existing = self.index.lookup(parent, name)
         if existing is not None:
             node = self.core.inode(existing)
@@ -208,8 +211,8 @@ class RemoteSync:
                 elif stat.S_ISREG(mode):
                     if own.get(rel) == ino:
                         keep[rel] = ino
-                    elif restored and self.core.inode(ino).version == 0 and \
-                            not self.core.inode(ino).opens:
+                    elif (self.core.inode(ino).version == 0 or ino in replaceable) and \
+                            restored and not self.core.inode(ino).opens:
                         remove.append((rel, d, n))
                     else:
                         raise _InTheWay(f"{m['path']}/{rel} holds data this node has and the"

@@ -969,7 +969,7 @@ class Tiering:
         live = self.sets.by_states(LIVE_STATES)
         retry = getattr(self.store, "stats", None)  # RetryingStore: transient errors ridden out
         return {
-            "store": {"url": self.store.url, "health": self.health(),
+            "store": {"url": self.store.url, "node": self.node, "health": self.health(),
                       "last_error": self.last_error,
                       "consecutive_failures": self.consecutive_failures,
                       "retries": getattr(retry, "retries", 0),
@@ -982,6 +982,8 @@ class Tiering:
             "remote": self.remote.status(),
             "parts": self.parts.status(),
             "pending_sets": len(live),
+            # of which waiting only for files other nodes write (nothing left to do here)
+            "waiting_sets": len([s for s in live if s.seq in self._waiting]),
             "pending_bytes": pending,
             "sets": sets,
         }

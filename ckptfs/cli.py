@@ -226,10 +226,16 @@ def _drain(mp: Path, timeout: float | None) -> bool:
     while True:
         st = api.status(mp).get("tiering", {})
         pending, nsets = st.get("pending_bytes", 0), st.get("pending_sets", 0)
-        if nsets == 0:
+        remote = st.get("waiting_sets", 0)
+        if nsets - remote <= 0 and pending == 0:
             if total:
                 print(("\r" if tty else "") + f"uploads {_bar(1, 1)} all sets durable" +
                       " " * 20, file=sys.stderr)
+            if remote:
+                # Their commits wait for files other nodes write: nothing here can finish
+                # them; they resume at the next mount of this cache dir.
+                print(f"ckptfs: {remote} set(s) still wait for files from other nodes; their"
+                      " commit resumes at the next mount", file=sys.stderr)
             return True
         total = max(total or 0, pending)
         rate = st.get("uploads", {}).get("rate_bytes_per_s", 0.0)

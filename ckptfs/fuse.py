@@ -27,6 +27,7 @@ import trio
 
 from cachemgr.core import CacheFs, Inode
 from cachemgr.errors import FsError
+from cachemgr.transfer import note_foreground
 
 log = logging.getLogger(__name__)
 
@@ -262,6 +263,7 @@ class FuseOps(pyfuse3.Operations):
 
     @_guarded
     async def write(self, fh, off, buf):
+        note_foreground()  # uploads hold back while the trainer writes (cachemgr.transfer)
         limit = self.core.tiering.cfg.cache_size if self.core.tiering is not None else None
         if limit is not None and self.core.cached_bytes + len(buf) > limit:
             # Backpressure: wait for uploads to make data evictable, never fail the write.

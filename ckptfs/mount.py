@@ -279,7 +279,8 @@ Notify = Callable[[int, str], None]
 def _inject_faults(store, spec: str | None):
     """Testing aid: CKPTFS_FAULTS="put=every:3,upload_part=next:5,get=every:4" wraps the store in
     a FaultyStore that fails those calls with a transient 503/500 (every k-th call, or the next
-    n calls), below the retry layer, so tests can show that throttling loses nothing."""
+    n calls), below the retry layer, so tests can show that throttling loses nothing.
+    `put@data/=hold:/tmp/gate` makes puts of keys under data/ wait while /tmp/gate exists."""
     if not spec:
         return store
     from cachemgr.store import FaultyStore
@@ -287,11 +288,14 @@ def _inject_faults(store, spec: str | None):
     faulty = FaultyStore(store)
     for item in spec.split(","):
         op, _, rule = item.strip().partition("=")
+        op, _, prefix = op.partition("@")
         kind, _, n = rule.partition(":")
         if kind == "every":
             faulty.fail_every(op, int(n))
         elif kind == "next":
             faulty.fail_next(op, int(n))
+        elif kind == "hold":
+            faulty.hold(op, n, prefix)
         else:
             raise ValueError(f"bad CKPTFS_FAULTS item {item!r}")
     log.warning("fault injection active: %s", spec)

@@ -10,6 +10,7 @@ between, never a mock.
 from __future__ import annotations
 
 import logging
+import os
 import random
 from dataclasses import dataclass, field
 
@@ -119,6 +120,7 @@ class FaultyStore(_Wrapper):
         super().__init__(inner)
         self._next: dict[str, list[Exception]] = {}
         self._every: dict[str, tuple[int, Exception]] = {}
+        self._holds: dict[str, list[tuple[str, str]]] = {}
         self.calls: dict[str, int] = {}
         self.injected: dict[str, int] = {}
 
@@ -129,7 +131,17 @@ class FaultyStore(_Wrapper):
     def fail_every(self, op: str, k: int, exc: Exception | None = None) -> None:
         self._every[op] = (k, exc or TransientStoreError("injected 500 InternalError"))
 
+    def hold(self, op: str, gate: str, prefix: str = "") -> None:
+        """Calls of `op` on keys starting with `prefix` wait while the file `gate` exists (a
+        test opens the gate by deleting it): a store that is slow for one node, on demand."""
+        self._holds.setdefault(op, []).append((prefix, gate))
+
     async def _do(self, op: str, *args, **kw):
+        for prefix, gate in self._holds.get(op, ()):
+            key = args[0] if args else ""
+            if isinstance(key, str) and key.startswith(prefix):
+                while os.path.exists(gate):
+                    await trio.sleep(0.05)
         n = self.calls[op] = self.calls.get(op, 0) + 1
         pending = self._next.get(op)
         exc = None

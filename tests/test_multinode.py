@@ -1,0 +1,447 @@
+"""Many nodes, one store: 2-4 "nodes" (separate mounts, separate cache dirs, one moto_server)
+write one checkpoint together, and it appears in the store and on every node exactly when all
+of it is durable.
+
+  * DCP with gloo ranks, each rank writing through its own node's mount; rank 0's `.metadata`
+    rename on node A publishes the set only once node B's shards are durable (B's uploads are
+    held back on purpose: until then no node lists it); loads on fresh nodes with another world
+    size; B completes the set in place around its own shards without fetching them again.
+  * A rank killed mid-save: the set never appears, the previous one is intact.
+  * A node's daemon killed after its local writes, before its uploads: the set appears only
+    after that node's mount comes back and finishes; or, if it never does, the commit fails at
+    --commit-timeout naming the missing files, and the previous checkpoint stays.
+  * Per-rank torch.save into a temporary directory on 3 nodes, renamed into place on one node
+    (the rename happens on every node), and `ckptfs commit` from another node.
+  * Two nodes committing one path at once: the later commit wins, everywhere, never a mix.
+
+Every test checks at the end that no daemon logged an unexpected error.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import signal
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from ckpt_restore import S3StoreView, manifests, restore
+from conftest import run_cli, wait_for
+
+import ckptfs
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning"),
+    pytest.mark.filterwarnings("ignore:Detected an existing checkpoint:UserWarning"),
+]
+
+MiB = 1 << 20
+
+
+# ----------------------------------------------------------------------------------------------
+# helpers
+
+
+@pytest.fixture
+def cluster(mount_factory, s3_bucket, tmp_path):
+    """cluster(name, env=None, *extra) -> a started node on the shared bucket."""
+    endpoint, bucket = s3_bucket
+    made = []
+
+    def node(name: str, *extra: str, env: dict | None = None, start: bool = True):
+        m = mount_factory(name)
+        m.args = ["--store", f"s3://{bucket}/p", "--s3-endpoint", endpoint, "--s3-path-style",
+                  "--refresh-interval", "1", "--part-size", "5M", *extra]
+        made.append(m)
+        if start:
+            start_node(m, env)
+        return m
+
+    node.view = S3StoreView(endpoint, bucket, "p")
+    node.tmp = tmp_path
+    yield node
+    for m in made:
+        errors = m.unexpected_errors()
+        assert not errors, f"daemon {m.mountpoint.name} logged unexpected errors:\n" + \
+            "\n".join(errors)
+
+
+def start_node(m, env: dict | None = None) -> None:
+    saved = {k: os.environ.get(k) for k in env or {}}
+    os.environ.update(env or {})
+    try:
+        m.start(*m.args)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def hold_uploads(gate: Path) -> dict:
+    """Daemon environment in which every data upload waits while `gate` exists."""
+    gate.touch()
+    return {"CKPTFS_FAULTS": f"put@data/=hold:{gate},create_multipart@data/=hold:{gate},"
+                             f"upload_part@data/=hold:{gate}"}
+
+
+def status(m) -> dict:
+    return ckptfs.status(m.path)["tiering"]
+
+
+def set_row(m, path: str) -> dict | None:
+    rows = [s for s in status(m)["sets"] if s["path"] == path]
+    return rows[-1] if rows else None
+
+
+def node_id(m) -> str:
+    return status(m)["store"]["node"]
+
+
+def settled(*ms) -> bool:
+    """No uploads queued or running and no set pending on any of the nodes."""
+    for m in ms:
+        t = status(m)
+        if t["uploads"]["queued"] or t["uploads"]["running"] or t["pending_sets"]:
+            return False
+    return True
+
+
+def _global(seed: int, big: bool = False) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    n = 4096 if big else 1024
+    return {
+        "sharded_fp32": torch.randn(n, 1027, generator=g),
+        "sharded_bf16": torch.randn(998, 300, generator=g).to(torch.bfloat16),
+        "sharded_int64": torch.randint(-(2**40), 2**40, (4096, 33), generator=g),
+        "replicated_fp16": torch.randn(700, 321, generator=g).to(torch.float16),
+        "replicated_int64": torch.arange(12345, dtype=torch.int64) * 3,
+    }
+
+
+def _rank(rank: int, world: int, init: str, ckpts: list[str], seed: int, mode: str,
+          kill_rank: int, big: bool) -> None:
+    """One gloo rank: DCP-save (mode "save") or DCP-load-and-check (mode "load") a state dict
+    of Shard(0) DTensors and replicated tensors through its own node's mount."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=30))
+    mesh = init_device_mesh("cpu", (world,))
+    full = _global(seed, big)
+    sd = {k: distribute_tensor(v, mesh, [Shard(0)]) if k.startswith("sharded") else v
+          for k, v in full.items()}
+    sd["extra"] = {"seed": seed}
+    if mode == "save":
+        if rank == kill_rank:
+            mine = Path(ckpts[rank]) / f"__{rank}_0.distcp"
+
+            def killer():
+                while not (mine.exists() and mine.stat().st_size > 0):
+                    time.sleep(0.001)
+                os.kill(os.getpid(), signal.SIGKILL)  # mid-save: its shard is being written
+
+            threading.Thread(target=killer, daemon=True).start()
+        dcp.save(sd, checkpoint_id=ckpts[rank])
+    else:
+        target = {k: distribute_tensor(torch.zeros_like(full[k]), mesh, [Shard(0)])
+                  if k.startswith("sharded") else torch.zeros_like(v)
+                  for k, v in full.items()}
+        target["extra"] = {"seed": -1}
+        dcp.load(target, checkpoint_id=ckpts[rank])
+        for k, v in sd.items():
+            if k.startswith("sharded"):
+                assert torch.equal(target[k].to_local(), v.to_local()), (rank, k)
+            elif isinstance(v, torch.Tensor):
+                assert torch.equal(target[k], v), (rank, k)
+            else:
+                assert target[k] == v, (rank, k)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_ranks(tmp: Path, ckpts: list[str], seed: int, mode: str = "save", kill_rank: int = -1,
+              big: bool = False, timeout: float = 240) -> list[int]:
+    """Run len(ckpts) gloo ranks (rank r uses ckpts[r]); returns their exit codes."""
+    init = tmp / f"pg-{mode}-{seed}-{time.monotonic_ns()}"
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_rank, args=(r, len(ckpts), str(init), ckpts, seed, mode,
+                                             kill_rank, big)) for r in range(len(ckpts))]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        p.join(max(1, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    return [p.exitcode for p in procs]
+
+
+def manifest(view, path: str) -> dict | None:
+    return manifests(view).get(path)
+
+
+# ----------------------------------------------------------------------------------------------
+# 1. DCP across nodes
+
+
+def test_dcp_on_two_nodes_publishes_only_when_every_shard_is_durable(cluster):
+    gate = cluster.tmp / "b-uploads-held"
+    a = cluster("a")
+    b = cluster("b", env=hold_uploads(gate))
+    ckpts = [str(a.path / "ckpt" / "step_1")] * 2 + [str(b.path / "ckpt" / "step_1")] * 2
+    (a.path / "ckpt").mkdir()
+    (b.path / "ckpt").mkdir()
+
+    assert run_ranks(cluster.tmp, ckpts, seed=1) == [0, 0, 0, 0]
+    # Ranks 0 and 1 wrote through A (rank 0 also .metadata), 2 and 3 through B.
+    assert sorted(os.listdir(a.path / "ckpt" / "step_1")) == [".metadata", "__0_0.distcp",
+                                                              "__1_0.distcp"]
+    assert sorted(os.listdir(b.path / "ckpt" / "step_1")) == ["__2_0.distcp", "__3_0.distcp"]
+
+    # B's shards are not durable yet: A's commit waits for exactly them, and says so.
+    row = wait_for(lambda: (r := set_row(a, "ckpt/step_1")) and r.get("waiting_for") and r,
+                   timeout=30, what="A's commit to wait for B's shards")
+    assert row["state"] in ("committed", "uploading")
+    assert row["waiting_for"]["files"] == ["__2_0.distcp", "__3_0.distcp"]
+    out = run_cli("status", str(a.path)).stdout
+    assert "waiting" in out and "__2_0.distcp" in out, out
+    with pytest.raises(ckptfs.NotDurable):
+        ckptfs.wait_durable(a.path / "ckpt" / "step_1", timeout=2)
+    # No node lists it: not in the store, not on a fresh node.
+    assert "ckpt/step_1" not in manifests(cluster.view)
+    c = cluster("c")
+    assert not (c.path / "ckpt" / "step_1").exists()
+    # Each node announced its files in a part record (a closed file's record is in the store
+    # before close() returns); B's shards are there, pending.
+    recs = cluster.view.keys("parts/ckpt/step_1/")
+    assert sorted(recs) == sorted(f"parts/ckpt/step_1/@{node_id(n)}.json" for n in (a, b))
+    rec = json.loads(cluster.view.get(f"parts/ckpt/step_1/@{node_id(b)}.json"))
+    assert [(f["name"], f["object"]) for f in rec["files"]] == [("__2_0.distcp", None),
+                                                                ("__3_0.distcp", None)]
+
+    gate.unlink()  # B's uploads go through
+    ckptfs.wait_durable(a.path / "ckpt" / "step_1", timeout=120)
+    m = manifest(cluster.view, "ckpt/step_1")
+    assert m is not None
+    assert sorted(f["path"] for f in m["files"]) == [".metadata", "__0_0.distcp",
+                                                     "__1_0.distcp", "__2_0.distcp",
+                                                     "__3_0.distcp"]
+    assert m["commit"]["nodes"] == sorted([node_id(a), node_id(b)])
+    by_node = {f["path"]: f["object"]["key"].split("/")[1] for f in m["files"]}
+    assert by_node["__2_0.distcp"] == by_node["__3_0.distcp"] == node_id(b)
+    assert by_node["__0_0.distcp"] == by_node[".metadata"] == node_id(a)
+    # Every byte in the store equals what the ranks wrote on their nodes.
+    data = restore(cluster.view, m)
+    for name in ("__0_0.distcp", "__1_0.distcp", ".metadata"):
+        assert data[name] == (a.path / "ckpt" / "step_1" / name).read_bytes()
+    for name in ("__2_0.distcp", "__3_0.distcp"):
+        assert data[name] == (b.path / "ckpt" / "step_1" / name).read_bytes()
+
+    # B completes the set in place around its own shards (no GET of them).
+    wait_for(lambda: (b.path / "ckpt" / "step_1" / ".metadata").exists(), timeout=30,
+             what="the committed set on B")
+    assert sorted(os.listdir(b.path / "ckpt" / "step_1")) == sorted(f["path"] for f in
+                                                                     m["files"])
+    assert status(b)["remote"]["adopted_files"] == 2
+    # Loads on two fresh nodes with world size 2 (saved with 4), and on B with world size 1.
+    d = cluster("d")
+    for n in (c, d):
+        wait_for(lambda n=n: (n.path / "ckpt" / "step_1" / ".metadata").exists(), timeout=30,
+                 what=f"the set on {n.mountpoint.name}")
+    assert run_ranks(cluster.tmp, [str(c.path / "ckpt" / "step_1"),
+                                   str(d.path / "ckpt" / "step_1")], seed=1,
+                     mode="load") == [0, 0]
+    full = _global(1)
+    target = {k: torch.zeros_like(v) for k, v in full.items()} | {"extra": {"seed": -1}}
+    dcp.load(target, checkpoint_id=str(b.path / "ckpt" / "step_1"))
+    for k, v in full.items():
+        assert torch.equal(target[k], v), k
+    assert target["extra"] == {"seed": 1}
+    # B fetched only A's files (its own shards were adopted, never downloaded).
+    a_bytes = sum(f["size"] for f in m["files"] if by_node[f["path"]] == node_id(a))
+    fetched_b = status(b)["restore"]["bytes_fetched"]
+    assert 0 < fetched_b <= a_bytes
+
+
+def test_rank_killed_mid_save_never_appears_and_the_previous_checkpoint_stays(cluster):
+    a = cluster("a")
+    b = cluster("b")
+    (a.path / "ckpt").mkdir()
+    (b.path / "ckpt").mkdir()
+    first = [str(a.path / "ckpt" / "step_1"), str(b.path / "ckpt" / "step_1")]
+    assert run_ranks(cluster.tmp, first, seed=1) == [0, 0]
+    ckptfs.wait_durable(a.path / "ckpt" / "step_1", timeout=120)
+    before = manifest(cluster.view, "ckpt/step_1")
+
+    second = [str(a.path / "ckpt" / "step_2"), str(b.path / "ckpt" / "step_2")]
+    codes = run_ranks(cluster.tmp, second, seed=2, kill_rank=1, big=True, timeout=120)
+    assert codes[1] == -signal.SIGKILL and codes[0] != 0, codes
+    assert not (a.path / "ckpt" / "step_2" / ".metadata").exists()
+    # Everything either node had to upload is uploaded; still no step_2 anywhere.
+    wait_for(lambda: settled(a, b), timeout=60, what="both nodes to settle")
+    assert "ckpt/step_2" not in manifests(cluster.view)
+    assert manifest(cluster.view, "ckpt/step_1") == before
+    assert all(s["path"] != "ckpt/step_2" for s in status(a)["sets"])
+    c = cluster("c")
+    wait_for(lambda: (c.path / "ckpt" / "step_1" / ".metadata").exists(), timeout=30,
+             what="step_1 on a fresh node")
+    assert not (c.path / "ckpt" / "step_2").exists()
+    assert run_ranks(cluster.tmp, [str(c.path / "ckpt" / "step_1")], seed=1,
+                     mode="load") == [0]
+
+
+# ----------------------------------------------------------------------------------------------
+# 2. a node's daemon dies between its local writes and its uploads
+
+
+def test_node_daemon_killed_before_upload_set_appears_after_it_returns(cluster):
+    gate = cluster.tmp / "b-uploads-held"
+    a = cluster("a")
+    b = cluster("b", env=hold_uploads(gate))
+    (a.path / "ckpt").mkdir()
+    (b.path / "ckpt").mkdir()
+    ckpts = [str(a.path / "ckpt" / "step_1"), str(b.path / "ckpt" / "step_1")]
+    assert run_ranks(cluster.tmp, ckpts, seed=3) == [0, 0]
+    wait_for(lambda: (r := set_row(a, "ckpt/step_1")) and r.get("waiting_for"), timeout=30,
+             what="A waiting for B's shard")
+    b.kill9()  # its shard is in B's cache only
+    time.sleep(3)  # A keeps waiting (several listings of the records), nothing published
+    assert "ckpt/step_1" not in manifests(cluster.view)
+    row = set_row(a, "ckpt/step_1")
+    assert row["state"] in ("committed", "uploading")
+    assert row["waiting_for"]["files"] == ["__1_0.distcp"]
+    assert row["waiting_for"]["waited_s"] >= 3
+
+    gate.unlink()
+    start_node(b)  # the same cache dir, no faults: B recovers and uploads its closed shard
+    ckptfs.wait_durable(a.path / "ckpt" / "step_1", timeout=120)
+    m = manifest(cluster.view, "ckpt/step_1")
+    assert sorted(f["path"] for f in m["files"]) == [".metadata", "__0_0.distcp",
+                                                     "__1_0.distcp"]
+    c = cluster("c")
+    wait_for(lambda: (c.path / "ckpt" / "step_1" / ".metadata").exists(), timeout=30,
+             what="the set on a fresh node")
+    assert run_ranks(cluster.tmp, [str(c.path / "ckpt" / "step_1")], seed=3,
+                     mode="load") == [0]
+
+
+def test_commit_fails_at_the_timeout_when_a_node_never_returns(cluster):
+    a = cluster("a", "--commit-timeout", "6")
+    gate = cluster.tmp / "b-uploads-held"
+    b = cluster("b", env=hold_uploads(gate))
+    (a.path / "ckpt").mkdir()
+    (b.path / "ckpt").mkdir()
+    # A previous checkpoint, written by A alone.
+    assert run_ranks(cluster.tmp, [str(a.path / "ckpt" / "step_1")], seed=4) == [0]
+    ckptfs.wait_durable(a.path / "ckpt" / "step_1", timeout=60)
+    ckpts = [str(a.path / "ckpt" / "step_2"), str(b.path / "ckpt" / "step_2")]
+    assert run_ranks(cluster.tmp, ckpts, seed=5) == [0, 0]
+    b.kill9()
+    wait_for(lambda: set_row(a, "ckpt/step_2")["state"] == "failed", timeout=30,
+             what="the commit to time out")
+    row = set_row(a, "ckpt/step_2")
+    assert "timed out" in row["error"] and "__1_0.distcp" in row["error"], row
+    out = run_cli("wait", str(a.path / "ckpt" / "step_2"), "--timeout", "5")
+    assert out.returncode != 0 and "timed out" in (out.stderr + out.stdout)
+    assert "ckpt/step_2" not in manifests(cluster.view)
+    c = cluster("c")
+    wait_for(lambda: (c.path / "ckpt" / "step_1" / ".metadata").exists(), timeout=30,
+             what="step_1 on a fresh node")
+    assert not (c.path / "ckpt" / "step_2").exists()
+    assert run_ranks(cluster.tmp, [str(c.path / "ckpt" / "step_1")], seed=4,
+                     mode="load") == [0]
+    gate.unlink()
+
+
+# ----------------------------------------------------------------------------------------------
+# 3. torch.save per rank on 3 nodes
+
+
+def rank_file(m, rel: str, rank: int) -> bytes:
+    obj = {"rank": rank, "w": torch.randn(256, 1024, generator=torch.Generator().manual_seed(rank))}
+    p = m.path / rel
+    p.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(obj, p)
+    return p.read_bytes()
+
+
+def test_torch_save_per_rank_on_three_nodes_renamed_into_place_on_one(cluster):
+    a, b, c = cluster("a"), cluster("b"), cluster("c")
+    written = {}
+    for r, m in enumerate((a, a, b, c)):
+        written[f"rank{r}.pt"] = rank_file(m, f"run/step_5.tmp/rank{r}.pt", r)
+    # (a barrier, then) rank 0 renames its node's directory into place.
+    os.rename(a.path / "run" / "step_5.tmp", a.path / "run" / "step_5")
+    ckptfs.wait_durable(a.path / "run" / "step_5", timeout=120)
+    m = manifest(cluster.view, "run/step_5")
+    assert sorted(f["path"] for f in m["files"]) == sorted(written)
+    assert restore(cluster.view, m) == written
+    assert m["commit"]["nodes"] == sorted(node_id(x) for x in (a, b, c))
+    # On B and C the rename happens too: their rank files move into run/step_5, their
+    # step_5.tmp goes, and they read every rank's file.
+    for n in (b, c):
+        wait_for(lambda n=n: sorted(os.listdir(n.path / "run")) == ["step_5"], timeout=30,
+                 what=f"run/step_5 alone on {n.mountpoint.name}")
+        for name, data in written.items():
+            assert (n.path / "run" / "step_5" / name).read_bytes() == data
+        assert status(n)["remote"]["adopted_files"] == 1
+
+    # `ckptfs commit` from another node (B) of a directory all three wrote into.
+    more = {}
+    for r, m_ in enumerate((a, b, c)):
+        more[f"rank{r}.pt"] = rank_file(m_, f"run/step_6.tmp/rank{r}.pt", 10 + r)
+    res = run_cli("commit", str(b.path / "run" / "step_6.tmp"))
+    assert res.returncode == 0, res.stderr
+    ckptfs.wait_durable(b.path / "run" / "step_6.tmp", timeout=120)
+    m6 = manifest(cluster.view, "run/step_6.tmp")
+    assert restore(cluster.view, m6) == more
+
+
+# ----------------------------------------------------------------------------------------------
+# 4. two nodes commit the same path
+
+
+def test_concurrent_commits_of_one_path_the_later_one_wins_everywhere(cluster):
+    gate_a = cluster.tmp / "a-held"
+    gate_b = cluster.tmp / "b-held"
+    a = cluster("a", env=hold_uploads(gate_a))
+    b = cluster("b", env=hold_uploads(gate_b))
+    mine = {}
+    for m, seed in ((a, 1), (b, 2)):
+        d = m.path / "run" / "shared.tmp"
+        d.mkdir(parents=True)
+        mine[m.mountpoint.name] = rank_file(m, "run/shared.tmp/model.pt", seed)
+    os.rename(a.path / "run" / "shared.tmp", a.path / "run" / "shared")
+    time.sleep(0.01)
+    os.rename(b.path / "run" / "shared.tmp", b.path / "run" / "shared")
+    ra, rb = set_row(a, "run/shared"), set_row(b, "run/shared")
+    assert ra["committed_ns"] < rb["committed_ns"]
+    # B's commit is the later one. Let B publish first, then A: A's conditional PUT finds
+    # B's manifest, which is later, and A's commit loses; the store keeps B's.
+    gate_b.unlink()
+    ckptfs.wait_durable(b.path / "run" / "shared", timeout=120)
+    gate_a.unlink()
+    wait_for(lambda: set_row(a, "run/shared")["state"] == "superseded", timeout=60,
+             what="A's earlier commit to lose")
+    assert "later" in set_row(a, "run/shared")["error"]
+    m = manifest(cluster.view, "run/shared")
+    assert m["commit"]["node"] == node_id(b)
+    assert restore(cluster.view, m) == {"model.pt": mine["b-mnt"]}
+    # A shows the winner after its next listing: never a mix of both.
+    wait_for(lambda: (a.path / "run" / "shared" / "model.pt").read_bytes() == mine["b-mnt"],
+             timeout=30, what="B's version on A")
+    assert sorted(os.listdir(a.path / "run" / "shared")) == ["model.pt"]
