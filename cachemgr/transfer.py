@@ -124,7 +124,7 @@ _LZ4_FRAME_SLACK = 64
 # machine the upload's preads, CRCs and store sends otherwise take about half the daemon's CPU
 # while the trainer is still writing, and the trainer waits for it.
 FOREGROUND_QUIET_S = 0.1
-FOREGROUND_MAX_DEFER_S = 0.0 if os.environ.get("CKPTFS_EXP_NOYIELD") else 2.0
+FOREGROUND_MAX_DEFER_S = 2.0
 _last_foreground = 0.0
 
 
