@@ -155,7 +155,7 @@ def _rank(rank: int, world: int, init: str, ckpts: list[str], seed: int, mode: s
             threading.Thread(target=killer, daemon=True).start()
         dcp.save(sd, checkpoint_id=ckpts[rank])
     else:
-        target = {k: distribute_tensor(torch.zeros_like(full[k]), mesh, [Shard(0)])
+        target = {k: distribute_tensor(torch.zeros_like(v), mesh, [Shard(0)])
                   if k.startswith("sharded") else torch.zeros_like(v)
                   for k, v in full.items()}
         target["extra"] = {"seed": -1}
@@ -235,6 +235,8 @@ def test_dcp_on_two_nodes_publishes_only_when_every_shard_is_durable(cluster):
 
     gate.unlink()  # B's uploads go through
     ckptfs.wait_durable(a.path / "ckpt" / "step_1", timeout=120)
+    # On B (a rank there may wait too): durable once B shows the set A committed.
+    assert ckptfs.wait_durable(b.path / "ckpt" / "step_1", timeout=60)["state"] == "durable"
     m = manifest(cluster.view, "ckpt/step_1")
     assert m is not None
     assert sorted(f["path"] for f in m["files"]) == [".metadata", "__0_0.distcp",

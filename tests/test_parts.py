@@ -1,0 +1,72 @@
+"""Fast unit tests of the multi-node pieces that need no mount: part record keys and parsing,
+and reading a DCP `.metadata` without torch (real DCP output, and hostile pickles that must run
+nothing)."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+
+import pytest
+
+from cachemgr import parts
+from cachemgr.dcp import storage_files
+
+torch = pytest.importorskip("torch")
+import torch.distributed.checkpoint as dcp
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+
+
+def test_part_keys_round_trip():
+    for d in ("ckpt/step_1", "a/b/c.tmp", "x", "dir with space/ünï"):
+        key = parts.part_key(d, "6d60a523")
+        assert key.startswith(parts.records_prefix(d))
+        assert parts.parse_key(key) == (d, "6d60a523")
+    # A directory named like a record is still a directory: only the last component counts.
+    key = parts.part_key("ckpt/@x.json", "aa")
+    assert parts.parse_key(key) == ("ckpt/@x.json", "aa")
+    for bad in ("parts/@n.json", "parts/d/n.json", "manifests/d/@n.json", "parts/d/@n.txt"):
+        assert parts.parse_key(bad) is None, bad
+
+
+def test_part_record_validation():
+    rec = parts.build("n1", "ckpt/s", [{"name": "f", "size": 3, "object": None}])
+    assert parts.loads(json.dumps(rec).encode()) == rec
+    for bad in (b"not json", b'{"format": "other"}', b'{"format": "ckptfs-part", "version": 9}',
+                b'{"format": "ckptfs-part", "version": 1, "files": [{"name": "f"}]}'):
+        with pytest.raises(parts.PartError):
+            parts.loads(bad)
+
+
+def test_dcp_metadata_storage_files_from_real_saves(tmp_path):
+    sd = {"a": torch.zeros(10), "b": {"c": torch.ones(3, dtype=torch.bfloat16)}, "n": 3,
+          "big": torch.randn(300, 300)}
+    dcp.save(sd, checkpoint_id=str(tmp_path / "one"))
+    names = {p for p in os.listdir(tmp_path / "one") if p.endswith(".distcp")}
+    got = storage_files((tmp_path / "one" / ".metadata").read_bytes())
+    assert got == names and got
+    # Several storage files per rank (thread_count): every one is named.
+    writer = dcp.FileSystemWriter(str(tmp_path / "many"), thread_count=3)
+    dcp.save(sd, storage_writer=writer)
+    names = {p for p in os.listdir(tmp_path / "many") if p.endswith(".distcp")}
+    assert len(names) > 1
+    assert storage_files((tmp_path / "many" / ".metadata").read_bytes()) == names
+
+
+class _Evil:
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.path}",))
+
+
+def test_dcp_metadata_reader_runs_nothing_from_the_file(tmp_path):
+    marker = tmp_path / "pwned"
+    assert storage_files(pickle.dumps(_Evil(marker))) is None
+    assert storage_files(pickle.dumps({"storage_data": _Evil(marker)})) is None
+    assert not marker.exists()
+    for junk in (b"", b"garbage", pickle.dumps([1, 2, 3])[:-3]):
+        assert storage_files(junk) is None
