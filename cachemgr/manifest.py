@@ -56,16 +56,24 @@ def dumps(m: dict) -> bytes:
     return json.dumps(m, indent=1, sort_keys=True).encode()
 
 
-def loads(data: bytes) -> dict:
+def load_document(data: bytes, *, what: str, fmt: str, version: int, file_keys: set[str],
+                  error: type[ValueError]) -> dict:
+    """Parse a versioned JSON document of the store (a manifest, a part record): its format and
+    version must match and every `files` entry must have `file_keys`; else `error`."""
     try:
         m = json.loads(data)
     except ValueError as e:
-        raise ManifestError(f"manifest is not JSON: {e}") from None
-    if not isinstance(m, dict) or m.get("format") != FORMAT:
-        raise ManifestError("not a ckptfs manifest")
-    if m.get("version") != FORMAT_VERSION:
-        raise ManifestError(f"manifest version {m.get('version')} is not {FORMAT_VERSION}")
+        raise error(f"{what} is not JSON: {e}") from None
+    if not isinstance(m, dict) or m.get("format") != fmt:
+        raise error(f"not a ckptfs {what}")
+    if m.get("version") != version:
+        raise error(f"{what} version {m.get('version')} is not {version}")
     for f in m.get("files", []):
-        if not {"path", "size", "object"} <= f.keys():
-            raise ManifestError(f"manifest file entry incomplete: {sorted(f)}")
+        if not isinstance(f, dict) or not file_keys <= f.keys():
+            raise error(f"{what} file entry incomplete: {sorted(f) if isinstance(f, dict) else f}")
     return m
+
+
+def loads(data: bytes) -> dict:
+    return load_document(data, what="manifest", fmt=FORMAT, version=FORMAT_VERSION,
+                         file_keys={"path", "size", "object"}, error=ManifestError)

@@ -41,6 +41,7 @@ import time
 
 import trio
 
+from .manifest import load_document
 from .store import StoreError
 
 log = logging.getLogger(__name__)
@@ -80,18 +81,8 @@ def build(node: str, dir_path: str, files: list[dict]) -> dict:
 
 
 def loads(data: bytes) -> dict:
-    try:
-        r = json.loads(data)
-    except ValueError as e:
-        raise PartError(f"part record is not JSON: {e}") from None
-    if not isinstance(r, dict) or r.get("format") != FORMAT:
-        raise PartError("not a ckptfs part record")
-    if r.get("version") != FORMAT_VERSION:
-        raise PartError(f"part record version {r.get('version')} is not {FORMAT_VERSION}")
-    for f in r.get("files", []):
-        if not isinstance(f, dict) or not {"name", "size"} <= f.keys():
-            raise PartError("part record file entry incomplete")
-    return r
+    return load_document(data, what="part record", fmt=FORMAT, version=FORMAT_VERSION,
+                         file_keys={"name", "size"}, error=PartError)
 
 
 class PartPublisher:
