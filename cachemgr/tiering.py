@@ -988,14 +988,6 @@ class Tiering:
             "sets": sets,
         }
 
-    def _announced(self, path: str) -> bool:
-        """Is `path` at, above or below a directory this node has a part record for?"""
-        for rec in self.parts.published.values():
-            p = rec["path"]
-            if path and (p == path or p.startswith(path + "/") or path.startswith(p + "/")):
-                return True
-        return False
-
     async def wait(self, path: str, timeout: float | None) -> dict:
         """Wait until the set holding `path` is durable (following supersession to the newest
         set of that path). Returns {"state", "seq", "path", "error"}."""
@@ -1003,11 +995,6 @@ class Tiering:
         with trio.move_on_after(math.inf if timeout is None else timeout):
             while True:
                 s = self.sets.holding(path)
-                if s is None and self._announced(path):
-                    # Files this node wrote for a set another node commits (multi-node): the
-                    # set appears here when its manifest does (RemoteSync), durable.
-                    await self._changed.wait()
-                    continue
                 if s is None:
                     return {"state": "none", "error": f"{path or '/'} is not in any committed"
                             " set"}
