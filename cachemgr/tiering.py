@@ -624,25 +624,29 @@ class Tiering:
         """HEAD every object a manifest will name, 16 at a time; the key of one that is
         missing, else None. A size mismatch is a StoreError (retried)."""
         missing: list[str] = []
-        wrong: list[str] = []
+        errors: list[StoreError] = []
         limiter = trio.CapacityLimiter(16)
 
         async def one(f: dict) -> None:
+            # Errors are collected, not raised: a nursery would wrap them in an ExceptionGroup.
             async with limiter:
                 try:
                     info = await self.store.head(f["object"]["key"])
                 except NotFound:
                     missing.append(f["object"]["key"])
                     return
+                except StoreError as e:
+                    errors.append(e)
+                    return
             if info.size != f["object"]["stored_size"]:
-                wrong.append(f"object {f['object']['key']} has size {info.size}, expected"
-                             f" {f['object']['stored_size']}")
+                errors.append(StoreError(f"object {f['object']['key']} has size {info.size},"
+                                         f" expected {f['object']['stored_size']}"))
 
         async with trio.open_nursery() as n:
             for f in files:
                 n.start_soon(one, f)
-        if wrong:
-            raise StoreError(wrong[0])
+        if errors:
+            raise errors[0]
         return min(missing) if missing else None
 
     async def _put_manifest(self, s, m: dict) -> str:
@@ -726,7 +730,10 @@ class Tiering:
             if s.reason == "dcp":
                 for rel, ino, *_ in self.sets.files(seq):
                     if rel == DCP_METADATA and not self.core.inode(ino).cached:
-                        await self.fetch(ino)
+                        try:
+                            await self.restorer.ensure_all(ino)
+                        except (FsError, StoreError) as e:
+                            log.warning("set %d: cannot bring its .metadata back: %s", seq, e)
                 required = self._dcp_required(seq)
             cache: dict = {}
             pause = 0.1
