@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import shutil
 import signal
 import threading
 import time
@@ -321,9 +322,13 @@ def test_node_daemon_killed_before_upload_set_appears_after_it_returns(cluster):
     wait_for(lambda: (r := set_row(a, "ckpt/step_1")) and r.get("waiting_for"), timeout=30,
              what="A waiting for B's shard")
     b.kill9()  # its shard is in B's cache only
+    # The committing node restarts too while it waits: the wait is resumed from the index.
+    a.kill9()
+    start_node(a)
     time.sleep(3)  # A keeps waiting (several listings of the records), nothing published
     assert "ckpt/step_1" not in manifests(cluster.view)
-    row = set_row(a, "ckpt/step_1")
+    row = wait_for(lambda: (r := set_row(a, "ckpt/step_1")) and r.get("waiting_for") and r,
+                   timeout=30, what="A, restarted, to wait again")
     assert row["state"] in ("committed", "uploading")
     assert row["waiting_for"]["files"] == ["__1_0.distcp"]
     assert row["waiting_for"]["waited_s"] >= 3
@@ -401,6 +406,19 @@ def test_torch_save_per_rank_on_three_nodes_renamed_into_place_on_one(cluster):
         for name, data in written.items():
             assert (n.path / "run" / "step_5" / name).read_bytes() == data
         assert status(n)["remote"]["adopted_files"] == 1
+
+    # Rotation on A: the set leaves the store and every node; B and C drop their records and
+    # their objects (nothing of it is left in the store).
+    keys = {f["object"]["key"] for f in m["files"]}
+    shutil.rmtree(a.path / "run" / "step_5")
+    for n in (b, c):
+        wait_for(lambda n=n: not (n.path / "run" / "step_5").exists(), timeout=60,
+                 what=f"run/step_5 to go from {n.mountpoint.name}")
+    wait_for(lambda: not keys & set(cluster.view.keys("data/")), timeout=60,
+             what="every node's objects of run/step_5 to be collected")
+    wait_for(lambda: not cluster.view.keys("parts/run/step_5"), timeout=60,
+             what="the part records of run/step_5 to go")
+    assert "run/step_5" not in manifests(cluster.view)
 
     # `ckptfs commit` from another node (B) of a directory all three wrote into.
     more = {}
