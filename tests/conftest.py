@@ -49,6 +49,20 @@ def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
                           cwd=REPO)
 
 
+def assert_loaded(saved: dict, loaded: dict, rank: int) -> None:
+    """A distributed DCP load gave back exactly what was saved: sharded DTensors compared by
+    their local shard, plain tensors and other values as they are."""
+    import torch
+
+    for k, v in saved.items():
+        if k.startswith("sharded"):
+            assert torch.equal(loaded[k].to_local(), v.to_local()), (rank, k)
+        elif isinstance(v, torch.Tensor):
+            assert torch.equal(loaded[k], v), (rank, k)
+        else:
+            assert loaded[k] == v, (rank, k)
+
+
 def wait_for(cond, timeout: float = 30.0, what: str = "condition"):
     """Poll `cond` until it returns a truthy value or `timeout` passes (no fixed sleeps)."""
     deadline = time.monotonic() + timeout

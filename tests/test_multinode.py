@@ -35,7 +35,7 @@ torch = pytest.importorskip("torch")
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from ckpt_restore import S3StoreView, manifests, restore
-from conftest import run_cli, wait_for
+from conftest import assert_loaded, run_cli, wait_for
 
 import ckptfs
 
@@ -161,13 +161,7 @@ def _rank(rank: int, world: int, init: str, ckpts: list[str], seed: int, mode: s
                   for k, v in full.items()}
         target["extra"] = {"seed": -1}
         dcp.load(target, checkpoint_id=ckpts[rank])
-        for k, v in sd.items():
-            if k.startswith("sharded"):
-                assert torch.equal(target[k].to_local(), v.to_local()), (rank, k)
-            elif isinstance(v, torch.Tensor):
-                assert torch.equal(target[k], v), (rank, k)
-            else:
-                assert target[k] == v, (rank, k)
+        assert_loaded(sd, target, rank)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -193,6 +187,16 @@ def run_ranks(tmp: Path, ckpts: list[str], seed: int, mode: str = "save", kill_r
 
 def manifest(view, path: str) -> dict | None:
     return manifests(view).get(path)
+
+
+def previous_intact_on_a_fresh_node(cluster, seed: int) -> None:
+    """A fresh node shows ckpt/step_1 and not ckpt/step_2, and step_1 loads bit-exactly."""
+    c = cluster("c")
+    wait_for(lambda: (c.path / "ckpt" / "step_1" / ".metadata").exists(), timeout=30,
+             what="step_1 on a fresh node")
+    assert not (c.path / "ckpt" / "step_2").exists()
+    assert run_ranks(cluster.tmp, [str(c.path / "ckpt" / "step_1")], seed=seed,
+                     mode="load") == [0]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -299,12 +303,7 @@ def test_rank_killed_mid_save_never_appears_and_the_previous_checkpoint_stays(cl
     assert "ckpt/step_2" not in manifests(cluster.view)
     assert manifest(cluster.view, "ckpt/step_1") == before
     assert all(s["path"] != "ckpt/step_2" for s in status(a)["sets"])
-    c = cluster("c")
-    wait_for(lambda: (c.path / "ckpt" / "step_1" / ".metadata").exists(), timeout=30,
-             what="step_1 on a fresh node")
-    assert not (c.path / "ckpt" / "step_2").exists()
-    assert run_ranks(cluster.tmp, [str(c.path / "ckpt" / "step_1")], seed=1,
-                     mode="load") == [0]
+    previous_intact_on_a_fresh_node(cluster, seed=1)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -365,12 +364,7 @@ def test_commit_fails_at_the_timeout_when_a_node_never_returns(cluster):
     out = run_cli("wait", str(a.path / "ckpt" / "step_2"), "--timeout", "5")
     assert out.returncode != 0 and "timed out" in (out.stderr + out.stdout)
     assert "ckpt/step_2" not in manifests(cluster.view)
-    c = cluster("c")
-    wait_for(lambda: (c.path / "ckpt" / "step_1" / ".metadata").exists(), timeout=30,
-             what="step_1 on a fresh node")
-    assert not (c.path / "ckpt" / "step_2").exists()
-    assert run_ranks(cluster.tmp, [str(c.path / "ckpt" / "step_1")], seed=4,
-                     mode="load") == [0]
+    previous_intact_on_a_fresh_node(cluster, seed=4)
     gate.unlink()
 
 

@@ -21,6 +21,7 @@ torch = pytest.importorskip("torch")
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
+from conftest import assert_loaded
 from torch import nn
 
 pytestmark = [
@@ -374,13 +375,7 @@ def _dcp_rank(rank: int, store_path: str, ckpt: str, seed: int) -> None:
             else:
                 target[k] = {"step": -1}
         dcp.load(target, checkpoint_id=ckpt)
-        for k, v in sd.items():
-            if k.startswith("sharded"):
-                assert torch.equal(target[k].to_local(), v.to_local()), (rank, k)
-            elif isinstance(v, torch.Tensor):
-                assert torch.equal(target[k], v), (rank, k)
-            else:
-                assert target[k] == v, (rank, k)
+        assert_loaded(sd, target, rank)
         dist.barrier()
     finally:
         dist.destroy_process_group()
