@@ -246,9 +246,14 @@ class Restorer:
                   last)
         raise FsError(errno.EIO, f"cannot read {obj.key} chunk {i} from the store: {last}")
 
-    async def _store_chunk(self, ino: int, obj: StoredObject, i: int, raw: bytes,
-                           n: int) -> None:
-        off, _ = chunk_span(obj, i)
+    async def _store_chunk(self, ino: int, obj: StoredObject, i: int,
+                           raw: bytes | memoryview, n: int) -> None:
+        await self._store_chunks(ino, obj, [(i, raw)], n)
+
+    async def _store_chunks(self, ino: int, obj: StoredObject,
+                            chunks: list[tuple[int, bytes | memoryview]], n: int) -> None:
+        """Write verified chunks [(index, raw), ...] of `obj` into the cache file of `ino` (one
+        worker thread, one open for all of them), then mark them present (one index update)."""
         path = self.core.data_path(ino)
 
         def write() -> None:
@@ -256,7 +261,13 @@ class Restorer:
             try:
                 if os.fstat(fd).st_size < obj.size:
                     os.ftruncate(fd, obj.size)
-                os.pwrite(fd, raw, off)
+                for i, raw in chunks:
+                    off = chunk_span(obj, i)[0]
+                    mv = memoryview(raw)
+                    while mv:  # pwrite may write less than asked
+                        k = os.pwrite(fd, mv, off)
+                        mv = mv[k:]
+                        off += k
             finally:
                 os.close(fd)
 
@@ -265,10 +276,11 @@ class Restorer:
         if node.cached or self.obj_of(ino) != obj:
             return
         bm = self._bitmap(ino, n)
-        if not self._has(bm, i):
-            self._partial[ino] = self._partial.get(ino, 0) + len(raw)
-            self.core.cached_bytes += len(raw)
-        bm[i >> 3] |= 1 << (i & 7)
+        for i, raw in chunks:
+            if not self._has(bm, i):
+                self._partial[ino] = self._partial.get(ino, 0) + len(raw)
+                self.core.cached_bytes += len(raw)
+            bm[i >> 3] |= 1 << (i & 7)
         if all(self._has(bm, j) for j in range(n)):
             self.core.cached_bytes -= self._partial.pop(ino, 0)  # fetched() counts the size
             self._bitmaps.pop(ino, None)
@@ -485,8 +497,7 @@ class Restorer:
             self._reserved += length
             try:
                 raws = await self._fetch_run(obj, g[0], g[-1])
-                for i, raw in zip(g, raws, strict=True):
-                    await self._store_chunk(ino, obj, i, raw, n)
+                await self._store_chunks(ino, obj, list(zip(g, raws, strict=True)), n)
             finally:
                 self._reserved -= length
                 for i, ev in events.items():
@@ -498,7 +509,8 @@ class Restorer:
                 return False
         return True
 
-    async def _fetch_run(self, obj: StoredObject, first: int, last: int) -> list[bytes]:
+    async def _fetch_run(self, obj: StoredObject, first: int,
+                         last: int) -> list[bytes | memoryview]:
         if first == last:
             return [await self._fetch(obj, first, None)]
         last_err: Exception | None = None
