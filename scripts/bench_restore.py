@@ -83,7 +83,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from benchlib import is_mounted, log, pid_alive, proc_status_kb, read_file  # noqa: E402
+from benchlib import is_mounted, log, pid_alive, proc_status_kb, read_file
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent

@@ -580,8 +580,9 @@ class Demo:
     def tiering(self, run_dir: Path, run_recs: dict) -> None:
         """Every checkpoint becomes durable in the object store; the newest one restores from
         the store with plain tools (no ckptfs) bit-exactly."""
-        import ckptfs
         from ckpt_restore import FileStoreView, manifests, restore_to
+
+        import ckptfs
 
         newest = max(run_recs)
         t0 = time.monotonic()
