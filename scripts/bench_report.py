@@ -12,6 +12,7 @@ import json
 import shutil
 import statistics
 import sys
+from collections import Counter
 from pathlib import Path
 
 MiB = 1 << 20
@@ -332,6 +333,22 @@ def why(t, res, s) -> str:
                 f"was busy {busy} (out of 2). ckptfs's uploads compete with the daemon and "
                 "the trainer for the same two cores, and add a HEAD per object plus a "
                 "manifest PUT at publication.")
+    if k == "cold-rclone":
+        mb = "; ".join(
+            f"{r['workload']}: rclone {f3(r['cold_mbps'], '{:.0f}')} MB/s, ckptfs "
+            f"{f3(c['cold_mbps'], '{:.0f}')} MB/s"
+            for r in s["torch"] if r["target"] in ("rclone", "rclone-ro")
+            for c in s["torch"] if c["target"] == "ckptfs" and c["workload"] == r["workload"])
+        return (f"Cold restore {mb}. In `--vfs-cache-mode writes` rclone streams a read "
+                "straight from the store (no local copy; with `--no-checksum` no md5 either) "
+                "with one ranged GET per file of 128 MiB and up (its `--vfs-read-chunk-size` "
+                "default, doubling): a sequential `torch.load` of whole files is its best case, "
+                "and moto, which reads the whole object for every ranged GET, serves those few "
+                "large GETs cheaply (see the GET-size note in Data-path notes). DCP's load reads "
+                "tensors out of file order, and a jump makes rclone start a new ranged GET. "
+                "ckptfs GETs "
+                "32 MiB ranges (8 in flight) and writes them into its cache before the reader "
+                "gets them. " + why(dict(t, key="cold"), res, s))
     if k.startswith("cold"):
         rows = [r for r in s["torch"] if r["target"] == "ckptfs"]
         busy = "; ".join(f"{r['workload']} moto {f3(r['moto_busy_cold'])} cores, daemon "
@@ -591,9 +608,10 @@ def markdown(res: dict, s: dict, pngs: list[str], docs: bool) -> str:
           "exists with its full size. For ckptfs: `ckptfs.wait_durable(path)`."),
           "- s3fs/rclone uploads are checked after the warm restore (untimed): sha256 of every "
           "file read through the peer's mount = sha256 of its object read with boto3; "
-          + (", ".join(sorted({f"{r['target']} {r['workload']}: {r['verified']}"
-                               for r in res.get("torch", []) if r.get("verified")}))
-             or "no upload verified") + ".",
+          + (", ".join(f"{k}: {n} run(s) equal" for k, n in sorted(Counter(
+              f"{r['target']} {r['workload']}" for r in res.get("torch", [])
+              if r.get("verified")).items())) or "no upload verified")
+          + " (a difference fails the run: see Errors).",
           ("- rclone against moto: rclone checks a PUT by comparing the file's md5 with the "
           "ETag moto returns; moto's ETag for rclone's PUTs is not the md5 of the bytes it "
           "stored (a different value at every retry, while the stored bytes equal the file's: "
