@@ -49,7 +49,7 @@ FETCH_ATTEMPTS = 3
 
 class Restorer:
     def __init__(self, tiering, *, concurrency: int = 8, auto_prefetch: bool = True,
-                 range_size: int = 32 << 20) -> None:
+                 range_size: int = 64 << 20) -> None:
         self.t = tiering
         self.core = tiering.core
         self.index = tiering.index

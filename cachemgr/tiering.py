@@ -67,7 +67,7 @@ class TieringConfig:
     retry_pause: float = 1.0         # pause before re-queueing an upload that failed
     prefetch: bool = True            # opening a file of a set prefetches the whole set
     prefetch_concurrency: int = 8    # GETs in flight per prefetch (memory: x prefetch_range)
-    prefetch_range: int = 32 << 20   # bytes per prefetch GET (runs of adjacent chunks)
+    prefetch_range: int = 64 << 20   # bytes per prefetch GET (runs of adjacent chunks)
     refresh_interval: float = 10.0   # seconds between listings of the store's manifests
     commit_timeout: float = 1800.0   # a commit waiting for other nodes' files fails after this
     announce_timeout: float = 10.0   # close() waits at most this for its part record

@@ -119,9 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--prefetch-concurrency", type=int, default=8,
                    help="GETs in flight per prefetch; memory is about prefetch-range x this "
                    "(default 8)")
-    o.add_argument("--prefetch-range", default="32M",
+    o.add_argument("--prefetch-range", default="64M",
                    help="bytes per prefetch GET (runs of adjacent 4 MiB chunks; larger GETs "
-                   "amortise the store's per-request cost; default 32M)")
+                   "amortise the store's per-request cost; default 64M)")
     o.add_argument("--refresh-interval", type=_nonneg_float, default=10.0,
                    help="seconds between listings of the store's sets: sets committed by "
                    "other nodes appear within this (default 10; 0 = only at mount)")

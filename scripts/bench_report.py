@@ -460,13 +460,14 @@ def markdown(res: dict, s: dict, pngs: list[str], docs: bool) -> str:
            "alternating, measured while developing; this run has the change): daemon CPU per "
            "GiB restored 3.66-4.46 s -> 2.32-2.92 s, sequential cold read 169/189 -> 214/243 "
            "MB/s, daemon peak RSS 250-373 -> 145-186 MiB."),
-          ("- **GET size of a prefetch** (`--prefetch-range`, default 32 MiB, set in "
-           "ckptfs/config.py): moto reads the whole object for every ranged GET, so its "
+          ("- **GET size of a prefetch** (`--prefetch-range`, default 64 MiB since this "
+           "measurement, set in ckptfs/config.py): moto reads the whole object for every ranged GET, so its "
            "ceiling grows with the GET size (boto3 with 32 MiB parts 302 MB/s, 64 MiB parts "
            "403 MB/s in the same run). With this change, `scripts/bench_restore.py --size 512M "
            "--concurrency 8 --prefetch-range 32M,64M --repeats 2` gave a sequential cold read "
            "of 274 MB/s (0.68 of the 64 MiB ceiling) at 32M and 341 MB/s (0.84) at 64M, peak "
-           "RSS 186 -> 317 MiB (measured while developing; the tables here use the default)."),
+           "RSS 186 -> 317 MiB (measured while developing with the 32 MiB default; the tables "
+           "here use the default of the run's commit)."),
           ""]
     # fio
     L += ["## fio checkpoint jobs: ckptfs mount vs the raw cache disk", "",
