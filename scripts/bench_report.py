@@ -241,7 +241,7 @@ def plots(res, s, outdir: Path) -> list[str]:
         ax.set_title(f"fio, 1 MiB sequential, incompressible: mount vs raw ({mode} run)")
         ax.legend(fontsize=8)
         fig.tight_layout()
-        fig.savefig(outdir / "perf-fio.png", dpi=110)
+        fig.savefig(outdir / "perf-fio.png", dpi=110, bbox_inches="tight")
         plt.close(fig)
         made.append("perf-fio.png")
     # torch
@@ -278,7 +278,7 @@ def plots(res, s, outdir: Path) -> list[str]:
             ax.legend(fontsize=7)
         fig.suptitle(f"torch workloads ({mode} run)")
         fig.tight_layout()
-        fig.savefig(outdir / "perf-torch.png", dpi=110)
+        fig.savefig(outdir / "perf-torch.png", dpi=110, bbox_inches="tight")
         plt.close(fig)
         made.append("perf-torch.png")
     # targets
@@ -297,7 +297,7 @@ def plots(res, s, outdir: Path) -> list[str]:
         ax.set_xlabel("measured / goal (green: met; for '<=' goals smaller is better)")
         ax.set_title(f"targets ({mode} run)")
         fig.tight_layout()
-        fig.savefig(outdir / "perf-targets.png", dpi=110)
+        fig.savefig(outdir / "perf-targets.png", dpi=110, bbox_inches="tight")
         plt.close(fig)
         made.append("perf-targets.png")
     return made
