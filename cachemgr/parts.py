@@ -114,10 +114,6 @@ class PartPublisher:
         self._wake.set()
         return ev
 
-    def mark_if_recorded(self, dir_ino: int) -> None:
-        if dir_ino in self.published:
-            self.mark(dir_ino)
-
     def mark_all(self) -> None:
         """Every directory with a record (a subtree moved or removed: paths may have changed)."""
         for ino in list(self.published):
