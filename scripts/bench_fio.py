@@ -73,7 +73,20 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchlib import is_mounted, log, pid_alive, proc_status_kb, read_file
+from benchlib import (
+    BenchError,
+    GiB,
+    MiB,
+    find_ckptfs,
+    is_mounted,
+    log,
+    parse_size,
+    pid_alive,
+    proc_cpu_s,
+    proc_status_kb,
+    read_file,
+    run_text,
+)
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -92,25 +105,12 @@ PRESET_VARIANTS: dict[str, list[str]] = {
 }
 DEFAULT_VARIANTS = list(PRESET_VARIANTS)
 
-MiB = 1 << 20
-GiB = 1 << 30
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 
-
-class BenchError(Exception):
-    pass
 
 
 # ----------------------------------------------------------------------------------------------
 # small helpers
 
-
-def parse_size(s: str) -> int:
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*", s.lower())
-    if not m:
-        raise argparse.ArgumentTypeError(f"not a size: {s!r} (examples: 4g, 512m, 1073741824)")
-    mult = {"": 1, "k": 1 << 10, "m": MiB, "g": GiB, "t": 1 << 40}[m.group(2)]
-    return int(float(m.group(1)) * mult)
 
 
 def fmt_size(n: int) -> str:
@@ -120,13 +120,6 @@ def fmt_size(n: int) -> str:
         return f"{n // MiB} MiB"
     return f"{n} B"
 
-
-def run_text(args: list[str]) -> str:
-    try:
-        res = subprocess.run(args, check=False, capture_output=True, text=True, timeout=30)
-        return (res.stdout or res.stderr).strip()
-    except (OSError, subprocess.SubprocessError) as e:
-        return f"unavailable ({e.__class__.__name__})"
 
 
 def mountinfo_entry(path: Path) -> dict | None:
@@ -166,15 +159,6 @@ def drop_caches() -> None:
         f.write("3\n")
 
 
-def proc_cpu_s(pid: int) -> float | None:
-    """utime + stime of a process (all threads), in seconds."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = stat.rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK  # fields 14 and 15 of stat(5)
-
 
 def rep_label(rec: dict) -> str:
     return (f"{rec['rep'] + 1} {rec['variant']} {rec['target']} {rec['phase']} "
@@ -191,17 +175,6 @@ def median_min_max(xs: list[float]) -> tuple[float, float, float] | None:
 # ----------------------------------------------------------------------------------------------
 # environment
 
-
-def find_ckptfs(explicit: str | None) -> str:
-    candidates = [explicit] if explicit else [
-        str(Path(sys.executable).parent / "ckptfs"),
-        str(REPO / ".venv" / "bin" / "ckptfs"),
-        shutil.which("ckptfs"),
-    ]
-    for c in candidates:
-        if c and os.access(c, os.X_OK):
-            return c
-    raise BenchError("ckptfs CLI not found: pass --ckptfs PATH (e.g. .venv/bin/ckptfs)")
 
 
 def machine_info(ckptfs: str, workdir: Path) -> dict:

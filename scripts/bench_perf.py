@@ -67,12 +67,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from benchlib import RssSampler, is_mounted, loadavg, log, read_file
+from benchlib import BenchError, GiB, MiB, RssSampler, is_mounted, loadavg, log, read_file
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-MiB = 1 << 20
-GiB = 1 << 30
 BUCKET = "bench"
 REGION = "us-east-1"
 CEIL_PART = 64 * MiB
@@ -87,9 +85,6 @@ CEIL_CONC = 8
 # corrupted upload makes that run an error.
 RCLONE_FLAGS = ["--ignore-checksum", "--no-checksum"]
 
-
-class BenchError(Exception):
-    pass
 
 
 def mmm(xs):

@@ -83,33 +83,34 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from benchlib import is_mounted, log, pid_alive, proc_status_kb, read_file
+from benchlib import (
+    CLK_TCK,
+    BenchError,
+    GiB,
+    MiB,
+    find_ckptfs,
+    is_mounted,
+    log,
+    parse_size,
+    pid_alive,
+    proc_cpu_s,
+    proc_status_kb,
+    read_file,
+    run_text,
+)
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-MiB = 1 << 20
-GiB = 1 << 30
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 BUCKET = "ckptfs-bench"
 PREFIX = "bench"
 SET_PATH = "ckpt/step_1"
 MODES = ("prefetch", "read")
 
 
-class BenchError(Exception):
-    pass
-
 
 # ----------------------------------------------------------------------------------------------
 # small helpers
 
-
-def parse_size(s: str) -> int:
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*", s.lower())
-    if not m:
-        raise argparse.ArgumentTypeError(f"not a size: {s!r} (examples: 512M, 1G)")
-    mult = {"": 1, "k": 1 << 10, "m": MiB, "g": GiB, "t": 1 << 40}[m.group(2)]
-    return int(float(m.group(1)) * mult)
 
 
 def parse_int_list(s: str) -> list[int]:
@@ -134,13 +135,6 @@ def fmt_size(n: int) -> str:
     return f"{n / MiB:.1f} MiB"
 
 
-def run_text(args: list[str]) -> str:
-    try:
-        res = subprocess.run(args, check=False, capture_output=True, text=True, timeout=60)
-        return (res.stdout or res.stderr).strip()
-    except (OSError, subprocess.SubprocessError) as e:
-        return f"unavailable ({e.__class__.__name__})"
-
 
 def touch_memory(nbytes: int) -> float:
     """Fault in and free `nbytes` of anonymous memory; returns the touch rate in GiB/s."""
@@ -157,17 +151,6 @@ def touch_memory(nbytes: int) -> float:
     finally:
         m.close()
 
-
-def proc_cpu_s(pid: int | None) -> float | None:
-    """utime + stime of a process (all threads), in seconds."""
-    if pid is None:
-        return None
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = stat.rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
 def machine_busy_s() -> float:
@@ -194,17 +177,6 @@ def free_port() -> int:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
-
-def find_ckptfs(explicit: str | None) -> str:
-    candidates = [explicit] if explicit else [
-        str(Path(sys.executable).parent / "ckptfs"),
-        str(REPO / ".venv" / "bin" / "ckptfs"),
-        shutil.which("ckptfs"),
-    ]
-    for c in candidates:
-        if c and os.access(c, os.X_OK):
-            return c
-    raise BenchError("ckptfs CLI not found: pass --ckptfs PATH (e.g. .venv/bin/ckptfs)")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,10 +1,66 @@
-"""Small helpers shared by the benchmark scripts (bench_fio.py, bench_restore.py): /proc
-readings and mount checks. No ckptfs import, so the scripts also run against a foreign tree."""
+"""Small helpers shared by the benchmark scripts (bench_fio.py, bench_restore.py,
+bench_perf.py): sizes, /proc readings, mount checks, finding the ckptfs CLI. No ckptfs import,
+so the scripts also run against a foreign tree."""
 
 from __future__ import annotations
 
+import argparse
 import os
+import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
+
+MiB = 1 << 20
+GiB = 1 << 30
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+REPO = Path(__file__).resolve().parent.parent
+
+
+class BenchError(Exception):
+    pass
+
+
+def parse_size(s: str) -> int:
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*", s.lower())
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a size: {s!r} (examples: 512M, 4g, 1073741824)")
+    mult = {"": 1, "k": 1 << 10, "m": MiB, "g": GiB, "t": 1 << 40}[m.group(2)]
+    return int(float(m.group(1)) * mult)
+
+
+def run_text(args: list[str], timeout: float = 60) -> str:
+    """A command's output (for the machine description), or why it is unavailable."""
+    try:
+        res = subprocess.run(args, check=False, capture_output=True, text=True, timeout=timeout)
+        return (res.stdout or res.stderr).strip()
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"unavailable ({e.__class__.__name__})"
+
+
+def proc_cpu_s(pid: int | None) -> float | None:
+    """utime + stime of a process (all threads), in seconds."""
+    if pid is None:
+        return None
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def find_ckptfs(explicit: str | None) -> str:
+    candidates = [explicit] if explicit else [
+        str(Path(sys.executable).parent / "ckptfs"),
+        str(REPO / ".venv" / "bin" / "ckptfs"),
+        shutil.which("ckptfs"),
+    ]
+    for c in candidates:
+        if c and os.access(c, os.X_OK):
+            return c
+    raise BenchError("ckptfs CLI not found: pass --ckptfs PATH (e.g. .venv/bin/ckptfs)")
 
 
 def log(msg: str) -> None:
