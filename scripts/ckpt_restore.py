@@ -26,16 +26,19 @@ class FileStoreView:
         self.root = Path(store_dir) / "objects"
 
     def keys(self, prefix: str) -> list[str]:
-        base = self.root / prefix
-        if not base.exists():
+        """Every key starting with `prefix` (like S3's listing: not only whole directories),
+        leaving out the store's own in-flight temp files."""
+        base = self.root / prefix.rpartition("/")[0]
+        if not base.is_dir():
             return []
-        return sorted(str(p.relative_to(self.root)) for p in base.rglob("*")
-                      if p.is_file() and not p.name.startswith(".tmp-"))
+        keys = (str(p.relative_to(self.root)) for p in base.rglob("*")
+                if p.is_file() and not p.name.startswith(".tmp-"))
+        return sorted(k for k in keys if k.startswith(prefix))
 
     def get(self, key: str) -> bytes | None:
         try:
             return (self.root / key).read_bytes()
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             return None
 
 

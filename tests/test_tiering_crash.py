@@ -40,6 +40,7 @@ from pathlib import Path
 import crc32c as _crc32c
 import lz4.frame
 import pytest
+from ckpt_restore import FileStoreView, S3StoreView
 
 import ckptfs
 from tests.conftest import REPO, run_cli, wait_for
@@ -124,53 +125,8 @@ def check_set(set_path: str, files: dict[str, bytes]) -> int:
 # store-side verifier
 
 
-class FileStoreReader:
-    """A file:// store read straight from disk (`<dir>/objects/<key>`)."""
-
-    def __init__(self, store_dir: Path) -> None:
-        self.objects = Path(store_dir) / "objects"
-
-    def keys(self, prefix: str) -> list[str]:
-        out = []
-        for dirpath, _dirs, names in os.walk(self.objects):
-            for name in names:
-                if name.startswith(".tmp-"):  # the store's own in-flight temp files
-                    continue
-                key = os.path.relpath(os.path.join(dirpath, name), self.objects)
-                if key.startswith(prefix):
-                    out.append(key)
-        return sorted(out)
-
-    def get(self, key: str) -> bytes | None:
-        try:
-            return (self.objects / key).read_bytes()
-        except (FileNotFoundError, NotADirectoryError):
-            return None
-
-
-class S3Reader:
-    """An S3 store read with plain boto3."""
-
-    def __init__(self, endpoint: str, bucket: str, prefix: str) -> None:
-        import boto3
-
-        self.s3 = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
-        self.bucket = bucket
-        self.prefix = prefix.strip("/") + "/"
-
-    def keys(self, prefix: str) -> list[str]:
-        out = []
-        pages = self.s3.get_paginator("list_objects_v2").paginate(
-            Bucket=self.bucket, Prefix=self.prefix + prefix)
-        for page in pages:
-            out += [o["Key"][len(self.prefix):] for o in page.get("Contents", [])]
-        return sorted(out)
-
-    def get(self, key: str) -> bytes | None:
-        try:
-            return self.s3.get_object(Bucket=self.bucket, Key=self.prefix + key)["Body"].read()
-        except self.s3.exceptions.NoSuchKey:
-            return None
+class S3Reader(S3StoreView):
+    """An S3 store read with plain boto3, and the etag of an object (multipart or not)."""
 
     def etag(self, key: str) -> str:
         return self.s3.head_object(Bucket=self.bucket, Key=self.prefix + key)["ETag"]
@@ -434,7 +390,13 @@ def start_writer(m, rnd: int, n_ckpts: int | None, log: Path) -> subprocess.Pope
         return subprocess.Popen(
             [sys.executable, "-c", code, str(m.path), str(rnd),
              "-" if n_ckpts is None else str(n_ckpts)],
-            cwd=REPO, stdout=subprocess.PIPE, stderr=err)
+            cwd=REPO, env=_child_env(), stdout=subprocess.PIPE, stderr=err)
+
+
+def _child_env() -> dict:
+    """Environment of a writer process that imports this module (it needs scripts/ on the path
+    for ckpt_restore, as conftest gives the test process)."""
+    return {**os.environ, "PYTHONPATH": str(REPO / "scripts")}
 
 
 def stop_writer(w: subprocess.Popen, m) -> None:
@@ -526,14 +488,14 @@ def test_verifier_detects_torn_sets(mount_factory):
     os.rename(d / ".metadata.tmp", d / ".metadata")
     assert ckptfs.wait_durable(d, timeout=60)["state"] == "durable"
     m.stop()
-    reader = FileStoreReader(m.store_dir)
+    reader = FileStoreView(m.store_dir)
     manifests: dict = {}
     assert read_store(reader, manifests) == {"ckpt/dcp_7": files}
     assert check_set("ckpt/dcp_7", files) == 7
     objs = {f["path"]: f["object"] for f in manifests["ckpt/dcp_7"]["files"]}
     big = objs["__0_0.distcp"]
     assert big["compression"] == "lz4" and len(big["frames"]) == 2
-    path = reader.objects / big["key"]
+    path = reader.root / big["key"]
     blob = path.read_bytes()
     # A flipped byte inside the second frame's compressed data.
     at = big["frames"][0] + big["frames"][1] // 2
@@ -566,7 +528,7 @@ def test_crash_loop_store_never_torn(mount_factory, tmp_path):
     seed = int(os.environ.get("CKPTFS_CRASH_SEED", "20261122"))  # fixed; override to explore
     rng = random.Random(seed)
     m = mount_factory("crash")
-    reader = FileStoreReader(m.store_dir)
+    reader = FileStoreView(m.store_dir)
     hist = History()
     wlog = tmp_path / "writer.log"
     seen: dict[str, int] = {}        # newest version of each set seen in the store so far
@@ -747,7 +709,7 @@ def test_backpressure_small_cache(mount_factory, tmp_path):
         "sys.argv[1])"
     with open(tmp_path / "bp-writer.log", "wb") as err:
         w = subprocess.Popen([sys.executable, "-c", code, str(m.path)], cwd=REPO,
-                             stdout=subprocess.PIPE, stderr=err)
+                             env=_child_env(), stdout=subprocess.PIPE, stderr=err)
     events = Events(w)
     peak = 0
     closed = 0
@@ -765,7 +727,7 @@ def test_backpressure_small_cache(mount_factory, tmp_path):
         assert wait_durable(m.path / "ckpt" / f"f_{i}.bin", timeout=120)["state"] == "durable"
     peak = max(peak, data_dir_bytes(m.cache_dir))
     assert peak <= limit + max(BP_SIZES) * MiB, f"cache grew to {peak / MiB:.1f} MiB"
-    store = read_store(FileStoreReader(m.store_dir))
+    store = read_store(FileStoreView(m.store_dir))
     assert sorted(store) == sorted(f"ckpt/f_{i}.bin" for i in range(len(BP_SIZES)))
     for i in range(len(BP_SIZES)):
         want = bp_data(i)
@@ -809,7 +771,7 @@ def test_keep_local_evicts_older_sets_and_delete_removes_objects(mount_factory):
         assert os.stat(root / f"model_{i}.pt").st_size == len(datas[i])
     assert cached_size(0) == len(datas[0])
 
-    reader = FileStoreReader(m.store_dir)
+    reader = FileStoreView(m.store_dir)
     manifests: dict = {}
     store = read_store(reader, manifests)
     assert store == {f"ckpt/model_{i}.pt": {"": datas[i]} for i in range(3)}
@@ -858,7 +820,7 @@ def test_delete_after_crash_between_manifest_put_and_index(mount_factory, monkey
     write_chunks(root / "model.pt.tmp", data, fsync=True)
     os.replace(root / "model.pt.tmp", root / "model.pt")
     assert wait_durable(root / "model.pt")["state"] == "durable"
-    reader = FileStoreReader(m.store_dir)
+    reader = FileStoreView(m.store_dir)
     manifests: dict = {}
     assert read_store(reader, manifests) == {"ckpt/model.pt": {"": data}}
     key = manifests["ckpt/model.pt"]["files"][0]["object"]["key"]
@@ -910,7 +872,7 @@ def test_delete_then_recommit_same_path_with_slow_store(mount_factory, monkeypat
     # Garbage-to-be: an uploaded file outside any set.
     write_chunks(m.path / "scratch.tmp" / "g.bin", os.urandom(MiB), fsync=False)
     assert wait_durable(root / "step_1")["state"] == "durable"
-    reader = FileStoreReader(m.store_dir)
+    reader = FileStoreView(m.store_dir)
     wait_for(lambda: any(k.endswith("/g.bin") for k in reader.keys("data/")), timeout=30,
              what="the scratch file's upload")
     manifests: dict = {}
@@ -965,7 +927,7 @@ def test_reused_inode_number_does_not_overwrite_published_object(mount_factory):
     other = content(2, "ckpt/other.bin", "", MiB + 5, False)
     write_chunks(root / "other.bin", other, fsync=False)
     assert wait_durable(root / "other.bin")["state"] == "durable"
-    reader = FileStoreReader(m.store_dir)
+    reader = FileStoreView(m.store_dir)
     manifests: dict = {}
     store = read_store(reader, manifests)  # TornSet if other.bin overwrote b.bin's object
     assert store == {"ckpt/step_1": files, "ckpt/other.bin": {"": other}}
