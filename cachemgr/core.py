@@ -11,8 +11,11 @@ On-disk layout of a cache directory (version in `layout.json`):
     data/<ino>         one cache file per regular file, always exactly the file's logical size
 
 Concurrency contract: all methods run on the single trio thread of the FUSE loop (blocking I/O
-inline: measured faster than worker threads here, see docs/ARCHITECTURE.md). Nothing is shared
-with other threads, so there are no locks. State kept in memory:
+inline: measured faster than worker threads here, see docs/ARCHITECTURE.md). The only other
+writers of cache files are restore's worker threads, and they write only through
+`cachemgr.filecache.FileCache` (`self.files`), under a per-file lock that the FUSE layer takes
+before it changes a file's content (a write or truncating open, a truncate); eviction skips a
+file whose lock is held. State kept in memory:
 
   * `_inodes`: `Inode` objects for every inode the kernel knows (lookup count > 0), every open
     inode, and whatever was loaded since. `size`/`mtime_ns` of an inode being written are
@@ -46,6 +49,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import FsError
+from .filecache import FileCache
 from .index import INODE_COLUMNS, ROOT_INO, Index
 
 log = logging.getLogger(__name__)
@@ -137,6 +141,9 @@ class CacheFs:
         self._next_fh = 1
         self._xattr_inos = index.xattr_inos()
         self.stats = CoreStats()
+        # The owner of cache-file writes made off the event loop (restore) and of the
+        # per-file locks the FUSE layer takes before changing content (cachemgr.filecache).
+        self.files = FileCache(str(self.data_dir))
         # Tiering hooks (cachemgr.tiering.Tiering) or None for a purely local cache.
         self.tiering = None
         # Bytes of file data held in cache files (evicted files excluded): what --cache-size
@@ -810,6 +817,8 @@ class CacheFs:
         node = self.inode(ino)
         if not node.is_reg or not node.cached or node.opens or node.version != version:
             return False
+        if self.files.busy(ino):
+            return False  # a fill (a damaged chunk being repaired) is writing it
         row = self.index.conn.execute(
             "SELECT obj_version FROM inodes WHERE ino=?", (ino,)).fetchone()
         if row is None or row[0] != version:

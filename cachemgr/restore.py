@@ -73,6 +73,7 @@ class Restorer:
         self._partial: dict[int, int] = {}
         self._reserved = 0
         self._warned_full = False
+        self._warned_disk = False
         self.nursery: trio.Nursery | None = None
         self.bytes_fetched = 0
         self.chunks_fetched = 0
@@ -170,6 +171,10 @@ class Restorer:
                 await ev.wait()
                 continue  # re-check: the other fetch may have failed
             length = chunk_span(obj, i)[1]
+            if protect is None and not self._disk_room(length):
+                # Keep the cache disk's reserve for the trainer's writes: the caller (a read)
+                # is served from the store without caching (FuseOps.read).
+                raise OSError(errno.ENOSPC, "the cache disk is at its reserve")
             if not self._room(length, {ino} | (protect or set())):
                 if protect is not None:
                     return False
@@ -215,7 +220,8 @@ class Restorer:
         """Drop the chunks of an incomplete, unused file from the cache (they come back from
         the store when read)."""
         node = self.core.inode(ino)
-        if node.cached or node.opens or any(k[0] == ino for k in self._inflight):
+        if node.cached or node.opens or any(k[0] == ino for k in self._inflight) or \
+                self.core.files.busy(ino):
             return False
         os.truncate(self.core.data_path(ino), 0)
         with self.index.tx():
@@ -253,25 +259,17 @@ class Restorer:
     async def _store_chunks(self, ino: int, obj: StoredObject,
                             chunks: list[tuple[int, bytes | memoryview]], n: int) -> None:
         """Write verified chunks [(index, raw), ...] of `obj` into the cache file of `ino` (one
-        worker thread, one open for all of them), then mark them present (one index update)."""
-        path = self.core.data_path(ino)
+        worker thread, one open for all of them, under the file's lock: FileCache), then mark
+        them present (one index update). Nothing is written if the file's content changed
+        since the chunks were fetched."""
+        def still_valid() -> bool:
+            return not self.core.inode(ino).cached and self.obj_of(ino) == obj
 
-        def write() -> None:
-            fd = os.open(path, os.O_RDWR)
-            try:
-                if os.fstat(fd).st_size < obj.size:
-                    os.ftruncate(fd, obj.size)
-                for i, raw in chunks:
-                    off = chunk_span(obj, i)[0]
-                    mv = memoryview(raw)
-                    while mv:  # pwrite may write less than asked
-                        k = os.pwrite(fd, mv, off)
-                        mv = mv[k:]
-                        off += k
-            finally:
-                os.close(fd)
-
-        await trio.to_thread.run_sync(write)
+        wrote = await self.core.files.fill(
+            ino, [(chunk_span(obj, i)[0], raw) for i, raw in chunks], size=obj.size,
+            still_valid=still_valid)
+        if not wrote:
+            return
         node = self.core.inode(ino)
         if node.cached or self.obj_of(ino) != obj:
             return
@@ -306,7 +304,6 @@ class Restorer:
         if end <= off:
             return
         cs = obj.chunk_size
-        path = self.core.data_path(ino)
         for i in range(off // cs, (end - 1) // cs + 1):
             while i not in seen:
                 # Concurrent reads of one chunk (the kernel splits and reads ahead) check it
@@ -319,7 +316,7 @@ class Restorer:
                     continue
                 ev = self._inflight[(ino, i)] = trio.Event()
                 try:
-                    if not await self._verify_chunk(ino, obj, i, path):
+                    if not await self._verify_chunk(ino, obj, i):
                         return  # rewritten meanwhile
                     seen.add(i)
                 finally:
@@ -328,33 +325,30 @@ class Restorer:
         if len(seen) == chunk_count(obj):
             self.clean.add(ino)
 
-    async def _verify_chunk(self, ino: int, obj: StoredObject, i: int, path: str) -> bool:
+    async def _verify_chunk(self, ino: int, obj: StoredObject, i: int) -> bool:
         """Check chunk `i` of a cached file; fetch it again if damaged. False if the file was
         rewritten meanwhile."""
         c_off, c_len = chunk_span(obj, i)
+        version = self._objs.get(ino, (-1,))[0]
 
-        def read() -> bytes:
-            with open(path, "rb") as f:
-                return os.pread(f.fileno(), c_len, c_off)
+        def unchanged() -> bool:
+            node = self.core.inode(ino)
+            return node.version == version and node.cached and not node.writers and \
+                node.nlink > 0
 
-        data = await trio.to_thread.run_sync(read)
-        if self.core.inode(ino).version != self._objs.get(ino, (-1,))[0]:
+        data = await self.core.files.read(ino, c_off, c_len)
+        if not unchanged():
             return False
         if not verify_chunk(obj, i, data):
             self.damaged_chunks += 1
             log.error("cache file of inode %d (%s) is damaged in chunk %d: fetching it again",
                       ino, obj.key, i)
             raw = await self._fetch(obj, i, None)
-
-            def rewrite() -> None:
-                fd = os.open(path, os.O_RDWR)
-                try:
-                    os.pwrite(fd, raw, c_off)
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
-
-            await trio.to_thread.run_sync(rewrite)
+            # Written only if nobody opened the file for writing (or truncated it) since the
+            # check: FileCache holds the file's lock across the check and the write.
+            if not await self.core.files.fill(ino, [(c_off, raw)], size=None,
+                                              still_valid=unchanged, sync=True):
+                return False
         return True
 
     # -- prefetch ------------------------------------------------------------------------------
@@ -418,29 +412,39 @@ class Restorer:
     async def _prefetch(self, job: dict, work: list[tuple[int, StoredObject]],
                         protect: set[int]) -> None:
         """`protect`: the files of the set (or tree) being prefetched: never evicted to make
-        room for each other; when nothing else can go, the prefetch stops."""
+        room for each other; when nothing else can go, the prefetch stops. Nothing raised here
+        may leave this task (the Restorer's nursery is the daemon's): every failure ends the
+        prefetch with its reason in `job["error"]` (shown by `ckptfs status` and `ckptfs
+        prefetch`) and one log line; reads fetch what the prefetch did not."""
         try:
-            async with trio.open_nursery() as n:
-                for ino, obj in work:
-                    if obj.chunk_crcs is None:
-                        n.start_soon(self._whole, job, ino, obj)
-                        continue
-                    per = max(1, self.range_size // max(1, obj.chunk_size))
-                    for i in range(0, chunk_count(obj), per):
-                        last = min(i + per, chunk_count(obj)) - 1
-                        await self._limiter.acquire_on_behalf_of((job["path"], ino, i))
-                        if job.get("cache_full"):
-                            self._limiter.release_on_behalf_of((job["path"], ino, i))
-                            break
-                        n.start_soon(self._run, job, ino, obj, i, last, protect)
-                    if job.get("cache_full"):
-                        break
+            await self._prefetch_all(job, work, protect)
+        except Exception as e:  # a bug: logged with its traceback, the daemon goes on
+            log.exception("prefetch %s failed", job["path"])
+            job["error"] = job["error"] or f"internal error: {e!r}"
         finally:
             job["finished"] = True
             job["seconds"] = time.time() - job["started"]
             if job["error"] is None:
                 log.info("prefetch %s done: %d bytes in %.1fs", job["path"], job["bytes_done"],
                          job["seconds"])
+
+    async def _prefetch_all(self, job: dict, work: list[tuple[int, StoredObject]],
+                            protect: set[int]) -> None:
+        async with trio.open_nursery() as n:
+            for ino, obj in work:
+                if obj.chunk_crcs is None:
+                    n.start_soon(self._whole, job, ino, obj)
+                    continue
+                per = max(1, self.range_size // max(1, obj.chunk_size))
+                for i in range(0, chunk_count(obj), per):
+                    last = min(i + per, chunk_count(obj)) - 1
+                    await self._limiter.acquire_on_behalf_of((job["path"], ino, i))
+                    if job.get("cache_full"):
+                        self._limiter.release_on_behalf_of((job["path"], ino, i))
+                        break
+                    n.start_soon(self._run, job, ino, obj, i, last, protect)
+                if job.get("cache_full"):
+                    break
 
     async def _run(self, job: dict, ino: int, obj: StoredObject, first: int, last: int,
                    protect: set[int]) -> None:
@@ -449,34 +453,49 @@ class Restorer:
         try:
             if job.get("cache_full"):
                 return
-            if await self._ensure_run(ino, obj, first, last, protect):
+            why = await self._ensure_run(ino, obj, first, last, protect)
+            if why is None:
                 job["bytes_done"] += sum(chunk_span(obj, i)[1] for i in range(first, last + 1))
-            elif not job.get("cache_full"):
-                # The rest would evict what this prefetch brought in: stop here; reads fetch
-                # the rest on demand.
-                job["cache_full"] = True
-                job["error"] = (f"the cache is full (--cache-size {self.t.cfg.cache_size} "
-                                "bytes): prefetch stopped")
-                log.info("prefetch %s stopped after %d of %d bytes: the cache is full",
-                         job["path"], job["bytes_done"], job["bytes_total"])
+            else:
+                # The rest would evict what this prefetch brought in, or does not fit on the
+                # cache disk: stop here; reads fetch the rest by range on demand.
+                self._stop(job, why)
         except FsError as e:
             job["error"] = e.msg  # a read of that range will retry and answer EIO if it must
+        except OSError as e:  # the cache disk refused (ENOSPC, EDQUOT, EIO): stop, say why
+            self._stop(job, f"the cache disk refused a write ({e.strerror or e})")
+        except StoreError as e:
+            job["error"] = f"the store failed: {e}"
+        except Exception as e:  # a bug: this prefetch ends, the daemon goes on
+            log.exception("prefetch %s: chunks %d..%d of inode %d failed", job["path"], first,
+                          last, ino)
+            job["error"] = f"internal error: {e!r}"
         finally:
             self._limiter.release_on_behalf_of((job["path"], ino, first))
 
+    def _stop(self, job: dict, why: str) -> None:
+        if job.get("cache_full"):
+            return
+        job["cache_full"] = True
+        job["error"] = f"{why}: prefetch stopped; reads fetch the rest from the store"
+        log.info("prefetch %s stopped after %d of %d bytes: %s", job["path"], job["bytes_done"],
+                 job["bytes_total"], why)
+
     async def _ensure_run(self, ino: int, obj: StoredObject, first: int, last: int,
-                          protect: set[int]) -> bool:
+                          protect: set[int]) -> str | None:
+        """Bring chunks [first, last] in for a prefetch. None when they are in (or the file
+        changed meanwhile), else why the prefetch must stop (no room)."""
         n = chunk_count(obj)
         node = self.core.inode(ino)
         if node.cached or self.obj_of(ino) != obj:
-            return True
+            return None
         while True:
             # The next contiguous group of chunks that are neither here nor being fetched,
             # picked and registered with no await in between (a read may have taken some of
             # them while the previous group was in flight).
             node = self.core.inode(ino)
             if node.cached or self.obj_of(ino) != obj:
-                return True
+                return None
             bm = self._bitmap(ino, n)
             g: list[int] = []
             for i in range(first, last + 1):
@@ -490,7 +509,9 @@ class Restorer:
                 break
             length = sum(chunk_span(obj, i)[1] for i in g)
             if not self._room(length, {ino} | protect):
-                return False
+                return f"the cache is full (--cache-size {self.t.cfg.cache_size} bytes)"
+            if not self._disk_room(length):
+                return "the cache disk is full"
             events = {i: trio.Event() for i in g}
             for i, ev in events.items():
                 self._inflight[(ino, i)] = ev
@@ -506,8 +527,42 @@ class Restorer:
         # Chunks others were fetching: wait for them (or fetch them if that failed).
         for i in range(first, last + 1):
             if not await self._ensure_chunk(ino, obj, i, protect=protect):
-                return False
-        return True
+                return f"the cache is full (--cache-size {self.t.cfg.cache_size} bytes)"
+        return None
+
+    def _disk_room(self, need: int) -> bool:
+        """Does a prefetch of `need` more bytes leave the cache disk its reserve? The reserve
+        (5% of the disk, at most 256 MiB) keeps room for the trainer's next checkpoint writes
+        and the index; a prefetch never takes it, reads by range still may."""
+        try:
+            st = os.statvfs(self.core.cache_dir)
+        except OSError:
+            return True
+        free = st.f_bavail * st.f_frsize
+        reserve = min(256 << 20, st.f_blocks * st.f_frsize // 20)
+        return free - self._reserved - need >= reserve
+
+    async def read_uncached(self, ino: int, off: int, size: int) -> bytes:
+        """Bytes [off, off+size) of `ino` straight from the store (each chunk verified), not
+        stored in the cache: a read of a file the cache disk has no room for."""
+        obj = self.obj_of(ino)
+        if obj is None or obj.chunk_crcs is None:
+            raise FsError(errno.EIO, f"inode {ino}: the cache disk is full and its object"
+                          " cannot be read by range")
+        end = min(off + size, obj.size)
+        if end <= off:
+            return b""
+        cs = obj.chunk_size
+        if not self._warned_disk:
+            self._warned_disk = True
+            log.warning("the cache disk is full: reads of data not in the cache are served "
+                        "from the store without caching")
+        out = []
+        for i in range(off // cs, (end - 1) // cs + 1):
+            raw = await self._fetch(obj, i, None)
+            c_off = chunk_span(obj, i)[0]
+            out.append(bytes(memoryview(raw)[max(0, off - c_off):end - c_off]))
+        return b"".join(out)
 
     async def _fetch_run(self, obj: StoredObject, first: int,
                          last: int) -> list[bytes | memoryview]:
@@ -535,6 +590,13 @@ class Restorer:
             job["bytes_done"] += obj.size
         except FsError as e:
             job["error"] = e.msg
+        except OSError as e:
+            self._stop(job, f"the cache disk refused a write ({e.strerror or e})")
+        except StoreError as e:
+            job["error"] = f"the store failed: {e}"
+        except Exception as e:  # a bug: this prefetch ends, the daemon goes on
+            log.exception("prefetch %s: inode %d failed", job["path"], ino)
+            job["error"] = f"internal error: {e!r}"
 
     def status(self) -> dict:
         return {"bytes_fetched": self.bytes_fetched, "chunks_fetched": self.chunks_fetched,

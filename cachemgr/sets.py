@@ -202,6 +202,13 @@ class SetRegistry:
                 (seq, rel, ino, version, size, mode, mtime_ns, obj_json))
         return seq
 
+    def add_file(self, seq: int, row: tuple) -> None:
+        """Add (rel, ino, version, size, mode, mtime_ns, obj_json) to set `seq`: a file another
+        node wrote, shown on the node that published the set (cachemgr.remote)."""
+        self.conn.execute(
+            "INSERT INTO set_files (seq, rel, ino, version, size, mode, mtime_ns, obj)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?, ?)", (seq, *row))
+
     def newest_at(self, path: str) -> SetRow | None:
         r = self.conn.execute(
             f"SELECT {_SET_COLS} FROM sets WHERE path=? ORDER BY seq DESC LIMIT 1",
@@ -309,6 +316,13 @@ class SetRegistry:
             "UPDATE sets SET state=?, error=COALESCE(?, error),"
             " durable_ns=COALESCE(?, durable_ns) WHERE seq=?",
             (state, error, durable, seq))
+
+    def earlier_live(self, seq: int) -> int | None:
+        """The newest live set committed before `seq` (publication waits for it), or None."""
+        r = self.conn.execute(
+            f"SELECT MAX(seq) FROM sets WHERE seq < ? AND state IN {LIVE_STATES}",
+            (seq,)).fetchone()
+        return r[0] if r else None
 
     def live_commit_seq(self, ino: int, version: int) -> int | None:
         r = self.conn.execute(

@@ -118,6 +118,10 @@ class Tiering:
         self._foreign: dict[int, list[dict]] = {}
         self._waiting: dict[int, dict] = {}
         self._gathering: set[int] = set()
+        # Sets ready to publish but held back by an earlier live set (commit order): seq ->
+        # the earlier seq. Owned by the namespace worker; in memory (after a restart every
+        # live set is queued for publish again in seq order and re-checked).
+        self._blocked: dict[int, int] = {}
         self.running = False
         # statistics
         self.bytes_uploaded = 0
@@ -137,6 +141,19 @@ class Tiering:
     def _changed_now(self) -> None:
         self._changed.set()
         self._changed = trio.Event()
+        if self._blocked and ("release",) not in self._events:
+            # A set may have left the live states: sets published in commit order after it
+            # are looked at again, in the namespace FIFO.
+            self._events.append(("release",))
+            self._wake_ns.set()
+
+    def _release_blocked(self) -> None:
+        """Queue the publish of every set held back by commit order whose earlier sets are now
+        all published or gone (seq order: the FIFO publishes them in commit order)."""
+        for seq in sorted(self._blocked):
+            if self.sets.earlier_live(seq) is None:
+                del self._blocked[seq]
+                self._events.append(("publish", seq))
 
     def on_content_change(self, ino: int, old_version: int) -> None:
         """A file's content (ino, old_version) is about to change (write-open or truncate)."""
@@ -517,6 +534,9 @@ class Tiering:
                     await self._wake_ns.wait()
                     continue
                 ev = self._events.popleft()
+                if ev[0] == "release":
+                    self._release_blocked()
+                    continue
                 try:
                     if ev[0] == "publish":
                         await self._publish(ev[1])
@@ -553,6 +573,14 @@ class Tiering:
                 self._gathering.add(seq)
                 self._nursery_soon(lambda: self._gather(seq))
             return
+        earlier = self.sets.earlier_live(seq)
+        if earlier is not None:
+            # Publication follows commit order: the store never shows a set (a `latest` link,
+            # a newer checkpoint) before one this node committed earlier is published or has
+            # failed. Re-queued by `_release_blocked` once `earlier` leaves the live states.
+            self._blocked[seq] = earlier
+            return
+        self._blocked.pop(seq, None)
         files = []
         for rel, _ino, _version, _size, mode, mtime_ns, obj_json in self.sets.files(seq):
             obj = json.loads(obj_json)
@@ -603,6 +631,10 @@ class Tiering:
                 return
             self.sets.set_state(seq, "durable")
             self.sets.set_etag(seq, etag)
+            if foreign:
+                # The committing node shows the set as published: the other nodes' files
+                # appear beside its own, read by range from the store as on any node.
+                self.remote.complete_local(seq, s2.root_ino, foreign)
             for old in self.sets.at_or_under(s.path, ("durable",)):
                 if old.seq != seq and old.path == s.path:
                     self.sets.set_state(old.seq, "replaced", f"replaced by set {seq}")
@@ -732,7 +764,7 @@ class Tiering:
                     if rel == DCP_METADATA and not self.core.inode(ino).cached:
                         try:
                             await self.restorer.ensure_all(ino)
-                        except (FsError, StoreError) as e:
+                        except (FsError, StoreError, OSError) as e:
                             log.warning("set %d: cannot bring its .metadata back: %s", seq, e)
                 required = self._dcp_required(seq)
             cache: dict = {}
@@ -927,16 +959,22 @@ class Tiering:
             obj = StoredObject.from_json(json.loads(row[0]))
             await self.wait_for_room(obj.size)
             last: Exception | None = None
-            for _attempt in range(3):
-                try:
-                    await download_file(self.store, obj, self.core.data_path(ino))
-                    break
-                except StoreError as e:  # IntegrityError included: fetch again
-                    last = e
-                    log.warning("fetch of inode %d (%s) failed: %s", ino, obj.key, e)
-            else:
-                raise FsError(errno.EIO, f"cannot fetch {obj.key} from the store: {last}")
-            self.core.fetched(ino, obj.size)
+            # Under the file's lock (cachemgr.filecache): no write or truncating open lands in
+            # the cache file while the download fills it.
+            async with self.core.files.exclusive(ino):
+                node = self.core.inode(ino)
+                if node.cached or self.restorer.obj_of(ino) != obj:
+                    return  # rewritten (O_TRUNC) while we waited for room
+                for _attempt in range(3):
+                    try:
+                        await download_file(self.store, obj, self.core.data_path(ino))
+                        break
+                    except StoreError as e:  # IntegrityError included: fetch again
+                        last = e
+                        log.warning("fetch of inode %d (%s) failed: %s", ino, obj.key, e)
+                else:
+                    raise FsError(errno.EIO, f"cannot fetch {obj.key} from the store: {last}")
+                self.core.fetched(ino, obj.size)
             self.restorer.forget(ino)
         finally:
             ev.set()
@@ -971,7 +1009,11 @@ class Tiering:
                    "bytes_uploaded": done, "committed_ns": s.committed_ns,
                    "durable_ns": s.durable_ns, "error": s.error, "origin": s.origin}
             if s.seq in self._waiting:
-                row["waiting_for"] = self._waiting[s.seq]
+                # waited_s as of now, not as of the gather loop's last look
+                row["waiting_for"] = dict(self._waiting[s.seq], waited_s=round(
+                    (time.time_ns() - s.committed_ns) / 1e9, 1))
+            if s.seq in self._blocked and s.state in LIVE_STATES:
+                row["after_set"] = self._blocked[s.seq]  # published once that one is
             sets.append(row)
         live = self.sets.by_states(LIVE_STATES)
         retry = getattr(self.store, "stats", None)  # RetryingStore: transient errors ridden out
@@ -986,11 +1028,14 @@ class Tiering:
                         "bytes_uploaded": self.bytes_uploaded,
                         "rate_bytes_per_s": self.upload_rate()},
             "restore": self.restorer.status(),
+            "filecache": self.core.files.statistics(),
             "remote": self.remote.status(),
             "parts": self.parts.status(),
             "pending_sets": len(live),
-            # of which waiting only for files other nodes write (nothing left to do here)
-            "waiting_sets": len([s for s in live if s.seq in self._waiting]),
+            # of which waiting for files other nodes write, or published after such a set
+            # (commit order): nothing this node can finish
+            "waiting_sets": len([s for s in live if self._waiting and
+                                 s.seq >= min(self._waiting)]),
             "pending_bytes": pending,
             "sets": sets,
         }

@@ -129,6 +129,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds a commit waits for files written by other nodes (a DCP "
                    "checkpoint saved by several nodes) before the set fails; the previous "
                    "checkpoint stays (default 1800)")
+    o.add_argument("--allow-empty-namespace", action="store_true",
+                   help="mount even if the store's sets cannot be listed: the mount then shows "
+                   "only this cache's sets until a listing succeeds (default: fail with exit "
+                   "7, so a resuming job never starts from an incomplete view)")
     o.add_argument("--keep-local", type=int, default=None,
                    help="keep only the newest N durable sets' data in the cache (older ones "
                    "are read back from the store on open)")
@@ -179,6 +183,7 @@ def cmd_mount(a: argparse.Namespace) -> int:
             prefetch_concurrency=a.prefetch_concurrency,
             prefetch_range=parse_size(a.prefetch_range),
             refresh_interval=a.refresh_interval, commit_timeout=a.commit_timeout,
+            allow_empty_namespace=a.allow_empty_namespace,
             mountpoint=a.mountpoint.absolute(),
             cache_dir=(a.cache_dir or default_cache_dir()).absolute(),
             foreground=a.foreground,
@@ -383,6 +388,13 @@ def cmd_status(a: argparse.Namespace) -> int:
                     names = ", ".join(w["files"][:5]) + (" ..." if w["missing"] > 5 else "")
                     print(f"{'':>5}  waiting {w['waited_s']:.0f}s (timeout {w['timeout_s']:.0f}s)"
                           f" for {w['missing']} file(s) from other nodes: {names}")
+                if x.get("after_set") is not None:
+                    print(f"{'':>5}  published after set {x['after_set']} (commit order)")
+        for j in t.get("restore", {}).get("jobs", [])[-5:]:
+            state = "done" if j["finished"] and not j.get("error") else \
+                "stopped" if j["finished"] else "running"
+            print(f"prefetch   {j['path']}: {state}, {_human(j['bytes_done'])} of "
+                  f"{_human(j['bytes_total'])}" + (f" ({j['error']})" if j.get("error") else ""))
     return EXIT_OK
 
 

@@ -100,6 +100,9 @@ class MountConfig:
     prefetch_range: int = 64 << 20  # bytes per prefetch GET (docs/ARCHITECTURE.md: measured)
     refresh_interval: float = 10.0  # seconds between listings of the store's manifests
     commit_timeout: float = 1800.0  # a multi-node commit fails after waiting this long
+    # Mount even when the store's sets cannot be listed (the namespace then holds only this
+    # cache's sets until a listing succeeds); default: such a mount fails with exit 7.
+    allow_empty_namespace: bool = False
 
     def __post_init__(self) -> None:
         if self.store is not None and not (self.store.startswith("s3://")

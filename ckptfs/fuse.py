@@ -155,16 +155,18 @@ class FuseOps(pyfuse3.Operations):
     async def setattr(self, inode, attr, fields, fh, ctx):
         if fields.update_size:
             await self._ensure_cached(inode)
-        node = self.core.setattr(
-            inode,
-            size=attr.st_size if fields.update_size else None,
-            mode=attr.st_mode if fields.update_mode else None,
-            uid=attr.st_uid if fields.update_uid else None,
-            gid=attr.st_gid if fields.update_gid else None,
-            atime_ns=attr.st_atime_ns if fields.update_atime else None,
-            mtime_ns=attr.st_mtime_ns if fields.update_mtime else None,
-            fh=fh,
-        )
+        # A truncate changes content: not while a restore fill writes the file (FileCache).
+        async with self.core.files.exclusive(inode):
+            node = self.core.setattr(
+                inode,
+                size=attr.st_size if fields.update_size else None,
+                mode=attr.st_mode if fields.update_mode else None,
+                uid=attr.st_uid if fields.update_uid else None,
+                gid=attr.st_gid if fields.update_gid else None,
+                atime_ns=attr.st_atime_ns if fields.update_atime else None,
+                mtime_ns=attr.st_mtime_ns if fields.update_mtime else None,
+                fh=fh,
+            )
         return self._entry(node)
 
     @_guarded
@@ -234,7 +236,13 @@ class FuseOps(pyfuse3.Operations):
         writing = flags & os.O_ACCMODE != os.O_RDONLY
         if writing and not truncating:
             await self._ensure_cached(inode)
-        res = self.core.open(inode, flags)
+        if writing or truncating:
+            # The content is about to change: wait for a restore fill in flight, which then
+            # sees the new version and writes nothing (cachemgr.filecache).
+            async with self.core.files.exclusive(inode):
+                res = self.core.open(inode, flags)
+        else:
+            res = self.core.open(inode, flags)
         if not writing and self.core.tiering is not None:
             # Reads wait only for their own ranges; the rest of the set comes in meanwhile.
             self.core.tiering.restorer.on_open(inode)
@@ -250,7 +258,14 @@ class FuseOps(pyfuse3.Operations):
         if t is not None:
             node = self.core.io_handle(fh).inode
             if not node.cached:
-                await t.restorer.ensure_range(node.ino, off, size)
+                try:
+                    await t.restorer.ensure_range(node.ino, off, size)
+                except OSError as e:
+                    if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                        raise
+                    # No room on the cache disk for the chunks: the read is served from the
+                    # store all the same, without caching (a read never answers ENOSPC).
+                    return await t.restorer.read_uncached(node.ino, off, size)
             elif node.ino not in t.restorer.clean:
                 await t.restorer.verify_cached(node.ino, off, size)
         if self._io_limiter is None:

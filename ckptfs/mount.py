@@ -46,7 +46,11 @@ EXIT_STORE = 7          # the object store is unusable (no bucket, access denied
                         # `wait`/`umount`: timed out with uploads still pending
 EXIT_NO_SET = 8         # `wait`: the path is in no committed set
 
-READY_TIMEOUT_S = 60.0  # generous: recovery of a large cache index runs before readiness
+READY_TIMEOUT_S = 90.0  # generous: recovery of a large cache index runs before readiness
+# The first listing of the store's sets runs before readiness too: RetryingStore gives a
+# failing LIST about 15 s of retries (8 attempts, backoff capped at 5 s), so this bounds only a
+# store that accepts connections and never answers.
+FIRST_LISTING_TIMEOUT_S = 60.0
 
 
 class MountError(Exception):
@@ -412,6 +416,26 @@ def run_daemon(cfg: MountConfig, notify: Notify) -> int:
         async def ready() -> None:
             await trio.to_thread.run_sync(os.stat, cfg.mountpoint)
             await trio.to_thread.run_sync(tune_readahead, cfg.mountpoint, cfg.read_ahead_kb)
+            # The namespace is complete as of one listing of the store before the mount
+            # reports ready: a job resuming right after `ckptfs mount` must never see an older
+            # checkpoint, or none, because the listing was still being applied.
+            remote = tiering.remote
+            with trio.move_on_after(FIRST_LISTING_TIMEOUT_S):
+                await remote.first_listing.wait()
+            why = remote.first_error if remote.first_listing.is_set() else \
+                f"no answer within {FIRST_LISTING_TIMEOUT_S:.0f}s"
+            if why is not None:
+                if not cfg.allow_empty_namespace:
+                    msg = (f"cannot list the sets in store {store_url} ({why}): the namespace "
+                           "would be incomplete; retry when the store answers, or mount with "
+                           "--allow-empty-namespace to see only this cache's sets until a "
+                           "listing succeeds")
+                    log.error("%s", msg)
+                    tell(EXIT_STORE, msg)
+                    fuse.terminate()
+                    return
+                log.warning("mounting without the store's sets (--allow-empty-namespace): %s;"
+                            " they appear once a listing succeeds", why)
             register(cfg)
             tell(EXIT_OK, f"mounted {cfg.mountpoint} (cache {cfg.cache_dir}, store {store_url}"
                  f"{default}, pid {os.getpid()})")

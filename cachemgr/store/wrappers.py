@@ -139,7 +139,8 @@ class FaultyStore(_Wrapper):
     async def _do(self, op: str, *args, **kw):
         for prefix, gate in self._holds.get(op, ()):
             key = args[0] if args else ""
-            if isinstance(key, str) and key.startswith(prefix):
+            if isinstance(key, str) and key.startswith(prefix) and os.path.exists(gate):
+                log.info("holding %s %s until %s is removed", op, key, gate)
                 while os.path.exists(gate):
                     await trio.sleep(0.05)
         n = self.calls[op] = self.calls.get(op, 0) + 1
