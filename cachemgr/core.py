@@ -289,6 +289,12 @@ class CacheFs:
             self._save(node, "size", "mtime_ns", "ctime_ns")
             node.dirty = False
 
+    def _freed(self) -> None:
+        """Cached bytes went down: writers waiting for room under --cache-size look again
+        (every decrease calls this, so no wakeup is lost)."""
+        if self.tiering is not None:
+            self.tiering.on_space_freed()
+
     def _touch_dir(self, d: Inode, now: int) -> None:
         d.mtime_ns = d.ctime_ns = now
         self._save(d, "mtime_ns", "ctime_ns", "nlink")
@@ -313,6 +319,7 @@ class CacheFs:
             self._unlink_data(node.ino)
             if node.cached:
                 self.cached_bytes -= node.size
+                self._freed()
             self._last_used.pop(node.ino, None)
         self.index.delete_inode(node.ino)
         self._xattr_inos.discard(node.ino)
@@ -426,6 +433,8 @@ class CacheFs:
         else:
             os.truncate(self._data_path(node.ino), size)
         self.cached_bytes += size - node.size
+        if size < node.size:
+            self._freed()
         node.size = size
         node.gen += 1
         if not node.writers:
@@ -645,6 +654,7 @@ class CacheFs:
                 now = _now()
                 if node.cached:
                     self.cached_bytes -= node.size
+                    self._freed()
                 node.size = 0
                 node.cached = 1
                 node.gen += 1
@@ -829,6 +839,7 @@ class CacheFs:
             self.index.conn.execute("UPDATE inodes SET present=NULL WHERE ino=?", (ino,))
         os.truncate(self._data_path(ino), 0)
         self.cached_bytes -= node.size
+        self._freed()
         log.debug("evicted inode %d (%d bytes)", ino, node.size)
         return True
 

@@ -119,7 +119,10 @@ class Restorer:
 
     def forget(self, ino: int) -> None:
         """The file's cache state changed behind us (evicted, rewritten, fetched, deleted)."""
-        self.core.cached_bytes -= self._partial.pop(ino, 0)
+        freed = self._partial.pop(ino, 0)
+        if freed:
+            self.core.cached_bytes -= freed
+            self.t.on_space_freed()
         self._bitmaps.pop(ino, None)
         self._verified.pop(ino, None)
         self._objs.pop(ino, None)

@@ -244,6 +244,11 @@ class Tiering:
             if path:
                 self._commit(path, node.ino, "symlink")
 
+    def on_space_freed(self) -> None:
+        """The cache holds fewer bytes (a file deleted, truncated or evicted): wake writers
+        waiting in `wait_for_room`."""
+        self._changed_now()
+
     def on_purge(self, ino: int) -> None:
         self.restorer.forget(ino)  # a partly restored file's chunks leave the cache with it
         self._enqueue_gc()
@@ -467,6 +472,13 @@ class Tiering:
                 self.uploads_cancelled += 1  # deleted while uploading
             else:
                 self._failed(job, key, e)
+        except ValueError as e:
+            # The content cannot be stored at all (e.g. larger than 10,000 parts of 5 GiB):
+            # its sets fail with the reason instead of staying `uploading` for ever.
+            self._fail_sets(job, f"{key} cannot be stored: {e}")
+        except Exception as e:  # a bug: this upload's sets fail, said why; the worker goes on
+            log.exception("upload of %s failed", key)
+            self._fail_sets(job, f"upload of {key} failed: internal error {e!r}")
         finally:
             self._running.pop((ino, version), None)
         if obj is None:
@@ -500,12 +512,17 @@ class Tiering:
             # Retries already backed off inside RetryingStore; pause, then requeue.
             self._requeue_later(job)  # keeps its priority: its place in commit order
         else:
-            log.error("upload of %s failed permanently: %s", key, e)
-            with self.index.tx():
-                for seq in self.sets.live_sets_of(job.ino, job.version):
-                    self.sets.set_state(seq, "failed", f"upload of {key} refused by the store:"
-                                        f" {e}")
-            self._changed_now()
+            self._fail_sets(job, f"upload of {key} refused by the store: {e}")
+
+    def _fail_sets(self, job: _Job, why: str) -> None:
+        """The content (job.ino, job.version) will never be in the store: every live set that
+        needs it fails with `why` (umount and `ckptfs wait` then stop waiting for them)."""
+        log.error("%s", why)
+        self.last_error = f"{time.strftime('%H:%M:%S')} {why}"
+        with self.index.tx():
+            for seq in self.sets.live_sets_of(job.ino, job.version):
+                self.sets.set_state(seq, "failed", why)
+        self._changed_now()
 
     def _requeue_later(self, job: _Job) -> None:
         async def later():
