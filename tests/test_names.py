@@ -10,11 +10,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
 
 import ckpt_restore
 import pytest
 from ckpt_restore import FileStoreView, S3StoreView, manifests, restore_to
-from conftest import run_cli, wait_for
+from conftest import REPO, ckptfs_cmd, wait_for
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -251,6 +252,16 @@ def check_offline(m) -> None:
         cache.index.close()
 
 
+def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """conftest.run_cli, with output decoded as the shell would show it: the CLI prints the
+    paths it was given, bytes that are not UTF-8 included."""
+    res = subprocess.run(ckptfs_cmd(*args), capture_output=True, timeout=timeout, cwd=REPO,
+                         check=False)
+    res.stdout = res.stdout.decode("utf-8", "surrogateescape")
+    res.stderr = res.stderr.decode("utf-8", "surrogateescape")
+    return res
+
+
 def tiering_status(m) -> dict:
     return ckptfs.status(m.path)["tiering"]
 
@@ -377,6 +388,16 @@ def test_directory_link_counts_when_non_utf8_directories_move_and_go(mount_facto
     check_nlinks(M)
     assert os.stat(M + b"/a").st_nlink == 2 and os.listdir(M + b"/a") == []
     wait_for(lambda: manifests(FileStoreView(m.store_dir)) == {}, timeout=60, what="deletion")
+    # `ckptfs commit` / `ckptfs wait` take such paths as the shell gives them (argv bytes).
+    os.mkdir(M + b"/c\xff")
+    write(M + b"/c\xff/r0-\xfe.bin", b"rank 0")
+    res = run_cli("commit", os.fsdecode(M + b"/c\xff"))
+    assert res.returncode == 0, res.stderr
+    res = run_cli("wait", os.fsdecode(M + b"/c\xff/r0-\xfe.bin"), "--timeout", "60")
+    assert res.returncode == 0 and "c%FF" in res.stdout, (res.stdout, res.stderr)
+    wait_for(lambda: set(manifests(FileStoreView(m.store_dir))) == {"c%FF"}, timeout=60,
+             what="the per-file set absorbed by the directory set")
+    check_nlinks(M)
     no_worker_died(m)
     m.stop()
     check_offline(m)
