@@ -23,6 +23,7 @@ from importlib import resources
 from pathlib import Path
 
 from .errors import IndexError_
+from .names import escape_name
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +110,9 @@ class Index:
         return row[0] if row else None
 
     def path_of(self, ino: int) -> str | None:
-        """The path of `ino` relative to the root ('' for the root), or None if unlinked."""
+        """The path of `ino` relative to the root ('' for the root), or None if unlinked, in the
+        escaped form of cachemgr.names (valid UTF-8 whatever the names' bytes: it is the set
+        path in the index and in the store's keys)."""
         parts: list[str] = []
         cur = ino
         while cur != ROOT_INO:
@@ -118,7 +121,7 @@ class Index:
             ).fetchone()
             if row is None:
                 return None
-            parts.append(bytes(row[1]).decode("utf-8", "surrogateescape"))
+            parts.append(escape_name(bytes(row[1])))
             cur = row[0]
         return "/".join(reversed(parts))
 

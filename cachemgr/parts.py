@@ -41,13 +41,17 @@ import time
 
 import trio
 
-from .manifest import load_document
+from .manifest import ESCAPED_VERSION, dumps_checked, load_document, normalize_paths
+from .names import escape_name, is_escaped
 from .store import StoreError
 
 log = logging.getLogger(__name__)
 
 FORMAT = "ckptfs-part"
 FORMAT_VERSION = 1
+# As for manifests (cachemgr.manifest): version 2 is version 1 with `dir` and the files' `name`s
+# in the escaped form of cachemgr.names, written only when one of them holds an escape.
+VERSIONS = (FORMAT_VERSION, ESCAPED_VERSION)
 PREFIX = "parts/"
 _META = "part:"
 
@@ -57,6 +61,7 @@ class PartError(ValueError):
 
 
 def part_key(dir_path: str, node: str) -> str:
+    """`dir_path` in the escaped form (cachemgr.names), like every path in the store's keys."""
     return f"{PREFIX}{dir_path}/@{node}.json"
 
 
@@ -76,13 +81,26 @@ def parse_key(key: str) -> tuple[str, str] | None:
 
 
 def build(node: str, dir_path: str, files: list[dict]) -> dict:
-    return {"format": FORMAT, "version": FORMAT_VERSION, "node": node, "dir": dir_path,
-            "updated_ns": time.time_ns(), "files": files}
+    """`dir_path` and the files' names in the escaped form (cachemgr.names)."""
+    escaped = is_escaped(dir_path) or any(is_escaped(f["name"]) for f in files)
+    return {"format": FORMAT, "version": ESCAPED_VERSION if escaped else FORMAT_VERSION,
+            "node": node, "dir": dir_path, "updated_ns": time.time_ns(), "files": files}
+
+
+def dumps(rec: dict) -> bytes:
+    return dumps_checked(rec, f"the part record of {rec.get('dir')!r}", sort_keys=True)
 
 
 def loads(data: bytes) -> dict:
-    return load_document(data, what="part record", fmt=FORMAT, version=FORMAT_VERSION,
-                         file_keys={"name", "size"}, error=PartError)
+    """A part record, with `dir` and every file's `name` in the escaped form."""
+    rec = load_document(data, what="part record", fmt=FORMAT, versions=VERSIONS,
+                        file_keys={"name", "size"}, error=PartError)
+    normalize_paths(rec, [(rec, "dir")] + [(f, "name") for f in rec.get("files", [])],
+                    what="part record", error=PartError)
+    for f in rec.get("files", []):
+        if "/" in f["name"] or not f["name"]:
+            raise PartError(f"part record: {f['name']!r} is not a file name")
+    return rec
 
 
 class PartPublisher:
@@ -146,7 +164,7 @@ class PartPublisher:
             if node is not None:  # sizes of open files live in memory
                 size, mtime_ns, writing = node.size, node.mtime_ns, node.writing
             durable = obj is not None and obj_version == version and not writing
-            out.append({"name": bytes(name).decode("utf-8", "surrogateescape"), "size": size,
+            out.append({"name": escape_name(bytes(name)), "size": size,
                         "mode": mode & 0o7777, "mtime_ns": mtime_ns,
                         "object": json.loads(obj) if durable else None})
         out.sort(key=lambda f: f["name"])
@@ -163,7 +181,7 @@ class PartPublisher:
                 [path, [(f["name"], f["object"] and f["object"]["key"]) for f in files]],
                 sort_keys=True).encode()).hexdigest()
             if old is None or old["path"] != path or old["digest"] != digest:
-                body = json.dumps(build(self.node, path, files), sort_keys=True).encode()
+                body = dumps(build(self.node, path, files))
                 await self.t.store.put(part_key(path, self.node), body)
                 self.puts += 1
                 if old is not None and old["path"] != path:

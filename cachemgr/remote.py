@@ -37,6 +37,7 @@ import trio
 
 from . import manifest as mf
 from .errors import FsError
+from .names import escape_name, escape_path, to_str, unescape_name, unescape_path
 from .sets import KEPT_STATES
 from .store import StoreError
 from .transfer import StoredObject
@@ -60,7 +61,9 @@ class _InTheWay(Exception):
 
 
 def _b(s: str) -> bytes:
-    return s.encode("utf-8", "surrogateescape")
+    """The name (bytes) of one component of a set path. Paths in the index and in manifests
+    (as mf.loads returns them) are in the escaped form of cachemgr.names."""
+    return unescape_name(s)
 
 
 class RemoteSync:
@@ -136,6 +139,15 @@ class RemoteSync:
         for path, info, m in ready:
             if m["commit"].get("node") == self.t.node:
                 continue  # published by this cache
+            if m["path"] != path:
+                # The key is how every node finds, replaces and deletes the set: a manifest
+                # whose own path is another one is not applied. (A store written before names
+                # were escaped can hold this: a literal name like "a%C3" reads as b"a\xc3".)
+                why = f"its manifest names another set, {m['path']!r}"
+                if self._blocked.get(path) != why:
+                    log.warning("skipping manifest %s: %s", info.key, why)
+                    self._blocked[path] = why
+                continue
             if self._wanted(path, info.etag):  # again: a local commit may have come meanwhile
                 self._apply(m, info.etag, self.t.sets.newest_at(path))
         for s in self.t.sets.by_states(("durable",)):
@@ -164,7 +176,8 @@ class RemoteSync:
         moved: list[tuple[int, bytes]] = []
         try:
             with self.index.tx():
-                parent = self.core.ensure_dirs(parts[:-1])
+                # ensure_dirs takes names as os functions do (undecodable bytes as surrogates).
+                parent = self.core.ensure_dirs([to_str(p) for p in parts[:-1]])
                 root, files, moved, adopted = self._install(m, parent, name, cur)
                 if cur is not None and cur.state in KEPT_STATES:
                     self.t.sets.set_state(cur.seq, "replaced", "a newer manifest in the store")
@@ -214,7 +227,7 @@ class RemoteSync:
             d, prefix = stack.pop()
             for _id, name, ino in self.index.list_dentries(d, 0, 1 << 30):
                 name = bytes(name)
-                rel = prefix + name.decode("utf-8", "surrogateescape")
+                rel = prefix + escape_name(name)
                 mode = self.core.inode(ino).mode
                 out[rel] = (ino, mode, d, name)
                 if stat.S_ISDIR(mode):
@@ -267,7 +280,7 @@ class RemoteSync:
                                         " manifest does not name")
                 elif stat.S_ISLNK(mode):
                     target = self.core.inode(ino).target or b""
-                    if want_links.get(rel) == target.decode("utf-8", "surrogateescape"):
+                    if want_links.get(rel) == escape_path(target):
                         keep[rel] = ino
                     elif restored:
                         remove.append((rel, d, n))
@@ -333,7 +346,7 @@ class RemoteSync:
             self._drop_emptied(emptied, parent)
             return files[0][1], files, moved, adopted
         if m["kind"] == "symlink":
-            root = raw(parent, name, stat.S_IFLNK | 0o777, target=_b(m["target"]))
+            root = raw(parent, name, stat.S_IFLNK | 0o777, target=unescape_path(m["target"]))
             return root, files, moved, adopted
         root = existing if existing is not None else \
             raw(parent, name, stat.S_IFDIR | stat.S_IMODE(m.get("mode", 0o755)))
@@ -363,7 +376,7 @@ class RemoteSync:
             if s["path"] in keep:
                 continue
             pd, sn = under(s["path"])
-            raw(pd, sn, stat.S_IFLNK | 0o777, target=_b(s["target"]))
+            raw(pd, sn, stat.S_IFLNK | 0o777, target=unescape_path(s["target"]))
         # Creating entries touched their directories: put the manifest's mtimes back last.
         for d in m.get("dirs", []):
             if d.get("mtime_ns") is None:

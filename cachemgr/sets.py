@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass
 
 from .index import ROOT_INO, Index
+from .names import escape_name, escape_path
 
 # Names that mark a file or directory as still being written. Sources: torch.save callers
 # (`x.tmp`), DCP (`.metadata.tmp`), HF Trainer (`tmp-checkpoint-500`), Orbax
@@ -46,7 +47,9 @@ def is_temp_name(name: str) -> bool:
 
 
 def _name(b: bytes) -> str:
-    return b.decode("utf-8", "surrogateescape")
+    # Set paths, `rel`s and symlink targets are in the escaped form (cachemgr.names): valid
+    # UTF-8 for SQLite, the store's keys and the manifests, and exactly reversible.
+    return escape_name(b)
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,7 +130,7 @@ class SetRegistry:
                     dirs.append({"path": rel, "mode": stat.S_IMODE(mode), "mtime_ns": mtime_ns})
                     stack.append((ino, rel + "/"))
                 elif stat.S_ISLNK(mode):
-                    links.append({"path": rel, "target": _name(bytes(target))})
+                    links.append({"path": rel, "target": escape_path(bytes(target))})
                 elif stat.S_ISREG(mode):
                     files.append((rel, ino, version, size, stat.S_IMODE(mode), mtime_ns))
         files.sort()
@@ -154,7 +157,7 @@ class SetRegistry:
         elif stat.S_ISLNK(mode):
             kind = "symlink"
             files = []
-            layout["target"] = _name(bytes(row[10]))
+            layout["target"] = escape_path(bytes(row[10]))
         else:
             kind = "file"
             files = [("", root_ino, row[11], row[4], stat.S_IMODE(mode), row[6])]

@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 import trio
 
 from . import manifest as mf
+from . import names
 from .dcp import storage_files
 from .errors import FsError
 from .parts import PartPublisher, read_records
@@ -256,8 +257,8 @@ class Tiering:
     # -- commit / delete bookkeeping ----------------------------------------------------------
 
     def commit_path(self, path: str) -> int:
-        """`ckptfs commit PATH` (PATH relative to the mount root)."""
-        path = path.strip("/")
+        """`ckptfs commit PATH` (PATH relative to the mount root, as os functions give it)."""
+        path = names.from_str(path.strip("/"))
         if not path:
             raise FsError(errno.EINVAL, "the mount root cannot be a set; commit a directory in it")
         ino = self._resolve(path)
@@ -268,9 +269,10 @@ class Tiering:
             return self._commit(path, ino, "request", absorb_paths=[path])
 
     def _resolve(self, path: str) -> int:
+        """The inode at `path` (escaped form, cachemgr.names)."""
         ino = 1
         for part in path.split("/"):
-            child = self.index.lookup(ino, part.encode("utf-8", "surrogateescape"))
+            child = self.index.lookup(ino, names.unescape_name(part))
             if child is None:
                 raise FsError(errno.ENOENT, f"no such file: {path}")
             ino = child
@@ -443,10 +445,7 @@ class Tiering:
         size = node.size if node is not None else row[1]
         key = self.sets.object_key(ino, version)
         if key is None:
-            path = self.index.path_of(ino) or f"{ino}"
-            # The name is a hint for humans browsing the store; cut so a 255-byte file name still
-            # makes a key every store can hold.
-            key = f"data/{self.node}/{ino}/{version}/{path.rsplit('/', 1)[-1][:100]}"
+            key = object_key(self.node, ino, version, self.index.path_of(ino) or f"{ino}")
             with self.index.tx():
                 self.sets.add_object(key, ino, version, size)
         with self.index.tx():
@@ -1059,8 +1058,9 @@ class Tiering:
 
     async def wait(self, path: str, timeout: float | None) -> dict:
         """Wait until the set holding `path` is durable (following supersession to the newest
-        set of that path). Returns {"state", "seq", "path", "error"}."""
-        path = path.strip("/")
+        set of that path). Returns {"state", "seq", "path", "error"}. `path` as os functions
+        give it (`ckptfs wait PATH`)."""
+        path = names.from_str(path.strip("/"))
         with trio.move_on_after(math.inf if timeout is None else timeout):
             while True:
                 s = self.sets.holding(path)
@@ -1083,6 +1083,20 @@ def _gathers(s) -> bool:
     """Can other nodes hold files of set `s`? Directories committed by DCP, a rename or a
     request can; single files and symlinks commit on the node that has them."""
     return s.kind == "dir" and s.reason in ("dcp", "rename", "request")
+
+
+def object_key(node: str, ino: int, version: int, path: str) -> str:
+    """The key of the object holding content (ino, version) of the file at `path` (escaped
+    form, cachemgr.names: valid UTF-8 whatever the name's bytes). The name is a hint for humans
+    browsing the store, nothing reads it back (the manifest names the key); cut so a 255-byte
+    file name, or its escaped form of up to 765, still makes a key every store can hold."""
+    full = path.rsplit("/", 1)[-1]
+    name = full[:100]
+    if names.is_escaped(full):
+        cut = name.rfind("%", len(name) - 2)
+        if cut >= 0:
+            name = name[:cut]  # not half an escape
+    return f"data/{node}/{ino}/{version}/{name}"
 
 
 def _s(name: bytes) -> str:

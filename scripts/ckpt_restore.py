@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -64,15 +65,36 @@ class S3StoreView:
             return None
 
 
+# Names (docs/FORMAT.md "Names"): a version-2 manifest holds its paths and symlink targets in
+# the escaped form, where `%25` is '%' and `%80`..`%FF` are bytes that are not UTF-8; a
+# component holding none of these escapes is its UTF-8 text. Version 1 holds names as they are.
+_ESCAPE = re.compile(r"%(25|[89A-F][0-9A-F])")
+
+
+def unescape_name(s: str) -> bytes:
+    pieces = _ESCAPE.split(s)  # literal, hex, literal, hex, ..., literal
+    return b"".join(bytes((int(p, 16),)) if i % 2 else p.encode("utf-8")
+                    for i, p in enumerate(pieces))
+
+
+def name_bytes(m: dict, path: str) -> bytes:
+    """The real bytes of a path (or symlink target) field of manifest `m`."""
+    if m["version"] == 2:
+        return b"/".join(unescape_name(c) for c in path.split("/"))
+    # Version 1: the name as it is (old writers wrote undecodable bytes as \udcXX escapes).
+    return path.encode("utf-8", "surrogateescape")
+
+
 def manifests(view) -> dict[str, dict]:
-    """{set path: manifest} of every published set."""
+    """{set path: manifest} of every published set (keyed by the manifest's `path` field: the
+    escaped form for version 2)."""
     out = {}
     for key in view.keys("manifests/"):
         raw = view.get(key)
         if raw is None:  # the set was deleted between the listing and the get
             continue
         m = json.loads(raw)
-        assert m["format"] == "ckptfs-manifest" and m["version"] == 1
+        assert m["format"] == "ckptfs-manifest" and m["version"] in (1, 2)
         assert key == f"manifests/{m['path']}.json"
         out[m["path"]] = m
     return out
@@ -116,21 +138,29 @@ def restore(view, m: dict) -> dict[str, bytes]:
 
 
 def restore_to(view, m: dict, dest: Path) -> Path:
-    """Materialise a set under `dest` (as a user restoring without ckptfs would)."""
-    root = dest / m["path"]
+    """Materialise a set under `dest` (as a user restoring without ckptfs would), with the
+    exact byte names of the manifest."""
+    root = os.path.join(os.fsencode(dest), name_bytes(m, m["path"]))
     if m["kind"] == "file":
-        root.parent.mkdir(parents=True, exist_ok=True)
-        root.write_bytes(restore(view, m)[""])
-        return root
-    root.mkdir(parents=True, exist_ok=True)
+        os.makedirs(os.path.dirname(root), exist_ok=True)
+        with open(root, "wb") as f:
+            f.write(restore(view, m)[""])
+        return Path(os.fsdecode(root))
+    if m["kind"] == "symlink":
+        os.makedirs(os.path.dirname(root), exist_ok=True)
+        os.symlink(name_bytes(m, m["target"]), root)
+        return Path(os.fsdecode(root))
+    os.makedirs(root, exist_ok=True)
     for d in m["dirs"]:
-        (root / d["path"]).mkdir(parents=True, exist_ok=True)
+        os.makedirs(os.path.join(root, name_bytes(m, d["path"])), exist_ok=True)
     for path, data in restore(view, m).items():
-        (root / path).parent.mkdir(parents=True, exist_ok=True)
-        (root / path).write_bytes(data)
+        dst = os.path.join(root, name_bytes(m, path))
+        os.makedirs(os.path.dirname(dst), exist_ok=True)
+        with open(dst, "wb") as f:
+            f.write(data)
     for s in m["symlinks"]:
-        os.symlink(s["target"], root / s["path"])
-    return root
+        os.symlink(name_bytes(m, s["target"]), os.path.join(root, name_bytes(m, s["path"])))
+    return Path(os.fsdecode(root))
 
 
 def open_view(url: str, endpoint_url: str | None = None):
@@ -160,10 +190,14 @@ def main(argv: list[str] | None = None) -> int:
         for path, m in sorted(ms.items()):
             print(f"{m['kind']:<8} {m['total_bytes']:>14}  {path}")
         return 0
-    if a.set_path not in ms:
+    # SET_PATH as `list` prints it (the escaped form), or the real path (bytes from argv).
+    real = os.fsencode(a.set_path)
+    found = ms.get(a.set_path) or next(
+        (m for m in ms.values() if name_bytes(m, m["path"]) == real), None)
+    if found is None:
         print(f"ckpt_restore: no set {a.set_path!r} in {a.store}", file=sys.stderr)
         return 1
-    out = restore_to(view, ms[a.set_path], a.dest)
+    out = restore_to(view, found, a.dest)
     print(f"restored {a.set_path} to {out} (every CRC32C checked)")
     return 0
 
