@@ -30,6 +30,7 @@ import time
 
 import trio
 
+from . import names
 from .errors import FsError
 from .sets import KEPT_STATES
 from .store import IntegrityError, StoreError
@@ -374,7 +375,7 @@ class Restorer:
 
     def prefetch_path(self, path: str) -> dict:
         """`ckptfs prefetch PATH`: the set holding PATH, or every file under PATH."""
-        path = path.strip("/")
+        path = names.from_str(path.strip("/"))
         s = self.t.sets.holding(path) if path else None
         if s is not None and s.state in KEPT_STATES:
             inos = [f[1] for f in self.t.sets.files(s.seq)]

@@ -755,7 +755,8 @@ class Tiering:
                 if not data and self.index.conn.execute(
                         "SELECT cached FROM inodes WHERE ino=?", (ino,)).fetchone()[0] == 0:
                     return None  # evicted; the caller fetches it first
-                return storage_files(data)
+                required = storage_files(data)  # names as DCP wrote them (os-style str)
+                return None if required is None else {names.from_str(n) for n in required}
         return None
 
     async def _gather(self, seq: int) -> None:
