@@ -5,6 +5,7 @@ Everything a daemon needs to know is here; nothing reads argv or the environment
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +36,8 @@ def default_store_url() -> str:
 
 
 def parse_size(text: str) -> int:
-    """'512M', '2G', '1.5T', '4096' -> bytes (binary units)."""
+    """'512M', '2G', '1.5T', '4096' -> bytes (binary units). Refuses anything that is not a
+    finite number >= 0 ('nan', 'inf', '1e400' parse as floats, but are no size)."""
     t = text.strip().upper().removesuffix("B").removesuffix("I")
     mult = 1
     for suffix, m in (("K", 1 << 10), ("M", 1 << 20), ("G", 1 << 30), ("T", 1 << 40)):
@@ -46,6 +48,8 @@ def parse_size(text: str) -> int:
         v = float(t)
     except ValueError:
         raise ConfigError(f"not a size: {text!r} (e.g. 512M, 20G)") from None
+    if not math.isfinite(v):
+        raise ConfigError(f"not a size: {text!r} (must be a finite number, e.g. 512M, 20G)")
     if v < 0:
         raise ConfigError(f"size must be >= 0: {text!r}")
     return int(v * mult)

@@ -103,6 +103,47 @@ def test_bad_option_values(tmp_path: Path, args: list[str], needle: str) -> None
     assert not cache.exists()
 
 
+_SIZE_OPTS = ("--part-size", "--cache-size", "--prefetch-range")
+_INT_OPTS = ("--parts-in-flight", "--upload-files", "--keep-local", "--prefetch-concurrency",
+             "--io-threads", "--read-ahead-kb")
+_SECONDS_OPTS = ("--attr-timeout", "--refresh-interval", "--commit-timeout")
+_BAD_NUMBERS = ("nan", "inf", "-1", "1e400", "")
+
+
+@pytest.mark.parametrize("value", _BAD_NUMBERS, ids=lambda v: v or "empty")
+@pytest.mark.parametrize("opt", _SIZE_OPTS + _INT_OPTS + _SECONDS_OPTS)
+def test_bad_numbers_exit_2(tmp_path: Path, opt: str, value: str) -> None:
+    """Every numeric mount option refuses nan, inf, a negative number, an overflowing one and
+    an empty value with exit 2 and one line naming the option (--part-size nan used to end in
+    an unexpected ValueError, exit 1; an empty --cache-size used to mean "no limit")."""
+    mp = tmp_path / "mp"
+    mp.mkdir()
+    cache = tmp_path / "cache"
+    res = mount_cli(mp, cache, opt, value)
+    if is_mounted(mp):  # a value taken for valid: do not leave the mount behind
+        run_cli("umount", str(mp))
+    one_line_error(res, EXIT_USAGE, opt)
+    assert not is_mounted(mp)
+    assert not cache.exists()
+
+
+@pytest.mark.parametrize("value", _BAD_NUMBERS, ids=lambda v: v or "empty")
+@pytest.mark.parametrize("cmd", ["umount", "wait"])
+def test_bad_timeout_exit_2(tmp_path: Path, cmd: str, value: str) -> None:
+    one_line_error(run_cli(cmd, str(tmp_path), "--timeout", value), EXIT_USAGE, "--timeout")
+
+
+def test_parse_size_unit() -> None:
+    from ckptfs.config import ConfigError, parse_size
+
+    assert parse_size("64M") == 64 << 20
+    assert parse_size("1.5k") == 1536
+    assert parse_size("4096") == 4096
+    for bad in ("nan", "inf", "-inf", "1e400", "-1", "", " ", "M", "12X"):
+        with pytest.raises(ConfigError):
+            parse_size(bad)
+
+
 def test_usage_errors(tmp_path: Path) -> None:
     one_line_error(run_cli(), EXIT_USAGE)                       # no command
     one_line_error(run_cli("frobnicate"), EXIT_USAGE, "frobnicate")
