@@ -32,6 +32,7 @@ from .mount import (
     check_cache_dir,
     check_fuse,
     check_mountpoint,
+    check_overlap,
     find_mount,
     registration,
     run_daemon,
@@ -206,6 +207,7 @@ def cmd_mount(a: argparse.Namespace) -> int:
         return _fail(EXIT_USAGE, str(e))
     try:
         check_fuse()
+        check_overlap(cfg.cache_dir, cfg.mountpoint, cfg.log_file)
         check_mountpoint(cfg.mountpoint)
         check_cache_dir(cfg.cache_dir)
     except MountError as e:

@@ -1,8 +1,9 @@
 """Mount lifecycle: preflight checks, the cache-dir lock, the daemon, readiness, unmount.
 
 Order at mount (each step undone in reverse at exit):
-  1. preflight (in the CLI process, so errors print directly): FUSE present, mount point usable
-     (a stale mount of a dead daemon is cleaned up), cache dir writable and not locked;
+  1. preflight (in the CLI process, so errors print directly): FUSE present, cache dir and mount
+     point do not overlap, mount point usable (a stale mount of a dead daemon is cleaned up),
+     cache dir a ckptfs cache or empty (then claimed: layout.json), writable and not locked;
   2. fork (unless --foreground); the child starts a new session and logs to the log file;
   3. take the cache-dir lock (fcntl.flock on <cache>/lock, held for the daemon's lifetime, so two
      daemons can never share a cache dir; the kernel drops it if the daemon dies);
@@ -24,6 +25,7 @@ import logging
 import os
 import select
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -150,14 +152,82 @@ def check_mountpoint(mp: Path) -> None:
         raise MountError(EXIT_MOUNTPOINT, f"mount point {mp} is not readable") from None
 
 
+def check_overlap(cache_dir: Path, mp: Path, log_file: Path | None = None) -> None:
+    """Refuse a cache dir and a mount point that overlap (compared as resolved real paths, so a
+    symlink does not hide it). A cache dir at or inside the mount point is reached through the
+    daemon's own mount once it is mounted: the daemon then waits on itself (D state, for good).
+    A mount point inside the cache dir hides part of the cache under the mount. A log file
+    inside the mount point hangs the daemon the same way."""
+    cache_real = Path(os.path.realpath(cache_dir))
+    mp_real = Path(os.path.realpath(mp))
+    if log_file is not None and Path(os.path.realpath(log_file)).is_relative_to(mp_real):
+        raise MountError(EXIT_USAGE, f"--log-file {log_file} is inside the mount point {mp}: "
+                         "the daemon would write its log through its own mount and hang")
+    hang = ("the daemon would reach its own cache through its own mount and hang; use a cache "
+            "dir outside the mount point")
+    if cache_real == mp_real:
+        why, fix = f"cache dir {cache_dir} is the mount point {mp}", hang
+    elif cache_real.is_relative_to(mp_real):
+        why, fix = f"cache dir {cache_dir} is inside the mount point {mp}", hang
+    elif mp_real.is_relative_to(cache_real):
+        why, fix = (f"mount point {mp} is inside the cache dir {cache_dir}",
+                    "the mount would hide part of the cache; use a mount point outside it")
+    else:
+        return
+    if cache_real != cache_dir or mp_real != mp:
+        why += f" (resolved: {cache_real} and {mp_real})"
+    raise MountError(EXIT_CACHE_DIR, f"{why}: {fix}")
+
+
+# Entries a directory may hold and still count as empty for a new cache: the root of a freshly
+# formatted ext4 filesystem (a dedicated NVMe) has lost+found.
+FRESH_DIR_ENTRIES = frozenset({"lost+found"})
+
+
 def check_cache_dir(cache_dir: Path) -> None:
+    """The cache dir exists (or is created), is a ckptfs cache or empty, is writable and is not
+    locked. A directory that holds files but no `layout.json` is refused before anything in it
+    is created or changed: crash recovery deletes every file in `data/` it does not know, and
+    the lock file is truncated. A new (empty) cache dir is claimed here by writing
+    `layout.json`, so the daemon later finds a cache, not an empty directory beside its log and
+    lock files."""
     try:
-        cache_dir.mkdir(parents=True, exist_ok=True)
+        st = os.stat(cache_dir)
+    except (FileNotFoundError, NotADirectoryError):
+        st = None
     except OSError as e:
-        raise MountError(EXIT_CACHE_DIR, f"cannot create cache dir {cache_dir}: "
-                         f"{e.strerror}") from None
-    if not cache_dir.is_dir():
+        raise MountError(EXIT_CACHE_DIR, f"cache dir {cache_dir}: {e.strerror}") from None
+    layout = cache_dir / "layout.json"
+    if st is None:
+        try:
+            cache_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise MountError(EXIT_CACHE_DIR, f"cannot create cache dir {cache_dir}: "
+                             f"{e.strerror}") from None
+    elif not stat.S_ISDIR(st.st_mode):
         raise MountError(EXIT_CACHE_DIR, f"cache dir {cache_dir} is not a directory")
+    elif not os.path.lexists(layout):
+        try:
+            foreign = sorted(e.name for e in os.scandir(cache_dir)
+                             if e.name not in FRESH_DIR_ENTRIES)
+        except OSError as e:
+            raise MountError(EXIT_CACHE_DIR, f"cache dir {cache_dir} is not readable: "
+                             f"{e.strerror}") from None
+        if foreign:
+            shown = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
+            raise MountError(EXIT_CACHE_DIR, f"cache dir {cache_dir} is not empty and is not "
+                             f"a ckptfs cache (no layout.json; it holds {shown}); ckptfs "
+                             "would delete files in it: use an empty or new directory")
+    if not os.path.lexists(layout):
+        from cachemgr.core import LAYOUT
+
+        tmp = cache_dir / "layout.tmp"
+        try:
+            tmp.write_text(json.dumps(LAYOUT) + "\n")
+            os.replace(tmp, layout)
+        except OSError as e:
+            raise MountError(EXIT_CACHE_DIR, f"cache dir {cache_dir} is not writable: "
+                             f"{e.strerror}") from None
     probe = cache_dir / f".probe-{os.getpid()}"
     try:
         probe.write_bytes(b"")
@@ -178,7 +248,14 @@ class CacheLock:
         self.fd: int | None = None
 
     def acquire(self) -> None:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        # O_NOFOLLOW: a `lock` symlink planted in the cache dir must not make the daemon
+        # truncate the file it points to.
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
+                         0o644)
+        except OSError as e:
+            raise MountError(EXIT_CACHE_DIR, f"cannot open the lock file {self.path}: "
+                             f"{e.strerror}") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
