@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from . import __version__, api, control
+from . import __version__, api
 from .config import (
     LOG_LEVELS,
     ConfigError,
@@ -33,8 +33,8 @@ from .mount import (
     check_fuse,
     check_mountpoint,
     check_overlap,
+    check_runtime_dir,
     find_mount,
-    registration,
     run_daemon,
     setup_logging,
     start,
@@ -209,6 +209,7 @@ def cmd_mount(a: argparse.Namespace) -> int:
         check_fuse()
         check_overlap(cfg.cache_dir, cfg.mountpoint, cfg.log_file)
         check_mountpoint(cfg.mountpoint)
+        check_runtime_dir()
         check_cache_dir(cfg.cache_dir)
     except MountError as e:
         return _fail(e.code, e.msg)
@@ -355,15 +356,10 @@ def cmd_status(a: argparse.Namespace) -> int:
     entry = find_mount(mp)
     if entry is None or entry["fstype"] != "fuse.ckptfs":
         return _fail(EXIT_MOUNTPOINT, f"{mp} is not a ckptfs mount")
-    reg = registration(mp)
-    if reg is None:
-        return _fail(EXIT_ERROR, f"no daemon registered for {mp} (it may have died)")
     try:
-        st = control.request(Path(reg["control"]), {"op": "status"})
-    except (OSError, ValueError) as e:
-        return _fail(EXIT_ERROR, f"daemon for {mp} (pid {reg['pid']}) is not answering: {e}")
-    if "error" in st:
-        return _fail(EXIT_ERROR, st["error"])
+        st = api.status(mp)
+    except api.CkptfsError as e:
+        return _fail(e.code, str(e))
     if a.json:
         print(json.dumps(st, indent=2, sort_keys=True))
         return EXIT_OK

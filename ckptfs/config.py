@@ -55,12 +55,26 @@ def parse_size(text: str) -> int:
     return int(v * mult)
 
 
+# Where root daemons register (root-owned, 0755): the one registration directory every user
+# trusts besides their own (docs/ARCHITECTURE.md "Control socket").
+ROOT_RUNTIME_DIR = Path("/run/ckptfs")
+
+
 def runtime_dir() -> Path:
-    """Where running daemons register themselves (mount point -> pid, cache dir)."""
+    """Where this process's daemons register themselves (mount point -> pid, control socket):
+    /run/ckptfs for root; else the user's private runtime dir ($XDG_RUNTIME_DIR/ckptfs, or
+    /tmp/ckptfs-<uid>), which must be owned by the user with mode 0700 (checked by
+    `ckptfs.mount.own_runtime_dir`)."""
     if os.getuid() == 0:
-        return Path("/run/ckptfs")
+        return ROOT_RUNTIME_DIR
     xdg = os.environ.get("XDG_RUNTIME_DIR")
     return Path(xdg) / "ckptfs" if xdg else Path(f"/tmp/ckptfs-{os.getuid()}")
+
+
+def user_runtime_dirs(uid: int) -> list[Path]:
+    """Where a daemon of another (non-root) user `uid` registers if it runs with the usual
+    environment: only root looks there (a user's runtime dir is private)."""
+    return [Path(f"/run/user/{uid}/ckptfs"), Path(f"/tmp/ckptfs-{uid}")]
 
 
 @dataclass(frozen=True)
