@@ -29,6 +29,7 @@ import signal
 import stat
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from functools import partial
@@ -190,8 +191,10 @@ def check_overlap(cache_dir: Path, mp: Path, log_file: Path | None = None) -> No
 
 
 # Entries a directory may hold and still count as empty for a new cache: the root of a freshly
-# formatted ext4 filesystem (a dedicated NVMe) has lost+found.
+# formatted ext4 filesystem (a dedicated NVMe) has lost+found; the others are this preflight's
+# own short-lived files (several `ckptfs mount` racing for one new cache dir).
 FRESH_DIR_ENTRIES = frozenset({"lost+found"})
+_OWN_TMP_PREFIXES = (".probe-", ".layout-")
 
 
 def check_cache_dir(cache_dir: Path) -> None:
@@ -218,8 +221,11 @@ def check_cache_dir(cache_dir: Path) -> None:
         raise MountError(EXIT_CACHE_DIR, f"cache dir {cache_dir} is not a directory")
     elif not os.path.lexists(layout):
         try:
-            foreign = sorted(e.name for e in os.scandir(cache_dir)
-                             if e.name not in FRESH_DIR_ENTRIES)
+            names = [e.name for e in os.scandir(cache_dir)]
+            # layout.json showing up now: a racing preflight just claimed the dir.
+            foreign = [] if "layout.json" in names else sorted(
+                n for n in names
+                if n not in FRESH_DIR_ENTRIES and not n.startswith(_OWN_TMP_PREFIXES))
         except OSError as e:
             raise MountError(EXIT_CACHE_DIR, f"cache dir {cache_dir} is not readable: "
                              f"{e.strerror}") from None
@@ -231,17 +237,28 @@ def check_cache_dir(cache_dir: Path) -> None:
     if not os.path.lexists(layout):
         from cachemgr.core import LAYOUT
 
-        tmp = cache_dir / "layout.tmp"
+        # Written whole under a name of its own, then linked into place: of several mounts
+        # racing for one new cache dir, the first link wins and every one sees a whole file.
         try:
-            tmp.write_text(json.dumps(LAYOUT) + "\n")
-            os.replace(tmp, layout)
+            fd, name = tempfile.mkstemp(prefix=".layout-", suffix=".tmp", dir=cache_dir)
+            tmp = Path(name)
+            with os.fdopen(fd, "w") as f:
+                f.write(json.dumps(LAYOUT) + "\n")
+            os.chmod(tmp, 0o644)
+            try:
+                os.link(tmp, layout)
+            except FileExistsError:
+                pass
+            except OSError:  # no hard links on this filesystem: a rename is whole too
+                os.replace(tmp, layout)
+            tmp.unlink(missing_ok=True)
         except OSError as e:
             raise MountError(EXIT_CACHE_DIR, f"cache dir {cache_dir} is not writable: "
                              f"{e.strerror}") from None
-    probe = cache_dir / f".probe-{os.getpid()}"
     try:
-        probe.write_bytes(b"")
-        probe.unlink()
+        fd, probe = tempfile.mkstemp(prefix=".probe-", dir=cache_dir)
+        os.close(fd)
+        os.unlink(probe)
     except OSError as e:
         raise MountError(EXIT_CACHE_DIR, f"cache dir {cache_dir} is not writable: "
                          f"{e.strerror}") from None

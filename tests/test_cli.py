@@ -385,6 +385,35 @@ def test_cache_dir_and_mountpoint_overlap(tmp_path: Path, mount_factory, case: s
     assert not is_mounted(mp)
 
 
+def test_racing_preflights_claim_a_new_cache_dir(tmp_path: Path) -> None:
+    """Several preflights claiming one new cache dir at once: each either passes or finds the
+    dir in use; none sees another's half-written layout.json or its temporary file as foreign
+    content."""
+    import threading
+
+    cache = tmp_path / "cache"
+    n = 8
+    barrier = threading.Barrier(n)
+    errors: list[str] = []
+
+    def claim() -> None:
+        barrier.wait()
+        try:
+            ckmount.check_cache_dir(cache)
+        except MountError as e:
+            if "in use" not in e.msg:
+                errors.append(e.msg)
+
+    threads = [threading.Thread(target=claim) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert errors == []
+    assert json.loads((cache / "layout.json").read_text())["format"] == "ckptfs-cache"
+    assert sorted(os.listdir(cache)) == ["layout.json", "lock"]
+
+
 def test_check_overlap_unit(tmp_path: Path) -> None:
     a = tmp_path / "a"
     for cache, mp in ((a, a), (a / "c", a), (a, a / "m"), (tmp_path / "x" / ".." / "a", a)):
