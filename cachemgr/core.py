@@ -173,6 +173,12 @@ class CacheFs:
                     f"{cache_dir} holds cache layout {layout}, this ckptfs uses {LAYOUT}",
                 )
         else:
+            # Files but no layout.json: not a cache. Adopting it would let recover() delete
+            # every file in its data/ as stray (`ckptfs mount` refuses such a directory first,
+            # with a message; this guards every other caller). lost+found: a fresh filesystem.
+            if any(e.name != "lost+found" for e in os.scandir(cache_dir)):
+                raise FsError(errno.ENOTEMPTY, f"{cache_dir} is not empty and is not a ckptfs "
+                              "cache (no layout.json)")
             tmp = layout_path.with_suffix(".tmp")
             tmp.write_text(json.dumps(LAYOUT) + "\n")
             os.replace(tmp, layout_path)

@@ -5,16 +5,28 @@
     ckptfs.wait_durable("/mnt/ckpt/step_100.pt", timeout=600)   # in the object store now
 
 Every function takes a path inside a ckptfs mount and talks to that mount's daemon over its
-control socket. Nothing here imports pyfuse3 or the cache manager.
+control socket. Nothing here imports pyfuse3 or the cache manager. Any user may call them on a
+root daemon's mount: the daemon answers what the caller may read (status, wait_durable,
+prefetch) or write (commit), and refuses the rest with CkptfsError code 9 (EXIT_ACCESS).
 """
 
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 
 from . import control
-from .mount import find_mount, registration
+from .mount import (
+    EXIT_ACCESS,
+    EXIT_ERROR,
+    EXIT_NO_SET,
+    EXIT_STORE,
+    EXIT_USAGE,
+    find_mount,
+    mount_owner,
+    registration,
+)
 
 
 class CkptfsError(Exception):
@@ -47,22 +59,36 @@ def locate(path: str | os.PathLike) -> tuple[Path, str]:
 
 
 def _request(mountpoint: Path, req: dict, timeout: float | None = 10.0) -> dict:
-    reg = registration(mountpoint)
+    notes: list[str] = []
+    reg = registration(mountpoint, notes)
     if reg is None:
-        raise CkptfsError(f"no daemon registered for {mountpoint} (it may have died)")
+        owner = mount_owner(find_mount(mountpoint))
+        if owner not in (None, 0, os.getuid()) and os.getuid() != 0:
+            raise CkptfsError(f"{mountpoint} is mounted by uid {owner}: its daemon answers "
+                              "only that user and root", code=EXIT_ACCESS)
+        why = "".join(f"; {n}" for n in notes)
+        raise CkptfsError(f"no daemon registered for {mountpoint} (it may have died){why}")
     try:
-        reply = control.request(Path(reg["control"]), req, timeout=timeout)
+        reply = control.request(Path(reg["control"]), req, timeout=timeout,
+                                expect_uid=reg["daemon_uid"])
     except (OSError, ValueError) as e:
         raise CkptfsError(f"daemon for {mountpoint} (pid {reg['pid']}) is not answering: "
                           f"{e}") from None
     return reply
 
 
+def _failed(reply: dict) -> CkptfsError:
+    """The exception for an error reply: its errno picks the exit code."""
+    code = {errno.ENOENT: EXIT_USAGE, errno.EACCES: EXIT_ACCESS}.get(reply.get("errno"),
+                                                                     EXIT_ERROR)
+    return CkptfsError(reply["error"], code=code)
+
+
 def status(mountpoint: str | os.PathLike) -> dict:
     mp, _ = locate(mountpoint)
     reply = _request(mp, {"op": "status"})
     if "error" in reply:
-        raise CkptfsError(reply["error"])
+        raise _failed(reply)
     return reply
 
 
@@ -71,7 +97,7 @@ def commit(path: str | os.PathLike) -> int:
     mp, rel = locate(path)
     reply = _request(mp, {"op": "commit", "path": rel})
     if "error" in reply:
-        raise CkptfsError(reply["error"], code=2 if reply.get("errno") == 2 else 1)
+        raise _failed(reply)
     return int(reply["seq"])
 
 
@@ -82,15 +108,14 @@ def prefetch(path: str | os.PathLike) -> dict:
     mp, rel = locate(path)
     reply = _request(mp, {"op": "prefetch", "path": rel})
     if "error" in reply and "path" not in reply:
-        raise CkptfsError(reply["error"], code=2 if reply.get("errno") == 2 else 1)
+        raise _failed(reply)
     return reply
 
 
 def wait_durable(path: str | os.PathLike, timeout: float | None = None) -> dict:
     """Block until the set holding `path` is durable in the object store. Returns the set's
-    {"state": "durable", "seq", "path"}; raises NotDurable otherwise."""
-    from .mount import EXIT_ERROR, EXIT_NO_SET, EXIT_STORE
-
+    {"state": "durable", "seq", "path"}; raises NotDurable otherwise, and CkptfsError with
+    code 9 (EXIT_ACCESS) if the caller may not read `path`."""
     mp, rel = locate(path)
     sock_timeout = None if timeout is None else timeout + 30
     reply = _request(mp, {"op": "wait", "path": rel, "timeout": timeout}, timeout=sock_timeout)
@@ -103,5 +128,5 @@ def wait_durable(path: str | os.PathLike, timeout: float | None = None) -> dict:
     if state == "timeout":
         raise NotDurable(msg, "timeout", EXIT_STORE)
     if state is None:
-        raise CkptfsError(msg)
+        raise _failed({**reply, "error": msg})
     raise NotDurable(f"set {reply.get('path')} is {state}: {msg}", state, EXIT_ERROR)

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
 
-from . import __version__, api, control
+from . import __version__, api
 from .config import (
     LOG_LEVELS,
     ConfigError,
@@ -31,8 +32,9 @@ from .mount import (
     check_cache_dir,
     check_fuse,
     check_mountpoint,
+    check_overlap,
+    check_runtime_dir,
     find_mount,
-    registration,
     run_daemon,
     setup_logging,
     start,
@@ -52,9 +54,21 @@ def _nonneg_float(s: str) -> float:
         v = float(s)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a number: {s!r}") from None
+    # float() accepts 'nan', 'inf' and '1e400' (= inf); none of them is a usable number of
+    # seconds (nan compares false with every bound, so it would slip through range checks).
+    if not math.isfinite(v):
+        raise argparse.ArgumentTypeError(f"not a finite number: {s!r}")
     if v < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0: {s}")
     return v
+
+
+def _size(s: str) -> int:
+    """A size option ('64M'); argparse names the option in the one-line error."""
+    try:
+        return parse_size(s)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -102,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="lz4 compression: auto samples each file and skips incompressible "
                    "ones (trained weights usually are) at ~no cost; lz4 always (costs CPU "
                    "for ~nothing on weights); off (default auto)")
-    o.add_argument("--part-size", default="64M",
+    o.add_argument("--part-size", type=_size, default="64M",
                    help="multipart upload part size (default 64M; S3 allows 5M-5G and 10,000 "
                    "parts, so this also caps one file at 10,000 parts)")
     o.add_argument("--parts-in-flight", type=int, default=8,
@@ -110,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "part-size x this (default 8)")
     o.add_argument("--upload-files", type=int, default=4,
                    help="files uploading at once (default 4)")
-    o.add_argument("--cache-size", default=None,
+    o.add_argument("--cache-size", type=_size, default=None,
                    help="file data to keep in the cache (e.g. 200G); beyond it durable data is "
                    "evicted and writers wait for uploads (default: the disk's size)")
     o.add_argument("--no-prefetch", dest="prefetch", action="store_false",
@@ -119,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--prefetch-concurrency", type=int, default=8,
                    help="GETs in flight per prefetch; memory is about prefetch-range x this "
                    "(default 8)")
-    o.add_argument("--prefetch-range", default="64M",
+    o.add_argument("--prefetch-range", type=_size, default="64M",
                    help="bytes per prefetch GET (runs of adjacent 4 MiB chunks; larger GETs "
                    "amortise the store's per-request cost; default 64M)")
     o.add_argument("--refresh-interval", type=_nonneg_float, default=10.0,
@@ -176,12 +190,11 @@ def cmd_mount(a: argparse.Namespace) -> int:
         cfg = MountConfig(
             store=a.store, s3_endpoint=a.s3_endpoint, s3_region=a.s3_region,
             s3_path_style=a.s3_path_style, s3_profile=a.s3_profile, compress=a.compress,
-            part_size=parse_size(a.part_size), parts_in_flight=a.parts_in_flight,
-            upload_files=a.upload_files,
-            cache_size=parse_size(a.cache_size) if a.cache_size else None,
+            part_size=a.part_size, parts_in_flight=a.parts_in_flight,
+            upload_files=a.upload_files, cache_size=a.cache_size,
             keep_local=a.keep_local, prefetch=a.prefetch,
             prefetch_concurrency=a.prefetch_concurrency,
-            prefetch_range=parse_size(a.prefetch_range),
+            prefetch_range=a.prefetch_range,
             refresh_interval=a.refresh_interval, commit_timeout=a.commit_timeout,
             allow_empty_namespace=a.allow_empty_namespace,
             mountpoint=a.mountpoint.absolute(),
@@ -199,7 +212,9 @@ def cmd_mount(a: argparse.Namespace) -> int:
         return _fail(EXIT_USAGE, str(e))
     try:
         check_fuse()
+        check_overlap(cfg.cache_dir, cfg.mountpoint, cfg.log_file)
         check_mountpoint(cfg.mountpoint)
+        check_runtime_dir()
         check_cache_dir(cfg.cache_dir)
     except MountError as e:
         return _fail(e.code, e.msg)
@@ -346,15 +361,10 @@ def cmd_status(a: argparse.Namespace) -> int:
     entry = find_mount(mp)
     if entry is None or entry["fstype"] != "fuse.ckptfs":
         return _fail(EXIT_MOUNTPOINT, f"{mp} is not a ckptfs mount")
-    reg = registration(mp)
-    if reg is None:
-        return _fail(EXIT_ERROR, f"no daemon registered for {mp} (it may have died)")
     try:
-        st = control.request(Path(reg["control"]), {"op": "status"})
-    except (OSError, ValueError) as e:
-        return _fail(EXIT_ERROR, f"daemon for {mp} (pid {reg['pid']}) is not answering: {e}")
-    if "error" in st:
-        return _fail(EXIT_ERROR, st["error"])
+        st = api.status(mp)
+    except api.CkptfsError as e:
+        return _fail(e.code, str(e))
     if a.json:
         print(json.dumps(st, indent=2, sort_keys=True))
         return EXIT_OK

@@ -5,6 +5,7 @@ Everything a daemon needs to know is here; nothing reads argv or the environment
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +36,8 @@ def default_store_url() -> str:
 
 
 def parse_size(text: str) -> int:
-    """'512M', '2G', '1.5T', '4096' -> bytes (binary units)."""
+    """'512M', '2G', '1.5T', '4096' -> bytes (binary units). Refuses anything that is not a
+    finite number >= 0 ('nan', 'inf', '1e400' parse as floats, but are no size)."""
     t = text.strip().upper().removesuffix("B").removesuffix("I")
     mult = 1
     for suffix, m in (("K", 1 << 10), ("M", 1 << 20), ("G", 1 << 30), ("T", 1 << 40)):
@@ -46,17 +48,33 @@ def parse_size(text: str) -> int:
         v = float(t)
     except ValueError:
         raise ConfigError(f"not a size: {text!r} (e.g. 512M, 20G)") from None
+    if not math.isfinite(v):
+        raise ConfigError(f"not a size: {text!r} (must be a finite number, e.g. 512M, 20G)")
     if v < 0:
         raise ConfigError(f"size must be >= 0: {text!r}")
     return int(v * mult)
 
 
+# Where root daemons register (root-owned, 0755): the one registration directory every user
+# trusts besides their own (docs/ARCHITECTURE.md "Control socket").
+ROOT_RUNTIME_DIR = Path("/run/ckptfs")
+
+
 def runtime_dir() -> Path:
-    """Where running daemons register themselves (mount point -> pid, cache dir)."""
+    """Where this process's daemons register themselves (mount point -> pid, control socket):
+    /run/ckptfs for root; else the user's private runtime dir ($XDG_RUNTIME_DIR/ckptfs, or
+    /tmp/ckptfs-<uid>), which must be owned by the user with mode 0700 (checked by
+    `ckptfs.mount.own_runtime_dir`)."""
     if os.getuid() == 0:
-        return Path("/run/ckptfs")
+        return ROOT_RUNTIME_DIR
     xdg = os.environ.get("XDG_RUNTIME_DIR")
     return Path(xdg) / "ckptfs" if xdg else Path(f"/tmp/ckptfs-{os.getuid()}")
+
+
+def user_runtime_dirs(uid: int) -> list[Path]:
+    """Where a daemon of another (non-root) user `uid` registers if it runs with the usual
+    environment: only root looks there (a user's runtime dir is private)."""
+    return [Path(f"/run/user/{uid}/ckptfs"), Path(f"/tmp/ckptfs-{uid}")]
 
 
 @dataclass(frozen=True)

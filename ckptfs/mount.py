@@ -1,15 +1,17 @@
 """Mount lifecycle: preflight checks, the cache-dir lock, the daemon, readiness, unmount.
 
 Order at mount (each step undone in reverse at exit):
-  1. preflight (in the CLI process, so errors print directly): FUSE present, mount point usable
-     (a stale mount of a dead daemon is cleaned up), cache dir writable and not locked;
+  1. preflight (in the CLI process, so errors print directly): FUSE present, cache dir and mount
+     point do not overlap, mount point usable (a stale mount of a dead daemon is cleaned up),
+     cache dir a ckptfs cache or empty (then claimed: layout.json), writable and not locked;
   2. fork (unless --foreground); the child starts a new session and logs to the log file;
   3. take the cache-dir lock (fcntl.flock on <cache>/lock, held for the daemon's lifetime, so two
      daemons can never share a cache dir; the kernel drops it if the daemon dies);
   4. open the cache (index + crash recovery);
   5. mount (pyfuse3.init) and start the FUSE loop;
   6. readiness: stat the mount point through the kernel from a worker thread (proves the loop
-     answers), tune the backing device's readahead, register in the runtime dir, tell the parent.
+     answers), tune the backing device's readahead, register in the runtime dir (root's
+     /run/ckptfs or the user's private one, checked in the preflight too), tell the parent.
 At exit (unmounted by `ckptfs umount`/fusermount3, or SIGTERM/SIGINT): the loop ends, the session
 is closed (unmounting if still mounted), the cache persists its in-memory state, the registration
 and the lock go.
@@ -24,13 +26,22 @@ import logging
 import os
 import select
 import signal
+import stat
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
-from .config import MountConfig, default_store_url, runtime_dir
+from .config import (
+    ROOT_RUNTIME_DIR,
+    MountConfig,
+    default_store_url,
+    runtime_dir,
+    user_runtime_dirs,
+)
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +56,7 @@ EXIT_NOT_READY = 6      # the daemon died or did not answer before the mount was
 EXIT_STORE = 7          # the object store is unusable (no bucket, access denied, bad URL);
                         # `wait`/`umount`: timed out with uploads still pending
 EXIT_NO_SET = 8         # `wait`: the path is in no committed set
+EXIT_ACCESS = 9         # control request refused: the caller may not read/write the path
 
 READY_TIMEOUT_S = 90.0  # generous: recovery of a large cache index runs before readiness
 # The first listing of the store's sets runs before readiness too: RetryingStore gives a
@@ -89,7 +101,8 @@ def find_mount(path: Path) -> dict | None:
                 mp = _unescape(parts[4])
                 if mp == target:
                     found = {"mountpoint": mp, "fstype": parts[sep + 1],
-                             "source": _unescape(parts[sep + 2])}
+                             "source": _unescape(parts[sep + 2]),
+                             "options": parts[sep + 3] if len(parts) > sep + 3 else ""}
     except OSError:
         return None
     return found
@@ -154,18 +167,102 @@ def check_mountpoint(mp: Path) -> None:
         raise MountError(EXIT_MOUNTPOINT, f"mount point {mp} is not readable") from None
 
 
+def check_overlap(cache_dir: Path, mp: Path, log_file: Path | None = None) -> None:
+    """Refuse a cache dir and a mount point that overlap (compared as resolved real paths, so a
+    symlink does not hide it). A cache dir at or inside the mount point is reached through the
+    daemon's own mount once it is mounted: the daemon then waits on itself (D state, for good).
+    A mount point inside the cache dir hides part of the cache under the mount. A log file
+    inside the mount point hangs the daemon the same way."""
+    cache_real = Path(os.path.realpath(cache_dir))
+    mp_real = Path(os.path.realpath(mp))
+    if log_file is not None and Path(os.path.realpath(log_file)).is_relative_to(mp_real):
+        raise MountError(EXIT_USAGE, f"--log-file {log_file} is inside the mount point {mp}: "
+                         "the daemon would write its log through its own mount and hang")
+    hang = ("the daemon would reach its own cache through its own mount and hang; use a cache "
+            "dir outside the mount point")
+    if cache_real == mp_real:
+        why, fix = f"cache dir {cache_dir} is the mount point {mp}", hang
+    elif cache_real.is_relative_to(mp_real):
+        why, fix = f"cache dir {cache_dir} is inside the mount point {mp}", hang
+    elif mp_real.is_relative_to(cache_real):
+        why, fix = (f"mount point {mp} is inside the cache dir {cache_dir}",
+                    "the mount would hide part of the cache; use a mount point outside it")
+    else:
+        return
+    if cache_real != cache_dir or mp_real != mp:
+        why += f" (resolved: {cache_real} and {mp_real})"
+    raise MountError(EXIT_CACHE_DIR, f"{why}: {fix}")
+
+
+# Entries a directory may hold and still count as empty for a new cache: the root of a freshly
+# formatted ext4 filesystem (a dedicated NVMe) has lost+found; the others are this preflight's
+# own short-lived files (several `ckptfs mount` racing for one new cache dir).
+FRESH_DIR_ENTRIES = frozenset({"lost+found"})
+_OWN_TMP_PREFIXES = (".probe-", ".layout-")
+
+
 def check_cache_dir(cache_dir: Path) -> None:
+    """The cache dir exists (or is created), is a ckptfs cache or empty, is writable and is not
+    locked. A directory that holds files but no `layout.json` is refused before anything in it
+    is created or changed: crash recovery deletes every file in `data/` it does not know, and
+    the lock file is truncated. A new (empty) cache dir is claimed here by writing
+    `layout.json`, so the daemon later finds a cache, not an empty directory beside its log and
+    lock files."""
     try:
-        cache_dir.mkdir(parents=True, exist_ok=True)
+        st = os.stat(cache_dir)
+    except (FileNotFoundError, NotADirectoryError):
+        st = None
     except OSError as e:
-        raise MountError(EXIT_CACHE_DIR, f"cannot create cache dir {cache_dir}: "
-                         f"{e.strerror}") from None
-    if not cache_dir.is_dir():
+        raise MountError(EXIT_CACHE_DIR, f"cache dir {cache_dir}: {e.strerror}") from None
+    layout = cache_dir / "layout.json"
+    if st is None:
+        try:
+            cache_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise MountError(EXIT_CACHE_DIR, f"cannot create cache dir {cache_dir}: "
+                             f"{e.strerror}") from None
+    elif not stat.S_ISDIR(st.st_mode):
         raise MountError(EXIT_CACHE_DIR, f"cache dir {cache_dir} is not a directory")
-    probe = cache_dir / f".probe-{os.getpid()}"
+    elif not os.path.lexists(layout):
+        try:
+            names = [e.name for e in os.scandir(cache_dir)]
+            # layout.json showing up now: a racing preflight just claimed the dir.
+            foreign = [] if "layout.json" in names else sorted(
+                n for n in names
+                if n not in FRESH_DIR_ENTRIES and not n.startswith(_OWN_TMP_PREFIXES))
+        except OSError as e:
+            raise MountError(EXIT_CACHE_DIR, f"cache dir {cache_dir} is not readable: "
+                             f"{e.strerror}") from None
+        if foreign:
+            shown = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
+            raise MountError(EXIT_CACHE_DIR, f"cache dir {cache_dir} is not empty and is not "
+                             f"a ckptfs cache (no layout.json; it holds {shown}); ckptfs "
+                             "would delete files in it: use an empty or new directory")
+    if not os.path.lexists(layout):
+        from cachemgr.core import LAYOUT
+
+        # Written whole under a name of its own, then linked into place: of several mounts
+        # racing for one new cache dir, the first link wins and every one sees a whole file.
+        try:
+            fd, name = tempfile.mkstemp(prefix=".layout-", suffix=".tmp", dir=cache_dir)
+            tmp = Path(name)
+            with os.fdopen(fd, "w") as f:
+                f.write(json.dumps(LAYOUT) + "\n")
+            os.chmod(tmp, 0o644)
+            try:
+                os.link(tmp, layout)
+            except FileExistsError:
+                pass
+            except OSError:  # no hard links on this filesystem: a rename is whole too
+                os.replace(tmp, layout)
+            tmp.unlink(missing_ok=True)
+        except OSError as e:
+            raise MountError(EXIT_CACHE_DIR, f"cache dir {cache_dir} is not writable: "
+                             f"{e.strerror}") from None
     try:
-        probe.write_bytes(b"")
-        probe.unlink()
+        fd, probe = tempfile.mkstemp(prefix=".probe-", dir=cache_dir)
+        os.close(fd)
+        os.unlink(probe)
     except OSError as e:
         raise MountError(EXIT_CACHE_DIR, f"cache dir {cache_dir} is not writable: "
                          f"{e.strerror}") from None
@@ -182,7 +279,14 @@ class CacheLock:
         self.fd: int | None = None
 
     def acquire(self) -> None:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        # O_NOFOLLOW: a `lock` symlink planted in the cache dir must not make the daemon
+        # truncate the file it points to.
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
+                         0o644)
+        except OSError as e:
+            raise MountError(EXIT_CACHE_DIR, f"cannot open the lock file {self.path}: "
+                             f"{e.strerror}") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -203,41 +307,260 @@ class CacheLock:
 
 
 # ----------------------------------------------------------------------------------------------
-# registration (mount point -> daemon), for `ckptfs umount` and later `ckptfs status`
+# registration (mount point -> daemon), for `ckptfs umount|status|wait|commit|prefetch`
+#
+# A daemon registers in its own runtime dir: /run/ckptfs for root (0755; registration 0644,
+# socket 0666, every request checked against the caller's SO_PEERCRED), else the user's
+# private runtime dir (0700). A client believes a registration only from a directory owned by
+# root or by itself that nobody else can write (opened with O_NOFOLLOW, checked on the open
+# descriptor), and only a control socket served by that directory's owner (SO_PEERCRED on the
+# client's end): another user can plant a directory, a file or a socket, but never one that
+# passes these checks. Threat model: docs/ARCHITECTURE.md "Control socket".
 
 
-def _reg_path(mp: Path) -> Path:
+def _reg_key(mp: Path) -> str:
     import hashlib
 
-    key = hashlib.sha1(os.path.abspath(mp).encode()).hexdigest()[:16]
-    return runtime_dir() / f"{key}.json"
+    return hashlib.sha1(os.path.abspath(mp).encode()).hexdigest()[:16]
+
+
+def _runtime_dir_problem(d: Path, st: os.stat_result, uid: int, private: bool) -> str | None:
+    """Why the registration dir `d` (lstat'ed as `st`) cannot be trusted for a daemon of
+    `uid`, or None."""
+    if stat.S_ISLNK(st.st_mode):
+        return f"runtime dir {d} is a symlink (another user may have planted it); remove it"
+    if not stat.S_ISDIR(st.st_mode):
+        return f"runtime dir {d} is not a directory; remove it"
+    if st.st_uid != uid:
+        return (f"runtime dir {d} belongs to uid {st.st_uid}, not to uid {uid} (another user "
+                "may have planted it); remove it, or set XDG_RUNTIME_DIR to a private directory")
+    mode = stat.S_IMODE(st.st_mode)
+    if private and mode & 0o077:
+        return (f"runtime dir {d} has mode {mode:04o}; it must be private to its user (0700): "
+                f"chmod 700 {d}")
+    if mode & 0o022:
+        return f"runtime dir {d} has mode {mode:04o}, writable by others: chmod 755 {d}"
+    return None
+
+
+def own_runtime_dir() -> Path:
+    """Create (if needed) and check the directory this process's daemon registers in; raise
+    MountError(EXIT_CACHE_DIR) if it cannot be trusted: its clients would refuse it too."""
+    d = runtime_dir()
+    uid = os.getuid()
+    try:
+        if uid == 0:
+            d.parent.mkdir(parents=True, exist_ok=True)
+        os.mkdir(d, 0o755 if uid == 0 else 0o700)
+    except FileExistsError:
+        pass
+    except OSError as e:
+        raise MountError(EXIT_CACHE_DIR, f"cannot create runtime dir {d}: {e.strerror}") from None
+    try:
+        st = os.lstat(d)
+    except OSError as e:
+        raise MountError(EXIT_CACHE_DIR, f"runtime dir {d}: {e.strerror}") from None
+    why = _runtime_dir_problem(d, st, uid, private=uid != 0)
+    if why:
+        raise MountError(EXIT_CACHE_DIR, why)
+    if uid == 0 and stat.S_IMODE(st.st_mode) != 0o755:
+        os.chmod(d, 0o755)  # e.g. created under umask 077: other users must reach the socket
+    return d
+
+
+def check_runtime_dir() -> None:
+    """Preflight: the registration dir can be used (see own_runtime_dir)."""
+    own_runtime_dir()
 
 
 def control_path(mp: Path) -> Path:
-    return _reg_path(mp).with_suffix(".sock")
+    """The control socket of this process's daemon for `mp` (creates and checks the dir)."""
+    return own_runtime_dir() / f"{_reg_key(mp)}.sock"
+
+
+def control_mode() -> int:
+    """A root daemon answers every user (each request checked against the caller's
+    credentials); a user's daemon only that user (its socket is in a 0700 dir anyway)."""
+    return 0o666 if os.getuid() == 0 else 0o600
 
 
 def register(cfg: MountConfig) -> None:
-    p = _reg_path(cfg.mountpoint)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"pid": os.getpid(), "mountpoint": str(cfg.mountpoint),
-                               "cache_dir": str(cfg.cache_dir),
-                               "control": str(control_path(cfg.mountpoint))}))
-    os.replace(tmp, p)
-
-
-def registration(mp: Path) -> dict | None:
+    d = own_runtime_dir()
+    key = _reg_key(cfg.mountpoint)
+    data = json.dumps({"pid": os.getpid(), "uid": os.getuid(),
+                       "mountpoint": str(cfg.mountpoint), "cache_dir": str(cfg.cache_dir),
+                       "control": str(d / f"{key}.sock")}).encode()
+    tmp = d / f"{key}.tmp"
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                 0o644)
     try:
-        return json.loads(_reg_path(mp).read_text())
+        os.write(fd, data)
+        os.fchmod(fd, 0o644)  # readable by the users a root daemon serves, whatever the umask
+    finally:
+        os.close(fd)
+    os.replace(tmp, d / f"{key}.json")
+
+
+def mount_owner(entry: dict | None) -> int | None:
+    """The uid that mounted a FUSE mount (its `user_id=` super option: set by the kernel's
+    mount for root, by fusermount3 to the real uid otherwise), or None if not shown."""
+    for opt in (entry or {}).get("options", "").split(","):
+        if opt.startswith("user_id="):
+            try:
+                return int(opt[len("user_id="):])
+            except ValueError:
+                return None
+    return None
+
+
+def _read_registration(d: Path, key: str, owners: set[int], private: bool,
+                       notes: list[str] | None) -> dict | None:
+    """The registration `key` in `d` if `d` is a directory owned by one of `owners` that no one
+    else can write (0700 if `private`) and the file is a regular file of the same owner."""
+    try:
+        dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        if notes is not None and e.errno == errno.ELOOP:
+            notes.append(f"ignored {d}: a symlink")
+        return None
+    try:
+        st = os.fstat(dfd)
+        mode = stat.S_IMODE(st.st_mode)
+        why = (f"owned by uid {st.st_uid}" if st.st_uid not in owners
+               else f"mode {mode:04o}" if mode & (0o077 if private else 0o022) else None)
+        if why:
+            if notes is not None:
+                notes.append(f"ignored untrusted {d} ({why})")
+            return None
+        try:
+            fd = os.open(f"{key}.json", os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+        except OSError:
+            return None
+        try:
+            fst = os.fstat(fd)
+            if (not stat.S_ISREG(fst.st_mode) or fst.st_uid != st.st_uid
+                    or fst.st_mode & 0o022):
+                if notes is not None:
+                    notes.append(f"ignored {d / key}.json: not a regular file of uid "
+                                 f"{st.st_uid} writable only by it")
+                return None
+            reg = json.loads(os.read(fd, 1 << 16))
+        finally:
+            os.close(fd)
     except (OSError, ValueError):
         return None
+    finally:
+        os.close(dfd)
+    if not isinstance(reg, dict) or reg.get("uid", st.st_uid) != st.st_uid:
+        return None
+    # The socket is the one beside the file, never a path the file names; the daemon must run
+    # as the directory's owner (checked on connect).
+    reg["control"] = str(d / f"{key}.sock")
+    reg["daemon_uid"] = st.st_uid
+    return reg
+
+
+def registration(mp: Path, notes: list[str] | None = None) -> dict | None:
+    """The registration of the daemon serving the mount at `mp`, from a directory the caller
+    can trust: its own runtime dir and /run/ckptfs (root's); root also looks in the usual
+    runtime dirs of the mount's owner. `notes` collects why candidates were ignored."""
+    me = os.getuid()
+    owner = mount_owner(find_mount(mp))
+    cands: list[tuple[Path, set[int], bool]] = [(runtime_dir(), {me, 0}, me != 0)]
+    if me != 0:
+        cands.append((ROOT_RUNTIME_DIR, {0}, False))
+        if owner == 0:
+            cands.reverse()
+    elif owner not in (None, 0):
+        cands += [(d, {owner}, True) for d in user_runtime_dirs(owner)]
+    key = _reg_key(mp)
+    for d, owners, private in cands:
+        reg = _read_registration(d, key, owners, private, notes)
+        if reg is None or reg.get("mountpoint") != os.path.abspath(mp):
+            continue
+        if owner is not None and reg["daemon_uid"] != owner:
+            if notes is not None:
+                notes.append(f"ignored a registration in {d} of uid {reg['daemon_uid']}: the "
+                             f"mount belongs to uid {owner}")
+            continue
+        return reg
+    return None
 
 
 def unregister(mp: Path) -> None:
-    reg = registration(mp)
-    if reg is not None and reg.get("pid") == os.getpid():
-        _reg_path(mp).unlink(missing_ok=True)
+    p = runtime_dir() / f"{_reg_key(mp)}.json"
+    try:
+        reg = json.loads(p.read_text())
+    except (OSError, ValueError):
+        return
+    if isinstance(reg, dict) and reg.get("pid") == os.getpid():
+        p.unlink(missing_ok=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# control requests: the caller's permission on the path, checked by the daemon
+#
+# The kernel checks every file operation through the mount (default_permissions); control
+# requests do not go through the mount, so the daemon checks them itself, with the caller's
+# credentials from SO_PEERCRED, against the mode bits in its index, the way the kernel would:
+# search (x) on every directory on the way, then what the request needs on the path itself.
+
+_R, _W, _X = 4, 2, 1
+# status: read the mount root; wait and prefetch: read the path (opening a file for reading
+# already prefetches its whole set, so prefetch asks no more than that); commit: write it.
+OP_NEEDS = {"status": _R, "wait": _R, "prefetch": _R, "commit": _W}
+
+
+def may(mode: int, uid: int, gid: int, peer, want: int) -> bool:
+    """POSIX mode-bit check of `peer` (a control.Peer) on an inode: the owner class if the
+    peer owns it, else the group class if it is in the group, else other; root passes."""
+    if peer.uid == 0:
+        return True
+    if peer.uid == uid:
+        bits = mode >> 6
+    elif peer.in_group(gid):
+        bits = mode >> 3
+    else:
+        bits = mode
+    return bits & want == want
+
+
+def check_access(index, peer, rel: str, want: int) -> None:
+    """Raise FsError(EACCES) unless `peer` may `want` (_R or _W) the path `rel` (relative to
+    the mount root) in the cache `index`. A missing component ends the walk: the request then
+    answers for itself (ENOENT, "in no committed set"). A symlink is judged by its directory
+    (its own mode is always 0777)."""
+    from cachemgr.errors import FsError
+    from cachemgr.index import ROOT_INO
+
+    if peer.uid == 0:
+        return
+    parts = [p for p in rel.split("/") if p]
+    ino, row = ROOT_INO, index.get_inode(ROOT_INO)
+    where = "/"
+    for i, name in enumerate(parts):
+        if not stat.S_ISDIR(row[1]):
+            return  # ENOTDIR: the request reports it
+        if not may(row[1], row[2], row[3], peer, _X):
+            raise FsError(errno.EACCES, f"permission denied: uid {peer.uid} may not search "
+                          f"{where} in the mount")
+        child = index.lookup(ino, name.encode("utf-8", "surrogateescape"))
+        if child is None:
+            return
+        crow = index.get_inode(child)
+        if crow is None:
+            return
+        if stat.S_ISLNK(crow[1]) and i == len(parts) - 1:
+            break  # judged by its directory: whoever may replace the link
+        ino, row = child, crow
+        where = "/" + "/".join(parts[:i + 1])
+    if not may(row[1], row[2], row[3], peer, want):
+        verb = "write" if want == _W else "read"
+        raise FsError(errno.EACCES, f"permission denied: uid {peer.uid} may not {verb} "
+                      f"{where} in the mount")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -449,9 +772,11 @@ def run_daemon(cfg: MountConfig, notify: Notify) -> int:
 
         started = time.time()
 
-        async def on_control(req: dict) -> dict:
+        async def on_control(req: dict, peer: control.Peer) -> dict:
             op = req.get("op")
             try:
+                if op in OP_NEEDS:  # the caller's permission (root passes)
+                    check_access(core.index, peer, str(req.get("path", "")), OP_NEEDS[op])
                 if op == "status":
                     return {"pid": os.getpid(), "mountpoint": str(cfg.mountpoint),
                             "cache_dir": str(cfg.cache_dir), "uptime_s": time.time() - started,
@@ -472,7 +797,8 @@ def run_daemon(cfg: MountConfig, notify: Notify) -> int:
 
         async def serve() -> None:
             async with trio.open_nursery() as nursery:
-                await nursery.start(control.serve, control_path(cfg.mountpoint), on_control)
+                await nursery.start(partial(control.serve, mode=control_mode()),
+                                    control_path(cfg.mountpoint), on_control)
                 await nursery.start(tiering.run)
                 nursery.start_soon(ready)
                 nursery.start_soon(on_signals, nursery.cancel_scope)

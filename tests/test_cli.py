@@ -47,6 +47,21 @@ def one_line_error(res: subprocess.CompletedProcess, code: int, *needles: str) -
     return line
 
 
+def _undo_mount(res: subprocess.CompletedProcess, mp: Path) -> None:
+    """A mount that a test expected to be refused happened (the bug under test): take it down
+    without going through it (the daemon may be stuck on its own mount): kill -9 the daemon,
+    then a lazy unmount."""
+    import re
+
+    if not is_mounted(mp):
+        return
+    m = re.search(r"pid (\d+)", res.stdout)
+    if m and _alive(int(m.group(1))):
+        os.kill(int(m.group(1)), signal.SIGKILL)
+        wait_for(lambda: not _alive(int(m.group(1))), what="daemon to die")
+    subprocess.run(["fusermount3", "-u", "-z", str(mp)], capture_output=True, check=False)
+
+
 def store_opt(tmp_path: Path) -> list[str]:
     """A file:// store of the test's own (not the user's shared embedded default)."""
     return ["--store", f"file://{tmp_path / 'store'}"]
@@ -101,6 +116,46 @@ def test_bad_option_values(tmp_path: Path, args: list[str], needle: str) -> None
     # Refused before anything was touched.
     assert not is_mounted(mp)
     assert not cache.exists()
+
+
+_SIZE_OPTS = ("--part-size", "--cache-size", "--prefetch-range")
+_INT_OPTS = ("--parts-in-flight", "--upload-files", "--keep-local", "--prefetch-concurrency",
+             "--io-threads", "--read-ahead-kb")
+_SECONDS_OPTS = ("--attr-timeout", "--refresh-interval", "--commit-timeout")
+_BAD_NUMBERS = ("nan", "inf", "-1", "1e400", "")
+
+
+@pytest.mark.parametrize("value", _BAD_NUMBERS, ids=lambda v: v or "empty")
+@pytest.mark.parametrize("opt", _SIZE_OPTS + _INT_OPTS + _SECONDS_OPTS)
+def test_bad_numbers_exit_2(tmp_path: Path, opt: str, value: str) -> None:
+    """Every numeric mount option refuses nan, inf, a negative number, an overflowing one and
+    an empty value with exit 2 and one line naming the option (--part-size nan used to end in
+    an unexpected ValueError, exit 1; an empty --cache-size used to mean "no limit")."""
+    mp = tmp_path / "mp"
+    mp.mkdir()
+    cache = tmp_path / "cache"
+    res = mount_cli(mp, cache, opt, value)
+    _undo_mount(res, mp)  # a value taken for valid: do not leave the mount behind
+    one_line_error(res, EXIT_USAGE, opt)
+    assert not is_mounted(mp)
+    assert not cache.exists()
+
+
+@pytest.mark.parametrize("value", _BAD_NUMBERS, ids=lambda v: v or "empty")
+@pytest.mark.parametrize("cmd", ["umount", "wait"])
+def test_bad_timeout_exit_2(tmp_path: Path, cmd: str, value: str) -> None:
+    one_line_error(run_cli(cmd, str(tmp_path), "--timeout", value), EXIT_USAGE, "--timeout")
+
+
+def test_parse_size_unit() -> None:
+    from ckptfs.config import ConfigError, parse_size
+
+    assert parse_size("64M") == 64 << 20
+    assert parse_size("1.5k") == 1536
+    assert parse_size("4096") == 4096
+    for bad in ("nan", "inf", "-inf", "1e400", "-1", "", " ", "M", "12X"):
+        with pytest.raises(ConfigError):
+            parse_size(bad)
 
 
 def test_usage_errors(tmp_path: Path) -> None:
@@ -232,6 +287,141 @@ def test_cache_dir_incompatible_layout(mount_factory) -> None:
     line = one_line_error(res, EXIT_CACHE_DIR, str(m.cache_dir))
     assert "version" in line
     assert not is_mounted(m.path)
+
+
+def _tree(root: Path) -> dict[str, bytes | None]:
+    """Every path under `root` with its content (None for directories)."""
+    return {str(p.relative_to(root)): None if p.is_dir() else p.read_bytes()
+            for p in sorted(root.rglob("*"))}
+
+
+def test_cache_dir_not_a_cache_is_refused_untouched(tmp_path: Path) -> None:
+    """A non-empty directory without layout.json is not adopted as a cache: recovery used to
+    delete the user's files in its data/ as strays and the lock file was truncated."""
+    require_fuse()
+    mp = tmp_path / "mp"
+    mp.mkdir()
+    cache = tmp_path / "home-dir"
+    (cache / "data").mkdir(parents=True)
+    (cache / "data" / "precious.bin").write_bytes(b"user data")
+    (cache / "data" / "7").write_bytes(b"looks like a cache file")
+    (cache / "lock").write_bytes(b"my lock file")
+    (cache / "notes.txt").write_bytes(b"notes")
+    before = _tree(cache)
+    res = mount_cli(mp, cache)
+    _undo_mount(res, mp)
+    line = one_line_error(res, EXIT_CACHE_DIR, str(cache))
+    assert "not a ckptfs cache" in line and "not empty" in line
+    assert _tree(cache) == before  # nothing created, deleted or changed
+    assert not is_mounted(mp)
+
+
+def test_cache_dir_empty_or_fresh_fs_is_claimed(mount_factory) -> None:
+    """An empty directory (or one holding only lost+found, the root of a fresh filesystem)
+    becomes a cache; once it has layout.json it is remounted as one."""
+    m = mount_factory("fresh")
+    m.cache_dir.mkdir()
+    (m.cache_dir / "lost+found").mkdir()
+    m.start()
+    assert json.loads((m.cache_dir / "layout.json").read_text())["format"] == "ckptfs-cache"
+    (m.path / "f").write_bytes(b"kept")
+    m.remount()
+    assert (m.path / "f").read_bytes() == b"kept"
+    m.stop()
+
+
+def test_load_refuses_foreign_dir(tmp_path: Path) -> None:
+    """CacheFs.load itself (used by every caller, not only the CLI) never adopts a non-empty
+    directory without layout.json, and leaves it as it was."""
+    from cachemgr.core import CacheFs
+    from cachemgr.errors import FsError
+
+    d = tmp_path / "d"
+    (d / "data").mkdir(parents=True)
+    (d / "data" / "stray").write_bytes(b"x")
+    before = _tree(d)
+    with pytest.raises(FsError) as ei:
+        CacheFs.load(d)
+    assert ei.value.errno == errno.ENOTEMPTY and "layout.json" in str(ei.value)
+    assert _tree(d) == before
+    CacheFs.load(tmp_path / "new").close()  # a new directory is still created as a cache
+
+
+@pytest.mark.parametrize("case", ["same", "cache-inside-new", "cache-inside-symlink",
+                                  "mountpoint-inside-cache", "log-inside"])
+def test_cache_dir_and_mountpoint_overlap(tmp_path: Path, mount_factory, case: str) -> None:
+    """Cache dir at or inside the mount point (the daemon then reaches its cache through its own
+    mount: it hung in D state), or the mount point inside the cache dir, compared as resolved
+    paths: refused with exit 4 before anything is created; a log file inside the mount point
+    (the same hang) with exit 2."""
+    require_fuse()
+    mp = tmp_path / "mp"
+    mp.mkdir()
+    extra: list[str] = []
+    code = EXIT_CACHE_DIR
+    if case == "same":
+        cache = mp
+    elif case == "cache-inside-new":
+        cache = mp / "sub" / "cache"
+    elif case == "cache-inside-symlink":
+        (tmp_path / "link").symlink_to(mp)
+        cache = tmp_path / "link" / "cache"
+    elif case == "log-inside":
+        cache, code = tmp_path / "cache", EXIT_USAGE
+        extra = ["--log-file", str(mp / "ckptfs.log")]
+    else:  # the mount point in an existing, valid cache dir
+        first = mount_factory("first")
+        first.start()
+        first.stop()
+        cache = first.cache_dir
+        mp = cache / "mnt"
+        mp.mkdir()
+    before = _tree(tmp_path)
+    res = mount_cli(mp, cache, *extra)
+    _undo_mount(res, mp)
+    line = one_line_error(res, code, str(mp))
+    assert "inside" in line or "is the mount point" in line
+    assert _tree(tmp_path) == before
+    assert not is_mounted(mp)
+
+
+def test_racing_preflights_claim_a_new_cache_dir(tmp_path: Path) -> None:
+    """Several preflights claiming one new cache dir at once: each either passes or finds the
+    dir in use; none sees another's half-written layout.json or its temporary file as foreign
+    content."""
+    import threading
+
+    cache = tmp_path / "cache"
+    n = 8
+    barrier = threading.Barrier(n)
+    errors: list[str] = []
+
+    def claim() -> None:
+        barrier.wait()
+        try:
+            ckmount.check_cache_dir(cache)
+        except MountError as e:
+            if "in use" not in e.msg:
+                errors.append(e.msg)
+
+    threads = [threading.Thread(target=claim) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert errors == []
+    assert json.loads((cache / "layout.json").read_text())["format"] == "ckptfs-cache"
+    assert sorted(os.listdir(cache)) == ["layout.json", "lock"]
+
+
+def test_check_overlap_unit(tmp_path: Path) -> None:
+    a = tmp_path / "a"
+    for cache, mp in ((a, a), (a / "c", a), (a, a / "m"), (tmp_path / "x" / ".." / "a", a)):
+        with pytest.raises(MountError) as ei:
+            ckmount.check_overlap(cache, mp)
+        assert ei.value.code == EXIT_CACHE_DIR
+    ckmount.check_overlap(tmp_path / "ab", a)  # a prefix of the name is no overlap
+    ckmount.check_overlap(a, tmp_path / "ab")
 
 
 # ----------------------------------------------------------------------------------------------
