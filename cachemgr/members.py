@@ -49,6 +49,7 @@ import time
 import trio
 
 from .errors import FsError
+from .sets import LIVE_STATES
 from .store import NotFound, StoreError
 
 log = logging.getLogger(__name__)
@@ -313,6 +314,7 @@ class CommitAcks:
 
     def __init__(self, members: Members, seq: int, path: str, roots: list[str]) -> None:
         self.m = members
+        self.seq = seq
         self.iid = f"{members.node}-{seq}-{time.time_ns():x}"
         self.path = path
         self.roots = roots
@@ -326,11 +328,19 @@ class CommitAcks:
         store = self.m.store
         if self.done:
             return []
+        index = self.m.t.index
         if self.nodes is None:
-            self.nodes = set(await self.m.live())
+            # Nodes an earlier attempt asked (before a restart of this daemon) are asked again
+            # even if their lease ran out since: they may have died between a close and its
+            # record.
+            asked = json.loads(index.meta(self._meta) or "[]")
+            self.nodes = set(await self.m.live()) | set(asked)
             if not self.nodes:
                 self.done = True  # no other node: nothing to ask
                 return []
+            with index.tx():
+                index.conn.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)",
+                                   (self._meta, json.dumps(sorted(self.nodes))))
         if not self.written:
             self.m.mine.add(self.iid)
             await store.put(intent_key(self.iid), _doc(
@@ -359,8 +369,17 @@ class CommitAcks:
             await self.close()
         return sorted(left)
 
+    @property
+    def _meta(self) -> str:
+        return f"intent:{self.seq}"
+
     async def close(self) -> None:
         """Delete the intent and its acks (the commit no longer waits for them)."""
+        index = self.m.t.index
+        s = self.m.t.sets.get(self.seq)
+        if self.done or s is None or s.state not in LIVE_STATES:  # else: asked again later
+            with index.tx():
+                index.conn.execute("DELETE FROM meta WHERE key=?", (self._meta,))
         if self.written:
             try:
                 await drop_intent(self.m.store, self.iid)

@@ -568,3 +568,30 @@ def test_directory_commit_waits_for_files_another_node_closed_before_it(cluster)
     # The intent and its acknowledgement are gone with the wait.
     wait_for(lambda: not cluster.view.keys("intents/") and not cluster.view.keys("acks/"),
              timeout=30, what="the intent and the acks to go")
+
+
+def test_directory_commit_waits_for_a_node_that_died_before_its_record(cluster):
+    gate = cluster.tmp / "b-records-held"
+    a = cluster("a")
+    b = cluster("b", env=hold_puts(gate, "parts/"))
+    written = {}
+    for r, m in enumerate((a, b)):
+        written[f"rank{r}.pt"] = rank_file(m, f"run/step_8.tmp/rank{r}.pt", r)
+    b_id = node_id(b)
+    b.kill9()  # between its close and that close's record: the record never got out
+    gate.unlink()
+    os.rename(a.path / "run" / "step_8.tmp", a.path / "run" / "step_8")
+    # B's lease still runs: A asks it, and waits for it (B may hold files A cannot know of).
+    row = wait_for(lambda: (r := set_row(a, "run/step_8")) and
+                   (r.get("waiting_for") or {}).get("acks_from") and r,
+                   timeout=30, what="A's commit to wait for the dead node's acknowledgement")
+    assert row["waiting_for"]["acks_from"] == [b_id]
+    wait_for(lambda: status(a)["uploads"]["done"] >= 1, timeout=30, what="A's own upload")
+    assert "run/step_8" not in manifests(cluster.view)
+    # B comes back on the same cache dir: it registers again, answers from its index (its
+    # record is written then) and uploads its file; the set is published whole.
+    start_node(b)
+    ckptfs.wait_durable(a.path / "run" / "step_8", timeout=120)
+    m = manifest(cluster.view, "run/step_8")
+    assert restore(cluster.view, m) == written
+    assert m["commit"]["nodes"] == sorted([node_id(a), b_id])
