@@ -736,17 +736,16 @@ class CacheFs:
         st.writes += 1
         st.bytes_written += n
 
-    def flush(self, fh: int) -> int | None:
-        """close() of a handle. Returns a directory whose part record must name this file
-        before close() returns (the last writer of a file in an open set, cachemgr.parts):
-        the caller awaits `tiering.parts.announce(dir)`. Else None."""
+    def flush(self, fh: int) -> None:
+        """close() of a handle. The last writer of a file in an open set has its directory's
+        part record updated in the background (cachemgr.parts); close() never waits for the
+        store."""
         h = self._handle(fh)
         if h.inode.dirty:
             with self.index.tx():
                 self._persist(h.inode)
         if self.tiering is not None and h.writable:
-            return self.tiering.announce_dir(h.inode)
-        return None
+            self.tiering.announce_dir(h.inode)
 
     def fsync(self, fh: int, datasync: bool) -> None:
         h = self._handle(fh)

@@ -12,9 +12,11 @@ keeps, per directory it writes into, one small JSON object in the store:
 listing its own files in that directory: `object` is the uploaded object (durable) or null
 (closed or being written, upload pending). A record is written
 
-  * when the last writer of a file in an open set closes it: `close()` returns only once the
-    record naming the file is in the store (bounded by `announce_timeout`), so anything that
-    happens after the close on any node — a barrier, then rank 0's `.metadata` rename — sees it;
+  * soon after the last writer of a file in an open set closes it (the close marks the
+    directory and returns at once: nothing on the trainer's write path waits for the store);
+  * when another node's commit of a directory set asks for it (cachemgr.members: this node's
+    records under the set's paths are brought up to date, then acknowledged), which is what
+    lets that commit include every file closed here before it;
   * again when that file's upload finishes (the entry gets its object);
   * again, or deleted, when files in the directory change, move or go away, and under its new
     key when the directory is renamed.
@@ -103,15 +105,26 @@ def loads(data: bytes) -> dict:
     return rec
 
 
+class _Waiter:
+    """Set once a pass over its directory finished; `ok` tells whether the record got to the
+    store (a failed pass releases its waiters too, so nobody hangs on an outage)."""
+
+    __slots__ = ("ev", "ok")
+
+    def __init__(self) -> None:
+        self.ev = trio.Event()
+        self.ok = False
+
+
 class PartPublisher:
     """Keeps this node's part records in the store in step with its files."""
 
-    def __init__(self, tiering, announce_timeout: float) -> None:
+    def __init__(self, tiering) -> None:
         self.t = tiering
         self.index = tiering.index
         self.node = tiering.node
-        self.announce_timeout = announce_timeout
-        self._dirty: dict[int, list[trio.Event]] = {}
+        self._dirty: dict[int, list[_Waiter]] = {}
+        self._inflight: set[int] = set()  # directories of the pass running now
         self._wake = trio.Event()
         self.published: dict[int, dict] = {}
         for key, value in self.index.conn.execute(
@@ -120,33 +133,36 @@ class PartPublisher:
         # statistics
         self.puts = 0
         self.deletes = 0
-        self.announce_timeouts = 0
+        self.syncs_failed = 0
 
     # -- hooks (synchronous) -----------------------------------------------------------------
 
-    def mark(self, dir_ino: int) -> trio.Event:
-        """Directory `dir_ino`'s record must be brought up to date; the event is set once it
-        is (or once an attempt failed: waiters must not hang on a store outage)."""
-        ev = trio.Event()
-        self._dirty.setdefault(dir_ino, []).append(ev)
+    def mark(self, dir_ino: int) -> _Waiter:
+        """Directory `dir_ino`'s record must be brought up to date (by the publisher task, in
+        the background: never awaited on the write path)."""
+        w = _Waiter()
+        self._dirty.setdefault(dir_ino, []).append(w)
         self._wake.set()
-        return ev
+        return w
 
     def mark_all(self) -> None:
         """Every directory with a record (a subtree moved or removed: paths may have changed)."""
         for ino in list(self.published):
             self.mark(ino)
 
-    async def announce(self, dir_ino: int) -> None:
-        """Called by the last writer's close: wait (bounded) until the record is in the store."""
-        ev = self.mark(dir_ino)
-        with trio.move_on_after(self.announce_timeout) as scope:
-            await ev.wait()
-        if scope.cancelled_caught:
-            self.announce_timeouts += 1
-            log.warning("part record of directory %d not in the store after %.0fs; close()"
-                        " returns anyway (the record follows when the store answers)", dir_ino,
-                        self.announce_timeout)
+    async def sync(self, dir_inos) -> None:
+        """Bring these directories' records up to date in the store: returns once a pass that
+        started after this call has written each of them; StoreError if one failed (another
+        node's commit waits for this: cachemgr.members acknowledges only after it)."""
+        waiters = [self.mark(d) for d in set(dir_inos)]
+        for w in waiters:
+            await w.ev.wait()
+        if not all(w.ok for w in waiters):
+            raise StoreError("part records could not be written to the store")
+
+    def pending(self) -> set[int]:
+        """Directories whose record may not be in the store as it should be yet."""
+        return set(self._dirty) | self._inflight
 
     # -- the record of one directory ---------------------------------------------------------
 
@@ -207,25 +223,30 @@ class PartPublisher:
                 await self._wake.wait()
                 continue
             dirty, self._dirty = self._dirty, {}
-            for dir_ino, events in dirty.items():
+            self._inflight = set(dirty)
+            for dir_ino, waiters in dirty.items():
                 try:
                     await self._sync_dir(dir_ino)
                 except StoreError as e:
                     log.warning("part record of directory %d: %s; retrying", dir_ino, e)
                     self.t.last_error = f"{time.strftime('%H:%M:%S')} part record: {e}"
-                    # Waiters are released (close() must not hang on the store); the record
-                    # is retried after a pause.
+                    self.syncs_failed += 1
+                    # Waiters are released (not ok); the record is retried after a pause.
                     self._dirty.setdefault(dir_ino, [])
-                    for ev in events:
-                        ev.set()
+                    for w in waiters:
+                        w.ev.set()
+                    self._inflight.discard(dir_ino)
                     await trio.sleep(self.t.cfg.retry_pause)
                     continue
-                for ev in events:
-                    ev.set()
+                self._inflight.discard(dir_ino)
+                for w in waiters:
+                    w.ok = True
+                    w.ev.set()
+            self._inflight = set()
 
     def status(self) -> dict:
         return {"records": len(self.published), "puts": self.puts, "deletes": self.deletes,
-                "announce_timeouts": self.announce_timeouts}
+                "dirty": len(self.pending()), "failed_passes": self.syncs_failed}
 
 
 async def read_records(store, path: str, self_node: str, cache: dict) -> list[dict]:

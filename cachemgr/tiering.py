@@ -48,6 +48,7 @@ from . import manifest as mf
 from . import names
 from .dcp import storage_files
 from .errors import FsError
+from .members import Members
 from .parts import PartPublisher, read_records
 from .sets import DCP_METADATA, KEPT_STATES, LIVE_STATES, SetRegistry, is_temp_name
 from .store import NotFound, ObjectStore, PreconditionFailed, StoreError
@@ -71,8 +72,9 @@ class TieringConfig:
     prefetch_range: int = 64 << 20   # bytes per prefetch GET (runs of adjacent chunks)
     refresh_interval: float = 10.0   # seconds between listings of the store's manifests
     commit_timeout: float = 1800.0   # a commit waiting for other nodes' files fails after this
-    announce_timeout: float = 10.0   # close() waits at most this for its part record
     gather_poll: float = 5.0         # longest pause between listings of other nodes' records
+    lease: float = 120.0             # a node's membership lapses this long after its last renewal
+    register_timeout: float = 20.0   # the mount waits at most this to register (cachemgr.members)
 
 
 @dataclass
@@ -112,7 +114,9 @@ class Tiering:
         self.restorer = Restorer(self, concurrency=cfg.prefetch_concurrency,
                                  auto_prefetch=cfg.prefetch, range_size=cfg.prefetch_range)
         self.remote = RemoteSync(self, cfg.refresh_interval)
-        self.parts = PartPublisher(self, cfg.announce_timeout)
+        self.parts = PartPublisher(self)
+        self.members = Members(self, cfg.lease, cfg.refresh_interval if cfg.refresh_interval > 0
+                               else 10.0, cfg.register_timeout)
         # Multi-node commits (see `_gather`): other nodes' durable files of a set, ready for its
         # manifest, and what a set still waits for (status). In memory: recomputed after a
         # restart from `.metadata` and the part records.
@@ -181,16 +185,16 @@ class Tiering:
             if path:
                 self._commit(path, node.ino, "close")
 
-    def announce_dir(self, node) -> int | None:
-        """A writer of `node` is closing (flush): the directory whose part record must name the
-        file before close() returns, or None (the file commits on its own, cachemgr.parts)."""
+    def announce_dir(self, node) -> None:
+        """A writer of `node` is closing (flush): if the file is in an open set, its directory's
+        part record is brought up to date in the background (cachemgr.parts). Never waits:
+        a commit on another node that needs the record asks for it (cachemgr.members)."""
         if node.nlink == 0 or node.writers != 1:
-            return None
+            return
         row = self.index.conn.execute(
             "SELECT parent FROM dentries WHERE ino=? LIMIT 1", (node.ino,)).fetchone()
-        if row is None or row[0] == 1 or not self.sets.in_open_set(row[0]):
-            return None
-        return row[0]
+        if row is not None and row[0] != 1 and self.sets.in_open_set(row[0]):
+            self.parts.mark(row[0])
 
     def on_rename(self, src, dst, old_parent: int, old_name: bytes, new_parent: int,
                   new_name: bytes, old_path: str) -> None:
@@ -346,6 +350,7 @@ class Tiering:
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         self._recover()
+        await self.members.register()  # before the first request is served (cachemgr.members)
         self.running = True
         try:
             async with trio.open_nursery() as nursery:
@@ -355,9 +360,12 @@ class Tiering:
                 await nursery.start(self.restorer.run)
                 nursery.start_soon(self._supervised, self.remote.run)
                 nursery.start_soon(self._supervised, self.parts.run)
+                nursery.start_soon(self._supervised, self.members.run)
                 task_status.started()
         finally:
             self.running = False
+            with trio.CancelScope(shield=True):
+                await self.members.leave()
 
     async def _supervised(self, fn) -> None:
         """Run a worker forever: a bug in tiering must never take the mount down with it.
@@ -766,8 +774,12 @@ class Tiering:
             directory must come from other nodes' part records, durable);
           * otherwise (a directory renamed into place, `ckptfs commit`), or when `.metadata`
             cannot be read: every file another node announced under the set's path or the path
-            it was renamed from, each durable.
+            it was renamed from, each durable. Closes do not wait for their records, so first
+            every other live node acknowledges the commit's intent, which it does once its
+            records under those paths are in the store (cachemgr.members); a node alone pays
+            one LIST of the members.
         Fails the set after `commit_timeout` seconds since its commit."""
+        acks = None
         try:
             s = self.sets.get(seq)
             if s is None:
@@ -784,6 +796,8 @@ class Tiering:
                         except (FsError, StoreError, OSError) as e:
                             log.warning("set %d: cannot bring its .metadata back: %s", seq, e)
                 required = self._dcp_required(seq)
+            if required is None:
+                acks = self.members.commit_acks(seq, s.path, roots)
             cache: dict = {}
             pause = 0.1
             while True:
@@ -793,7 +807,15 @@ class Tiering:
                     return
                 foreign: dict[str, dict] = {}
                 pending: set[str] = set()
-                if required is None or not required <= local:
+                unacked: list[str] = []
+                if acks is not None:
+                    try:
+                        unacked = await acks.missing()
+                    except StoreError as e:
+                        log.warning("set %d: asking the other nodes for their records failed:"
+                                    " %s", seq, e)
+                        unacked = ["(store unreachable)"]
+                if not unacked and (required is None or not required <= local):
                     try:
                         foreign, pending = await self._collect(roots, local, cache)
                     except StoreError as e:
@@ -804,16 +826,20 @@ class Tiering:
                     waiting = sorted(required - local - set(foreign))
                 else:
                     waiting = sorted(pending)
-                if not waiting:
+                if not waiting and not unacked:
                     break
                 waited = (time.time_ns() - s.committed_ns) / 1e9
                 nodes = sorted({e["node"] for e in foreign.values()})
                 self._waiting[seq] = {"files": waiting[:50], "missing": len(waiting),
                                       "nodes_seen": nodes, "waited_s": round(waited, 1),
                                       "timeout_s": self.cfg.commit_timeout}
+                if unacked:
+                    self._waiting[seq]["acks_from"] = unacked[:50]
                 if waited >= self.cfg.commit_timeout:
-                    msg = (f"commit timed out after {waited:.0f}s waiting for {len(waiting)}"
-                           f" file(s) from other nodes: {', '.join(waiting[:10])}")
+                    what = (f"{len(waiting)} file(s) from other nodes: {', '.join(waiting[:10])}"
+                            if not unacked else
+                            f"acknowledgements from node(s) {', '.join(unacked[:10])}")
+                    msg = f"commit timed out after {waited:.0f}s waiting for {what}"
                     log.error("set %d (%s) failed: %s", seq, s.path, msg)
                     with self.index.tx():
                         self.sets.set_state(seq, "failed", msg)
@@ -821,8 +847,12 @@ class Tiering:
                     self._changed_now()
                     return
                 if pause >= 1.0 or len(self._waiting) == 1:
-                    log.info("set %d (%s) waits for %d file(s) from other nodes (%.0fs)", seq,
-                             s.path, len(waiting), waited)
+                    if unacked:
+                        log.info("set %d (%s) waits for acknowledgements from node(s) %s"
+                                 " (%.0fs)", seq, s.path, ", ".join(unacked[:10]), waited)
+                    else:
+                        log.info("set %d (%s) waits for %d file(s) from other nodes (%.0fs)",
+                                 seq, s.path, len(waiting), waited)
                 self._changed_now()
                 await trio.sleep(min(pause, max(0.01, self.cfg.commit_timeout - waited)))
                 pause = min(pause * 2, self.cfg.gather_poll)
@@ -835,6 +865,9 @@ class Tiering:
             self._wake_ns.set()
         finally:
             self._gathering.discard(seq)
+            if acks is not None and not acks.done:
+                with trio.CancelScope(shield=True), trio.move_on_after(5):
+                    await acks.close()
 
     async def _collect(self, roots: list[str], local: set[str],
                        cache: dict) -> tuple[dict[str, dict], set[str]]:
@@ -1048,6 +1081,7 @@ class Tiering:
             "filecache": self.core.files.statistics(),
             "remote": self.remote.status(),
             "parts": self.parts.status(),
+            "members": self.members.status(),
             "pending_sets": len(live),
             # of which waiting for files other nodes write, or published after such a set
             # (commit order): nothing this node can finish

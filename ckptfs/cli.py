@@ -394,7 +394,10 @@ def cmd_status(a: argparse.Namespace) -> int:
                       f"{_human(x['bytes']):>10} {_human(x['bytes_uploaded']):>10}  "
                       f"{x['path']}{err}")
                 w = x.get("waiting_for")
-                if w:
+                if w and w.get("acks_from"):
+                    print(f"{'':>5}  waiting {w['waited_s']:.0f}s (timeout {w['timeout_s']:.0f}s)"
+                          f" for acks from nodes {', '.join(w['acks_from'][:10])}")
+                elif w:
                     names = ", ".join(w["files"][:5]) + (" ..." if w["missing"] > 5 else "")
                     print(f"{'':>5}  waiting {w['waited_s']:.0f}s (timeout {w['timeout_s']:.0f}s)"
                           f" for {w['missing']} file(s) from other nodes: {names}")

@@ -294,9 +294,7 @@ class FuseOps(pyfuse3.Operations):
 
     @_guarded
     async def flush(self, fh):
-        announce = self.core.flush(fh)
-        if announce is not None:
-            await self.core.tiering.parts.announce(announce)
+        self.core.flush(fh)  # never waits for the store (cachemgr.members)
 
     @_guarded
     async def fsync(self, fh, datasync):

@@ -13,6 +13,10 @@ of it is durable.
   * Per-rank torch.save into a temporary directory on 3 nodes, renamed into place on one node
     (the rename happens on every node), and `ckptfs commit` from another node.
   * Two nodes committing one path at once: the later commit wins, everywhere, never a mix.
+  * Nothing on the write path waits for the store: a DCP save whose store PUTs are held
+    finishes at once and becomes durable when they go through; a directory renamed into place
+    while the other node's part records cannot reach the store waits for that node's
+    acknowledgement (cachemgr.members) and is never published without its file.
 
 Every test checks at the end that no daemon logged an unexpected error.
 """
@@ -230,10 +234,12 @@ def test_dcp_on_two_nodes_publishes_only_when_every_shard_is_durable(cluster):
     assert "ckpt/step_1" not in manifests(cluster.view)
     c = cluster("c")
     assert not (c.path / "ckpt" / "step_1").exists()
-    # Each node announced its files in a part record (a closed file's record is in the store
-    # before close() returns); B's shards are there, pending.
-    recs = cluster.view.keys("parts/ckpt/step_1/")
-    assert sorted(recs) == sorted(f"parts/ckpt/step_1/@{node_id(n)}.json" for n in (a, b))
+    # Each node announced its files in a part record (written in the background after the
+    # closes); B's shards are there, pending. A DCP commit needs no acknowledgements.
+    want = sorted(f"parts/ckpt/step_1/@{node_id(n)}.json" for n in (a, b))
+    wait_for(lambda: sorted(cluster.view.keys("parts/ckpt/step_1/")) == want, timeout=30,
+             what="both nodes' part records")
+    assert not cluster.view.keys("intents/")
     rec = json.loads(cluster.view.get(f"parts/ckpt/step_1/@{node_id(b)}.json"))
     assert [(f["name"], f["object"]) for f in rec["files"]] == [("__2_0.distcp", None),
                                                                 ("__3_0.distcp", None)]
@@ -459,3 +465,133 @@ def test_concurrent_commits_of_one_path_the_later_one_wins_everywhere(cluster):
     wait_for(lambda: (a.path / "run" / "shared" / "model.pt").read_bytes() == mine["b-mnt"],
              timeout=30, what="B's version on A")
     assert sorted(os.listdir(a.path / "run" / "shared")) == ["model.pt"]
+
+
+# ----------------------------------------------------------------------------------------------
+# 5. nothing on the write path waits for the store
+
+
+def hold_puts(gate: Path, *prefixes: str) -> dict:
+    """Daemon environment in which PUTs (and multipart uploads) of keys under `prefixes` wait
+    while `gate` exists."""
+    gate.touch()
+    items = []
+    for p in prefixes:
+        items.append(f"put@{p}=hold:{gate}")
+        if p == "data/":
+            items += [f"create_multipart@{p}=hold:{gate}", f"upload_part@{p}=hold:{gate}"]
+    return {"CKPTFS_FAULTS": ",".join(items)}
+
+
+def test_dcp_save_on_one_node_never_waits_for_the_store(cluster):
+    gate = cluster.tmp / "puts-held"
+    a = cluster("a", env=hold_puts(gate, "parts/", "data/"))
+    d = a.path / "ckpt" / "step_1"
+    d.mkdir(parents=True)
+    # A close in a DCP directory (an open set) whose part record cannot reach the store: it
+    # returned before (close used to wait up to 10 s for the record, each close).
+    (d / "__9_0.distcp").write_bytes(b"x")  # makes step_1 a DCP directory
+    f = open(d / "extra.bin", "wb")  # noqa: SIM115
+    f.write(os.urandom(MiB))
+    t0 = time.monotonic()
+    f.close()
+    close_s = time.monotonic() - t0
+    os.unlink(d / "__9_0.distcp")
+    sd = {"w": torch.randn(512, 512, generator=torch.Generator().manual_seed(7)),
+          "extra": {"step": 1}}
+    t0 = time.monotonic()
+    dcp.save(sd, checkpoint_id=str(d))
+    save_s = time.monotonic() - t0
+    # The save is done while every record and data PUT is still held, and took nowhere near
+    # one close's old wait.
+    assert gate.exists()
+    assert close_s < 5 and save_s < 10, (close_s, save_s)
+    parts = status(a)["parts"]
+    assert parts["puts"] == 0 and parts["dirty"] >= 1, parts
+    row = set_row(a, "ckpt/step_1")
+    assert row["state"] in ("committed", "uploading")
+    assert "ckpt/step_1" not in manifests(cluster.view)
+
+    gate.unlink()  # the store answers again: the set becomes durable, its records follow
+    assert ckptfs.wait_durable(d, timeout=120)["state"] == "durable"
+    m = manifest(cluster.view, "ckpt/step_1")
+    assert sorted(f["path"] for f in m["files"]) == sorted(os.listdir(d))
+    assert restore(cluster.view, m) == {n: (d / n).read_bytes() for n in os.listdir(d)}
+    wait_for(lambda: cluster.view.keys("parts/ckpt/step_1/"), timeout=30,
+             what="the record once the store answers")
+    # One node alone: no intent, no acknowledgement.
+    assert status(a)["members"]["intents_written"] == 0
+    assert not cluster.view.keys("intents/") and not cluster.view.keys("acks/")
+
+
+def test_directory_commit_waits_for_files_another_node_closed_before_it(cluster):
+    gate = cluster.tmp / "b-records-held"
+    a = cluster("a")
+    b = cluster("b", env=hold_puts(gate, "parts/"))
+    written = {}
+    for r, m in enumerate((a, b)):
+        written[f"rank{r}.pt"] = rank_file(m, f"run/step_7.tmp/rank{r}.pt", r)
+    # B's close returned though its part record cannot reach the store.
+    assert status(b)["parts"]["puts"] == 0
+    # (a barrier, then) rank 0 renames its node's directory into place.
+    os.rename(a.path / "run" / "step_7.tmp", a.path / "run" / "step_7")
+    def not_torn() -> bool:
+        m = manifest(cluster.view, "run/step_7")
+        assert m is None or sorted(f["path"] for f in m["files"]) == sorted(written), \
+            f"TORN: published without B's file: {m['files']}"
+        return True
+
+    # A knows nothing of B's file from the store; it asks B, and waits for B's answer, which
+    # B can give only once its record is in the store.
+    row = wait_for(lambda: not_torn() and (r := set_row(a, "run/step_7")) and
+                   (r.get("waiting_for") or {}).get("acks_from") and r,
+                   timeout=30, what="A's commit to wait for B's acknowledgement")
+    assert row["waiting_for"]["acks_from"] == [node_id(b)]
+    assert row["state"] in ("committed", "uploading")
+    out = run_cli("status", str(a.path)).stdout
+    assert f"acks from nodes {node_id(b)}" in out, out
+    # The intent is in the store; A's own file is durable; B's record is still held (B's
+    # acknowledgement waits for it), and nothing is published.
+    wait_for(lambda: not_torn() and cluster.view.keys("intents/") and
+             status(a)["uploads"]["done"] >= 1, timeout=30, what="A's upload and its intent")
+    assert "run/step_7" not in manifests(cluster.view)
+    assert not [k for k in cluster.view.keys("parts/run/") if node_id(b) in k]
+    assert not cluster.view.keys("acks/")
+
+    gate.unlink()
+    ckptfs.wait_durable(a.path / "run" / "step_7", timeout=120)
+    m = manifest(cluster.view, "run/step_7")
+    assert sorted(f["path"] for f in m["files"]) == sorted(written)
+    assert restore(cluster.view, m) == written
+    assert m["commit"]["nodes"] == sorted(node_id(x) for x in (a, b))
+    assert status(b)["members"]["acks_sent"] == 1
+    # The intent and its acknowledgement are gone with the wait.
+    wait_for(lambda: not cluster.view.keys("intents/") and not cluster.view.keys("acks/"),
+             timeout=30, what="the intent and the acks to go")
+
+
+def test_directory_commit_waits_for_a_node_that_died_before_its_record(cluster):
+    gate = cluster.tmp / "b-records-held"
+    a = cluster("a")
+    b = cluster("b", env=hold_puts(gate, "parts/"))
+    written = {}
+    for r, m in enumerate((a, b)):
+        written[f"rank{r}.pt"] = rank_file(m, f"run/step_8.tmp/rank{r}.pt", r)
+    b_id = node_id(b)
+    b.kill9()  # between its close and that close's record: the record never got out
+    gate.unlink()
+    os.rename(a.path / "run" / "step_8.tmp", a.path / "run" / "step_8")
+    # B's lease still runs: A asks it, and waits for it (B may hold files A cannot know of).
+    row = wait_for(lambda: (r := set_row(a, "run/step_8")) and
+                   (r.get("waiting_for") or {}).get("acks_from") and r,
+                   timeout=30, what="A's commit to wait for the dead node's acknowledgement")
+    assert row["waiting_for"]["acks_from"] == [b_id]
+    wait_for(lambda: status(a)["uploads"]["done"] >= 1, timeout=30, what="A's own upload")
+    assert "run/step_8" not in manifests(cluster.view)
+    # B comes back on the same cache dir: it registers again, answers from its index (its
+    # record is written then) and uploads its file; the set is published whole.
+    start_node(b)
+    ckptfs.wait_durable(a.path / "run" / "step_8", timeout=120)
+    m = manifest(cluster.view, "run/step_8")
+    assert restore(cluster.view, m) == written
+    assert m["commit"]["nodes"] == sorted([node_id(a), b_id])

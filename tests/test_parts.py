@@ -1,5 +1,5 @@
 """Fast unit tests of the multi-node pieces that need no mount: part record keys and parsing,
-and reading a DCP `.metadata` without torch (real DCP output, and hostile pickles that must run
+member/intent/ack keys, and reading a DCP `.metadata` without torch (real DCP output, and hostile pickles that must run
 nothing)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pickle
 
 import pytest
 
-from cachemgr import parts
+from cachemgr import members, parts
 from cachemgr.dcp import storage_files
 
 torch = pytest.importorskip("torch")
@@ -29,6 +29,21 @@ def test_part_keys_round_trip():
     assert parts.parse_key(key) == ("ckpt/@x.json", "aa")
     for bad in ("parts/@n.json", "parts/d/n.json", "manifests/d/@n.json", "parts/d/@n.txt"):
         assert parts.parse_key(bad) is None, bad
+
+
+def test_member_intent_and_ack_keys_round_trip():
+    assert members.parse_member_key(members.member_key("6d60a523")) == "6d60a523"
+    iid = "6d60a523-17-18a3c0de5f2b1c00"
+    assert members.parse_intent_key(members.intent_key(iid)) == iid
+    key = members.ack_key(iid, "a41be007")
+    assert key.startswith(members.acks_prefix(iid))
+    assert members.parse_ack_key(key) == (iid, "a41be007")
+    for bad in ("members/6d60a523.json", "members/x/@n.json", "parts/d/@n.json"):
+        assert members.parse_member_key(bad) is None, bad
+    for bad in ("intents/a-1.json", "intents/a-1-2/x.json", "intents/a-1-2.txt"):
+        assert members.parse_intent_key(bad) is None, bad
+    for bad in ("acks/a-1-2/n.json", "acks/@n.json", "acks/a-1-2/@n/x.json"):
+        assert members.parse_ack_key(bad) is None, bad
 
 
 def test_part_record_validation():

@@ -1,0 +1,389 @@
+"""Members, commit intents and acknowledgements: how a commit of a directory written by several
+nodes includes every file the other nodes closed before it, without any node's close() waiting
+for the store (docs/ARCHITECTURE.md "Many nodes, one store", docs/FORMAT.md "Members, intents,
+acknowledgements").
+
+A node's part records (cachemgr.parts) are written in the background, so when rank 0 renames
+`step.tmp` into place on node A, node B's record naming the file B closed a moment ago may not
+be in the store yet. A DCP commit does not care (its `.metadata` names every storage file: A
+waits for exactly those). A directory renamed into place or `ckptfs commit` has no such list, so
+A asks:
+
+  * **membership**: every mount PUTs `members/@<node>.json` before it serves its first request
+    (`register`, at mount), renews it every lease/4 in the background and DELETEs it at a clean
+    unmount once its records are all in the store (`leave`). A member whose record was last
+    written more than `lease_s` (its own, from the record) + `_SKEW` ago is gone;
+  * **intent**: the committer lists `members/`. No other live member: nothing more (a single
+    node pays one LIST). Else it PUTs `intents/<id>.json` naming the set's paths and the live
+    members it waits for;
+  * **acknowledgement**: every node lists `intents/` every poll interval; for an intent naming
+    it, it brings its records under the set's paths up to date in the store (every directory
+    there, whatever is dirty or not: also files closed before a restart), then PUTs
+    `acks/<id>/@<node>.json`;
+  * the committer waits (in the background, bounded by --commit-timeout, from the commit) until
+    every node it named has acknowledged or left cleanly (its member record deleted), deletes
+    the intent and the acks, and then gathers the records as before (cachemgr.tiering._gather).
+
+Why it is enough: a file B closed before the commit was closed before A wrote the intent (the
+barrier orders them), so before B read it; B's ack is PUT only after its records, written by a
+pass that started after B read the intent, are in the store; A reads the records after the
+ack. A node registered after A's listing of `members/` registered after the commit, so every
+file it closed came after the commit. A node whose lease had expired when A listed `members/` is
+not waited for (a node that never comes back does not block commits after its lease); one that
+was live then and dies is waited for until it comes back (same cache dir: it acknowledges) or
+the commit times out, because it may have died between a close and that close's record.
+
+Concurrency: one trio task (`run`) renews and polls; each intent is acknowledged in a task of
+its own (a slow store for the records never delays the renewals). `CommitAcks` runs inside the
+committer's `_gather` task.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import stat
+import time
+
+import trio
+
+from .errors import FsError
+from .sets import LIVE_STATES
+from .store import NotFound, StoreError
+
+log = logging.getLogger(__name__)
+
+MEMBERS = "members/"
+INTENTS = "intents/"
+ACKS = "acks/"
+_SKEW = 10.0  # seconds of clock difference (store vs node) a lease check allows for
+
+
+def member_key(node: str) -> str:
+    return f"{MEMBERS}@{node}.json"
+
+
+def intent_key(iid: str) -> str:
+    return f"{INTENTS}{iid}.json"
+
+
+def acks_prefix(iid: str) -> str:
+    return f"{ACKS}{iid}/"
+
+
+def ack_key(iid: str, node: str) -> str:
+    return f"{ACKS}{iid}/@{node}.json"
+
+
+def parse_member_key(key: str) -> str | None:
+    if key.startswith(MEMBERS + "@") and key.endswith(".json") and "/" not in key[len(MEMBERS):]:
+        return key[len(MEMBERS) + 1:-len(".json")]
+    return None
+
+
+def parse_intent_key(key: str) -> str | None:
+    """The intent id `<node>-<seq>-<instance>` of an intent key, or None."""
+    if key.startswith(INTENTS) and key.endswith(".json") and "/" not in key[len(INTENTS):]:
+        iid = key[len(INTENTS):-len(".json")]
+        if iid.count("-") == 2:
+            return iid
+    return None
+
+
+def parse_ack_key(key: str) -> tuple[str, str] | None:
+    """(intent id, acknowledging node) of an ack key, or None."""
+    if not key.startswith(ACKS) or not key.endswith(".json"):
+        return None
+    iid, _, last = key[len(ACKS):].partition("/")
+    if not iid or not last.startswith("@") or "/" in last:
+        return None
+    return iid, last[1:-len(".json")]
+
+
+def _doc(kind: str, **fields) -> bytes:
+    return json.dumps({"format": f"ckptfs-{kind}", "version": 1, **fields},
+                      sort_keys=True).encode()
+
+
+def _load(data: bytes, kind: str) -> dict | None:
+    try:
+        d = json.loads(data)
+    except ValueError:
+        return None
+    if not isinstance(d, dict) or d.get("format") != f"ckptfs-{kind}" or d.get("version") != 1:
+        return None
+    return d
+
+
+class Members:
+    """This node's membership, and its acknowledgements of other nodes' commit intents."""
+
+    def __init__(self, tiering, lease: float, poll: float, register_timeout: float) -> None:
+        self.t = tiering
+        self.store = tiering.store
+        self.node = tiering.node
+        self.lease = lease
+        self.poll = poll
+        self.register_timeout = register_timeout
+        self.registered = False
+        self._renewed = 0.0               # monotonic time of the last successful PUT
+        self._acked: set[tuple[str, str]] = set()    # (intent key, etag) acknowledged
+        self._acking: set[str] = set()    # intent keys being acknowledged now
+        self.mine: set[str] = set()       # ids of this node's intents in use now
+        self._nursery: trio.Nursery | None = None
+        # statistics
+        self.renewals = 0
+        self.acks_sent = 0
+        self.intents_written = 0
+
+    # -- membership ---------------------------------------------------------------------------
+
+    async def _put_member(self) -> None:
+        await self.store.put(member_key(self.node), _doc(
+            "member", node=self.node, lease_s=self.lease, renewed_ns=time.time_ns(),
+            pid=os.getpid()))
+        self._renewed = time.monotonic()
+        self.renewals += 1
+        if not self.registered:
+            self.registered = True
+            log.info("registered as node %s in the store (lease %.0fs)", self.node, self.lease)
+
+    async def register(self) -> None:
+        """At mount, before the first request is served (so no file can be closed here before
+        another node can see this node). A store that does not answer does not stop the mount:
+        the registration is retried in the background, and logged."""
+        err = f"no answer in {self.register_timeout:.0f}s"
+        with trio.move_on_after(self.register_timeout):
+            try:
+                await self._put_member()
+                return
+            except StoreError as e:
+                err = str(e)
+        log.warning("could not register node %s in the store (%s); retrying in the background."
+                    " Until then a directory committed on another node may miss files closed"
+                    " here", self.node, err)
+
+    async def leave(self) -> None:
+        """At a clean unmount: once every part record is in the store, drop the member record
+        (committers stop waiting for this node). If the records cannot be written, the member
+        record stays: committers then wait for this node to come back, or time out."""
+        if not self.registered:
+            return
+        with trio.move_on_after(max(1.0, min(10.0, self.register_timeout))) as scope:
+            try:
+                for d in sorted(self.t.parts.pending()):
+                    await self.t.parts._sync_dir(d)
+                await self.store.delete(member_key(self.node))
+                self.registered = False
+                log.info("left the store's members (node %s)", self.node)
+                return
+            except StoreError as e:
+                log.warning("node %s stays registered: its part records could not be written"
+                            " at unmount: %s", self.node, e)
+        if scope.cancelled_caught:
+            log.warning("node %s stays registered: the store did not answer at unmount",
+                        self.node)
+
+    async def live(self) -> dict[str, float]:
+        """{node: mtime of its member record} of every other node whose lease runs."""
+        now = time.time()
+        out: dict[str, float] = {}
+        for info in await self.store.list(MEMBERS):
+            node = parse_member_key(info.key)
+            if node is None or node == self.node:
+                continue
+            if info.mtime + self.lease + _SKEW >= now:
+                out[node] = info.mtime
+                continue
+            # Expired by this node's lease: its own may be longer.
+            try:
+                doc = _load(await self.store.get(info.key), "member")
+            except NotFound:
+                continue
+            lease = float(doc.get("lease_s", 0)) if doc else 0.0
+            if info.mtime + lease + _SKEW >= now:
+                out[node] = info.mtime
+        return out
+
+    # -- the background task: renewals, intents of other nodes -------------------------------
+
+    async def run(self) -> None:
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            while True:
+                try:
+                    if not self.registered or \
+                            time.monotonic() - self._renewed >= self.lease / 4:
+                        await self._put_member()
+                    await self._poll()
+                except StoreError as e:
+                    log.warning("members: %s; retrying", e)
+                await trio.sleep(min(self.poll, self.lease / 4))
+
+    async def _poll(self) -> None:
+        listed = set()
+        for info in await self.store.list(INTENTS):
+            iid = parse_intent_key(info.key)
+            if iid is None:
+                continue
+            listed.add(info.key)
+            if iid.split("-", 1)[0] == self.node:
+                if iid not in self.mine:  # left over by a commit before a restart
+                    self._nursery.start_soon(self._drop_intent, iid)
+                continue
+            mark = (info.key, info.etag)
+            if mark in self._acked or info.key in self._acking:
+                continue
+            self._acking.add(info.key)
+            self._nursery.start_soon(self._ack, info.key, info.etag)
+        self._acked = {a for a in self._acked if a[0] in listed}
+
+    async def _drop_intent(self, iid: str) -> None:
+        try:
+            await drop_intent(self.store, iid)
+        except StoreError as e:
+            log.warning("cannot delete stale intent %s: %s", iid, e)
+
+    def _dirs_under(self, roots: list[str]) -> list[int]:
+        """Directories at or below `roots` here whose records a committer may need: those in an
+        open set, and those with a record in the store."""
+        out = []
+        for root in roots:
+            try:
+                ino = self.t._resolve(root)
+            except FsError:
+                continue  # no such directory here: nothing of this node's under it
+            stack = [ino]
+            while stack:
+                d = stack.pop()
+                row = self.t.index.get_inode(d)
+                if row is None or not stat.S_ISDIR(row[1]):
+                    continue
+                if d in self.t.parts.published or self.t.sets.in_open_set(d):
+                    out.append(d)
+                for _id, _name, child in self.t.index.list_dentries(d, 0, 1 << 30):
+                    stack.append(child)
+        return out
+
+    async def _ack(self, key: str, etag: str) -> None:
+        try:
+            doc = _load(await self.store.get(key), "intent")
+            iid = parse_intent_key(key)
+            if doc is None or iid is None:
+                log.warning("skipping intent %s: not a ckptfs intent", key)
+                self._acked.add((key, etag))
+                return
+            if self.node not in doc.get("nodes", []):
+                self._acked.add((key, etag))  # registered after it: nothing closed before it
+                return
+            roots = [r for r in doc.get("roots", []) if isinstance(r, str) and r]
+            dirs = self._dirs_under(roots)
+            await self.t.parts.sync(dirs)
+            await self.store.put(ack_key(iid, self.node), _doc(
+                "ack", node=self.node, intent=iid, acked_ns=time.time_ns(), dirs=len(dirs)))
+            self.acks_sent += 1
+            self._acked.add((key, etag))
+            log.info("acknowledged node %s's commit of %s (%d directories here)",
+                     doc.get("node"), doc.get("path"), len(dirs))
+        except NotFound:
+            pass  # the intent went: its commit no longer waits
+        except StoreError as e:
+            log.warning("cannot acknowledge intent %s yet: %s", key, e)
+        finally:
+            self._acking.discard(key)
+
+    def commit_acks(self, seq: int, path: str, roots: list[str]) -> CommitAcks:
+        return CommitAcks(self, seq, path, roots)
+
+    def status(self) -> dict:
+        return {"registered": self.registered, "lease_s": self.lease,
+                "renewals": self.renewals, "acks_sent": self.acks_sent,
+                "intents_written": self.intents_written, "intents_open": len(self.mine)}
+
+
+async def drop_intent(store, iid: str) -> None:
+    await store.delete(intent_key(iid))
+    for info in await store.list(acks_prefix(iid)):
+        await store.delete(info.key)
+
+
+class CommitAcks:
+    """The committer's side, for one directory set: which live nodes must acknowledge, the
+    intent, and the acknowledgements received."""
+
+    def __init__(self, members: Members, seq: int, path: str, roots: list[str]) -> None:
+        self.m = members
+        self.seq = seq
+        self.iid = f"{members.node}-{seq}-{time.time_ns():x}"
+        self.path = path
+        self.roots = roots
+        self.nodes: set[str] | None = None  # None: not decided yet
+        self.acked: set[str] = set()
+        self.written = False
+        self.done = False
+
+    async def missing(self) -> list[str]:
+        """Nodes still to acknowledge ([] once none is)."""
+        store = self.m.store
+        if self.done:
+            return []
+        index = self.m.t.index
+        if self.nodes is None:
+            # Nodes an earlier attempt asked (before a restart of this daemon) are asked again
+            # even if their lease ran out since: they may have died between a close and its
+            # record.
+            asked = json.loads(index.meta(self._meta) or "[]")
+            self.nodes = set(await self.m.live()) | set(asked)
+            if not self.nodes:
+                self.done = True  # no other node: nothing to ask
+                return []
+            with index.tx():
+                index.conn.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)",
+                                   (self._meta, json.dumps(sorted(self.nodes))))
+        if not self.written:
+            self.m.mine.add(self.iid)
+            await store.put(intent_key(self.iid), _doc(
+                "intent", node=self.m.node, path=self.path, roots=self.roots,
+                nodes=sorted(self.nodes), written_ns=time.time_ns()))
+            self.written = True
+            self.m.intents_written += 1
+            log.info("commit of %s waits for acknowledgements from node(s) %s", self.path,
+                     ", ".join(sorted(self.nodes)))
+        for info in await store.list(acks_prefix(self.iid)):
+            parsed = parse_ack_key(info.key)
+            if parsed is not None:
+                self.acked.add(parsed[1])
+        left = self.nodes - self.acked
+        if left:
+            # A node that left cleanly (its member record deleted) wrote its records first.
+            present = {parse_member_key(i.key) for i in await store.list(MEMBERS)}
+            gone = left - present
+            if gone:
+                log.info("commit of %s: node(s) %s left the store's members; not waiting for"
+                         " them", self.path, ", ".join(sorted(gone)))
+                self.nodes -= gone
+                left -= gone
+        if not left:
+            self.done = True
+            await self.close()
+        return sorted(left)
+
+    @property
+    def _meta(self) -> str:
+        return f"intent:{self.seq}"
+
+    async def close(self) -> None:
+        """Delete the intent and its acks (the commit no longer waits for them)."""
+        index = self.m.t.index
+        s = self.m.t.sets.get(self.seq)
+        if self.done or s is None or s.state not in LIVE_STATES:  # else: asked again later
+            with index.tx():
+                index.conn.execute("DELETE FROM meta WHERE key=?", (self._meta,))
+        if self.written:
+            try:
+                await drop_intent(self.m.store, self.iid)
+            except StoreError as e:
+                log.warning("cannot delete intent %s (deleted at the next mount): %s",
+                            self.iid, e)
+        self.m.mine.discard(self.iid)
