@@ -111,6 +111,16 @@ class Inode:
 
 # Every field of an Inode: what `CacheFs._tx` saves and restores.
 _INODE_FIELDS = Inode.__slots__
+_SETID = stat.S_ISUID | stat.S_ISGID
+
+
+@dataclass(frozen=True, slots=True)
+class Caller:
+    """Who asks for an operation (the FUSE request's context): decides which set-id bits a
+    change of a file's data removes."""
+    uid: int
+    gid: int
+    pid: int = 0
 
 
 @dataclass(slots=True)
@@ -120,6 +130,7 @@ class Handle:
     fd: int
     writable: bool
     append: bool
+    opener: Caller | None = None  # None: privileged (set-id bits stay on writes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,6 +170,22 @@ def _retry_when_full(method):
         return method(self, *args, **kw)
 
     return wrapper
+
+
+def _in_group(caller: Caller, gid: int) -> bool:
+    """Whether `caller` is in group `gid` (its fsgid or a supplementary group), as the kernel's
+    in_group_p. The supplementary groups come from /proc; an exited caller counts as not in it
+    (which removes the bit: the safe side)."""
+    if caller.gid == gid:
+        return True
+    try:
+        with open(f"/proc/{caller.pid}/status") as f:
+            for line in f:
+                if line.startswith("Groups:"):
+                    return str(gid) in line.split()[1:]
+    except OSError:
+        pass
+    return False
 
 
 class CacheFs:
@@ -485,7 +512,8 @@ class CacheFs:
     @_retry_when_full
     def setattr(self, ino: int, *, size: int | None = None, mode: int | None = None,
                 uid: int | None = None, gid: int | None = None, atime_ns: int | None = None,
-                mtime_ns: int | None = None, fh: int | None = None) -> Inode:
+                mtime_ns: int | None = None, fh: int | None = None,
+                caller: Caller | None = None) -> Inode:
         node = self.inode(ino)
         if size is not None:
             if node.is_dir:
@@ -506,6 +534,8 @@ class CacheFs:
             if mode is not None:
                 node.mode = stat.S_IFMT(node.mode) | stat.S_IMODE(mode)
                 changed.append("mode")
+            if size is not None and self._kill_setid(node, caller):
+                changed.append("mode")  # after an explicit mode: the kernel's own kill is in it
             if uid is not None:
                 node.uid = uid
                 changed.append("uid")
@@ -542,6 +572,26 @@ class CacheFs:
         elif size < old:
             # Shrinking loses bytes: only once the transaction committed.
             self.index.after_commit(lambda: os.truncate(target, size))
+
+    def _kill_setid(self, node: Inode, caller: Caller | None) -> bool:
+        """A change of `node`'s data by `caller` (a write, a truncate, a truncating open):
+        remove the set-id bits Linux removes on its local filesystems (fs/attr.c
+        setattr_should_drop_suidgid, via file_remove_privs on write and do_truncate): S_ISUID;
+        S_ISGID if group-execute is set or the caller is not in the file's group (a setgid file
+        without group-execute is otherwise left alone). Not for a caller with CAP_FSETID,
+        taken to be uid 0. Inside the caller's `_tx(node)`; True if the mode changed (the
+        caller saves it)."""
+        mode = node.mode
+        if caller is None or caller.uid == 0 or not mode & _SETID or not stat.S_ISREG(mode):
+            return False
+        kill = mode & stat.S_ISUID
+        if mode & stat.S_ISGID and (mode & stat.S_IXGRP or not _in_group(caller, node.gid)):
+            kill |= stat.S_ISGID
+        if not kill:
+            return False
+        node.mode = mode & ~kill
+        node.ctime_ns = _now()
+        return True
 
     @_retry_when_full
     def mkdir(self, parent: int, name: bytes, mode: int, uid: int, gid: int) -> Inode:
@@ -733,32 +783,35 @@ class CacheFs:
 
     @_retry_when_full
     def create(self, parent: int, name: bytes, mode: int, flags: int, uid: int,
-               gid: int) -> tuple[OpenResult, Inode]:
+               gid: int, caller: Caller | None = None) -> tuple[OpenResult, Inode]:
         d = self._dir(parent)
         fd = None
         try:
             with self._tx():  # the new inode and its open: one transaction
                 node = self._new_inode(d, name, stat.S_IFREG | stat.S_IMODE(mode), uid, gid)
-                fd = self._open_data(node, flags)
+                fd = self._open_data(node, flags, caller)
         except BaseException:
             if fd is not None:
                 os.close(fd)
             raise
-        return self._add_handle(node, fd, flags), node
+        return self._add_handle(node, fd, flags, caller), node
 
     @_retry_when_full
-    def open(self, ino: int, flags: int) -> OpenResult:
+    def open(self, ino: int, flags: int, caller: Caller | None = None) -> OpenResult:
+        """Open a regular file. `caller` (None: privileged) decides which set-id bits its
+        writes and a truncating open remove (`_kill_setid`)."""
         node = self.inode(ino)
         if node.is_dir:
             raise FsError(errno.EISDIR)
         if not node.is_reg:
             raise FsError(errno.EINVAL, "not a regular file")
-        fd = self._open_data(node, flags)
-        return self._add_handle(node, fd, flags)
+        fd = self._open_data(node, flags, caller)
+        return self._add_handle(node, fd, flags, caller)
 
-    def _open_data(self, node: Inode, flags: int) -> int:
-        """The index side of an open, in one transaction: O_TRUNC, a new content version for
-        the first writer. Returns an fd on the cache file."""
+    def _open_data(self, node: Inode, flags: int, caller: Caller | None) -> int:
+        """The index side of an open, in one transaction: O_TRUNC, the set-id bits a truncating
+        open removes, a new content version for the first writer. Returns an fd on the cache
+        file."""
         accmode = flags & os.O_ACCMODE
         writable = accmode in (os.O_WRONLY, os.O_RDWR)
         # O_TRUNC truncates whatever the access mode, as on Linux's local filesystems
@@ -775,6 +828,10 @@ class CacheFs:
             return fd  # nothing for the index (a read-only open, or another writer's)
         try:
             with self._tx(node):
+                # An unprivileged O_TRUNC removes set-id bits even on an empty file, as
+                # do_truncate does (the kernel leaves that to us with atomic_o_trunc).
+                if trunc and self._kill_setid(node, caller):
+                    self._save(node, "mode", "ctime_ns")
                 if trunc and (node.size or not node.cached):
                     now = _now()
                     if node.cached:
@@ -798,13 +855,14 @@ class CacheFs:
             raise
         return fd
 
-    def _add_handle(self, node: Inode, fd: int, flags: int) -> OpenResult:
+    def _add_handle(self, node: Inode, fd: int, flags: int, caller: Caller | None) -> OpenResult:
         """The in-memory side of an open (cannot fail)."""
         writable = flags & os.O_ACCMODE in (os.O_WRONLY, os.O_RDWR)
         self._last_used[node.ino] = time.monotonic()
         fh = self._next_fh
         self._next_fh += 1
-        self._handles[fh] = Handle(fh, node, fd, writable, bool(flags & os.O_APPEND))
+        opener = caller if caller is not None and caller.uid != 0 else None
+        self._handles[fh] = Handle(fh, node, fd, writable, bool(flags & os.O_APPEND), opener)
         node.opens += 1
         if writable:
             node.writers += 1
@@ -837,7 +895,7 @@ class CacheFs:
     def write(self, fh: int, off: int, buf: bytes) -> int:
         # Hot path: one pwrite, then in-memory size/mtime; the index is updated at flush/release.
         h = self._handles[fh]
-        if not self.index.reserve_held:
+        if (h.opener is not None and h.inode.mode & _SETID) or not self.index.reserve_held:
             self.before_write(h, len(buf))
         if h.append:
             off = h.inode.size
@@ -851,16 +909,29 @@ class CacheFs:
         return self._handle(fh)
 
     def before_write(self, h: Handle, n: int) -> None:
-        """Before `n` bytes are written through `h`: while the index reserve is released (the
-        cache disk was full, cachemgr.index), file data does not take the room that freed: it
-        is for the index writes of the deletes that make room. ENOSPC unless the disk has the
-        reserve's size free besides `n`."""
+        """Before `n` bytes are written through `h`:
+
+        * While the index reserve is released (the cache disk was full, cachemgr.index), file
+          data does not take the room that freed: it is for the index writes of the deletes
+          that make room. ENOSPC unless the disk has the reserve's size free besides `n`.
+        * An unprivileged opener's write removes set-id bits (file_remove_privs). With direct
+          I/O the kernel leaves that to the filesystem (FUSE_WRITE_KILL_SUIDGID, which pyfuse3
+          does not pass on), so it is decided here from the opener's credentials; through the
+          page cache the kernel already did it.
+        """
         index = self.index
         if not index.reserve_held and index.reserve_bytes:
             st = os.statvfs(self.cache_dir)
             if st.f_bavail * st.f_frsize < index.reserve_bytes + n:
                 raise FsError(errno.ENOSPC, "cache disk full (what is left is kept for the"
                               " index: delete files to make room)")
+        if h.opener is not None and h.inode.mode & _SETID:
+            self._retrying(self._kill_setid_now, h.inode, h.opener)
+
+    def _kill_setid_now(self, node: Inode, caller: Caller) -> None:
+        with self._tx(node):
+            if self._kill_setid(node, caller):
+                self._save(node, "mode", "ctime_ns")
 
     def wrote(self, h: Handle, off: int, n: int) -> None:
         node = h.inode

@@ -30,7 +30,7 @@ from typing import Any
 import pyfuse3
 import trio
 
-from cachemgr.core import CacheFs, Inode
+from cachemgr.core import CacheFs, Caller, Inode
 from cachemgr.errors import FsError
 from cachemgr.index import is_disk_full
 from cachemgr.transfer import note_foreground
@@ -82,6 +82,11 @@ def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
             raise pyfuse3.FUSEError(errno.EIO) from None
 
     return wrapper
+
+
+def _caller(ctx: pyfuse3.RequestContext) -> Caller:
+    """Who asks: set-id bits go on an unprivileged write or truncate (`CacheFs._kill_setid`)."""
+    return Caller(ctx.uid, ctx.gid, ctx.pid)
 
 
 def _brief(args: tuple) -> tuple:
@@ -182,6 +187,7 @@ class FuseOps(pyfuse3.Operations):
             atime_ns=attr.st_atime_ns if fields.update_atime else None,
             mtime_ns=attr.st_mtime_ns if fields.update_mtime else None,
             fh=fh,
+            caller=_caller(ctx),
         )
         return self._entry(node)
 
@@ -243,7 +249,8 @@ class FuseOps(pyfuse3.Operations):
 
     @_guarded
     async def create(self, parent_inode, name, mode, flags, ctx):
-        res, node = self.core.create(parent_inode, name, mode, flags, ctx.uid, ctx.gid)
+        res, node = self.core.create(parent_inode, name, mode, flags, ctx.uid, ctx.gid,
+                                     _caller(ctx))
         return self._fileinfo(res), self._entry(node)
 
     @_guarded
@@ -252,7 +259,7 @@ class FuseOps(pyfuse3.Operations):
         writing = flags & os.O_ACCMODE != os.O_RDONLY
         if writing and not truncating:
             await self._ensure_cached(inode)
-        res = self.core.open(inode, flags)
+        res = self.core.open(inode, flags, _caller(ctx))
         if not writing and self.core.tiering is not None:
             # Reads wait only for their own ranges; the rest of the set comes in meanwhile.
             self.core.tiering.restorer.on_open(inode)
@@ -289,7 +296,7 @@ class FuseOps(pyfuse3.Operations):
         if self._io_limiter is None:
             return self.core.write(fh, off, buf)
         h = self.core.io_handle(fh)
-        self.core.before_write(h, len(buf))  # the room kept for the index
+        self.core.before_write(h, len(buf))  # room kept for the index; set-id bits
         if h.append:
             off = h.inode.size
         n = await trio.to_thread.run_sync(os.pwrite, h.fd, buf, off, limiter=self._io_limiter)
