@@ -8,6 +8,7 @@ On-disk layout of a cache directory (version in `layout.json`):
 
     layout.json        {"format": "ckptfs-cache", "version": 1}
     index.sqlite       the cache index (schema.sql), WAL mode
+    index.reserve      room kept for the index's writes on a full disk (cachemgr.index)
     data/<ino>         one cache file per regular file, always exactly the file's logical size
 
 Concurrency contract: all methods run on the single trio thread of the FUSE loop (blocking I/O
@@ -22,10 +23,21 @@ file whose lock is held. State kept in memory:
     updated here on every write and written to the index at flush/fsync/release (`dirty`).
   * `_handles`: open file handles (fh -> `Handle`), each with its own fd on the cache file.
 
+Memory follows the index: every metadata operation is one index transaction, and its changes
+to `Inode` objects, `cached_bytes` and the inode table are made inside `_tx()`, which undoes them
+exactly when the transaction rolls back. So a refused operation (a full cache disk: `IndexFull`,
+ENOSPC) leaves memory, index and cache files as they were, and can simply run again: when the
+index released its reserve to answer the failure (cachemgr.index), `_retry_when_full` does that
+once. Cache-file changes that cannot be undone (shrinking a file, deleting a purged inode's data)
+happen only after the transaction committed (`Index.after_commit`); those that can (creating a
+cache file, growing one) happen inside it and are undone on rollback.
+
 Crash contract (kill -9 of the daemon; the OS page cache survives):
 
   * Every metadata operation is one committed index transaction: after the crash the tree is
-    exactly as of the last completed operation.
+    exactly as of the last completed operation (a truncate whose transaction committed but
+    whose cache file was not shrunk yet keeps the old bytes: recover() takes the size from
+    the cache file).
   * Data written before the crash is in the cache files (page cache). The index may hold a stale
     size for files written since their last flush; `recover()` sets every regular file's size
     from its cache file, which is kept at exactly the logical size at all times.
@@ -39,16 +51,19 @@ WAL, so every fsync'd file is intact; unsynced data may be lost, as on any local
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import functools
 import json
 import logging
 import os
 import stat
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import FsError
+from .errors import FsError, IndexFull
 from .filecache import FileCache
 from .index import INODE_COLUMNS, ROOT_INO, Index
 
@@ -98,6 +113,20 @@ class Inode:
         return stat.S_ISREG(self.mode)
 
 
+# Every field of an Inode: what `CacheFs._tx` saves and restores.
+_INODE_FIELDS = Inode.__slots__
+_SETID = stat.S_ISUID | stat.S_ISGID
+
+
+@dataclass(frozen=True, slots=True)
+class Caller:
+    """Who asks for an operation (the FUSE request's context): decides which set-id bits a
+    change of a file's data removes."""
+    uid: int
+    gid: int
+    pid: int = 0
+
+
 @dataclass(slots=True)
 class Handle:
     fh: int
@@ -105,6 +134,7 @@ class Handle:
     fd: int
     writable: bool
     append: bool
+    opener: Caller | None = None  # None: privileged (set-id bits stay on writes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +156,40 @@ class CoreStats:
 
 def _now() -> int:
     return time.time_ns()
+
+
+def _retry_when_full(method):
+    """Run an operation once more when its index transaction failed on a full cache disk and
+    the index released its reserve to make room (`IndexFull.released`, cachemgr.index). The
+    failed run changed nothing (its transaction rolled back and `CacheFs._tx` undid its
+    in-memory changes), and the second one has the reserve's room for its index writes."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kw):
+        try:
+            return method(self, *args, **kw)
+        except IndexFull as e:
+            if not e.released:
+                raise
+        return method(self, *args, **kw)
+
+    return wrapper
+
+
+def _in_group(caller: Caller, gid: int) -> bool:
+    """Whether `caller` is in group `gid` (its fsgid or a supplementary group), as the kernel's
+    in_group_p. The supplementary groups come from /proc; an exited caller counts as not in it
+    (which removes the bit: the safe side)."""
+    if caller.gid == gid:
+        return True
+    try:
+        with open(f"/proc/{caller.pid}/status") as f:
+            for line in f:
+                if line.startswith("Groups:"):
+                    return str(gid) in line.split()[1:]
+    except OSError:
+        pass
+    return False
 
 
 class CacheFs:
@@ -150,6 +214,9 @@ class CacheFs:
         # limits. Kept up to date by every size change.
         self.cached_bytes = index.cached_bytes()
         self._last_used: dict[int, float] = {}
+        # Unlinked, unused inodes whose purge failed on a full cache disk: purged at a later
+        # drop, at close() or by recover() at the next mount.
+        self._purge_pending: set[int] = set()
         # Set by the FUSE layer: tell the kernel to forget a directory entry changed behind its
         # back (sets restored from the store).
         self.invalidate_entry = lambda parent, name: None
@@ -229,16 +296,49 @@ class CacheFs:
         for h in list(self._handles.values()):
             os.close(h.fd)
         self._handles.clear()
-        with self.index.tx():
-            for ino in list(self._inodes.values()):
-                self._persist(ino)
-                if ino.nlink == 0:
-                    self._purge(ino)
+        self._retrying(self._persist_all)
         self.index.sync()
         self.index.close()
 
+    def _persist_all(self) -> None:
+        with self._tx():
+            for node in list(self._inodes.values()):
+                self._persist(node)
+                if node.nlink == 0:
+                    self._purge(node)
+
     # ------------------------------------------------------------------------------------------
     # helpers
+
+    @contextlib.contextmanager
+    def _tx(self, *nodes: Inode) -> Iterator[None]:
+        """An index transaction (or a part of the enclosing one) tied to memory: every field of
+        `nodes` and `cached_bytes`, as they are now, come back exactly when the transaction
+        rolls back. Every in-memory change an operation makes happens inside one, on nodes it
+        names: memory never shows a change the index does not have."""
+        with self.index.tx():
+            saved = [(n, [getattr(n, f) for f in _INODE_FIELDS]) for n in nodes]
+            cached = self.cached_bytes
+
+            def undo() -> None:
+                for n, values in saved:
+                    for f, v in zip(_INODE_FIELDS, values):
+                        setattr(n, f, v)
+                self.cached_bytes = cached
+
+            self.index.on_rollback(undo)
+            yield
+
+    @staticmethod
+    def _retrying(fn, *args):
+        """`fn(*args)`, once more if it failed on a full disk and the reserve made room (see
+        `_retry_when_full`)."""
+        try:
+            return fn(*args)
+        except IndexFull as e:
+            if not e.released:
+                raise
+        return fn(*args)
 
     def _data_path(self, ino: int) -> str:
         return f"{self.data_dir}/{ino}"
@@ -306,30 +406,64 @@ class CacheFs:
         self._save(d, "mtime_ns", "ctime_ns", "nlink")
 
     def _maybe_drop(self, node: Inode) -> None:
-        """Forget the in-memory inode, or delete it for good if it is unlinked and unused."""
+        """Forget the in-memory inode, or delete it for good if it is unlinked and unused.
+        Never raises IndexFull: the operation that got here is complete, and what is left to
+        write waits in memory (a dirty size until the next persist, an unlinked inode until a
+        later drop, close() or the next mount's recover())."""
         if node.lookups > 0 or node.opens > 0:
             return
-        if node.nlink == 0:
-            with self.index.tx():
-                self._purge(node)
-        else:
-            if node.dirty:
-                with self.index.tx():
-                    self._persist(node)
+        if not self._drop(node):
+            return
+        for ino in list(self._purge_pending):
+            pending = self._inodes.get(ino)
+            if pending is None or pending.lookups or pending.opens:
+                self._purge_pending.discard(ino)  # purged, or dropped at its own last use
+            elif not self._drop(pending):
+                break
+
+    def _drop(self, node: Inode) -> bool:
+        try:
+            if node.nlink == 0:
+                self._retrying(self._purge_now, node)
+            elif node.dirty:
+                self._retrying(self._persist_now, node)
+        except IndexFull as e:
+            if node.nlink == 0:
+                self._purge_pending.add(node.ino)
+            log.warning("inode %d stays in memory: %s", node.ino, e)
+            return False
         self._inodes.pop(node.ino, None)
+        return True
+
+    def _purge_now(self, node: Inode) -> None:
+        with self._tx(node):
+            self._purge(node)
+
+    def _persist_now(self, node: Inode) -> None:
+        with self._tx(node):
+            self._persist(node)
 
     def _purge(self, node: Inode) -> None:
+        """Delete an unlinked, unused inode (inside a transaction): its row now, its cache file
+        once the transaction committed (deleted data cannot be undone; a crash in between leaves
+        a cache file without inode, which recover() deletes)."""
         if self.tiering is not None:
             self.tiering.on_purge(node.ino)
-        if node.is_reg:
-            self._unlink_data(node.ino)
-            if node.cached:
-                self.cached_bytes -= node.size
-                self._freed()
-            self._last_used.pop(node.ino, None)
+        if node.is_reg and node.cached:
+            self.cached_bytes -= node.size
+            self._freed()
         self.index.delete_inode(node.ino)
-        self._xattr_inos.discard(node.ino)
-        self._inodes.pop(node.ino, None)
+        ino, is_reg = node.ino, node.is_reg
+
+        def gone() -> None:
+            if is_reg:
+                self._unlink_data(ino)
+                self._last_used.pop(ino, None)
+            self._xattr_inos.discard(ino)
+            self._inodes.pop(ino, None)
+            self._purge_pending.discard(ino)
+
+        self.index.after_commit(gone)
 
     def _new_inode(self, parent: Inode, name: bytes, mode: int, uid: int, gid: int, *,
                    target: bytes | None = None) -> Inode:
@@ -338,7 +472,7 @@ class CacheFs:
             raise FsError(errno.EEXIST)
         now = _now()
         is_dir = stat.S_ISDIR(mode)
-        with self.index.tx():
+        with self._tx(parent):
             ino = self.index.insert_inode(
                 mode=mode, uid=uid, gid=gid, now=now, nlink=2 if is_dir else 1,
                 size=len(target) if target is not None else 0, target=target,
@@ -347,13 +481,16 @@ class CacheFs:
                 # Create the cache file inside the transaction: a crash before COMMIT leaves a
                 # stray file (deleted by recover()), never an inode without its cache file.
                 self._make_data_file(ino)
+                self.index.on_rollback(lambda: self._unlink_data(ino))
             self.index.add_dentry(parent.ino, name, ino)
             if is_dir:
                 parent.nlink += 1
             self._touch_dir(parent, now)
-        node = self.inode(ino)
-        node.new_file = stat.S_ISREG(mode)
-        node.lookups += 1
+            node = self.inode(ino)
+            # Loaded from the uncommitted row: gone again if the transaction rolls back.
+            self.index.on_rollback(lambda: self._inodes.pop(ino, None))
+            node.new_file = stat.S_ISREG(mode)
+            node.lookups += 1
         return node
 
     def _is_ancestor(self, maybe_ancestor: int, ino: int) -> bool:
@@ -392,12 +529,12 @@ class CacheFs:
     def getattr(self, ino: int) -> Inode:
         return self.inode(ino)
 
+    @_retry_when_full
     def setattr(self, ino: int, *, size: int | None = None, mode: int | None = None,
                 uid: int | None = None, gid: int | None = None, atime_ns: int | None = None,
-                mtime_ns: int | None = None, fh: int | None = None) -> Inode:
+                mtime_ns: int | None = None, fh: int | None = None,
+                caller: Caller | None = None) -> Inode:
         node = self.inode(ino)
-        now = _now()
-        changed: list[str] = ["ctime_ns"]
         if size is not None:
             if node.is_dir:
                 raise FsError(errno.EISDIR)
@@ -405,58 +542,92 @@ class CacheFs:
                 raise FsError(errno.EINVAL, "truncate of a special file")
             if size < 0:
                 raise FsError(errno.EINVAL)
-            self._truncate(node, size, fh)
-            node.mtime_ns = now
-            changed += ["size", "mtime_ns"]
-        if mode is not None:
-            node.mode = stat.S_IFMT(node.mode) | stat.S_IMODE(mode)
-            changed.append("mode")
-        if uid is not None:
-            node.uid = uid
-            changed.append("uid")
-        if gid is not None:
-            node.gid = gid
-            changed.append("gid")
-        if atime_ns is not None:
-            node.atime_ns = atime_ns
-            changed.append("atime_ns")
-        if mtime_ns is not None:
-            node.mtime_ns = mtime_ns
-            changed.append("mtime_ns")
-        node.ctime_ns = now
-        with self.index.tx():
+            if not node.cached:
+                raise FsError(errno.EIO, f"inode {node.ino} is not in the cache (fetch it first)")
+        now = _now()
+        changed: list[str] = ["ctime_ns"]
+        with self._tx(node):
+            if size is not None:
+                self._truncate(node, size, fh)
+                node.mtime_ns = now
+                changed += ["size", "mtime_ns"]
+            if mode is not None:
+                node.mode = stat.S_IFMT(node.mode) | stat.S_IMODE(mode)
+                changed.append("mode")
+            if size is not None and self._kill_setid(node, caller):
+                changed.append("mode")  # after an explicit mode: the kernel's own kill is in it
+            if uid is not None:
+                node.uid = uid
+                changed.append("uid")
+            if gid is not None:
+                node.gid = gid
+                changed.append("gid")
+            if atime_ns is not None:
+                node.atime_ns = atime_ns
+                changed.append("atime_ns")
+            if mtime_ns is not None:
+                node.mtime_ns = mtime_ns
+                changed.append("mtime_ns")
+            node.ctime_ns = now
             self._save(node, *changed)
             if node.dirty:
                 self._persist(node)
         return node
 
     def _truncate(self, node: Inode, size: int, fh: int | None) -> None:
-        if not node.cached:
-            raise FsError(errno.EIO, f"inode {node.ino} is not in the cache (fetch it first)")
+        """Resize a regular file, inside the caller's `_tx(node)`."""
         h = self._handles.get(fh) if fh is not None else None
-        if h is not None:
-            os.ftruncate(h.fd, size)
-        else:
-            os.truncate(self._data_path(node.ino), size)
-        self.cached_bytes += size - node.size
-        if size < node.size:
+        target: int | str = h.fd if h is not None else self._data_path(node.ino)
+        old = node.size
+        self.cached_bytes += size - old
+        if size < old:
             self._freed()
         node.size = size
         node.gen += 1
         if not node.writers:
             self._new_version(node)
+        if size > old:
+            # Growing adds a hole, so it is undone exactly: now, inside the transaction (an
+            # EFBIG from the cache disk refuses the whole operation).
+            os.truncate(target, size)
+            self.index.on_rollback(lambda: os.truncate(target, old))
+        elif size < old:
+            # Shrinking loses bytes: only once the transaction committed.
+            self.index.after_commit(lambda: os.truncate(target, size))
 
+    def _kill_setid(self, node: Inode, caller: Caller | None) -> bool:
+        """A change of `node`'s data by `caller` (a write, a truncate, a truncating open):
+        remove the set-id bits Linux removes on its local filesystems (fs/attr.c
+        setattr_should_drop_suidgid, via file_remove_privs on write and do_truncate): S_ISUID;
+        S_ISGID if group-execute is set or the caller is not in the file's group (a setgid file
+        without group-execute is otherwise left alone). Not for a caller with CAP_FSETID,
+        taken to be uid 0. Inside the caller's `_tx(node)`; True if the mode changed (the
+        caller saves it)."""
+        mode = node.mode
+        if caller is None or caller.uid == 0 or not mode & _SETID or not stat.S_ISREG(mode):
+            return False
+        kill = mode & stat.S_ISUID
+        if mode & stat.S_ISGID and (mode & stat.S_IXGRP or not _in_group(caller, node.gid)):
+            kill |= stat.S_ISGID
+        if not kill:
+            return False
+        node.mode = mode & ~kill
+        node.ctime_ns = _now()
+        return True
+
+    @_retry_when_full
     def mkdir(self, parent: int, name: bytes, mode: int, uid: int, gid: int) -> Inode:
         d = self._dir(parent)
         return self._new_inode(d, name, stat.S_IFDIR | stat.S_IMODE(mode), uid, gid)
 
+    @_retry_when_full
     def symlink(self, parent: int, name: bytes, target: bytes, uid: int, gid: int) -> Inode:
         d = self._dir(parent)
         if len(target) > SYMLINK_MAX:
             raise FsError(errno.ENAMETOOLONG, f"symlink target longer than {SYMLINK_MAX} bytes")
-        node = self._new_inode(d, name, stat.S_IFLNK | 0o777, uid, gid, target=target)
-        if self.tiering is not None:
-            with self.index.tx():
+        with self._tx():  # the symlink and the commit it may trigger: one transaction
+            node = self._new_inode(d, name, stat.S_IFLNK | 0o777, uid, gid, target=target)
+            if self.tiering is not None:
                 self.tiering.on_symlink(node, parent, name)
         return node
 
@@ -467,6 +638,7 @@ class CacheFs:
         assert node.target is not None
         return node.target
 
+    @_retry_when_full
     def mknod(self, parent: int, name: bytes, mode: int, rdev: int, uid: int, gid: int) -> Inode:
         if not stat.S_ISREG(mode):
             # Checkpoint directories hold regular files, directories and symlinks only.
@@ -479,6 +651,7 @@ class CacheFs:
         # hard links". Hard links would make a file belong to two shard sets at once.
         raise FsError(errno.EPERM, "hard links are not supported")
 
+    @_retry_when_full
     def unlink(self, parent: int, name: bytes) -> None:
         d = self._dir(parent)
         node = self._child(parent, name)
@@ -486,7 +659,7 @@ class CacheFs:
             raise FsError(errno.EISDIR)
         now = _now()
         path = self.index.path_of(node.ino) if self.tiering is not None else None
-        with self.index.tx():
+        with self._tx(node, d):
             self.index.remove_dentry(parent, name)
             node.nlink -= 1
             node.ctime_ns = now
@@ -496,6 +669,7 @@ class CacheFs:
                 self.tiering.on_remove(node, path)
         self._maybe_drop(node)
 
+    @_retry_when_full
     def rmdir(self, parent: int, name: bytes) -> None:
         d = self._dir(parent)
         node = self._child(parent, name)
@@ -505,7 +679,7 @@ class CacheFs:
             raise FsError(errno.ENOTEMPTY)
         now = _now()
         path = self.index.path_of(node.ino) if self.tiering is not None else None
-        with self.index.tx():
+        with self._tx(node, d):
             self.index.remove_dentry(parent, name)
             node.nlink = 0
             self._save(node, "nlink")
@@ -515,6 +689,7 @@ class CacheFs:
                 self.tiering.on_remove(node, path)
         self._maybe_drop(node)
 
+    @_retry_when_full
     def rename(self, old_parent: int, old_name: bytes, new_parent: int, new_name: bytes,
                flags: int = 0) -> None:
         if flags & ~(RENAME_NOREPLACE | RENAME_EXCHANGE) or flags == (
@@ -547,7 +722,7 @@ class CacheFs:
                 raise FsError(errno.ENOTEMPTY)
         now = _now()
         old_path = self.index.path_of(src.ino) if self.tiering is not None else None
-        with self.index.tx():
+        with self._tx(src, od, nd, *([dst] if dst is not None else [])):
             if dst is not None:
                 # The target entry keeps its row (its id = readdir position) and now names
                 # src: a listing under way sees the replaced name exactly once.
@@ -585,7 +760,7 @@ class CacheFs:
                 if moving.is_dir and self._is_ancestor(moving.ino, into.ino):
                     raise FsError(errno.EINVAL, "cannot move a directory into itself")
         now = _now()
-        with self.index.tx():
+        with self._tx(a, b, od, nd):
             self.index.set_dentry_ino(od.ino, old_name, b.ino)
             self.index.set_dentry_ino(nd.ino, new_name, a.ino)
             if od is not nd and a.is_dir != b.is_dir:
@@ -621,27 +796,44 @@ class CacheFs:
     def ref(self, node: Inode) -> None:
         node.lookups += 1
 
+    @_retry_when_full
     def fsyncdir(self, ino: int) -> None:
         self.index.sync()
 
     # ------------------------------------------------------------------------------------------
     # files
 
+    @_retry_when_full
     def create(self, parent: int, name: bytes, mode: int, flags: int, uid: int,
-               gid: int) -> tuple[OpenResult, Inode]:
+               gid: int, caller: Caller | None = None) -> tuple[OpenResult, Inode]:
         d = self._dir(parent)
-        node = self._new_inode(d, name, stat.S_IFREG | stat.S_IMODE(mode), uid, gid)
-        return self._open_node(node, flags), node
+        fd = None
+        try:
+            with self._tx():  # the new inode and its open: one transaction
+                node = self._new_inode(d, name, stat.S_IFREG | stat.S_IMODE(mode), uid, gid)
+                fd = self._open_data(node, flags, caller)
+        except BaseException:
+            if fd is not None:
+                os.close(fd)
+            raise
+        return self._add_handle(node, fd, flags, caller), node
 
-    def open(self, ino: int, flags: int) -> OpenResult:
+    @_retry_when_full
+    def open(self, ino: int, flags: int, caller: Caller | None = None) -> OpenResult:
+        """Open a regular file. `caller` (None: privileged) decides which set-id bits its
+        writes and a truncating open remove (`_kill_setid`)."""
         node = self.inode(ino)
         if node.is_dir:
             raise FsError(errno.EISDIR)
         if not node.is_reg:
             raise FsError(errno.EINVAL, "not a regular file")
-        return self._open_node(node, flags)
+        fd = self._open_data(node, flags, caller)
+        return self._add_handle(node, fd, flags, caller)
 
-    def _open_node(self, node: Inode, flags: int) -> OpenResult:
+    def _open_data(self, node: Inode, flags: int, caller: Caller | None) -> int:
+        """The index side of an open, in one transaction: O_TRUNC, the set-id bits a truncating
+        open removes, a new content version for the first writer. Returns an fd on the cache
+        file."""
         accmode = flags & os.O_ACCMODE
         writable = accmode in (os.O_WRONLY, os.O_RDWR)
         # O_TRUNC truncates whatever the access mode, as on Linux's local filesystems
@@ -654,32 +846,46 @@ class CacheFs:
             # cachemgr.restore.)
             raise FsError(errno.EIO, f"inode {node.ino} is not in the cache (fetch it first)")
         fd = os.open(self._data_path(node.ino), os.O_RDWR)
+        if not trunc and not (writable and not node.writers):
+            return fd  # nothing for the index (a read-only open, or another writer's)
         try:
-            if trunc and (node.size or not node.cached):
-                os.ftruncate(fd, 0)
-                now = _now()
-                if node.cached:
-                    self.cached_bytes -= node.size
-                    self._freed()
-                node.size = 0
-                node.cached = 1
-                node.gen += 1
-                node.mtime_ns = node.ctime_ns = now
-                with self.index.tx():
+            with self._tx(node):
+                # An unprivileged O_TRUNC removes set-id bits even on an empty file, as
+                # do_truncate does (the kernel leaves that to us with atomic_o_trunc).
+                if trunc and self._kill_setid(node, caller):
+                    self._save(node, "mode", "ctime_ns")
+                if trunc and (node.size or not node.cached):
+                    now = _now()
+                    if node.cached:
+                        self.cached_bytes -= node.size
+                        self._freed()
+                    node.size = 0
+                    node.cached = 1
+                    node.gen += 1
+                    node.mtime_ns = node.ctime_ns = now
                     self._save(node, "size", "mtime_ns", "ctime_ns", "cached")
-                if not writable and not node.writers:
-                    self._new_version(node)  # as a truncate without writers (_truncate)
-            if writable and not node.writers:
-                # The first writer starts a new content version: the unit of upload and commit.
-                node.writing = 1
-                self._new_version(node)
+                    # Shrinking loses bytes: only once the transaction committed.
+                    self.index.after_commit(lambda: os.ftruncate(fd, 0))
+                    if not writable and not node.writers:
+                        self._new_version(node)  # as a truncate without writers (_truncate)
+                if writable and not node.writers:
+                    # The first writer starts a new content version: the unit of upload and
+                    # commit.
+                    node.writing = 1
+                    self._new_version(node)
         except BaseException:
             os.close(fd)
             raise
+        return fd
+
+    def _add_handle(self, node: Inode, fd: int, flags: int, caller: Caller | None) -> OpenResult:
+        """The in-memory side of an open (cannot fail)."""
+        writable = flags & os.O_ACCMODE in (os.O_WRONLY, os.O_RDWR)
         self._last_used[node.ino] = time.monotonic()
         fh = self._next_fh
         self._next_fh += 1
-        self._handles[fh] = Handle(fh, node, fd, writable, bool(flags & os.O_APPEND))
+        opener = caller if caller is not None and caller.uid != 0 else None
+        self._handles[fh] = Handle(fh, node, fd, writable, bool(flags & os.O_APPEND), opener)
         node.opens += 1
         if writable:
             node.writers += 1
@@ -712,6 +918,8 @@ class CacheFs:
     def write(self, fh: int, off: int, buf: bytes) -> int:
         # Hot path: one pwrite, then in-memory size/mtime; the index is updated at flush/release.
         h = self._handles[fh]
+        if (h.opener is not None and h.inode.mode & _SETID) or not self.index.reserve_held:
+            self.before_write(h, len(buf))
         if h.append:
             off = h.inode.size
         n = os.pwrite(h.fd, buf, off)
@@ -722,6 +930,31 @@ class CacheFs:
         """For callers that do the pread/pwrite themselves (in a worker thread): the handle,
         then `wrote()` back on the loop thread."""
         return self._handle(fh)
+
+    def before_write(self, h: Handle, n: int) -> None:
+        """Before `n` bytes are written through `h`:
+
+        * While the index reserve is released (the cache disk was full, cachemgr.index), file
+          data does not take the room that freed: it is for the index writes of the deletes
+          that make room. ENOSPC unless the disk has the reserve's size free besides `n`.
+        * An unprivileged opener's write removes set-id bits (file_remove_privs). With direct
+          I/O the kernel leaves that to the filesystem (FUSE_WRITE_KILL_SUIDGID, which pyfuse3
+          does not pass on), so it is decided here from the opener's credentials; through the
+          page cache the kernel already did it.
+        """
+        index = self.index
+        if not index.reserve_held and index.reserve_bytes:
+            st = os.statvfs(self.cache_dir)
+            if st.f_bavail * st.f_frsize < index.reserve_bytes + n:
+                raise FsError(errno.ENOSPC, "cache disk full (what is left is kept for the"
+                              " index: delete files to make room)")
+        if h.opener is not None and h.inode.mode & _SETID:
+            self._retrying(self._kill_setid_now, h.inode, h.opener)
+
+    def _kill_setid_now(self, node: Inode, caller: Caller) -> None:
+        with self._tx(node):
+            if self._kill_setid(node, caller):
+                self._save(node, "mode", "ctime_ns")
 
     def wrote(self, h: Handle, off: int, n: int) -> None:
         node = h.inode
@@ -742,11 +975,11 @@ class CacheFs:
         store."""
         h = self._handle(fh)
         if h.inode.dirty:
-            with self.index.tx():
-                self._persist(h.inode)
+            self._retrying(self._persist_now, h.inode)
         if self.tiering is not None and h.writable:
             self.tiering.announce_dir(h.inode)
 
+    @_retry_when_full
     def fsync(self, fh: int, datasync: bool) -> None:
         h = self._handle(fh)
         node = h.inode
@@ -761,12 +994,16 @@ class CacheFs:
             finally:
                 os.close(dfd)
             node.new_file = False
-        with self.index.tx():
+        with self._tx(node):
             self._persist(node)
         self.index.sync()
         self.stats.fsyncs += 1
 
     def release(self, fh: int) -> None:
+        """The last close of a handle. The handle goes whatever happens (the kernel does not
+        retry a release); if its index transaction fails (a full cache disk even after the
+        reserve), the file's size stays dirty in memory and its content is not closed: it is
+        uploaded after its next write-open and close."""
         h = self._handles.pop(fh, None)
         if h is None:
             return
@@ -775,26 +1012,31 @@ class CacheFs:
         node.opens -= 1
         if h.writable:
             node.writers -= 1
-        with self.index.tx():
+        try:
+            self._retrying(self._released, node, h.writable)
+        finally:
+            self._maybe_drop(node)
+
+    def _released(self, node: Inode, writable: bool) -> None:
+        with self._tx(node):
             if node.dirty:
                 self._persist(node)
-            if h.writable and not node.writers:
+            if writable and not node.writers:
                 node.writing = 0
                 self._save(node, "writing")
                 self._closed(node)
-        self._maybe_drop(node)
 
     def _new_version(self, node: Inode) -> None:
         """The file's content is about to change: (ino, version) names one closed content, so a
         new one begins. Sets holding the old content can no longer be published as committed."""
-        old = node.version
-        node.version += 1
-        with self.index.tx():
+        with self._tx(node):
+            old = node.version
+            node.version += 1
             if self.tiering is not None:
                 self.tiering.on_content_change(node.ino, old)
             self._save(node, "version", "writing")
-        if not node.writing:
-            self._closed(node)
+            if not node.writing:
+                self._closed(node)
 
     def _closed(self, node: Inode) -> None:
         """A content version is complete (last writer closed, or a truncate without writers)."""
@@ -894,6 +1136,7 @@ class CacheFs:
             self._touch_dir(d, now)
         return ino
 
+    @_retry_when_full
     def raw_move(self, old_parent: int, old_name: bytes, new_parent: int,
                  new_name: bytes) -> None:
         """Move a regular file's entry without tiering hooks (a file this node wrote, adopted
@@ -905,12 +1148,14 @@ class CacheFs:
             raise FsError(errno.EEXIST)
         self._check_name(new_name)
         now = _now()
-        with self.index.tx():
+        od, nd = self.inode(old_parent), self.inode(new_parent)
+        with self._tx(od, nd):
             self.index.move_dentry(old_parent, old_name, new_parent, new_name)
-            self._touch_dir(self.inode(old_parent), now)
-            if new_parent != old_parent:
-                self._touch_dir(self.inode(new_parent), now)
+            self._touch_dir(od, now)
+            if nd is not od:
+                self._touch_dir(nd, now)
 
+    @_retry_when_full
     def remove_tree(self, parent: int, name: bytes) -> None:
         """rm -rf of one entry without tiering hooks (a restored set replaced from the store).
         Files still open stay readable through their descriptors until closed."""
@@ -923,7 +1168,7 @@ class CacheFs:
                                        self.index.list_dentries(ino, 0, 1 << 30)]:
                 self.remove_tree(ino, child_name)
         d = self.inode(parent)
-        with self.index.tx():
+        with self._tx(node, d):
             self.index.remove_dentry(parent, name)
             if node.is_dir:
                 node.nlink = 0
@@ -968,13 +1213,14 @@ class CacheFs:
             raise FsError(errno.ENODATA)
         return value
 
+    @_retry_when_full
     def setxattr(self, ino: int, name: bytes, value: bytes) -> None:
         self._check_xattr_name(name)
         if len(value) > XATTR_VALUE_MAX:
             raise FsError(errno.E2BIG)
         node = self.inode(ino)
-        node.ctime_ns = _now()
-        with self.index.tx():
+        with self._tx(node):
+            node.ctime_ns = _now()
             self.index.set_xattr(ino, name, value)
             self._save(node, "ctime_ns")
         self._xattr_inos.add(ino)
@@ -985,10 +1231,11 @@ class CacheFs:
             return []
         return self.index.list_xattrs(ino)
 
+    @_retry_when_full
     def removexattr(self, ino: int, name: bytes) -> None:
         self._check_xattr_name(name)
         node = self.inode(ino)
-        with self.index.tx():
+        with self._tx(node):
             if not self.index.remove_xattr(ino, name):
                 raise FsError(errno.ENODATA)
             node.ctime_ns = _now()
@@ -1044,7 +1291,8 @@ class CacheFs:
         for ino, row in rows.items():
             mode, nlink = row[1], row[8]
             mem = self._inodes.get(ino)
-            if nlink == 0 and (mem is None or (mem.lookups == 0 and mem.opens == 0)):
+            if nlink == 0 and (mem is None or (mem.lookups == 0 and mem.opens == 0)) and \
+                    ino not in self._purge_pending:
                 problems.append(f"unreferenced orphan inode {ino}")
             if stat.S_ISDIR(mode):
                 want = 2 + subdirs.get(ino, 0) if (ino == ROOT_INO or counts.get(ino)) else 0

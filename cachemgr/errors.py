@@ -27,3 +27,14 @@ class IndexError_(FsError):
 
     def __init__(self, msg: str) -> None:
         super().__init__(_errno.EIO, msg)
+
+
+class IndexFull(FsError):
+    """SQLite could not write the cache index because the cache disk is full (SQLITE_FULL).
+    Surfaces as ENOSPC. The transaction was rolled back. `released` is True when the index
+    released its reserve (`cachemgr.index`) to answer it: the same operation, run again, has
+    room for its index writes."""
+
+    def __init__(self, msg: str, *, released: bool) -> None:
+        super().__init__(_errno.ENOSPC, msg)
+        self.released = released

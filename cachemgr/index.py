@@ -8,7 +8,17 @@ there is no locking here. The cache-dir lock (see `ckptfs.mount`) guarantees one
 
 Crash contract: every public mutating method runs inside `tx()`, which commits one transaction;
 SQLite's WAL makes each transaction all-or-nothing across a crash of the daemon. `sync()` makes
-every committed transaction durable across a crash of the machine.
+every committed transaction durable across a crash of the machine. Callers tie their in-memory
+state to a transaction with `on_rollback()` (undo, run exactly when it rolls back) and
+`after_commit()` (run once it committed), see `cachemgr.core.CacheFs._tx`.
+
+A full cache disk: the index owns `index.reserve` beside `index.sqlite`, a preallocated file of
+`RESERVE_BYTES` (created at open). When SQLite reports SQLITE_FULL ("database or disk is full"),
+`tx()` rolls the transaction back, deletes the reserve and raises `IndexFull(released=True)`: the
+caller runs its operation again, and the index now has room for its writes. That is what lets
+a user delete an old checkpoint to make room on a full disk (an unlink is an index write before
+it frees anything). SQLITE_FULL with no reserve left raises `IndexFull(released=False)`, ENOSPC
+to the caller. The reserve is made again after a commit that finds the space back.
 """
 
 from __future__ import annotations
@@ -18,17 +28,30 @@ import logging
 import os
 import sqlite3
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from importlib import resources
 from pathlib import Path
 
-from .errors import IndexError_
+from .errors import IndexError_, IndexFull
 from .names import escape_name
 
 log = logging.getLogger(__name__)
 
 LAYOUT_VERSION = 1
 ROOT_INO = 1
+
+# Room kept for the index's own writes on a full cache disk. The WAL is reused from its start
+# after every checkpoint, so it allocates new blocks only while it grows towards the
+# auto-checkpoint size: 1000 frames of 4 KiB pages + 24 B headers = 3.9 MiB (SQLite's defaults;
+# it starts empty at every mount, `close()` truncates it). A checkpoint then copies those pages
+# into `index.sqlite`, which grows by at most as many pages when they are new (3.9 MiB more).
+# 8 MiB covers both, so the transactions that follow a release (an unlink, rmdir, rename of an
+# old checkpoint: a few dozen pages each) fit with plenty to spare, while costing under 0.01%
+# of a 100 GiB cache disk. A single transaction larger than that (a commit of a set of tens of
+# thousands of files) can still fail with ENOSPC when the disk is full.
+RESERVE_BYTES = 8 << 20
+RESERVE_NAME = "index.reserve"
+SQLITE_FULL = 13  # sqlite3.h; sqlite_errorcode & 0xff is the primary result code
 
 INODE_COLUMNS = (
     "ino", "mode", "uid", "gid", "size", "atime_ns", "mtime_ns", "ctime_ns", "nlink", "rdev",
@@ -40,16 +63,25 @@ _INODE_SELECT = "SELECT " + ", ".join(INODE_COLUMNS) + " FROM inodes"
 class Index:
     """SQLite-backed inode and directory-entry store of one cache directory."""
 
-    def __init__(self, conn: sqlite3.Connection, path: Path) -> None:
+    def __init__(self, conn: sqlite3.Connection, path: Path, *,
+                 reserve_bytes: int = RESERVE_BYTES) -> None:
         self.conn = conn
         self.path = path
         self._depth = 0
         self._next_ino: int | None = None  # see insert_inode
+        self._undo: list[Callable[[], None]] = []    # on_rollback() of the open transaction
+        self._after: list[Callable[[], None]] = []   # after_commit() of the open transaction
+        self.reserve_path = path.with_name(RESERVE_NAME)
+        self.reserve_bytes = reserve_bytes
+        self.reserve_held = False
+        if reserve_bytes:
+            self._make_reserve(at_open=True)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
     @classmethod
-    def open(cls, path: Path, *, uid: int, gid: int, root_mode: int = 0o40755) -> Index:
+    def open(cls, path: Path, *, uid: int, gid: int, root_mode: int = 0o40755,
+             reserve_bytes: int = RESERVE_BYTES) -> Index:
         if not path.exists():
             cls._create(path, uid, gid, root_mode)
         conn = cls._connect(path)
@@ -60,7 +92,46 @@ class Index:
                 f"cache index {path} has layout version {version}, this ckptfs reads "
                 f"version {LAYOUT_VERSION}; use a matching ckptfs or a new --cache-dir"
             )
-        return cls(conn, path)
+        return cls(conn, path, reserve_bytes=reserve_bytes)
+
+    # -- the reserve -------------------------------------------------------------------------
+
+    def _make_reserve(self, *, at_open: bool = False) -> None:
+        """Preallocate the reserve file (blocks really allocated, not a sparse file)."""
+        try:
+            if self.reserve_path.stat().st_size == self.reserve_bytes:
+                self.reserve_held = True
+                return
+        except FileNotFoundError:
+            pass
+        if not at_open:
+            # Only when the space is clearly back: take the reserve from the disk only while
+            # at least as much again stays free for file data.
+            st = os.statvfs(self.reserve_path.parent)
+            if st.f_bavail * st.f_frsize < 2 * self.reserve_bytes:
+                return
+        try:
+            fd = os.open(self.reserve_path, os.O_WRONLY | os.O_CREAT, 0o600)
+            try:
+                os.posix_fallocate(fd, 0, self.reserve_bytes)
+            finally:
+                os.close(fd)
+        except OSError as e:
+            self.reserve_path.unlink(missing_ok=True)
+            log.warning("cannot make the index reserve %s (%s); made again when there is room",
+                        self.reserve_path, e)
+            return
+        self.reserve_held = True
+        if not at_open:
+            log.info("cache disk has room again: index reserve of %d MiB made again",
+                     self.reserve_bytes >> 20)
+
+    def _release_reserve(self) -> bool:
+        if not self.reserve_held:
+            return False
+        self.reserve_path.unlink(missing_ok=True)
+        self.reserve_held = False
+        return True
 
     @staticmethod
     def _connect(path: Path) -> sqlite3.Connection:
@@ -128,6 +199,11 @@ class Index:
     def close(self) -> None:
         try:
             self.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        except sqlite3.OperationalError as e:
+            if not is_disk_full(e):
+                raise
+            # Every transaction is committed in the WAL; the next open checkpoints it.
+            log.warning("cache disk full: index WAL left for the next mount to checkpoint")
         finally:
             self.conn.close()
 
@@ -135,7 +211,7 @@ class Index:
 
     @contextlib.contextmanager
     def tx(self) -> Iterator[sqlite3.Connection]:
-        """One transaction; nested calls join the outer one."""
+        """One transaction; nested calls join the outer one. SQLITE_FULL raises `IndexFull`."""
         if self._depth:
             self._depth += 1
             try:
@@ -143,16 +219,56 @@ class Index:
             finally:
                 self._depth -= 1
             return
-        self.conn.execute("BEGIN IMMEDIATE")
+        self._undo.clear()
+        self._after.clear()
         self._depth = 1
         try:
+            self.conn.execute("BEGIN IMMEDIATE")
             yield self.conn
-        except BaseException:
+            self.conn.execute("COMMIT")
+        except BaseException as e:
             self._depth = 0
-            self.conn.execute("ROLLBACK")
+            self._rollback()
+            if isinstance(e, sqlite3.OperationalError) and is_disk_full(e):
+                released = self._release_reserve()
+                if released:
+                    log.warning("cache disk full: released the %d MiB index reserve to write the"
+                                " index; retrying", self.reserve_bytes >> 20)
+                raise IndexFull(f"cache disk full: cannot write the index ({e})",
+                                released=released) from None
             raise
         self._depth = 0
-        self.conn.execute("COMMIT")
+        self._undo.clear()
+        after, self._after = self._after, []
+        for fn in after:
+            fn()
+        if self.reserve_bytes and not self.reserve_held:
+            self._make_reserve()
+
+    def _rollback(self) -> None:
+        try:
+            # SQLITE_FULL (and a few other errors) already rolled the transaction back.
+            if self.conn.in_transaction:
+                self.conn.execute("ROLLBACK")
+        finally:
+            undo, self._undo = self._undo, []
+            self._after.clear()
+            for fn in reversed(undo):
+                fn()
+
+    @property
+    def in_tx(self) -> bool:
+        return self._depth > 0
+
+    def on_rollback(self, fn: Callable[[], None]) -> None:
+        """Run `fn` if the open transaction rolls back (undo callbacks run last first)."""
+        assert self._depth, "on_rollback() outside a transaction"
+        self._undo.append(fn)
+
+    def after_commit(self, fn: Callable[[], None]) -> None:
+        """Run `fn` once the open transaction committed (not at all if it rolls back)."""
+        assert self._depth, "after_commit() outside a transaction"
+        self._after.append(fn)
 
     def sync(self) -> None:
         """Make every committed transaction durable on the cache disk (syncs the WAL)."""
@@ -309,3 +425,11 @@ class Index:
     def list_xattrs(self, ino: int) -> list[bytes]:
         return [bytes(r[0]) for r in self.conn.execute(
             "SELECT name FROM xattrs WHERE ino=? ORDER BY name", (ino,))]
+
+
+def is_disk_full(e: BaseException) -> bool:
+    """SQLite's "database or disk is full" (SQLITE_FULL): its unix VFS reports a write that
+    failed with ENOSPC this way."""
+    code = getattr(e, "sqlite_errorcode", None)
+    return isinstance(e, sqlite3.OperationalError) and code is not None and \
+        code & 0xFF == SQLITE_FULL

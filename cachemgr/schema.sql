@@ -7,6 +7,8 @@
 -- (create, mkdir, unlink, rename, setattr, ...) is one committed transaction, so it survives a
 -- crash of the daemon (the WAL is in the OS page cache). fsync()/fsyncdir() additionally commit
 -- with synchronous=FULL, which syncs the WAL and so everything committed before it.
+-- A full cache disk: index.reserve beside this file keeps room for these writes (see
+-- cachemgr/index.py, RESERVE_BYTES); SQLITE_FULL surfaces as ENOSPC, the transaction rolled back.
 
 CREATE TABLE meta (
     key   TEXT PRIMARY KEY,

@@ -6,8 +6,12 @@ encodes the answer. No caching, upload or store logic lives here.
 Error contract: pyfuse3 only understands `FUSEError`; any other exception escaping a handler stops
 its main loop and leaves a dead mount behind. So every handler runs under `_guarded`:
 
-  * `FsError`                        -> FUSEError(err.errno), logged at debug level (expected);
+  * `FsError`                        -> FUSEError(err.errno), logged at debug level (expected),
+                                        ENOSPC/EDQUOT as one warning line ("cache disk refused");
   * `OSError` ENOSPC/EDQUOT/EFBIG    -> the same errno, logged as a warning with the reason;
+  * SQLite's SQLITE_FULL             -> ENOSPC, one warning line (the index turns it into
+                                        `IndexFull` inside its transactions; this catches the
+                                        rest, e.g. a read that grows SQLite's shared memory);
   * any other exception              -> EIO, logged with traceback and the operation name.
 
 `forget` must not raise at all (it answers no request), so it swallows and logs.
@@ -19,14 +23,16 @@ import errno
 import functools
 import logging
 import os
+import sqlite3
 from collections.abc import Callable
 from typing import Any
 
 import pyfuse3
 import trio
 
-from cachemgr.core import CacheFs, Inode
+from cachemgr.core import CacheFs, Caller, Inode
 from cachemgr.errors import FsError
+from cachemgr.index import is_disk_full
 from cachemgr.transfer import note_foreground
 
 log = logging.getLogger(__name__)
@@ -34,6 +40,9 @@ log = logging.getLogger(__name__)
 # Errnos a disk condition produces that the application must see as they are (they are not
 # bugs): a full cache disk must surface as ENOSPC, not EIO.
 _PASSTHROUGH_OS_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS})
+# Refusals of the cache disk (a full disk, also reported by the index as `IndexFull`): worth a
+# warning, unlike the other refusals, which are the application's own doing.
+_DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 
 # st_blksize reported for files: libfuse's largest request. Python's buffered I/O (and hence
 # torch.save, which writes through a Python file object) sizes its buffer from st_blksize, so
@@ -51,7 +60,10 @@ def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
         except pyfuse3.FUSEError:
             raise
         except FsError as e:
-            log.debug("%s%r: %s", op, _brief(args), e)
+            if e.errno in _DISK_ERRNOS:
+                log.warning("%s%r: cache disk refused: %s", op, _brief(args), e)
+            else:
+                log.debug("%s%r: %s", op, _brief(args), e)
             raise pyfuse3.FUSEError(e.errno) from None
         except OSError as e:
             if e.errno in _PASSTHROUGH_OS_ERRNOS:
@@ -59,11 +71,22 @@ def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
                 raise pyfuse3.FUSEError(e.errno) from None
             log.exception("%s%r failed: unexpected OSError, answering EIO", op, _brief(args))
             raise pyfuse3.FUSEError(errno.EIO) from None
+        except sqlite3.OperationalError as e:
+            if not is_disk_full(e):
+                log.exception("%s%r failed: unexpected error, answering EIO", op, _brief(args))
+                raise pyfuse3.FUSEError(errno.EIO) from None
+            log.warning("%s%r: cache disk refused: index: %s", op, _brief(args), e)
+            raise pyfuse3.FUSEError(errno.ENOSPC) from None
         except Exception:
             log.exception("%s%r failed: unexpected error, answering EIO", op, _brief(args))
             raise pyfuse3.FUSEError(errno.EIO) from None
 
     return wrapper
+
+
+def _caller(ctx: pyfuse3.RequestContext) -> Caller:
+    """Who asks: set-id bits go on an unprivileged write or truncate (`CacheFs._kill_setid`)."""
+    return Caller(ctx.uid, ctx.gid, ctx.pid)
 
 
 def _brief(args: tuple) -> tuple:
@@ -166,6 +189,7 @@ class FuseOps(pyfuse3.Operations):
                 atime_ns=attr.st_atime_ns if fields.update_atime else None,
                 mtime_ns=attr.st_mtime_ns if fields.update_mtime else None,
                 fh=fh,
+                caller=_caller(ctx),
             )
         return self._entry(node)
 
@@ -227,7 +251,8 @@ class FuseOps(pyfuse3.Operations):
 
     @_guarded
     async def create(self, parent_inode, name, mode, flags, ctx):
-        res, node = self.core.create(parent_inode, name, mode, flags, ctx.uid, ctx.gid)
+        res, node = self.core.create(parent_inode, name, mode, flags, ctx.uid, ctx.gid,
+                                     _caller(ctx))
         return self._fileinfo(res), self._entry(node)
 
     @_guarded
@@ -240,9 +265,9 @@ class FuseOps(pyfuse3.Operations):
             # The content is about to change: wait for a restore fill in flight, which then
             # sees the new version and writes nothing (cachemgr.filecache).
             async with self.core.files.exclusive(inode):
-                res = self.core.open(inode, flags)
+                res = self.core.open(inode, flags, _caller(ctx))
         else:
-            res = self.core.open(inode, flags)
+            res = self.core.open(inode, flags, _caller(ctx))
         if not writing and self.core.tiering is not None:
             # Reads wait only for their own ranges; the rest of the set comes in meanwhile.
             self.core.tiering.restorer.on_open(inode)
@@ -286,6 +311,7 @@ class FuseOps(pyfuse3.Operations):
         if self._io_limiter is None:
             return self.core.write(fh, off, buf)
         h = self.core.io_handle(fh)
+        self.core.before_write(h, len(buf))  # room kept for the index; set-id bits
         if h.append:
             off = h.inode.size
         n = await trio.to_thread.run_sync(os.pwrite, h.fd, buf, off, limiter=self._io_limiter)

@@ -598,6 +598,28 @@ def test_link_and_mknod_refused(mnt):
     assert sorted(os.listdir(root)) == ["f"]
 
 
+def fallocate(fd: int, mode: int, off: int, length: int) -> None:
+    if _libc.fallocate(fd, mode, ctypes.c_long(off), ctypes.c_long(length)) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+
+
+def test_fallocate_refused_posix_fallocate_emulated(mnt):
+    """fallocate(2) is not implemented: the kernel answers EOPNOTSUPP (after the daemon's
+    ENOSYS it stops asking). posix_fallocate(3) works all the same: glibc writes instead."""
+    FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE = 1, 2
+    p = mnt.path / "f"
+    fd = os.open(p, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        for mode in (0, FALLOC_FL_KEEP_SIZE, FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE):
+            refused(errno.EOPNOTSUPP, fallocate, fd, mode, 0, 1 << 16)
+        assert os.fstat(fd).st_size == 0
+        os.posix_fallocate(fd, 0, 1 << 16)
+        assert os.fstat(fd).st_size == 1 << 16 and os.pread(fd, 1 << 17, 0) == bytes(1 << 16)
+    finally:
+        os.close(fd)
+
+
 def test_name_length(mnt):
     root = mnt.path
     f = root / "f"

@@ -1,0 +1,356 @@
+"""A full cache disk: the index keeps room for its own writes, a refused operation changes
+nothing (in memory, in the index, in the cache files), and through a real mount deleting an old
+checkpoint on a full disk works and nothing is logged as a bug.
+
+The cache directory lives on a small tmpfs mounted for the test (root only). A disk is made
+full by preallocating every free block; before that the index's WAL is truncated, so the next
+commit must allocate and fails with SQLITE_FULL, deterministically.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import stat
+import subprocess
+from pathlib import Path
+
+import pytest
+from conftest import wait_for
+
+from cachemgr.core import RENAME_EXCHANGE, CacheFs
+from cachemgr.errors import FsError
+from cachemgr.index import INODE_COLUMNS, RESERVE_BYTES, Index
+
+ROOT = 1
+UID, GID = 1234, 5678
+MiB = 1 << 20
+
+
+@pytest.fixture
+def disk(tmp_path):
+    """A 48 MiB tmpfs: room for the 8 MiB index reserve and a few checkpoints."""
+    d = tmp_path / "disk"
+    d.mkdir()
+    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=48M", "tmpfs", str(d)],
+                         check=False, capture_output=True, text=True)
+    if res.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {res.stderr.strip()}")
+    yield d
+    subprocess.run(["umount", "-l", str(d)], check=True)
+
+
+def free_bytes(path: Path) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def fill(disk: Path, name: str = "filler") -> Path:
+    """Take every free block of `disk` (outside the cache dir)."""
+    p = disk / name
+    fd = os.open(p, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        if free_bytes(disk):
+            os.posix_fallocate(fd, 0, os.fstat(fd).st_size + free_bytes(disk))
+    finally:
+        os.close(fd)
+    assert free_bytes(disk) == 0
+    return p
+
+
+def wal_empty(fs: CacheFs) -> None:
+    """Checkpoint and truncate the WAL: the next commit has to allocate blocks for it."""
+    busy, _log, _done = fs.index.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+    assert busy == 0
+
+
+def mkfile(fs: CacheFs, parent: int, name: bytes, data: bytes = b"") -> int:
+    res, node = fs.create(parent, name, 0o644, os.O_RDWR | os.O_CREAT, UID, GID)
+    if data:
+        assert fs.write(res.fh, 0, data) == len(data)
+    fs.release(res.fh)
+    return node.ino
+
+
+def memory_matches_index(fs: CacheFs) -> list[str]:
+    """Every in-memory inode equals its index row (a dirty file's size and times may be newer),
+    and `cached_bytes` is what the cache files hold."""
+    problems = []
+    for ino, node in fs._inodes.items():
+        row = fs.index.get_inode(ino)
+        if row is None:
+            problems.append(f"inode {ino} in memory, not in the index")
+            continue
+        for col, value in zip(INODE_COLUMNS, row):
+            if col == "target" and value is not None:
+                value = bytes(value)
+            if node.dirty and col in ("size", "mtime_ns", "ctime_ns"):
+                continue
+            if getattr(node, col) != value:
+                problems.append(f"inode {ino} {col}: memory {getattr(node, col)!r} != index"
+                                f" {value!r}")
+    want = 0
+    for ino, mode, size, cached in fs.index.conn.execute(
+            "SELECT ino, mode, size, cached FROM inodes"):
+        if stat.S_ISREG(mode) and cached:
+            node = fs._inodes.get(ino)
+            want += node.size if node is not None else size
+    if fs.cached_bytes != want:
+        problems.append(f"cached_bytes {fs.cached_bytes} != {want}")
+    return problems
+
+
+def snapshot(fs: CacheFs) -> tuple:
+    """The index's tree and inode rows, and the cache files' sizes."""
+    conn = fs.index.conn
+    dentries = sorted((p, bytes(n), i) for p, n, i in
+                      conn.execute("SELECT parent, name, ino FROM dentries"))
+    inodes = sorted(conn.execute("SELECT * FROM inodes").fetchall())
+    xattrs = sorted((i, bytes(n), bytes(v)) for i, n, v in conn.execute("SELECT * FROM xattrs"))
+    files = sorted((e.name, e.stat().st_size) for e in os.scandir(fs.data_dir))
+    return dentries, inodes, xattrs, files
+
+
+# ----------------------------------------------------------------------------------------------
+# in-process
+
+
+def test_full_disk_close_and_delete_use_the_reserve_and_it_comes_back(disk, caplog):
+    caplog.set_level(logging.INFO, "cachemgr.index")
+    cache = disk / "cache"
+    fs = CacheFs.load(cache)
+    assert fs.index.reserve_held
+    assert os.stat(cache / "index.reserve").st_blocks * 512 >= RESERVE_BYTES
+    old = mkfile(fs, ROOT, b"old.pt", os.urandom(20 * MiB))
+    fs.forget(old, fs.inode(old).lookups)
+    # The trainer writes the next checkpoint until the disk is full, and closes it.
+    res, node = fs.create(ROOT, b"new.pt", 0o644, os.O_WRONLY | os.O_CREAT, UID, GID)
+    chunk = os.urandom(MiB)
+    with pytest.raises(OSError) as e:
+        for i in range(48):
+            fs.write(res.fh, i * MiB, chunk)
+    assert e.value.errno == errno.ENOSPC
+    wal_empty(fs)
+    fill(disk)  # whatever the last write left free
+    fs.release(res.fh)  # needs the reserve
+    assert "released the 8 MiB index reserve" in caplog.text
+    assert not fs.index.reserve_held and free_bytes(disk) > RESERVE_BYTES - MiB
+    size = fs.inode(node.ino).size
+    assert fs.index.get_inode(node.ino)[INODE_COLUMNS.index("size")] == size
+    # What the reserve freed is not for file data.
+    res = fs.open(node.ino, os.O_WRONLY | os.O_APPEND)
+    with pytest.raises(FsError) as e:
+        fs.write(res.fh, 0, chunk)
+    assert e.value.errno == errno.ENOSPC
+    fs.release(res.fh)
+    # The user deletes the old checkpoint to make room: it works.
+    fs.unlink(ROOT, b"old.pt")
+    assert fs.index.lookup(ROOT, b"old.pt") is None
+    assert fs.check_consistency() == []
+    assert memory_matches_index(fs) == []
+    # Its data went with it (no kernel reference was left), so the reserve is back.
+    assert not (cache / "data" / str(old)).exists()
+    assert fs.index.reserve_held
+    assert "index reserve of 8 MiB made again" in caplog.text
+    fs.close()
+    fs = CacheFs.load(cache)
+    assert [bytes(n) for _, n, _ in fs.index.list_dentries(ROOT, 0, 10)] == [b"new.pt"]
+    assert fs.inode(node.ino).size == size
+    assert fs.check_consistency() == []
+    fs.close()
+
+
+def _setup(fs: CacheFs) -> dict[str, int]:
+    """A small tree for the operations below."""
+    d = fs.mkdir(ROOT, b"d", 0o755, UID, GID).ino
+    fs.mkdir(ROOT, b"e", 0o755, UID, GID)
+    inos = {"d": d}
+    for name, data in ((b"a", b"a" * 5000), (b"b", b"b" * 3000), (b"gone", b"x" * 100)):
+        inos[name.decode()] = mkfile(fs, ROOT, name, data)
+    inos["in_d"] = mkfile(fs, d, b"f", b"f" * 10)
+    fs.setxattr(inos["a"], b"user.k", b"v")
+    # "gone" is unlinked and the kernel holds no reference: the next drop purges it.
+    fs.forget(inos["gone"], fs.inode(inos["gone"]).lookups)
+    return inos
+
+
+def _open_dirty(fs: CacheFs, ino: int) -> int:
+    fh = fs.open(ino, os.O_RDWR).fh
+    fs.write(fh, 0, b"more bytes, more size" * 500)
+    return fh
+
+
+# name -> (prepare(fs, inos) -> ctx, operation(fs, inos, ctx)); each needs an index write.
+OPERATIONS = {
+    "unlink": (None, lambda fs, i, c: fs.unlink(ROOT, b"a")),
+    "unlink+purge": (lambda fs, i: fs.forget(i["b"], fs.inode(i["b"]).lookups),
+                     lambda fs, i, c: fs.unlink(ROOT, b"b")),
+    "rmdir": (None, lambda fs, i, c: fs.rmdir(ROOT, b"e")),
+    "rename": (None, lambda fs, i, c: fs.rename(ROOT, b"a", i["d"], b"a2")),
+    "rename-over": (None, lambda fs, i, c: fs.rename(ROOT, b"a", ROOT, b"b")),
+    "rename-dir-over-dir": (None, lambda fs, i, c: fs.rename(ROOT, b"d", ROOT, b"e")),
+    "exchange": (None, lambda fs, i, c: fs.rename(ROOT, b"a", ROOT, b"d", RENAME_EXCHANGE)),
+    "create": (None, lambda fs, i, c: fs.create(ROOT, b"n", 0o644, os.O_RDWR | os.O_CREAT,
+                                                 UID, GID)),
+    "mkdir": (None, lambda fs, i, c: fs.mkdir(i["d"], b"sub", 0o755, UID, GID)),
+    "mknod": (None, lambda fs, i, c: fs.mknod(ROOT, b"r", stat.S_IFREG | 0o600, 0, UID, GID)),
+    "symlink": (None, lambda fs, i, c: fs.symlink(ROOT, b"l", b"a", UID, GID)),
+    "chmod+chown+utimens": (None, lambda fs, i, c: fs.setattr(
+        i["a"], mode=0o600, uid=7, gid=8, atime_ns=1, mtime_ns=2)),
+    "truncate-shrink": (None, lambda fs, i, c: fs.setattr(i["a"], size=10)),
+    "truncate-grow": (None, lambda fs, i, c: fs.setattr(i["a"], size=3 * MiB)),
+    "ftruncate-open": (lambda fs, i: _open_dirty(fs, i["a"]),
+                       lambda fs, i, fh: fs.setattr(i["a"], size=1, fh=fh)),
+    "open-write": (None, lambda fs, i, c: fs.open(i["a"], os.O_WRONLY)),
+    "open-trunc": (None, lambda fs, i, c: fs.open(i["a"], os.O_WRONLY | os.O_TRUNC)),
+    "flush": (lambda fs, i: _open_dirty(fs, i["a"]), lambda fs, i, fh: fs.flush(fh)),
+    "fsync": (lambda fs, i: _open_dirty(fs, i["a"]), lambda fs, i, fh: fs.fsync(fh, False)),
+    "setxattr": (None, lambda fs, i, c: fs.setxattr(i["b"], b"user.x", b"y")),
+    "removexattr": (None, lambda fs, i, c: fs.removexattr(i["a"], b"user.k")),
+    "remove_tree": (None, lambda fs, i, c: fs.remove_tree(ROOT, b"d")),
+    "raw_move": (None, lambda fs, i, c: fs.raw_move(i["d"], b"f", ROOT, b"moved")),
+}
+
+
+@pytest.mark.parametrize("op", list(OPERATIONS))
+def test_operation_refused_on_a_full_disk_changes_nothing(disk, op):
+    """Without a reserve left, every operation's index write fails: it answers ENOSPC, and
+    memory, index and cache files are exactly as before; with room back, it works."""
+    cache = disk / "cache"
+    fs = CacheFs(cache, _open_index(cache, reserve_bytes=0))
+    fs.recover()
+    inos = _setup(fs)
+    prepare, run = OPERATIONS[op]
+    ctx = prepare(fs, inos) if prepare else None
+    before = snapshot(fs)
+    mem_before = {ino: [getattr(n, c) for c in INODE_COLUMNS] for ino, n in fs._inodes.items()}
+    cached_before = fs.cached_bytes
+    wal_empty(fs)
+    filler = fill(disk)
+    with pytest.raises(FsError) as e:
+        run(fs, inos, ctx)
+    assert e.value.errno == errno.ENOSPC
+    assert snapshot(fs) == before
+    # (An inode the operation looked up may have been loaded; memory_matches_index checks it.)
+    assert {ino: [getattr(n, c) for c in INODE_COLUMNS] for ino, n in fs._inodes.items()
+            if ino in mem_before} == mem_before
+    assert fs.cached_bytes == cached_before
+    assert memory_matches_index(fs) == []
+    assert fs.check_consistency() == []
+    filler.unlink()
+    run(fs, inos, ctx)
+    assert memory_matches_index(fs) == []
+    assert fs.check_consistency() == []
+    fs.close()
+
+
+@pytest.mark.parametrize("op", list(OPERATIONS))
+def test_operation_on_a_full_disk_succeeds_with_the_reserve(disk, op):
+    cache = disk / "cache"
+    fs = CacheFs.load(cache)
+    inos = _setup(fs)
+    prepare, run = OPERATIONS[op]
+    ctx = prepare(fs, inos) if prepare else None
+    wal_empty(fs)
+    fill(disk)
+    run(fs, inos, ctx)
+    assert not fs.index.reserve_held
+    assert memory_matches_index(fs) == []
+    assert fs.check_consistency() == []
+    fs.close()
+
+
+def test_release_and_forget_on_a_full_disk_keep_memory_for_later(disk):
+    """The kernel retries neither: a release whose index write fails still drops the handle,
+    and the file's size waits in memory; a purge that fails waits for a later drop."""
+    cache = disk / "cache"
+    fs = CacheFs(cache, _open_index(cache, reserve_bytes=0))
+    fs.recover()
+    inos = _setup(fs)
+    fh = _open_dirty(fs, inos["a"])
+    size = fs.inode(inos["a"]).size
+    fs.unlink(ROOT, b"b")
+    wal_empty(fs)
+    filler = fill(disk)
+    with pytest.raises(FsError) as e:
+        fs.release(fh)
+    assert e.value.errno == errno.ENOSPC
+    assert fh not in fs._handles and fs.inode(inos["a"]).opens == 0
+    assert fs.inode(inos["a"]).dirty
+    fs.forget(inos["b"], fs.inode(inos["b"]).lookups)  # the purge fails: kept, no exception
+    assert inos["b"] in fs._inodes
+    assert memory_matches_index(fs) == []
+    assert fs.check_consistency() == []
+    filler.unlink()
+    fs.forget(inos["a"], fs.inode(inos["a"]).lookups)  # persists "a", then purges "b"
+    assert inos["b"] not in fs._inodes and fs.index.get_inode(inos["b"]) is None
+    assert fs.index.get_inode(inos["a"])[INODE_COLUMNS.index("size")] == size
+    assert fs.check_consistency() == []
+    fs.close()
+
+
+def _open_index(cache: Path, *, reserve_bytes: int) -> Index:
+    """What CacheFs.load does, with a chosen reserve."""
+    CacheFs.load(cache).close()  # layout, data dir, index
+    (cache / "index.reserve").unlink()
+    return Index.open(cache / "index.sqlite", uid=0, gid=0, reserve_bytes=reserve_bytes)
+
+
+# ----------------------------------------------------------------------------------------------
+# through a real mount
+
+
+def test_delete_old_checkpoint_on_a_full_disk_through_the_mount(disk, mount_factory):
+    m = mount_factory("full", cache_dir=disk / "cache")
+    m.start()
+    old = m.path / "step_100"
+    old.mkdir()
+    for r in range(2):
+        (old / f"rank{r}.pt").write_bytes(os.urandom(6 * MiB))
+    (m.path / "latest").symlink_to("step_100")
+    # The next checkpoint fills the disk; its close then needs the index reserve, and what
+    # the reserve freed is not for file data.
+    new = m.path / "step_200"
+    new.mkdir()
+    for name in ("rank0.pt", "rank1.pt"):
+        with pytest.raises(OSError) as e, open(new / name, "wb") as f:
+            for _ in range(48):
+                f.write(os.urandom(MiB))
+                f.flush()
+        assert e.value.errno == errno.ENOSPC
+    os.unlink(new / "rank1.pt")
+    # The user makes room: delete the old checkpoint, repoint `latest`.
+    for p in sorted(old.iterdir()):
+        p.unlink()
+    old.rmdir()
+    os.symlink("step_200", m.path / "latest.tmp")
+    os.rename(m.path / "latest.tmp", m.path / "latest")
+    want = {"latest": "step_200", "step_200": ["rank0.pt"]}
+    size = (new / "rank0.pt").stat().st_size
+    assert _tree(m.path) == want
+    # The deleted files' data leaves the cache once the kernel forgets them; then the disk
+    # has room for the index reserve again.
+    wait_for(lambda: len(os.listdir(m.cache_dir / "data")) == 1 and
+             (m.cache_dir / "index.reserve").exists(), what="the old checkpoint's space back")
+    assert m.unexpected_errors() == []
+    m.stop()
+    fs = CacheFs.load(m.cache_dir)
+    try:
+        assert fs.check_consistency() == []
+    finally:
+        fs.close()
+    m.start()
+    assert _tree(m.path) == want
+    assert (new / "rank0.pt").stat().st_size == size
+    assert m.unexpected_errors() == []
+
+
+def _tree(root: Path) -> dict:
+    out: dict = {}
+    for p in sorted(root.iterdir()):
+        if p.is_symlink():
+            out[p.name] = os.readlink(p)
+        elif p.is_dir():
+            out[p.name] = sorted(os.listdir(p))
+    return out
