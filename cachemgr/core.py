@@ -213,6 +213,12 @@ class CacheFs:
         # Bytes of file data held in cache files (evicted files excluded): what --cache-size
         # limits. Kept up to date by every size change.
         self.cached_bytes = index.cached_bytes()
+        # Bytes of a cached file's length that are a hole the file was grown over (truncate
+        # up), by ino: --cache-size counts the blocks a file holds, not its length, so
+        # `truncate -s 100T` costs nothing. cached_bytes = sum over cached files of
+        # (size - hole). Recomputed from st_blocks at recovery and whenever the last writer of
+        # a file with a hole closes it; changed with cached_bytes inside `_tx`.
+        self._holes: dict[int, int] = {}
         self._last_used: dict[int, float] = {}
         # Unlinked, unused inodes whose purge failed on a full cache disk: purged at a later
         # drop, at close() or by recover() at the next mount.
@@ -269,7 +275,9 @@ class CacheFs:
                 if ino in evicted:
                     continue  # its data is in the store; the cache file is empty on purpose
                 try:
-                    actual = os.stat(self._data_path(ino)).st_size
+                    st = os.stat(self._data_path(ino))
+                    actual = st.st_size
+                    self._note_hole(ino, st)
                 except FileNotFoundError:
                     # Only possible if the cache dir was tampered with: recreate it empty so the
                     # file is readable (its lost bytes cannot be invented).
@@ -280,6 +288,8 @@ class CacheFs:
                 if actual != size:
                     self.index.update_inode(ino, size=actual)
                     report["resized"] += 1
+            # cached_bytes was summed from the index's sizes: the holes do not count.
+            self.cached_bytes -= sum(self._holes.values())
             known = self.index.all_inos()
             for entry in os.scandir(self.data_dir):
                 name = entry.name
@@ -319,12 +329,18 @@ class CacheFs:
         with self.index.tx():
             saved = [(n, [getattr(n, f) for f in _INODE_FIELDS]) for n in nodes]
             cached = self.cached_bytes
+            holes = [(n.ino, self._holes.get(n.ino)) for n in nodes]
 
             def undo() -> None:
                 for n, values in saved:
                     for f, v in zip(_INODE_FIELDS, values):
                         setattr(n, f, v)
                 self.cached_bytes = cached
+                for ino, h in holes:
+                    if h is None:
+                        self._holes.pop(ino, None)
+                    else:
+                        self._holes[ino] = h
 
             self.index.on_rollback(undo)
             yield
@@ -395,6 +411,20 @@ class CacheFs:
             self._save(node, "size", "mtime_ns", "ctime_ns")
             node.dirty = False
 
+    # A file counts as having a hole only when its blocks cover less than its length by more
+    # than this: block rounding and filesystem preallocation stay out of the accounting.
+    _HOLE_MIN = 1 << 20
+
+    def _note_hole(self, ino: int, st: os.stat_result, size: int | None = None) -> None:
+        """Record the hole of cache file `ino` from its stat (the caller adjusts
+        cached_bytes)."""
+        length = st.st_size if size is None else size
+        hole = length - st.st_blocks * 512
+        if hole > self._HOLE_MIN:
+            self._holes[ino] = hole
+        else:
+            self._holes.pop(ino, None)
+
     def _freed(self) -> None:
         """Cached bytes went down: writers waiting for room under --cache-size look again
         (every decrease calls this, so no wakeup is lost)."""
@@ -450,7 +480,7 @@ class CacheFs:
         if self.tiering is not None:
             self.tiering.on_purge(node.ino)
         if node.is_reg and node.cached:
-            self.cached_bytes -= node.size
+            self.cached_bytes -= node.size - self._holes.pop(node.ino, 0)
             self._freed()
         self.index.delete_inode(node.ino)
         ino, is_reg = node.ino, node.is_reg
@@ -579,7 +609,16 @@ class CacheFs:
         h = self._handles.get(fh) if fh is not None else None
         target: int | str = h.fd if h is not None else self._data_path(node.ino)
         old = node.size
-        self.cached_bytes += size - old
+        hole = self._holes.get(node.ino, 0)
+        if size > old:
+            new_hole = hole + size - old  # a hole: no block is written
+        else:
+            new_hole = max(0, min(hole - (old - size), size))  # the hole goes first (at the end)
+        self.cached_bytes += (size - new_hole) - (old - hole)
+        if new_hole:
+            self._holes[node.ino] = new_hole
+        else:
+            self._holes.pop(node.ino, None)
         if size < old:
             self._freed()
         node.size = size
@@ -857,7 +896,7 @@ class CacheFs:
                 if trunc and (node.size or not node.cached):
                     now = _now()
                     if node.cached:
-                        self.cached_bytes -= node.size
+                        self.cached_bytes -= node.size - self._holes.pop(node.ino, 0)
                         self._freed()
                     node.size = 0
                     node.cached = 1
@@ -1019,6 +1058,15 @@ class CacheFs:
 
     def _released(self, node: Inode, writable: bool) -> None:
         with self._tx(node):
+            if writable and not node.writers and node.ino in self._holes:
+                # Bytes written into the hole count from now on: take it from the blocks.
+                old_hole = self._holes.pop(node.ino)
+                try:
+                    self._note_hole(node.ino, os.stat(self._data_path(node.ino)),
+                                    size=node.size)
+                except OSError:
+                    self._holes[node.ino] = old_hole
+                self.cached_bytes += old_hole - self._holes.get(node.ino, 0)
             if node.dirty:
                 self._persist(node)
             if writable and not node.writers:
@@ -1085,7 +1133,7 @@ class CacheFs:
             self._save(node, "cached")
             self.index.conn.execute("UPDATE inodes SET present=NULL WHERE ino=?", (ino,))
         os.truncate(self._data_path(ino), 0)
-        self.cached_bytes -= node.size
+        self.cached_bytes -= node.size - self._holes.pop(ino, 0)
         self._freed()
         log.debug("evicted inode %d (%d bytes)", ino, node.size)
         return True
@@ -1186,6 +1234,7 @@ class CacheFs:
             node.cached = 1
             self._save(node, "cached")
             self.index.conn.execute("UPDATE inodes SET present=NULL WHERE ino=?", (ino,))
+        self._holes.pop(ino, None)  # restored: every chunk written
         self.cached_bytes += node.size
         node.gen += 1
 

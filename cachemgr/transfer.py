@@ -104,6 +104,7 @@ S3_MIN_PART = 5 * MiB        # every part but the last
 S3_MAX_PART = 5 * GiB
 S3_MAX_PARTS = 10_000
 S3_MAX_PUT = 5 * GiB
+S3_MAX_OBJECT = 5 << 40      # S3's largest object: 5 TiB (the part limits alone allow ~48 TiB)
 
 DEFAULT_PART_SIZE = 64 * MiB
 DEFAULT_PARTS_IN_FLIGHT = 8
@@ -537,6 +538,10 @@ class Uploader:
         SourceChanged if the file is shorter than `size`."""
         if size < 0:
             raise ValueError(f"negative size {size}")
+        if size > S3_MAX_OBJECT:
+            # Checked before a byte is read: a sparse `truncate -s 10T` would otherwise stream
+            # terabytes of zeros for an upload the store refuses at its end.
+            raise ValueError(f"{size} bytes is more than the store's largest object (5 TiB)")
         fd = await trio.to_thread.run_sync(os.open, os.fspath(path), os.O_RDONLY | os.O_CLOEXEC)
         try:
             return await self._upload(fd, key, size, still_valid, progress)
