@@ -34,7 +34,11 @@ import tempfile
 import threading
 import time
 import traceback
+import warnings
 from pathlib import Path
+
+warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+warnings.filterwarnings("ignore", message=".*TypedStorage is deprecated")
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -75,6 +79,15 @@ class Violation(Exception):
 #   DONE              the command finished
 
 
+def short_exc(e: BaseException) -> str:
+    """One line for an exception (DCP's CheckpointException carries every rank's traceback:
+    keep its last error line)."""
+    text = str(e)
+    errs = re.findall(r"\b\w+(?:Error|Exception): [^\n]*", text)
+    msg = errs[-1] if errs else text.replace("\n", " ")
+    return f"{e.__class__.__name__}: {msg}"[:500]
+
+
 def make_state(seed: int, step: int, kind: str):
     """The deterministic training state saved at `step`: plain tensors (the reference)."""
     import torch
@@ -100,6 +113,7 @@ def trainer_main(rank: int, world: int, init: str, mount: str, seed: int) -> Non
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter
 
     torch.set_num_threads(1)
@@ -270,13 +284,13 @@ def trainer_main(rank: int, world: int, init: str, mount: str, seed: int) -> Non
             elif op == "load_dcp":
                 try:
                     r = load_dcp(cmd["path"], cmd["step"], cmd["kind"])
-                except Exception as e:  # noqa: BLE001 - reported, judged by the orchestrator
-                    r = f"{e.__class__.__name__}: {e}".replace("\n", " ")[:600]
+                except (Exception, CheckpointException) as e:  # noqa: BLE001 - judged outside
+                    r = short_exc(e)
                 ev("LOAD", cmd["path"], r)
             elif op == "exit":
                 break
-        except Exception as e:  # noqa: BLE001 - a fault made the save fail: report it
-            ev("ERR", f"{op}: {e.__class__.__name__}: {e}".replace("\n", " ")[:400])
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - a fault made it fail
+            ev("ERR", f"{op}: {short_exc(e)}")
         ev("DONE")
     if world > 1:
         try:
@@ -393,13 +407,24 @@ class Node:
         return ckptfs.status(self.mountpoint)["tiering"]
 
     def tracebacks(self) -> list[str]:
-        try:
-            text = self.log_file.read_text(errors="replace")
-        except FileNotFoundError:
-            return []
-        lines = text.splitlines()
-        return [" | ".join(lines[max(i - 1, 0):i + 1] + lines[-1:]) for i, ln in enumerate(lines)
-                if "Traceback" in ln]
+        return log_tracebacks(self.log_file)
+
+
+def log_tracebacks(path: Path) -> list[str]:
+    """One line per traceback in a log: the line that logged it (without its timestamp and
+    pid) and the exception it ends with."""
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except FileNotFoundError:
+        return []
+    out = []
+    for i, ln in enumerate(lines):
+        if not ln.startswith("Traceback"):
+            continue
+        head = re.sub(r"^\S+ \S+ \d+ ", "", lines[i - 1]) if i else ""
+        exc = next((x for x in lines[i + 1:] if x and not x.startswith(" ")), "?")
+        out.append(f"{head} | {exc}")
+    return out
 
 
 class Events:
@@ -566,6 +591,7 @@ class LatestPoller(threading.Thread):
         self.ever: set[str] = set()
         self.deleted_seen: set[str] = set()
         self.violations: list[str] = []
+        self.seen_tracebacks: set[str] = set()
         self.polls = 0
         self.lock = threading.Lock()
 
@@ -637,6 +663,7 @@ class Loop:
         self.next_step = 1
         self.dcp_kind: dict[str, str] = {}   # dcp path -> dcp1 / dcp2
         self.violations: list[str] = []
+        self.seen_tracebacks: set[str] = set()
 
     # -- setup / teardown ---------------------------------------------------------------------
 
@@ -853,10 +880,13 @@ class Loop:
 
         hold_release = None
         if moment == "uploading":
+            # the victim's own uploads (data/<node>/...): a is the victim unless dcp2 drew b
+            victim = self.b if (workload == "dcp2" and rng.random() < 0.5) else self.a
+            node_id = victim.status()["store"]["node"]
             px.set_rules([Rule("hold", ops={"put", "create_multipart", "upload_part"},
-                               key=r"^data/", delay=120)])
+                               key=rf"^{PREFIX}/data/{node_id}/", delay=120)])
         elif moment == "publishing":
-            px.set_rules([Rule("hold", ops={"put"}, key=r"^manifests/", delay=120)])
+            px.set_rules([Rule("hold", ops={"put"}, key=rf"^{PREFIX}/manifests/", delay=120)])
         elif fault == "kill_daemon_deleting":
             px.set_rules([Rule("hold", ops={"delete"}, delay=120)])
         elif fault == "store_error":
@@ -891,9 +921,8 @@ class Loop:
         if moment in ("uploading", "publishing") or fault == "kill_daemon_deleting":
             hold_release = rng.random() < 0.5   # the held request lands after the kill, or not
             detail = f"held request {'forwarded' if hold_release else 'dropped'} after the kill"
-            victim = self.a  # the node that uploads/publishes/deletes: A (B only uploads)
-            if moment == "uploading" and workload == "dcp2" and rng.random() < 0.5:
-                victim = self.b
+            if moment != "uploading":
+                victim = self.a  # the node that publishes and deletes
 
             def watcher() -> None:
                 if px.wait_held(1, timeout=60):
@@ -953,12 +982,13 @@ class Loop:
         rec["fault_s"] = round(time.monotonic() - t0, 2)
         rec["save_s"] = save_times
         # a save must return at local speed whatever the store does
+        slow_save = None
         if fault.startswith("store_") and save_times and max(save_times) > self.args.max_save_s:
-            raise Violation(f"a checkpoint save took {max(save_times):.1f}s under {fault} "
-                            f"{detail} (limit {self.args.max_save_s}s): close() waits for "
-                            "the store")
+            slow_save = (f"a checkpoint save ({workload}) took {max(save_times):.1f}s under "
+                         f"{fault} {detail} (limit {self.args.max_save_s}s): a save waits for "
+                         "the store")
         t1 = time.monotonic()
-        self.check(i, rec)
+        self.check(i, rec, slow_save)
         rec["check_s"] = round(time.monotonic() - t1, 2)
         rec["total_s"] = round(time.monotonic() - t0, 2)
         rec["proxy"] = {k: v for k, v in px.snapshot()["stats"].items() if v}
@@ -966,18 +996,43 @@ class Loop:
 
     # -- checks -------------------------------------------------------------------------------
 
-    def check(self, i: int, rec: dict) -> None:
+    def check(self, i: int, rec: dict, slow_save: str | None = None) -> None:
+        """Every check, in order. The first violation raises; with --keep-going every check
+        still runs and all violations are raised together."""
+        found: list[str] = []
+        if slow_save:
+            if not self.args.keep_going:
+                raise Violation(slow_save)
+            found.append(f"save_latency: {slow_save}")
+        for name, fn in (("durable", self.check_durable),
+                         ("store", self.check_store),
+                         ("latest", self.check_latest_and_lost),
+                         ("fresh_mount", lambda: rec.__setitem__(
+                             "fresh_mount_s", self.fresh_mount_check(i))),
+                         ("committing_node_loads", lambda: self.committing_node_loads(i)),
+                         ("logs", self.check_logs)):
+            try:
+                fn()
+            except Violation as e:
+                if not self.args.keep_going:
+                    raise
+                found.append(f"{name}: {e}")
+        if found:
+            raise Violation(" || ".join(found))
+
+    def check_durable(self) -> None:
         import ckptfs
 
-        # 1. every committed set durable (through the node that committed it: A)
+        # every committed set durable (through the node that committed it: A)
         for path in self.ref.live_committed() + (["ckpt/latest"] if self.ref.latest_committed
                                                   else []):
             try:
-                r = ckptfs.wait_durable(self.a.path / path, timeout=self.args.durable_timeout)
+                ckptfs.wait_durable(self.a.path / path, timeout=self.args.durable_timeout)
             except ckptfs.NotDurable as e:
                 if e.state == "deleted":
                     continue
                 raise Violation(f"committed set {path} is not durable on node a: {e}") from None
+
         # both nodes settle (uploads done, no set pending)
         def settled():
             for n in (self.a, self.b):
@@ -993,7 +1048,9 @@ class Loop:
                     if s["state"] in ("committed", "uploading")]
             raise Violation(f"nodes did not settle within {self.args.durable_timeout:.0f}s; "
                             f"pending: {pend}") from None
-        # 2. the store against the reference (deletions may still be on their way)
+
+    def check_store(self) -> None:
+        """The store against the reference (deletions may still be on their way)."""
         problems: list[str] = []
 
         def store_ok():
@@ -1005,35 +1062,40 @@ class Loop:
         except Violation:
             raise Violation(problems[0] + (f" (+{len(problems) - 1} more)"
                                            if len(problems) > 1 else "")) from None
-        # 3. latest never named an unpublished set; nothing durable lost
+
+    def check_latest_and_lost(self) -> None:
+        """latest never named an unpublished set; nothing durable was lost."""
         with self.poller.lock:
-            if self.poller.violations:
-                raise Violation(self.poller.violations[0])
+            v = list(self.poller.violations)
+            self.poller.violations.clear()
             ever = set(self.poller.ever)
+        if v:
+            raise Violation(v[0])
         now = self.view.set_paths()
         lost = sorted(p for p in ever - now if not self.ref.sets.get(p, {}).get("del_begun")
                       and p != "ckpt/latest")
         if lost:
             raise Violation(f"published set(s) vanished from the store without being deleted: "
                             f"{lost}")
-        # 4. a fresh node shows exactly the published sets the moment its mount returns
-        rec["fresh_mount_s"] = self.fresh_mount_check(i)
-        # 5. the committing node loads every multi-node set, with every rank's data
-        self.committing_node_loads(i)
-        # 6. no tracebacks in any daemon log
+
+    def check_logs(self) -> None:
+        """No tracebacks in any daemon's log (each reported once)."""
         for n in (self.a, self.b):
-            tb = n.tracebacks()
-            if tb:
-                raise Violation(f"node {n.name}'s log {n.log_file} has a traceback: {tb[0]}")
+            for tb in n.tracebacks():
+                if tb not in self.seen_tracebacks:
+                    self.seen_tracebacks.add(tb)
+                    raise Violation(f"node {n.name}'s log {n.log_file} has a traceback: {tb}")
         for lf in self.other_logs:
-            text = lf.read_text(errors="replace") if lf.exists() else ""
-            if "Traceback" in text:
-                raise Violation(f"{lf} has a traceback")
+            for tb in log_tracebacks(lf):
+                if tb not in self.seen_tracebacks:
+                    self.seen_tracebacks.add(tb)
+                    raise Violation(f"{lf} has a traceback: {tb}")
 
     def store_problems(self) -> list[str]:
         import torch
         import torch.distributed.checkpoint as dcp
         from ckpt_restore import restore, restore_to
+        from torch.distributed.checkpoint.api import CheckpointException
 
         out: list[str] = []
         ms = self.view.manifests()
@@ -1095,9 +1157,9 @@ class Loop:
                     target = {k: torch.zeros_like(v) for k, v in full.items()}
                     try:
                         dcp.load(target, checkpoint_id=str(root), no_dist=True)
-                    except Exception as e:  # noqa: BLE001
+                    except (Exception, CheckpointException) as e:  # noqa: BLE001
                         out.append(f"published {path} does not dcp.load from the store: "
-                                   f"{e.__class__.__name__}: {e}"[:300])
+                                   f"{short_exc(e)}")
                         continue
                     bad = [k for k, v in full.items() if not torch.equal(target[k], v)]
                     if bad:
@@ -1125,10 +1187,10 @@ class Loop:
                         after[p]["commit"] != before[p]["commit"] for p in after):
                     continue   # the store changed meanwhile: judge again
                 want = expected_tree(before)
-                diff = diff_trees(want, tree)
+                diff = diff_trees(want, tree, before)
                 if diff:
-                    raise Violation(f"a fresh mount (empty cache) does not show the published "
-                                    f"sets when `ckptfs mount` returns: {diff}")
+                    raise Violation(f"a fresh mount (empty cache dir, same store) listed at "
+                                    f"once after `ckptfs mount` returned: {diff}")
                 # and it serves them bit-exactly
                 from ckpt_restore import restore
                 for path, m in before.items():
@@ -1138,7 +1200,7 @@ class Loop:
                         if got != data:
                             raise Violation(f"a fresh mount reads {p.relative_to(node.path)} "
                                             f"wrong: {got if isinstance(got, str) else 'bytes differ'}")
-                return took
+                return round(took, 3)
             finally:
                 node.cleanup()
                 shutil.rmtree(node.cache_dir, ignore_errors=True)
@@ -1158,9 +1220,10 @@ class Loop:
             def on_event(r, line, path=path):
                 if line.startswith("LOAD "):
                     res["r"] = line.split(" ", 2)[2]
-            self.run_cmd(i, {"op": "load_dcp", "path": path, "step": s["step"],
-                             "kind": "dcp2"}, [0], on_event=on_event, timeout=120)
+            out = self.run_cmd(i, {"op": "load_dcp", "path": path, "step": s["step"],
+                                   "kind": "dcp2"}, [0], on_event=on_event, timeout=120)
             if res.get("r") != "ok":
+                res.setdefault("r", "; ".join(out["err"]) or "no answer")
                 names = sorted(os.listdir(self.a.path / path)) \
                     if (self.a.path / path).is_dir() else "absent"
                 raise Violation(f"the committing node a cannot dcp.load multi-node set {path}: "
@@ -1170,12 +1233,13 @@ class Loop:
     # -- main ---------------------------------------------------------------------------------
 
     def replay(self, i: int) -> str:
-        cmd = [sys.executable, "scripts/fault_loop.py", "--seed", str(self.seed),
+        cmd = [os.path.relpath(sys.executable, REPO) if sys.executable.startswith(str(REPO))
+               else sys.executable, "scripts/fault_loop.py", "--seed", str(self.seed),
                "--iterations", str(i + 1)]
-        if set(self.args.workloads) != set(WORKLOADS):
-            cmd += ["--workloads", ",".join(self.args.workloads)]
-        if set(self.args.faults) != set(FAULTS):
-            cmd += ["--faults", ",".join(self.args.faults)]
+        if self.args.workloads_arg:
+            cmd += ["--workloads", self.args.workloads_arg]
+        if self.args.faults_arg:
+            cmd += ["--faults", self.args.faults_arg]
         return " ".join(cmd)
 
     def write_report(self) -> None:
@@ -1206,6 +1270,7 @@ class Loop:
                     log(f"replay: {self.replay(i)}")
                     if not self.args.keep_going:
                         raise
+                    self.write_report()
                     self.recover()
                     continue
                 self.report["iterations"].append(rec)
@@ -1250,8 +1315,6 @@ class Loop:
             if not n.alive():
                 n.cleanup()
                 n.start()
-        with self.poller.lock:
-            self.poller.violations.clear()
 
 
 # -- trees ----------------------------------------------------------------------------------------
@@ -1287,17 +1350,31 @@ def expected_tree(ms: dict[str, dict]) -> dict[str, tuple]:
     return out
 
 
-def diff_trees(want: dict, have: dict) -> str:
-    missing = sorted(set(want) - set(have))
-    extra = sorted(set(have) - set(want))
-    wrong = sorted(p for p in set(want) & set(have) if want[p] != have[p])
+def diff_trees(want: dict, have: dict, ms: dict[str, dict]) -> str:
+    """What a mount's tree lacks or has beyond the published sets, by set."""
     parts = []
-    if missing:
-        parts.append(f"{len(missing)} of {len(want)} missing {missing[:6]}")
+    absent, partial = [], []
+    for path in sorted(ms):
+        mine = [p for p in want if p == path or p.startswith(path + "/")]
+        missing = [p for p in mine if p not in have]
+        if missing and len(missing) == len(mine):
+            absent.append(path)
+        elif missing:
+            partial.append(f"{path} lacks {[p[len(path) + 1:] for p in missing][:5]}")
+    shown = len(ms) - len(absent) - len(partial)
+    if absent or partial:
+        parts.append(f"it shows {shown} of {len(ms)} published sets whole")
+    if absent:
+        parts.append(f"absent: {absent[:8]}{' ...' if len(absent) > 8 else ''}")
+    if partial:
+        parts.append("incomplete: " + "; ".join(partial[:4]))
+    extra = sorted(set(have) - set(want))
     if extra:
-        parts.append(f"unexpected {extra[:6]}")
+        parts.append(f"not published but shown: {extra[:6]}")
+    wrong = sorted(p for p in set(want) & set(have) if want[p] != have[p])
     if wrong:
-        parts.append("wrong " + ", ".join(f"{p}: {have[p]} != {want[p]}" for p in wrong[:4]))
+        parts.append("wrong: " + ", ".join(f"{p} is {have[p]}, published {want[p]}"
+                                           for p in wrong[:4]))
     return "; ".join(parts)
 
 
@@ -1347,11 +1424,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--iterations", type=int, default=10)
     p.add_argument("--seed", type=int, default=None, help="default: random (printed)")
-    p.add_argument("--workloads", type=lambda v: parse_list(v, WORKLOADS),
-                   default=list(WORKLOADS), help=f"comma list of {', '.join(WORKLOADS)}")
-    p.add_argument("--faults", type=lambda v: parse_list(v, FAULTS, FAULT_GROUPS),
-                   default=list(FAULTS),
-                   help=f"comma list of fault kinds or groups ({', '.join(FAULT_GROUPS)})")
+    p.add_argument("--workloads", dest="workloads_arg",
+                   help=f"comma list of {', '.join(WORKLOADS)} (default: all)")
+    p.add_argument("--faults", dest="faults_arg",
+                   help=f"comma list of fault kinds or groups ({', '.join(FAULT_GROUPS)}; "
+                        "default: all)")
     p.add_argument("--report", help="write a JSON report here (after every iteration)")
     p.add_argument("--keep-going", action="store_true",
                    help="record a violation and go on (exit 1 at the end)")
@@ -1364,6 +1441,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="seconds a store fault stays on after the saves returned")
     p.add_argument("--durable-timeout", type=float, default=90.0)
     a = p.parse_args(argv)
+    try:
+        a.workloads = parse_list(a.workloads_arg or ",".join(WORKLOADS), WORKLOADS)
+        a.faults = parse_list(a.faults_arg or "all", FAULTS, FAULT_GROUPS)
+    except argparse.ArgumentTypeError as e:
+        p.error(str(e))
     if a.seed is None:
         a.seed = random.SystemRandom().randrange(1, 10**6)
     if os.geteuid() != 0:
