@@ -592,6 +592,8 @@ class LatestPoller(threading.Thread):
         self.deleted_seen: set[str] = set()
         self.violations: list[str] = []
         self.seen_tracebacks: set[str] = set()
+        self.read_by_b: set[str] = set()
+        self.cur_rec: dict = {}
         self.polls = 0
         self.lock = threading.Lock()
 
@@ -664,6 +666,8 @@ class Loop:
         self.dcp_kind: dict[str, str] = {}   # dcp path -> dcp1 / dcp2
         self.violations: list[str] = []
         self.seen_tracebacks: set[str] = set()
+        self.read_by_b: set[str] = set()
+        self.cur_rec: dict = {}
 
     # -- setup / teardown ---------------------------------------------------------------------
 
@@ -835,7 +839,9 @@ class Loop:
     def iteration(self, i: int) -> dict:
         fault, workload, rng = self.schedule(i)
         rec = {"i": i, "fault": fault, "workload": workload}
+        self.cur_rec = rec
         log(f"[{i}] fault={fault} workload={workload}")
+        stats0 = self.proxy.snapshot()["stats"]
         t0 = time.monotonic()
         if not self.trainer.running():
             self.trainer.start()
@@ -844,6 +850,7 @@ class Loop:
         detail = ""
         save_times: list[float] = []
         errs: list[str] = []
+        pre: list[str] = []      # violations found while the fault was on
         is_kill = fault.startswith("kill_")
         moment = fault.split("_", 2)[2] if is_kill else ""
         # which node a daemon kill hits (dcp2: either node; else A)
@@ -954,6 +961,7 @@ class Loop:
                 raise Violation(f"{fault}: the aimed moment never came (events: no "
                                 f"{'W' if moment in ('writing', 'deleting') else 'C'} event)")
             if fault.startswith("store_") and fault != "store_outage":
+                pre += self.read_under_fault(rec)
                 time.sleep(self.args.fault_hold)   # the fault stays on a while for uploads
             if fault == "store_outage":
                 left = px._outage_until - time.monotonic()
@@ -976,34 +984,34 @@ class Loop:
                 if n.name not in self.killed:
                     tail = " | ".join(n.log_file.read_text(errors="replace").splitlines()[-3:]) \
                         if n.log_file.exists() else ""
-                    raise Violation(f"daemon of node {n.name} died on its own during {fault} "
-                                    f"(log tail: {tail})")
+                    raise Violation(f"daemon_alive: daemon of node {n.name} died on its own "
+                                    f"during {fault} (log tail: {tail})")
                 rec.setdefault("remount_s", {})[n.name] = round(n.start(), 2)
         rec["fault_s"] = round(time.monotonic() - t0, 2)
         rec["save_s"] = save_times
         # a save must return at local speed whatever the store does
-        slow_save = None
         if fault.startswith("store_") and save_times and max(save_times) > self.args.max_save_s:
-            slow_save = (f"a checkpoint save ({workload}) took {max(save_times):.1f}s under "
-                         f"{fault} {detail} (limit {self.args.max_save_s}s): a save waits for "
-                         "the store")
+            pre.insert(0, f"save_latency: a checkpoint save ({workload}) took "
+                          f"{max(save_times):.1f}s under {fault} {detail} (limit "
+                          f"{self.args.max_save_s}s): a save waits for the store")
         t1 = time.monotonic()
-        self.check(i, rec, slow_save)
+        self.check(i, rec, pre)
         rec["check_s"] = round(time.monotonic() - t1, 2)
         rec["total_s"] = round(time.monotonic() - t0, 2)
-        rec["proxy"] = {k: v for k, v in px.snapshot()["stats"].items() if v}
+        rec["proxy"] = {k: v - stats0.get(k, 0) for k, v in px.snapshot()["stats"].items()
+                        if v - stats0.get(k, 0)}
         return rec
 
     # -- checks -------------------------------------------------------------------------------
 
-    def check(self, i: int, rec: dict, slow_save: str | None = None) -> None:
+    def check(self, i: int, rec: dict, pre: list[str] = ()) -> None:
         """Every check, in order. The first violation raises; with --keep-going every check
         still runs and all violations are raised together."""
         found: list[str] = []
-        if slow_save:
+        if pre:
             if not self.args.keep_going:
-                raise Violation(slow_save)
-            found.append(f"save_latency: {slow_save}")
+                raise Violation(pre[0])
+            found += pre
         for name, fn in (("durable", self.check_durable),
                          ("store", self.check_store),
                          ("latest", self.check_latest_and_lost),
@@ -1015,7 +1023,7 @@ class Loop:
                 fn()
             except Violation as e:
                 if not self.args.keep_going:
-                    raise
+                    raise Violation(f"{name}: {e}") from None
                 found.append(f"{name}: {e}")
         if found:
             raise Violation(" || ".join(found))
@@ -1173,6 +1181,37 @@ class Loop:
             out.append("ckpt/latest was committed but is not in the store")
         return out
 
+    def read_under_fault(self, rec: dict) -> list[str]:
+        """With the store fault still on, node b reads the newest published torch.save
+        checkpoint it has not read yet (fetched from the store through the proxy): the bytes
+        must be exactly the trainer's, or the read must fail (EIO) - never wrong bytes."""
+        pts = sorted((s["step"], p) for p, s in self.ref.sets.items()
+                     if p.endswith(".pt") and s["committed"] is not None and not s["del_begun"]
+                     and p not in self.read_by_b)
+        if not pts:
+            return []
+        path = pts[-1][1]
+        self.read_by_b.add(path)
+        p = self.b.path / path
+        try:
+            wait_for(lambda: self.view.v.get(f"manifests/{path}.json") is not None and
+                     p.exists(), 60, f"{path} on node b")
+        except Violation:
+            rec["read_under_fault"] = f"{path}: not listed on b within 60s (not judged)"
+            return []
+        got = read_file_bounded(p, 90)
+        if isinstance(got, str):
+            rec["read_under_fault"] = f"{path}: {got}"
+            if "timed out" in got:
+                return [f"read_under_fault: reading {path} through node b did not return "
+                        f"within 90s under {rec['fault']}"]
+            return []   # an error is allowed; wrong bytes are not
+        rec["read_under_fault"] = f"{path}: ok"
+        if sha256(got) != self.ref.sets[path]["sha"]:
+            return [f"read_under_fault: node b read {path} under {rec['fault']} and got "
+                    f"{len(got)} bytes that differ from what the trainer saved"]
+        return []
+
     def fresh_mount_check(self, i: int) -> float:
         for attempt in range(3):
             before = self.view.manifests()
@@ -1262,10 +1301,15 @@ class Loop:
                         f"{rec.get('fresh_mount_s')}s)")
                 except Violation as e:
                     fault, workload, _ = self.schedule(i)
-                    rec = {"i": i, "fault": fault, "workload": workload, "ok": False,
-                           "violation": str(e)}
+                    rec = dict(self.cur_rec if self.cur_rec.get("i") == i else
+                               {"i": i, "fault": fault, "workload": workload})
+                    rec.update(ok=False, violation=str(e))
                     failures.append(rec)
                     self.report["iterations"].append(rec)
+                    by = self.report.setdefault("violations_by_check", {})
+                    for part in str(e).split(" || "):
+                        name = part.split(":", 1)[0]
+                        by[name] = by.get(name, 0) + 1
                     log(f"VIOLATION at iteration {i} ({fault}, {workload}): {e}")
                     log(f"replay: {self.replay(i)}")
                     if not self.args.keep_going:
@@ -1448,6 +1492,9 @@ def main(argv: list[str] | None = None) -> int:
         p.error(str(e))
     if a.seed is None:
         a.seed = random.SystemRandom().randrange(1, 10**6)
+    def on_term(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+    signal.signal(signal.SIGTERM, on_term)
     if os.geteuid() != 0:
         print("fault_loop: needs root (FUSE mounts, a tmpfs)", file=sys.stderr)
         return 2

@@ -199,11 +199,18 @@ def run_loop(tmp_path, seed: int, iterations: int, faults: str, timeout: float =
     cmd = [sys.executable, "scripts/fault_loop.py", "--seed", str(seed), "--iterations",
            str(iterations), "--faults", faults, "--report", str(report),
            "--workdir", str(tmp_path)]
-    res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
-    out = res.stdout + res.stderr
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.terminate()   # the loop tears down what it started on SIGTERM
+        out, _ = proc.communicate(timeout=180)
+        pytest.fail(f"the fault loop (seed {seed}) ran past {timeout}s:\n{out[-3000:]}")
     lines = [ln for ln in out.splitlines() if ln.startswith(("VIOLATION", "replay:",
                                                              "fault loop"))]
-    assert res.returncode == 0, "\n".join(lines) or out[-4000:]
+    if proc.returncode != 0:
+        pytest.fail("\n".join(lines) or out[-4000:], pytrace=False)
     rep = json.loads(report.read_text())
     assert rep["result"] == "ok"
     return rep
