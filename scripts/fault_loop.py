@@ -241,7 +241,11 @@ def trainer_main(rank: int, world: int, init: str, mount: str, seed: int) -> Non
                 kinds["dcp"].append((int(m.group(4)), name))
             else:
                 junk.append(name)  # leftovers of saves a fault interrupted
-        old = [n for v in kinds.values() for _, n in sorted(v)[:-KEEP]]
+        try:
+            protected = os.readlink(root / "latest")   # never delete what latest names
+        except OSError:
+            protected = None
+        old = [n for v in kinds.values() for _, n in sorted(v)[:-KEEP] if n != protected]
         for name in old + junk:
             p = root / name
             ev("X", f"ckpt/{name}")
@@ -829,6 +833,11 @@ class Loop:
             if k == 0:
                 c["pause_rank"] = pause_rank
             cmds.append((c, ranks))
+        # a trainer rotates now and then whatever the workload: the cache disk stays bounded
+        live = [p for p, s in self.ref.sets.items() if s["committed"] is not None
+                and not s["del_begun"]]
+        if len(live) > 4 * KEEP:
+            cmds.append(({"op": "rotate"}, [0]))
         return cmds
 
     def take_step(self) -> int:
@@ -955,10 +964,10 @@ class Loop:
             if hold_release is not None:
                 wt.join(timeout=90)
                 if not state["fired"]:
-                    raise Violation(f"{fault}: no held request appeared at the proxy within "
+                    raise Violation(f"aim: {fault}: no held request appeared at the proxy within "
                                     "60s (the aim missed: nothing to upload/publish/delete?)")
             if is_kill and not state["fired"]:
-                raise Violation(f"{fault}: the aimed moment never came (events: no "
+                raise Violation(f"aim: {fault}: the aimed moment never came (events: no "
                                 f"{'W' if moment in ('writing', 'deleting') else 'C'} event)")
             if fault.startswith("store_") and fault != "store_outage":
                 pre += self.read_under_fault(rec)
@@ -1093,11 +1102,13 @@ class Loop:
                 if tb not in self.seen_tracebacks:
                     self.seen_tracebacks.add(tb)
                     raise Violation(f"node {n.name}'s log {n.log_file} has a traceback: {tb}")
-        for lf in self.other_logs:
-            for tb in log_tracebacks(lf):
-                if tb not in self.seen_tracebacks:
-                    self.seen_tracebacks.add(tb)
-                    raise Violation(f"{lf} has a traceback: {tb}")
+        while self.other_logs:   # fresh nodes' logs: each judged once, then removed
+            lf = self.other_logs.pop()
+            tbs = log_tracebacks(lf)
+            if tbs:
+                raise Violation(f"{lf} has a traceback: {tbs[0]}")
+            if not self.args.keep_workdir:
+                lf.unlink(missing_ok=True)
 
     def store_problems(self) -> list[str]:
         import torch
