@@ -231,3 +231,78 @@ def test_fault_loop_store_and_disk(tmp_path):
     assert {r["fault"] for r in rep["iterations"]} == {
         "store_error", "store_reset", "store_truncate", "store_hangup", "store_slow",
         "store_outage", "disk_full"}
+
+
+# ----------------------------------------------------------------------------------------------
+# the loop's own machinery (no mounts): schedule, tree diff, log scan
+
+
+def _loop(seed: int, faults: str = "all", workloads: str = "torch,dcp1,dcp2,rotate"):
+    import argparse
+
+    import fault_loop as fl
+
+    a = argparse.Namespace(seed=seed, faults=fl.parse_list(faults, fl.FAULTS, fl.FAULT_GROUPS),
+                           workloads=fl.parse_list(workloads, fl.WORKLOADS))
+    return fl.Loop(a)
+
+
+def test_schedule_covers_every_fault_and_replays():
+    import fault_loop as fl
+
+    loop = _loop(7)
+    first = [loop.schedule(i)[:2] for i in range(len(fl.FAULTS))]
+    assert {f for f, _ in first} == set(fl.FAULTS)             # one cycle: every fault once
+    assert all(w == "rotate" for f, w in first if f.endswith("_deleting"))
+    assert {w for _, w in first} == set(fl.WORKLOADS)
+    again = _loop(7)
+    assert [again.schedule(i)[:2] for i in range(40)] == \
+        [loop.schedule(i)[:2] for i in range(40)]              # the seed replays
+    assert [loop.schedule(i)[2].random() for i in range(3)] == \
+        [again.schedule(i)[2].random() for i in range(3)]
+    assert [_loop(8).schedule(i)[:2] for i in range(15)] != first
+    sub = _loop(7, faults="store,disk_full")
+    assert {sub.schedule(i)[0] for i in range(7)} == set(fl.FAULT_GROUPS["store"]) | {"disk_full"}
+    with pytest.raises(Exception):
+        fl.parse_list("kill,nonsense", fl.FAULTS, fl.FAULT_GROUPS)
+
+
+def test_fresh_mount_diff_names_what_is_wrong():
+    import fault_loop as fl
+
+    ms = {
+        "ckpt/dcp_1": {"kind": "dir", "files": [{"path": ".metadata", "size": 10},
+                                                {"path": "__0_0.distcp", "size": 100}],
+                       "symlinks": []},
+        "ckpt/step_1.pt": {"kind": "file", "files": [{"path": "", "size": 7}]},
+        "ckpt/latest": {"kind": "symlink", "target": "step_1.pt", "files": []},
+    }
+    want = fl.expected_tree(ms)
+    assert want == {"ckpt/dcp_1/.metadata": ("f", 10), "ckpt/dcp_1/__0_0.distcp": ("f", 100),
+                    "ckpt/step_1.pt": ("f", 7), "ckpt/latest": ("l", "step_1.pt")}
+    assert fl.diff_trees(want, dict(want), ms) == ""
+    have = {"ckpt/dcp_1/.metadata": ("f", 10), "ckpt/step_1.pt": ("f", 8),
+            "ckpt/junk.tmp": ("f", 1)}
+    d = fl.diff_trees(want, have, ms)
+    assert "shows 1 of 3 published sets whole" in d
+    assert "absent: ['ckpt/latest']" in d
+    assert "ckpt/dcp_1 lacks ['__0_0.distcp']" in d
+    assert "not published but shown: ['ckpt/junk.tmp']" in d
+    assert "ckpt/step_1.pt is ('f', 8), published ('f', 7)" in d
+
+
+def test_log_scan_and_exception_lines(tmp_path):
+    import fault_loop as fl
+
+    log = tmp_path / "d.log"
+    log.write_text("2026-01-01 10:00:00,000 42 INFO x: fine\n"
+                   "2026-01-01 10:00:01,000 42 ERROR ckptfs.fuse: flush(1,) failed: unexpected\n"
+                   "Traceback (most recent call last):\n  File \"x.py\", line 1, in f\n"
+                   "sqlite3.OperationalError: database or disk is full\n"
+                   "2026-01-01 10:00:02,000 42 INFO x: later\n")
+    assert fl.log_tracebacks(log) == [
+        "ERROR ckptfs.fuse: flush(1,) failed: unexpected | "
+        "sqlite3.OperationalError: database or disk is full"]
+    assert fl.log_tracebacks(tmp_path / "none.log") == []
+    e = RuntimeError("rank 0:\nTraceback ...\nFileNotFoundError: [Errno 2] gone: 'x'\n")
+    assert fl.short_exc(e) == "RuntimeError: FileNotFoundError: [Errno 2] gone: 'x'"
