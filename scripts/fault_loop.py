@@ -498,19 +498,24 @@ class Trainer:
         except (BrokenPipeError, OSError):
             pass
 
-    def kill(self, daemons: list[Node] = ()) -> None:
+    def kill(self, daemons: list[Node] = ()) -> list[str]:
         """kill -9 every rank. A rank blocked in a FUSE request cannot die before the daemon
-        answers: if it does not, the daemons are killed too (reported by the caller)."""
+        answers: if it does not within 15 s, the daemons are killed too; returns their names
+        (the caller reports it)."""
         for p in self.procs:
             if p.poll() is None:
                 p.kill()
+        freed: list[str] = []
         for p in self.procs:
             try:
                 p.wait(timeout=15)
             except subprocess.TimeoutExpired:
                 for d in daemons:
-                    d.kill9()
+                    if d.alive():
+                        d.kill9()
+                        freed.append(d.name)
                 p.wait(timeout=30)
+        return freed
 
     def stop(self) -> None:
         if not self.procs:
@@ -598,6 +603,8 @@ class LatestPoller(threading.Thread):
         self.seen_tracebacks: set[str] = set()
         self.read_by_b: set[str] = set()
         self.cur_rec: dict = {}
+        self.killed: set[str] = set()
+        self.stuck: list[str] = []
         self.polls = 0
         self.lock = threading.Lock()
 
@@ -672,6 +679,8 @@ class Loop:
         self.seen_tracebacks: set[str] = set()
         self.read_by_b: set[str] = set()
         self.cur_rec: dict = {}
+        self.killed: set[str] = set()
+        self.stuck: list[str] = []
 
     # -- setup / teardown ---------------------------------------------------------------------
 
@@ -855,6 +864,7 @@ class Loop:
         if not self.trainer.running():
             self.trainer.start()
         self.killed = set()
+        self.stuck = []
         px = self.proxy
         detail = ""
         save_times: list[float] = []
@@ -875,7 +885,7 @@ class Loop:
 
         def fire_kill() -> None:
             if fault.startswith("kill_trainer"):
-                self.trainer.kill([self.a, self.b])
+                self.kill_trainer()
             else:
                 victim.kill9()
                 self.killed.add(victim.name)
@@ -986,8 +996,13 @@ class Loop:
         # -- the fault is cleared: restart what it killed, then check --
         if fault.startswith("kill_") or fault == "disk_full" or errs \
                 or not self.trainer.running():
-            self.trainer.kill([self.a, self.b])
+            self.kill_trainer()
             self.trainer.stop()
+        if self.stuck:
+            pre.append(f"trainer_stuck: a killed trainer rank stayed blocked in the mount for "
+                       f"15s during {fault} (a FUSE request never answered); daemon(s) "
+                       f"{self.stuck} were killed to free it")
+            self.stuck = []
         for n in (self.a, self.b):
             if not n.alive():
                 if n.name not in self.killed:
@@ -1360,6 +1375,11 @@ class Loop:
             self.report["elapsed_s"] = round(time.monotonic() - t0, 1)
             self.write_report()
             self.teardown()
+
+    def kill_trainer(self) -> None:
+        freed = self.trainer.kill([self.a, self.b])
+        self.killed |= set(freed)
+        self.stuck += freed
 
     def recover(self) -> None:
         """--keep-going: after a violation, leave a clean state for the next iteration."""
