@@ -990,6 +990,8 @@ class Loop:
             px.clear()
             if ballast.exists():
                 ballast.unlink()
+        rec["proxy"] = {k: v - stats0.get(k, 0) for k, v in px.snapshot()["stats"].items()
+                        if v - stats0.get(k, 0)}   # requests seen and faults injected
         self.drain_events(i)
         if errs:
             rec["trainer_errors"] = errs[:5]
@@ -1022,8 +1024,6 @@ class Loop:
         self.check(i, rec, pre)
         rec["check_s"] = round(time.monotonic() - t1, 2)
         rec["total_s"] = round(time.monotonic() - t0, 2)
-        rec["proxy"] = {k: v - stats0.get(k, 0) for k, v in px.snapshot()["stats"].items()
-                        if v - stats0.get(k, 0)}
         return rec
 
     # -- checks -------------------------------------------------------------------------------
