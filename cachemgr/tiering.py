@@ -727,6 +727,12 @@ class Tiering:
                 return info.etag
             except PreconditionFailed:
                 pass
+            except NotFound:
+                # If-Match on a key with no object: S3 answers 404 NoSuchKey, not 412 (the
+                # manifest this node knew was deleted meanwhile, e.g. by a rotation racing a
+                # re-commit of the path). Nothing to replace: create it.
+                expect = None
+                continue
             try:
                 cur_info = await self.store.head(key)
                 cur = mf.loads(await self.store.get(key))
