@@ -396,3 +396,18 @@ def test_restore_on_a_small_cache_disk_keeps_the_daemon_and_serves_reads(cluster
     b.stop()
     for m in (a, b):
         _check_log(m)
+
+
+def test_recommit_after_its_manifest_vanished_is_published(cluster):
+    """If-Match on a manifest that is no longer in the store (S3 answers 404 NoSuchKey, not
+    412): the re-commit publishes with If-None-Match instead of failing for good (found by the
+    fault suite, scripts/fault_loop.py)."""
+    a = cluster("a")
+    _save_steps(a.path, range(1, 2))
+    ckptfs.wait_durable(a.path / "latest", timeout=120)
+    view = cluster.view
+    view.s3.delete_object(Bucket=view.bucket, Key=view.prefix + "manifests/latest.json")
+    _save_steps(a.path, range(2, 3))
+    assert ckptfs.wait_durable(a.path / "latest", timeout=120)["state"] == "durable"
+    assert "manifests/latest.json" in cluster.view.keys("manifests/")
+    _check_log(a)
