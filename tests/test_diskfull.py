@@ -75,7 +75,7 @@ def mkfile(fs: CacheFs, parent: int, name: bytes, data: bytes = b"") -> int:
 
 def memory_matches_index(fs: CacheFs) -> list[str]:
     """Every in-memory inode equals its index row (a dirty file's size and times may be newer),
-    and `cached_bytes` is what the cache files hold."""
+    and `cached_bytes` is what the cache files hold (their sizes less their holes)."""
     problems = []
     for ino, node in fs._inodes.items():
         row = fs.index.get_inode(ino)
@@ -95,7 +95,12 @@ def memory_matches_index(fs: CacheFs) -> list[str]:
             "SELECT ino, mode, size, cached FROM inodes"):
         if stat.S_ISREG(mode) and cached:
             node = fs._inodes.get(ino)
-            want += node.size if node is not None else size
+            size = node.size if node is not None else size
+            # --cache-size counts blocks: a hole a file was grown over does not count.
+            hole = fs._holes.get(ino, 0)
+            if not 0 <= hole <= size:
+                problems.append(f"inode {ino} hole {hole} outside its size {size}")
+            want += size - hole
     if fs.cached_bytes != want:
         problems.append(f"cached_bytes {fs.cached_bytes} != {want}")
     return problems
