@@ -25,7 +25,6 @@ import json
 import os
 import random
 import re
-import select
 import shutil
 import signal
 import subprocess
@@ -43,6 +42,8 @@ warnings.filterwarnings("ignore", message=".*TypedStorage is deprecated")
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
+from procwait import Events
+from procwait import wait_for as _wait_for
 
 WORKLOADS = ("torch", "dcp1", "dcp2", "rotate")
 FAULTS = (
@@ -312,18 +313,8 @@ def log(msg: str) -> None:
 
 
 def wait_for(cond, timeout: float, what: str, exc=Violation):
-    """Poll `cond` until truthy (returns it) or raise exc(what) after `timeout` (no sleeps as
-    waits: a short back-off between polls)."""
-    deadline = time.monotonic() + timeout
-    delay = 0.01
-    while True:
-        v = cond()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise exc(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(delay)
-        delay = min(delay * 2, 0.2)
+    """procwait.wait_for, failing with a Violation by default."""
+    return _wait_for(cond, timeout, what, exc)
 
 
 def pid_alive(pid: int | None) -> bool:
@@ -431,33 +422,6 @@ def log_tracebacks(path: Path) -> list[str]:
     return out
 
 
-class Events:
-    """Line events from a child's stdout, read with deadlines."""
-
-    def __init__(self, proc: subprocess.Popen) -> None:
-        self.proc, self.fd, self.buf, self.eof = proc, proc.stdout.fileno(), b"", False
-
-    def next(self, timeout: float) -> str | None:
-        deadline = time.monotonic() + timeout
-        while b"\n" not in self.buf:
-            if self.eof:
-                return None
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"no event from pid {self.proc.pid} for {timeout:.0f}s")
-            r, _, _ = select.select([self.fd], [], [], left)
-            if r:
-                chunk = os.read(self.fd, 65536)
-                if not chunk:
-                    self.eof = True
-                    if self.buf:
-                        self.buf += b"\n"
-                else:
-                    self.buf += chunk
-        line, self.buf = self.buf.split(b"\n", 1)
-        return line.decode()
-
-
 class Trainer:
     """Two gloo ranks, rank 0 on node A's mount, rank 1 on node B's (started on demand)."""
 
@@ -482,7 +446,7 @@ class Trainer:
                 cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=errlog,
                 env={**os.environ, "PYTHONPATH": f"{REPO}:{REPO / 'scripts'}"})
             self.procs.append(p)
-            self.events.append(Events(p))
+            self.events.append(Events(p, exc=TimeoutError))
         errlog.close()
         for r in range(2):
             line = self.events[r].next(120)

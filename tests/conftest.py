@@ -13,7 +13,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -21,6 +20,8 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 # scripts/ckpt_restore.py reads a store without ckptfs; tests use it to check what was published.
 sys.path.insert(0, str(REPO / "scripts"))
+from procwait import wait_for  # re-exported: tests import it from here
+
 IN_CI = os.environ.get("CI", "").lower() == "true"
 
 
@@ -61,20 +62,6 @@ def assert_loaded(saved: dict, loaded: dict, rank: int) -> None:
             assert torch.equal(loaded[k], v), (rank, k)
         else:
             assert loaded[k] == v, (rank, k)
-
-
-def wait_for(cond, timeout: float = 30.0, what: str = "condition"):
-    """Poll `cond` until it returns a truthy value or `timeout` passes (no fixed sleeps)."""
-    deadline = time.monotonic() + timeout
-    delay = 0.005
-    while True:
-        v = cond()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(delay)
-        delay = min(delay * 2, 0.1)
 
 
 def is_mounted(path: Path) -> bool:

@@ -30,7 +30,6 @@ import json
 import os
 import random
 import re
-import select
 import shutil
 import subprocess
 import sys
@@ -41,6 +40,7 @@ import crc32c as _crc32c
 import lz4.frame
 import pytest
 from ckpt_restore import FileStoreView, S3StoreView
+from procwait import Events
 
 import ckptfs
 from tests.conftest import REPO, run_cli, wait_for
@@ -242,43 +242,6 @@ def write_chunks(path: Path, data: bytes, *, fsync: bool, chunk: int = MiB, on_c
             os.fsync(fd)
     finally:
         os.close(fd)
-
-
-class Events:
-    """Line events from a child's stdout pipe, read with deadlines (never blocks forever)."""
-
-    def __init__(self, proc: subprocess.Popen) -> None:
-        self.proc = proc
-        self.fd = proc.stdout.fileno()
-        self.buf = b""
-        self.eof = False
-
-    def next(self, timeout: float) -> str | None:
-        """The next line, or None at EOF; AssertionError after `timeout` without one."""
-        deadline = time.monotonic() + timeout
-        while b"\n" not in self.buf:
-            if self.eof:
-                return None
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise AssertionError(f"no event from pid {self.proc.pid} for {timeout}s")
-            r, _, _ = select.select([self.fd], [], [], left)
-            if r:
-                chunk = os.read(self.fd, 65536)
-                if not chunk:
-                    self.eof = True
-                    if self.buf:
-                        self.buf += b"\n"
-                else:
-                    self.buf += chunk
-        line, self.buf = self.buf.split(b"\n", 1)
-        return line.decode()
-
-    def rest(self, timeout: float = 30.0) -> list[str]:
-        out = []
-        while (ev := self.next(timeout)) is not None:
-            out.append(ev)
-        return out
 
 
 # ----------------------------------------------------------------------------------------------
