@@ -320,6 +320,10 @@ class SetRegistry:
             " durable_ns=COALESCE(?, durable_ns) WHERE seq=?",
             (state, error, durable, seq))
 
+    def max_seq(self) -> int:
+        """The newest commit's seq (0 when none)."""
+        return self.conn.execute("SELECT COALESCE(MAX(seq), 0) FROM sets").fetchone()[0]
+
     def earlier_live(self, seq: int) -> int | None:
         """The newest live set committed before `seq` (publication waits for it), or None."""
         r = self.conn.execute(

@@ -127,6 +127,9 @@ class Tiering:
         # the earlier seq. Owned by the namespace worker; in memory (after a restart every
         # live set is queued for publish again in seq order and re-checked).
         self._blocked: dict[int, int] = {}
+        # Unpublish events ("unpublish", seq, path, horizon) held back until no set with
+        # seq <= horizon (committed before the deletion) is live. Namespace worker only.
+        self._blocked_unpublish: list[tuple] = []
         self.running = False
         # statistics
         self.bytes_uploaded = 0
@@ -146,7 +149,7 @@ class Tiering:
     def _changed_now(self) -> None:
         self._changed.set()
         self._changed = trio.Event()
-        if self._blocked and ("release",) not in self._events:
+        if (self._blocked or self._blocked_unpublish) and ("release",) not in self._events:
             # A set may have left the live states: sets published in commit order after it
             # are looked at again, in the namespace FIFO.
             self._events.append(("release",))
@@ -159,6 +162,12 @@ class Tiering:
             if self.sets.earlier_live(seq) is None:
                 del self._blocked[seq]
                 self._events.append(("publish", seq))
+        held, self._blocked_unpublish = self._blocked_unpublish, []
+        for ev in held:
+            if self.sets.earlier_live(ev[3] + 1) is None:
+                self._events.append(ev[:3])
+            else:
+                self._blocked_unpublish.append(ev)
 
     def on_content_change(self, ino: int, old_version: int) -> None:
         """A file's content (ino, old_version) is about to change (write-open or truncate)."""
@@ -317,7 +326,11 @@ class Tiering:
             # the store (and so may a superseded one's be, at the same path); unpublishing a
             # path with no manifest costs one DELETE.
             self.sets.set_state(s.seq, "deleting", why)
-            self._events.append(("unpublish", s.seq, s.path))
+            # In commit order too: the deletion comes after every set committed so far, so
+            # its manifest goes only once they are published or gone (a rotation must not
+            # delete the checkpoint the store's `latest` still names while the new `latest`
+            # waits for its upload).
+            self._events.append(("unpublish", s.seq, s.path, self.sets.max_seq()))
             log.info("set %d (%s) %s", s.seq, s.path, why)
         self._poke()
         self._changed_now()
@@ -401,8 +414,10 @@ class Tiering:
                     self._enqueue(ino, version, prio=s.seq)
                 if not missing:
                     self._events.append(("publish", s.seq))
+            # The deletion's place in commit order is not recorded: after every set known now.
+            horizon = self.sets.max_seq()
             for s in self.sets.by_states(("deleting",)):
-                self._events.append(("unpublish", s.seq, s.path))
+                self._events.append(("unpublish", s.seq, s.path, horizon))
             # Closed files whose current content is not uploaded yet.
             for ino, version in self.index.conn.execute(
                     "SELECT ino, version FROM inodes WHERE (mode & 61440) = 32768 AND nlink > 0"
@@ -565,6 +580,9 @@ class Tiering:
                     if ev[0] == "publish":
                         await self._publish(ev[1])
                     elif ev[0] == "unpublish":
+                        if len(ev) > 3 and self.sets.earlier_live(ev[3] + 1) is not None:
+                            self._blocked_unpublish.append(ev)  # see _release_blocked
+                            continue
                         await self._unpublish(ev[1], ev[2])
                     elif ev[0] == "gc":
                         if ("gc",) not in self._events:  # coalesce bursts
@@ -1091,6 +1109,8 @@ class Tiering:
             "pending_sets": len(live),
             # of which waiting for files other nodes write, or published after such a set
             # (commit order): nothing this node can finish
+            # deletions whose manifest waits for sets committed before them (commit order)
+            "deletes_waiting": len(self._blocked_unpublish),
             "waiting_sets": len([s for s in live if self._waiting and
                                  s.seq >= min(self._waiting)]),
             "pending_bytes": pending,

@@ -412,3 +412,26 @@ def test_recommit_after_its_manifest_vanished_is_published(cluster):
     assert ckptfs.wait_durable(a.path / "latest", timeout=120)["state"] == "durable"
     assert "manifests/latest.json" in cluster.view.keys("manifests/")
     _check_log(a)
+
+
+def test_rotation_deletes_the_old_checkpoint_only_after_the_new_latest_is_published(cluster):
+    gate = cluster.tmp / "a-uploads-held"  # absent: uploads go through until it is created
+    a = cluster("a", env={"CKPTFS_FAULTS": f"put@data/=hold:{gate},"
+                                           f"create_multipart@data/=hold:{gate},"
+                                           f"upload_part@data/=hold:{gate}"})
+    _save_steps(a.path, range(1, 2))
+    ckptfs.wait_durable(a.path / "latest", timeout=120)
+    gate.touch()
+    _save_steps(a.path, range(2, 3))  # step_2.pt's upload is held; latest -> step_2 waits
+    os.unlink(a.path / "step_1.pt")   # rotation
+    wait_for(lambda: status(a)["deletes_waiting"] == 1, timeout=30,
+             what="the deletion to wait for the sets committed before it")
+    keys = cluster.view.keys("manifests/")
+    assert "manifests/step_1.pt.json" in keys, keys  # what the store's latest still names
+    gate.unlink()
+    ckptfs.wait_durable(a.path / "latest", timeout=120)
+    wait_for(lambda: "manifests/step_1.pt.json" not in cluster.view.keys("manifests/"),
+             timeout=60, what="step_1.pt to leave the store")
+    assert sorted(cluster.view.keys("manifests/")) == ["manifests/latest.json",
+                                                       "manifests/step_2.pt.json"]
+    _check_log(a)
