@@ -350,11 +350,13 @@ class SetRegistry:
 
     def garbage(self) -> list[str]:
         """Keys of objects no kept set refers to and that are not the current upload of a
-        live file."""
+        live file. A `deleting` set counts as kept: its manifest may still be in the store
+        (its unpublish waits in commit order, or is queued behind this GC), and an object it
+        names must outlive it."""
         return [r[0] for r in self.conn.execute(
             f"SELECT o.key FROM objects o WHERE NOT EXISTS (SELECT 1 FROM set_files f JOIN sets"
             f" s ON s.seq=f.seq WHERE f.ino=o.ino AND f.version=o.version AND s.state IN"
-            f" {KEPT_STATES}) AND NOT EXISTS (SELECT 1 FROM inodes i WHERE i.ino=o.ino AND"
+            f" {(*KEPT_STATES, 'deleting')}) AND NOT EXISTS (SELECT 1 FROM inodes i WHERE i.ino=o.ino AND"
             f" i.version=o.version AND i.nlink>0)")]
 
     def forget_object(self, key: str) -> None:
