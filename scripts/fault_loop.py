@@ -1237,7 +1237,12 @@ class Loop:
 
     def committing_node_loads(self, i: int) -> None:
         ms = self.view.manifests()
-        todo = [p for p in ms if self.dcp_kind.get(p) == "dcp2"]
+        # A set whose deletion began is not the job's any more: a rotation that removes a
+        # directory file by file and was interrupted leaves the set published (SEMANTICS:
+        # removing a file inside a durable set leaves the published set as it was) while node
+        # a no longer shows the files the trainer removed (as the other checks, skip it).
+        todo = [p for p in ms if self.dcp_kind.get(p) == "dcp2"
+                and not self.ref.sets.get(p, {}).get("del_begun")]
         if not todo:
             return
         if not self.trainer.running():
