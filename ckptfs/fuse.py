@@ -19,6 +19,7 @@ its main loop and leaves a dead mount behind. So every handler runs under `_guar
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import logging
@@ -84,6 +85,9 @@ def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
+_NO_LOCK = contextlib.nullcontext()  # reusable, and usable with `async with`
+
+
 def _caller(ctx: pyfuse3.RequestContext) -> Caller:
     """Who asks: set-id bits go on an unprivileged write or truncate (`CacheFs._kill_setid`)."""
     return Caller(ctx.uid, ctx.gid, ctx.pid)
@@ -117,6 +121,12 @@ class FuseOps(pyfuse3.Operations):
         # slower here (docs/ARCHITECTURE.md).
         self._io_limiter = trio.CapacityLimiter(io_threads) if io_threads > 0 else None
         core.invalidate_entry = self._invalidate_entry
+
+    def _changing(self, inode: int, changes_content: bool):
+        """Context for an operation that may change a file's content: it waits for a restore
+        fill in flight, which then sees the change and writes nothing (cachemgr.filecache).
+        Other operations take no lock."""
+        return self.core.files.exclusive(inode) if changes_content else _NO_LOCK
 
     @staticmethod
     def _invalidate_entry(parent: int, name: bytes) -> None:
@@ -179,7 +189,7 @@ class FuseOps(pyfuse3.Operations):
         if fields.update_size:
             await self._ensure_cached(inode)
         # A truncate changes content: not while a restore fill writes the file (FileCache).
-        async with self.core.files.exclusive(inode):
+        async with self._changing(inode, fields.update_size):
             node = self.core.setattr(
                 inode,
                 size=attr.st_size if fields.update_size else None,
@@ -261,12 +271,7 @@ class FuseOps(pyfuse3.Operations):
         writing = flags & os.O_ACCMODE != os.O_RDONLY
         if writing and not truncating:
             await self._ensure_cached(inode)
-        if writing or truncating:
-            # The content is about to change: wait for a restore fill in flight, which then
-            # sees the new version and writes nothing (cachemgr.filecache).
-            async with self.core.files.exclusive(inode):
-                res = self.core.open(inode, flags, _caller(ctx))
-        else:
+        async with self._changing(inode, writing or truncating):
             res = self.core.open(inode, flags, _caller(ctx))
         if not writing and self.core.tiering is not None:
             # Reads wait only for their own ranges; the rest of the set comes in meanwhile.
