@@ -10,7 +10,17 @@ from __future__ import annotations
 import json
 import time
 
-from .names import from_str, is_canonical_path, is_escaped
+from . import validate
+
+# Keys live in cachemgr.keys (stdlib only, shared with scripts/ckpt_restore.py); re-exported.
+from .keys import (
+    MANIFEST_PREFIX,
+    MANIFEST_SUFFIX,
+    is_manifest_key,
+    manifest_key,
+    path_of_manifest_key,
+)
+from .names import from_str, is_escaped
 from .store import StoreError
 
 FORMAT = "ckptfs-manifest"
@@ -21,12 +31,9 @@ FORMAT_VERSION = 1
 # misname instead of restoring files under the wrong names.
 ESCAPED_VERSION = 2
 VERSIONS = (FORMAT_VERSION, ESCAPED_VERSION)
-MANIFEST_PREFIX = "manifests/"
-MANIFEST_SUFFIX = ".json"
 
 
-class ManifestError(ValueError):
-    pass
+ManifestError = validate.ManifestError
 
 
 class UnrepresentableError(StoreError):
@@ -47,6 +54,8 @@ def _legacy(s: str) -> str:
 def _path_fields(m: dict):
     """(container, field) of every name-bearing string of a manifest."""
     yield m, "path"
+    if "from" in m["commit"]:
+        yield m["commit"], "from"
     if "target" in m:
         yield m, "target"
     for f in m.get("files", []):
@@ -56,16 +65,6 @@ def _path_fields(m: dict):
     for link in m.get("symlinks", []):
         yield link, "path"
         yield link, "target"
-
-
-def manifest_key(path: str) -> str:
-    return MANIFEST_PREFIX + path + MANIFEST_SUFFIX
-
-
-def path_of_manifest_key(key: str) -> str | None:
-    if key.startswith(MANIFEST_PREFIX) and key.endswith(MANIFEST_SUFFIX):
-        return key[len(MANIFEST_PREFIX):-len(MANIFEST_SUFFIX)]
-    return None
 
 
 def build(*, path: str, kind: str, seq: int, node: str, reason: str, committed_ns: int,
@@ -84,6 +83,10 @@ def build(*, path: str, kind: str, seq: int, node: str, reason: str, committed_n
         "dirs": layout.get("dirs", []),
         "symlinks": layout.get("symlinks", []),
     }
+    if layout.get("from"):
+        # The path the set was renamed from: the only other place whose files of their own
+        # the other nodes may move into the set (cachemgr.remote "adoption").
+        m["commit"]["from"] = layout["from"]
     if "mode" in layout:
         m["mode"] = layout["mode"]
     if kind == "symlink":
@@ -123,47 +126,14 @@ def dumps(m: dict) -> bytes:
     return dumps_checked(m, f"the manifest of {m.get('path')!r}", indent=1, sort_keys=True)
 
 
-def normalize_paths(doc: dict, fields, *, what: str, error: type[ValueError]) -> None:
-    """Bring the name-bearing fields of a parsed document to the escaped form: version-1
-    documents hold names as they are (older ones may hold undecodable bytes as \\udcXX),
-    version 2 in the escaped form, which must be canonical."""
-    for obj, k in fields:
-        v = obj.get(k)
-        if not isinstance(v, str):
-            raise error(f"{what}: {k} is not a string: {v!r}")
-        if doc["version"] == FORMAT_VERSION:
-            try:
-                obj[k] = from_str(v)
-            except UnicodeEncodeError:
-                raise error(f"{what}: {k} {v!r} is not a name") from None
-        elif not is_canonical_path(v):
-            raise error(f"{what}: {k} {v!r} is not in the escaped form")
+def loads(data: bytes, key: str | None = None) -> dict:
+    """A manifest read from the store (from `key`, which must be its own path's key),
+    validated and normalised by cachemgr.validate: every path and target in the escaped form
+    whatever its version, optional fields present, modes masked. ManifestError if it must not
+    be used."""
+    return validate.manifest(data, key)
 
 
-def load_document(data: bytes, *, what: str, fmt: str, versions: tuple[int, ...],
-                  file_keys: set[str], error: type[ValueError]) -> dict:
-    """Parse a versioned JSON document of the store (a manifest, a part record): its format and
-    version must be known and every `files` entry must have `file_keys`; else `error`."""
-    try:
-        m = json.loads(data)
-    except ValueError as e:
-        raise error(f"{what} is not JSON: {e}") from None
-    if not isinstance(m, dict) or m.get("format") != fmt:
-        raise error(f"not a ckptfs {what}")
-    if m.get("version") not in versions:
-        raise error(f"{what} version {m.get('version')} is not one of {list(versions)}")
-    for f in m.get("files", []):
-        if not isinstance(f, dict) or not file_keys <= f.keys():
-            raise error(f"{what} file entry incomplete: {sorted(f) if isinstance(f, dict) else f}")
-    return m
-
-
-def loads(data: bytes) -> dict:
-    """A manifest, with every path and target in the escaped form whatever its version."""
-    m = load_document(data, what="manifest", fmt=FORMAT, versions=VERSIONS,
-                      file_keys={"path", "size", "object"}, error=ManifestError)
-    for k in ("dirs", "symlinks"):
-        if not all(isinstance(e, dict) for e in m.get(k, [])):
-            raise ManifestError(f"manifest {k} entry is not an object")
-    normalize_paths(m, list(_path_fields(m)), what="manifest", error=ManifestError)
-    return m
+__all__ = ["ESCAPED_VERSION", "FORMAT", "FORMAT_VERSION", "MANIFEST_PREFIX", "MANIFEST_SUFFIX",
+           "VERSIONS", "ManifestError", "UnrepresentableError", "build", "dumps",
+           "dumps_checked", "is_manifest_key", "loads", "manifest_key", "path_of_manifest_key"]

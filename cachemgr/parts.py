@@ -43,9 +43,11 @@ import time
 
 import trio
 
-from .manifest import ESCAPED_VERSION, dumps_checked, load_document, normalize_paths
+from . import validate
+from .keys import LONG_PARTS_PREFIX, part_key
+from .manifest import ESCAPED_VERSION, dumps_checked
 from .names import escape_name, is_escaped
-from .store import StoreError
+from .store import NotFound, StoreError
 
 log = logging.getLogger(__name__)
 
@@ -58,13 +60,10 @@ PREFIX = "parts/"
 _META = "part:"
 
 
-class PartError(ValueError):
-    pass
-
-
-def part_key(dir_path: str, node: str) -> str:
-    """`dir_path` in the escaped form (cachemgr.names), like every path in the store's keys."""
-    return f"{PREFIX}{dir_path}/@{node}.json"
+PartError = validate.PartError
+# Records whose natural key no store could hold live under LONG_PREFIX, named by a hash of
+# their directory's path (cachemgr.keys); a committer lists it beside its set's prefix.
+LONG_PREFIX = LONG_PARTS_PREFIX
 
 
 def records_prefix(path: str) -> str:
@@ -93,16 +92,11 @@ def dumps(rec: dict) -> bytes:
     return dumps_checked(rec, f"the part record of {rec.get('dir')!r}", sort_keys=True)
 
 
-def loads(data: bytes) -> dict:
-    """A part record, with `dir` and every file's `name` in the escaped form."""
-    rec = load_document(data, what="part record", fmt=FORMAT, versions=VERSIONS,
-                        file_keys={"name", "size"}, error=PartError)
-    normalize_paths(rec, [(rec, "dir")] + [(f, "name") for f in rec.get("files", [])],
-                    what="part record", error=PartError)
-    for f in rec.get("files", []):
-        if "/" in f["name"] or not f["name"]:
-            raise PartError(f"part record: {f['name']!r} is not a file name")
-    return rec
+def loads(data: bytes, key: str | None = None) -> dict:
+    """A part record read from the store (from `key`, which must be the key of its own
+    directory and node), validated and normalised by cachemgr.validate: `dir` and every file's
+    `name` in the escaped form, every field present, objects under data/<its node>/."""
+    return validate.part_record(data, key)
 
 
 class _Waiter:
@@ -249,31 +243,33 @@ class PartPublisher:
                 "dirty": len(self.pending()), "failed_passes": self.syncs_failed}
 
 
-async def read_records(store, path: str, self_node: str, cache: dict) -> list[dict]:
+async def read_records(store, path: str, self_node: str, cache: dict,
+                       bad: dict[str, str]) -> list[dict]:
     """Every other node's part record at or below `path`. `cache` ({key: (etag, record)}) is
-    reused across calls so that only changed records are read again."""
+    reused across calls so that only changed records are read again. A record that fails
+    validation is left out and put in `bad` ({key: why}); the caller decides (a set whose
+    other-node records are invalid fails with that reason)."""
     out = []
-    for info in await store.list(records_prefix(path)):
+    listed = await store.list(records_prefix(path)) + await store.list(LONG_PREFIX)
+    for info in listed:
         parsed = parse_key(info.key)
         if parsed is None or parsed[1] == self_node:
             continue
         hit = cache.get(info.key)
         if hit is not None and hit[0] == info.etag:
-            out.append(hit[1])
-            continue
-        try:
-            rec = loads(await store.get(info.key))
-        except PartError as e:
-            log.warning("skipping part record %s: %s", info.key, e)
-            continue
-        except StoreError as e:
-            if getattr(e, "errno", None) == 2:  # deleted between the listing and the get
+            rec = hit[1]
+        else:
+            if info.size > validate.MAX_DOCUMENT_BYTES:
+                bad[info.key] = f"it is {info.size} bytes"
                 continue
-            raise
-        if rec.get("dir") != parsed[0]:
-            log.warning("skipping part record %s: it names directory %r", info.key,
-                        rec.get("dir"))
-            continue
-        cache[info.key] = (info.etag, rec)
-        out.append(rec)
+            try:
+                rec = loads(await store.get(info.key), info.key)
+            except PartError as e:
+                bad[info.key] = str(e)
+                continue
+            except NotFound:  # deleted between the listing and the get
+                continue
+            cache[info.key] = (info.etag, rec)
+        if rec["dir"] == path or rec["dir"].startswith(path + "/"):
+            out.append(rec)
     return out

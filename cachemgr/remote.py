@@ -36,10 +36,11 @@ import time
 import trio
 
 from . import manifest as mf
+from . import validate
 from .errors import FsError
 from .names import escape_name, escape_path, to_str, unescape_name, unescape_path
 from .sets import KEPT_STATES
-from .store import StoreError
+from .store import NotFound, StoreError
 from .transfer import StoredObject
 
 log = logging.getLogger(__name__)
@@ -47,13 +48,9 @@ log = logging.getLogger(__name__)
 # Manifest GETs in flight during one listing: a fresh node lists every set once, and a GET is
 # ~5 ms against the test store and 10-30 ms against S3, so 1,000 sets take ~0.3-2 s at 16.
 _GET_CONCURRENCY = 16
-
-
-def _committed_ns(m: dict) -> int:
-    try:
-        return int(m["commit"].get("committed_ns") or 0)
-    except (TypeError, ValueError):
-        return 0
+# JSON bytes of manifests read and held at once by one listing step (each at most
+# validate.MAX_DOCUMENT_BYTES): what bounds a listing's memory, whatever the store holds.
+_HOLD_BYTES = 64 << 20
 
 
 class _InTheWay(Exception):
@@ -80,6 +77,14 @@ class RemoteSync:
         self.adopted_files = 0
         self.removed = 0
         self._blocked: dict[str, str] = {}  # path -> why it was not applied (logged once)
+        # Manifests that failed validation: key -> (etag, why); skipped until their etag
+        # changes, so each is logged once (cachemgr.validate).
+        self._invalid: dict[str, tuple[str, str]] = {}
+        # Set paths of hashed manifest keys (cachemgr.keys), learned from their documents.
+        self._long: dict[str, str] = {}
+        # Object keys each listed manifest of another node names (key -> keys), so that deleting
+        # a set here never deletes an object another manifest still names.
+        self._named: dict[str, frozenset[str]] = {}
         # Set once the first listing finished (applied, or failed: `first_error`). The mount
         # reports ready only after it (ckptfs.mount), so a job resuming right after `ckptfs
         # mount` sees every set the store held then.
@@ -110,51 +115,101 @@ class RemoteSync:
         no await in between, so the FUSE loop (the same trio thread) never serves a request
         that sees half a listing. Sets are applied in commit order, symlinks after every other
         set, and sets that left the store are removed last: a `latest` link never shows before
-        the checkpoint it names, and the checkpoint it named before goes only after it moved."""
-        listed = {}
+        the checkpoint it names, and the checkpoint it named before goes only after it moved.
+
+        Every manifest is validated (cachemgr.validate) before use; one that fails is skipped
+        and reported once (`invalid`, until its etag changes), and the rest apply. Memory is
+        bounded: a manifest over MAX_DOCUMENT_BYTES is not read, and the changed manifests of
+        one listing are read and applied in steps of at most _HOLD_BYTES of JSON (a listing
+        of more than that applies in several steps, each in commit order)."""
+        listed: dict[str, object] = {}  # manifest key -> ObjectInfo
         for info in await self.t.store.list(mf.MANIFEST_PREFIX):
-            path = mf.path_of_manifest_key(info.key)
-            if path:
-                listed[path] = info
-        todo = [(path, info) for path, info in sorted(listed.items())
-                if self._wanted(path, info.etag)]
-        got: dict[str, dict] = {}
-        limiter = trio.CapacityLimiter(_GET_CONCURRENCY)
-
-        async def get_one(path: str, info) -> None:
-            async with limiter:
-                try:
-                    got[path] = mf.loads(await self.t.store.get(info.key))
-                except (StoreError, mf.ManifestError) as e:
-                    # A manifest deleted between the listing and its GET is a set being
-                    # deleted: skipped like a damaged one, retried at the next listing.
-                    log.warning("skipping manifest %s: %s", info.key, e)
-
-        async with trio.open_nursery() as n:
-            for path, info in todo:
-                n.start_soon(get_one, path, info)
-        # From here on: no await until the listing is applied.
-        ready = [(path, info, got[path]) for path, info in todo if path in got]
-        ready.sort(key=lambda x: (x[2]["kind"] == "symlink", _committed_ns(x[2]), x[0]))
-        for path, info, m in ready:
-            if m["commit"].get("node") == self.t.node:
-                continue  # published by this cache
-            if m["path"] != path:
-                # The key is how every node finds, replaces and deletes the set: a manifest
-                # whose own path is another one is not applied. (A store written before names
-                # were escaped can hold this: a literal name like "a%C3" reads as b"a\xc3".)
-                why = f"its manifest names another set, {m['path']!r}"
-                if self._blocked.get(path) != why:
-                    log.warning("skipping manifest %s: %s", info.key, why)
-                    self._blocked[path] = why
-                continue
-            if self._wanted(path, info.etag):  # again: a local commit may have come meanwhile
-                self._apply(m, info.etag, self.t.sets.newest_at(path))
+            if mf.is_manifest_key(info.key):
+                listed[info.key] = info
+        # Forget what no longer is: bad documents replaced or gone, paths of hashed keys.
+        for d in (self._invalid, self._long, self._named):
+            for key in [k for k in d if k not in listed or (
+                    d is self._invalid and d[k][0] != listed[k].etag)]:
+                del d[key]
+        todo = []
+        for key, info in sorted(listed.items()):
+            if key in self._invalid:
+                continue  # reported once; read again when its etag changes
+            path = mf.path_of_manifest_key(key) or self._long.get(key)
+            if path is None or self._wanted(path, info.etag):
+                todo.append((key, info))
+        while todo:
+            batch, size = [], 0
+            while todo and (not batch or size + todo[0][1].size <= _HOLD_BYTES):
+                key, info = todo.pop(0)
+                batch.append((key, info))
+                size += info.size
+            await self._sync_batch(batch)
         for s in self.t.sets.by_states(("durable",)):
-            if s.origin != "local" and s.path not in listed:
+            if s.origin != "local" and mf.manifest_key(s.path) not in listed:
                 self._remove(s)
         self.syncs += 1
         self.last_sync = time.time()
+
+    async def _sync_batch(self, batch: list) -> None:
+        """Read the manifests of `batch` ([(key, info)]), then apply them in one step."""
+        got: dict[str, dict] = {}
+        limiter = trio.CapacityLimiter(_GET_CONCURRENCY)
+
+        async def get_one(key: str, info) -> None:
+            if info.size > validate.MAX_DOCUMENT_BYTES:
+                self._reject(key, info.etag, f"it is {info.size} bytes, more than the"
+                             f" {validate.MAX_DOCUMENT_BYTES} a manifest may have")
+                return
+            async with limiter:
+                try:
+                    data = await self.t.store.get(key)
+                except NotFound:
+                    return  # deleted between the listing and the GET: a set being deleted
+            try:
+                got[key] = mf.loads(data, key)
+            except mf.ManifestError as e:
+                self._reject(key, info.etag, str(e))
+
+        async with trio.open_nursery() as n:
+            for key, info in batch:
+                n.start_soon(get_one, key, info)
+        # From here on: no await until the batch is applied.
+        ready = [(key, info, got[key]) for key, info in batch if key in got]
+        ready.sort(key=lambda x: (x[2]["kind"] == "symlink", x[2]["commit"]["committed_ns"],
+                                  x[2]["path"]))
+        for key, info, m in ready:
+            path = m["path"]
+            if mf.path_of_manifest_key(key) is None:
+                self._long[key] = path
+            if m["commit"]["node"] == self.t.node:
+                continue  # published by this cache
+            self._named[key] = frozenset(f["object"]["key"] for f in m["files"])
+            if self._wanted(path, info.etag):  # again: a local commit may have come meanwhile
+                try:
+                    self._apply(m, info.etag, self.t.sets.newest_at(path))
+                except Exception as e:  # one set must not stop the others
+                    # A bug, not bad input (that is refused above): the set's transaction
+                    # rolled back whole, the next listing tries again.
+                    why = f"internal error {e!r}"
+                    if self._blocked.get(path) != why:
+                        log.exception("store set %s not restored", path)
+                        self._blocked[path] = why
+
+    def _reject(self, key: str, etag: str, why: str) -> None:
+        """Manifest `key` (at `etag`) must not be used: skipped, logged once, shown in status."""
+        self._invalid[key] = (etag, why)
+        log.warning("skipping manifest %s: %s", key, why)
+
+    def keys_named_elsewhere(self, path: str, keys: set[str]) -> set[str]:
+        """Those of `keys` (object keys) that a manifest of the store other than `path`'s
+        names, as of the last listing (sets applied here: see SetRegistry)."""
+        mine = mf.manifest_key(path)
+        out: set[str] = set()
+        for key, named in self._named.items():
+            if key != mine:
+                out |= keys & named
+        return out
 
     def _wanted(self, path: str, etag: str) -> bool:
         """Should the listed manifest of `path` (with `etag`) be applied here?"""
@@ -175,7 +230,10 @@ class RemoteSync:
         name = _b(parts[-1])
         moved: list[tuple[int, bytes]] = []
         try:
-            with self.index.tx():
+            # One transaction tied to memory (CacheFs.transaction): if the apply fails half
+            # way, the index, the in-memory inodes and the cache files are as they were (cache
+            # files of removed entries are deleted only once it committed).
+            with self.core.transaction():
                 # ensure_dirs takes names as os functions do (undecodable bytes as surrogates).
                 parent = self.core.ensure_dirs([to_str(p) for p in parts[:-1]])
                 root, files, moved, adopted = self._install(m, parent, name, cur)
@@ -188,7 +246,9 @@ class RemoteSync:
                 self._blocked[path] = str(e)
             return
         except FsError as e:
-            log.warning("store set %s not restored: %s", path, e)
+            if self._blocked.get(path) != str(e):
+                log.warning("store set %s not restored: %s", path, e)
+                self._blocked[path] = str(e)
             return
         self._blocked.pop(path, None)
         self.applied += 1
@@ -204,19 +264,34 @@ class RemoteSync:
 
     def _own(self, m: dict) -> dict[str, int]:
         """{rel: ino} of the manifest's files whose object is this node's upload of a content
-        its inode still has (closed, not open for writing)."""
+        its inode still has (closed, not open for writing), and whose inode is where the set
+        says it was: at the same `rel` under the set's path or under the path the set was
+        renamed from (`commit.from`). A manifest can move nothing else of this node's: not a
+        file elsewhere, not a file of a set this node committed at another path."""
         out = {}
-        prefix = f"data/{self.t.node}/"
+        roots = [m["path"]] + ([m["commit"]["from"]] if "from" in m["commit"] else [])
         for f in m["files"]:
             key = f["object"]["key"]
-            if not key.startswith(prefix):
+            if not validate.is_own_object(key, self.t.node):
                 continue
             r = self.index.conn.execute(
                 "SELECT o.ino FROM objects o JOIN inodes i ON i.ino = o.ino WHERE o.key=? AND"
                 " i.version = o.version AND i.obj_version = o.version AND i.nlink > 0 AND"
                 " i.writing = 0", (key,)).fetchone()
-            if r is not None and not self.core.inode(r[0]).writers:
-                out[f["path"]] = r[0]
+            if r is None or self.core.inode(r[0]).writers:
+                continue
+            where = self.index.path_of(r[0])
+            at = [root for root in roots
+                  if where == (f"{root}/{f['path']}" if f["path"] else root)]
+            if not at:
+                log.warning("set %s names this node's object %s, whose file is at %s: not"
+                            " moved", m["path"], key, where)
+                continue
+            owner = self.t.sets.set_of_file(r[0])
+            if owner is not None and owner.origin == "local" and not any(
+                    owner.path == root or owner.path.startswith(root + "/") for root in at):
+                continue  # part of a set this node committed elsewhere
+            out[f["path"]] = r[0]
         return out
 
     def _tree(self, root: int) -> dict[str, tuple[int, int, int, bytes]]:
@@ -300,10 +375,16 @@ class RemoteSync:
         return self._materialise(m, parent, name, existing, keep, own)
 
     def _busy(self, ino: int) -> bool:
-        node = self.core.inode(ino)
-        if node.is_reg:
-            return node.opens > 0
-        return any(self._busy(c) for _i, _n, c in self.index.list_dentries(ino, 0, 1 << 30))
+        """Is a file at or under `ino` open? (An explicit stack: trees may be deep.)"""
+        stack = [ino]
+        while stack:
+            node = self.core.inode(stack.pop())
+            if node.is_reg:
+                if node.opens > 0:
+                    return True
+            elif node.is_dir:
+                stack.extend(c for _i, _n, c in self.index.list_dentries(node.ino, 0, 1 << 30))
+        return False
 
     def _materialise(self, m: dict, parent: int, name: bytes, existing: int | None,
                      keep: dict[str, int], own: dict[str, int]):
@@ -384,9 +465,7 @@ class RemoteSync:
             pd, dn = under(d["path"])
             ino = self.index.lookup(pd, dn)
             if ino is not None:
-                node = self.core.inode(ino)
-                node.mtime_ns = d["mtime_ns"]
-                self.core._save(node, "mtime_ns")
+                self.core.raw_set_mtime(ino, d["mtime_ns"])
         self._drop_emptied(emptied, root)
         return root, files, moved, adopted
 
@@ -483,4 +562,7 @@ class RemoteSync:
     def status(self) -> dict:
         return {"interval_s": self.interval, "syncs": self.syncs, "last_sync": self.last_sync,
                 "restored_sets": self.applied, "adopted_files": self.adopted_files,
-                "removed_sets": self.removed, "not_restored": dict(self._blocked)}
+                "removed_sets": self.removed, "not_restored": dict(self._blocked),
+                "invalid_manifests": {k: why for k, (_e, why) in
+                                      sorted(self._invalid.items())[:100]},
+                "invalid_count": len(self._invalid)}

@@ -359,5 +359,17 @@ class SetRegistry:
             f" {(*KEPT_STATES, 'deleting')}) AND NOT EXISTS (SELECT 1 FROM inodes i WHERE i.ino=o.ino AND"
             f" i.version=o.version AND i.nlink>0)")]
 
+    def keys_named_by_others(self, seq: int, keys: set[str]) -> set[str]:
+        """Those of `keys` (object keys) that a set other than `seq` names, in a kept, live or
+        deleting state: objects that deleting set `seq` must not take with it."""
+        out = set()
+        for (obj,) in self.conn.execute(
+                f"SELECT f.obj FROM set_files f JOIN sets s ON s.seq=f.seq WHERE s.seq != ? AND"
+                f" f.obj IS NOT NULL AND s.state IN {(*KEPT_STATES, 'deleting')}", (seq,)):
+            key = json.loads(obj).get("key")
+            if key in keys:
+                out.add(key)
+        return out
+
     def forget_object(self, key: str) -> None:
         self.conn.execute("DELETE FROM objects WHERE key=?", (key,))

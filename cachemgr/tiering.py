@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 import trio
 
 from . import manifest as mf
+from . import validate
 from . import names
 from .dcp import storage_files
 from .errors import FsError
@@ -753,7 +754,7 @@ class Tiering:
                 continue
             try:
                 cur_info = await self.store.head(key)
-                cur = mf.loads(await self.store.get(key))
+                cur = mf.loads(await self.store.get(key), key)
             except NotFound:
                 expect = None
                 continue
@@ -840,12 +841,25 @@ class Tiering:
                                     " %s", seq, e)
                         unacked = ["(store unreachable)"]
                 if not unacked and (required is None or not required <= local):
+                    bad: dict[str, str] = {}
                     try:
-                        foreign, pending = await self._collect(roots, local, cache)
+                        foreign, pending = await self._collect(roots, local, cache, bad)
                     except StoreError as e:
                         log.warning("set %d: reading other nodes' part records failed: %s",
                                     seq, e)
                         pending = {"(store unreachable)"}
+                    if bad:
+                        # A record the store holds for this set that no honest node could
+                        # have written: publishing without it could leave a file out,
+                        # publishing with it could name anything. The set fails, saying why.
+                        key, why = min(bad.items())
+                        msg = f"part record {key} is invalid: {why}"
+                        log.error("set %d (%s) failed: %s", seq, s.path, msg)
+                        with self.index.tx():
+                            self.sets.set_state(seq, "failed", msg)
+                        self._waiting.pop(seq, None)
+                        self._changed_now()
+                        return
                 if required is not None:
                     waiting = sorted(required - local - set(foreign))
                 else:
@@ -893,8 +907,8 @@ class Tiering:
                 with trio.CancelScope(shield=True), trio.move_on_after(5):
                     await acks.close()
 
-    async def _collect(self, roots: list[str], local: set[str],
-                       cache: dict) -> tuple[dict[str, dict], set[str]]:
+    async def _collect(self, roots: list[str], local: set[str], cache: dict,
+                       bad: dict[str, str]) -> tuple[dict[str, dict], set[str]]:
         """Other nodes' files under `roots`, by path inside the set: ({rel: {"node", "file"}}
         of durable ones, {rel} of announced ones not durable yet). A path this node has
         itself is never taken from another node; a path several nodes have is taken from the
@@ -902,18 +916,18 @@ class Tiering:
         foreign: dict[str, dict] = {}
         pending: set[str] = set()
         for root in roots:
-            for rec in await read_records(self.store, root, self.node, cache):
+            for rec in await read_records(self.store, root, self.node, cache, bad):
                 d = rec["dir"]
                 sub = "" if d == root else d[len(root) + 1:]
-                for f in rec.get("files", []):
+                for f in rec["files"]:  # validated (cachemgr.validate.part_record)
                     rel = f"{sub}/{f['name']}" if sub else f["name"]
                     if rel in local:
                         continue
-                    if f.get("object") is None:
+                    if f["object"] is None:
                         pending.add(rel)
                         continue
-                    entry = {"path": rel, "size": f["size"], "mode": f.get("mode", 0o644),
-                             "mtime_ns": f.get("mtime_ns", 0), "object": f["object"]}
+                    entry = {"path": rel, "size": f["size"], "mode": f["mode"],
+                             "mtime_ns": f["mtime_ns"], "object": f["object"]}
                     old = foreign.get(rel)
                     if old is None or entry["mtime_ns"] > old["file"]["mtime_ns"]:
                         foreign[rel] = {"node": rec["node"], "file": entry}
@@ -944,12 +958,18 @@ class Tiering:
             await self.store.delete(mf.manifest_key(path))
             if s is not None and s.origin != "local":
                 # A set restored from another node's manifest: its objects are not in this
-                # node's `objects` table, so GC would never collect them. The manifest is gone,
-                # so nothing refers to them any more (objects are per writing node and
-                # content version; a newer manifest of the path would be durable here).
-                for *_rest, obj_json in self.sets.files(seq):
-                    if obj_json:
-                        await self.store.delete(json.loads(obj_json)["key"])
+                # node's `objects` table, so GC would never collect them. The manifest is gone;
+                # its objects go too, but only those that another node wrote (this node's own
+                # are its GC's) and that no other set here and no other manifest in the store
+                # (as of the last listing) names: a planted manifest naming another set's
+                # objects must not take them with it.
+                keys = {json.loads(obj_json)["key"] for *_rest, obj_json in self.sets.files(seq)
+                        if obj_json}
+                keys = {k for k in keys if not validate.is_own_object(k, self.node)}
+                keys -= self.sets.keys_named_by_others(seq, keys)
+                keys -= self.remote.keys_named_elsewhere(path, keys)
+                for key in sorted(keys):
+                    await self.store.delete(key)
         with self.index.tx():
             s = self.sets.get(seq)
             if s is not None and s.state == "deleting":

@@ -95,6 +95,7 @@ from .compress import (
     should_compress,
 )
 from .store.base import IntegrityError, NotFound, ObjectInfo, ObjectStore, Part, crc32c
+from .validate import object_geometry
 
 log = logging.getLogger(__name__)
 
@@ -210,42 +211,18 @@ class StoredObject:
     offsets: list[int] | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if self.size < 0 or self.stored_size < 0 or not 0 <= self.crc32c < 1 << 32:
-            raise ValueError(f"bad StoredObject sizes/crc: {self!r}")
-        if self.compression == "none":
-            if self.frames is not None or self.stored_size != self.size:
-                raise ValueError(f"uncompressed object with frames or stored_size != size: "
-                                 f"{self!r}")
-        elif self.compression == "lz4":
-            if self.frames is None or self.frame_size <= 0:
-                raise ValueError(f"lz4 object without a frame index: {self!r}")
-            frames = tuple(self.frames)
-            object.__setattr__(self, "frames", frames)
-            if len(frames) != math.ceil(self.size / self.frame_size):
-                raise ValueError(f"{len(frames)} frames cannot hold {self.size} bytes in "
-                                 f"frames of {self.frame_size}")
-            offs = frame_offsets(frames)
-            if offs[-1] != self.stored_size:
-                raise ValueError(f"frame lengths sum to {offs[-1]}, stored_size is "
-                                 f"{self.stored_size}")
-            object.__setattr__(self, "offsets", offs)
-        else:
-            raise ValueError(f"unknown compression {self.compression!r}")
-        if self.chunk_size < 0:
-            raise ValueError(f"negative chunk_size: {self!r}")
-        if (self.compression == "lz4" and self.chunk_size
-                and self.chunk_size != self.frame_size):
-            raise ValueError(f"lz4 object whose chunks are not its frames: {self!r}")
-        if self.chunk_crcs is not None:
-            crcs = tuple(self.chunk_crcs)
-            object.__setattr__(self, "chunk_crcs", crcs)
-            if self.chunk_size <= 0:
-                raise ValueError(f"chunk CRCs without a chunk_size: {self!r}")
-            if len(crcs) != math.ceil(self.size / self.chunk_size):
-                raise ValueError(f"{len(crcs)} chunk CRCs cannot cover {self.size} bytes in "
-                                 f"chunks of {self.chunk_size}")
-            if not all(0 <= c < 1 << 32 for c in crcs):
-                raise ValueError(f"chunk CRC out of range: {self!r}")
+        # The one statement of these invariants (cachemgr.validate, also used for objects
+        # read from the store and by scripts/ckpt_restore.py).
+        for f in ("frames", "chunk_crcs"):
+            if getattr(self, f) is not None:
+                object.__setattr__(self, f, tuple(getattr(self, f)))
+        try:
+            object_geometry(self.size, self.stored_size, self.crc32c, self.compression,
+                            self.frame_size, self.frames, self.chunk_size, self.chunk_crcs)
+        except ValueError as e:
+            raise ValueError(f"bad StoredObject {self.key!r}: {e}") from None
+        if self.frames is not None:
+            object.__setattr__(self, "offsets", frame_offsets(self.frames))
 
     def raw_frame_len(self, i: int) -> int:
         return min(self.frame_size, self.size - i * self.frame_size)

@@ -125,7 +125,7 @@ def _strict(data: bytes) -> dict:
 
 def _obj(key: str) -> dict:
     return {"key": key, "size": 1, "stored_size": 1, "crc32c": 0, "compression": "none",
-            "frame_size": 0, "frames": [], "chunk_size": 4194304, "chunk_crcs": [0]}
+            "frame_size": 0, "frames": None, "chunk_size": 4194304, "chunk_crcs": [0]}
 
 
 def _manifest(path: str, rels: list[str], dirs=(), links=()) -> dict:
@@ -188,12 +188,15 @@ def test_part_records_with_escaped_names():
     key = parts.part_key(d, "6d60a523")
     assert key == "parts/run/step_%FF.tmp/@6d60a523.json"
     assert parts.parse_key(key) == (d, "6d60a523")
-    rec = parts.build("n1", d, [{"name": "x%FE.bin", "size": 3, "object": None},
-                                {"name": "__0_0.distcp", "size": 3, "object": None}])
+    rec = parts.build("n1", d, [{"name": "x%FE.bin", "size": 3, "mode": 0o644, "mtime_ns": 1,
+                                 "object": None},
+                                {"name": "__0_0.distcp", "size": 3, "mode": 0o644,
+                                 "mtime_ns": 1, "object": None}])
     assert rec["version"] == 2
     data = parts.dumps(rec)
     assert _strict(data) == parts.loads(data) == rec
-    plain = parts.build("n1", "run/step_1.tmp", [{"name": "50%.pt", "size": 3, "object": None}])
+    plain = parts.build("n1", "run/step_1.tmp", [{"name": "50%.pt", "size": 3, "mode": 0o644,
+                                                  "mtime_ns": 1, "object": None}])
     assert plain["version"] == 1
     assert parts.dumps(plain) == json.dumps(plain, sort_keys=True).encode()
     legacy = dict(plain, dir="run/s\udcff", files=[{"name": "f\udcfe", "size": 1}])
@@ -403,26 +406,42 @@ def test_directory_link_counts_when_non_utf8_directories_move_and_go(mount_facto
     check_offline(m)
 
 
-def test_a_name_the_store_cannot_hold_fails_its_set_with_the_reason(mount_factory):
-    """A 255-byte name of non-UTF-8 bytes escapes to 765 characters: more than a file:// store
-    can hold in one key component. The set fails with the store's reason; nothing stops."""
-    m = mount_factory("u")
-    m.start()
-    M = fs(m.path)
-    name = b"\xff" * 255
-    write(M + b"/" + name, b"data")
-    res = run_cli("wait", os.fsdecode(M + b"/" + name), "--timeout", "60")
-    assert res.returncode == 1, (res.returncode, res.stdout, res.stderr)
-    row = [s for s in tiering_status(m)["sets"] if s["path"] == names.escape_name(name)][-1]
-    assert row["state"] == "failed" and "cannot hold this key" in row["error"], row
-    # The workers go on: the next set is durable, and umount does not hang.
-    write(M + b"/after-\xfe.pt", b"more")
-    res = run_cli("wait", os.fsdecode(M + b"/after-\xfe.pt"), "--timeout", "60")
-    assert res.returncode == 0, res.stderr
-    assert "after-%FE.pt" in manifests(FileStoreView(m.store_dir))
-    no_worker_died(m)
-    m.stop()
-    check_offline(m)
+def test_names_too_long_for_a_plain_key_publish_under_a_hashed_key(mount_factory):
+    """Every valid name maps to a key every store can hold (cachemgr.keys): a 255-byte name of
+    non-UTF-8 bytes escapes to 765 characters, a 253-byte UTF-8 name makes a 258-byte
+    `<name>.json`; neither fits a file:// store's 255-byte file names. Both sets (a file, and a
+    directory renamed into place) are published under `manifests/%25/<sha256>.json`, a fresh
+    node shows and reads them, and their deletion reaches it (it finds a hashed key's path in
+    the document only)."""
+    a = mount_factory("a")
+    a.start("--refresh-interval", "1", "--attr-timeout", "0")
+    A = fs(a.path)
+    long_bytes, long_text = b"\xff" * 255, "é" * 126 + "x"  # 253 bytes of UTF-8
+    write(A + b"/" + long_bytes, b"data")
+    os.mkdir(A + b"/d.tmp")
+    write(A + b"/d.tmp/" + long_text.encode(), b"inside")
+    os.rename(A + b"/d.tmp", A + b"/" + long_text.encode())
+    for rel in (long_bytes, long_text.encode()):
+        res = run_cli("wait", os.fsdecode(A + b"/" + rel), "--timeout", "60")
+        assert res.returncode == 0, (res.returncode, res.stdout, res.stderr)
+    keys = sorted(k for k in os.listdir(os.path.join(a.store_dir, "objects", "manifests", "%25")))
+    assert len(keys) == 2 and all(len(k) == 64 + len(".json") for k in keys), keys
+    b = mount_factory("b")
+    b.start("--store", f"file://{a.store_dir}", "--refresh-interval", "1", "--attr-timeout", "0")
+    B = fs(b.path)
+    with open(B + b"/" + long_bytes, "rb") as f:
+        assert f.read() == b"data"
+    with open(B + b"/" + long_text.encode() + b"/" + long_text.encode(), "rb") as f:
+        assert f.read() == b"inside"
+    os.unlink(A + b"/" + long_bytes)
+    wait_for(lambda: not os.path.lexists(B + b"/" + long_bytes), timeout=60,
+             what="the deletion of a set with a hashed key on the other node")
+    assert os.path.exists(B + b"/" + long_text.encode())
+    for m in (a, b):
+        no_worker_died(m)
+        assert tiering_status(m)["remote"]["invalid_count"] == 0
+        m.stop()
+        check_offline(m)
 
 
 def test_multinode_set_in_a_non_utf8_directory(mount_factory):

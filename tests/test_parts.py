@@ -47,7 +47,8 @@ def test_member_intent_and_ack_keys_round_trip():
 
 
 def test_part_record_validation():
-    rec = parts.build("n1", "ckpt/s", [{"name": "f", "size": 3, "object": None}])
+    rec = parts.build("n1", "ckpt/s", [{"name": "f", "size": 3, "mode": 0o640, "mtime_ns": 1,
+                                        "object": None}])
     assert parts.loads(json.dumps(rec).encode()) == rec
     for bad in (b"not json", b'{"format": "other"}', b'{"format": "ckptfs-part", "version": 9}',
                 b'{"format": "ckptfs-part", "version": 1, "files": [{"name": "f"}]}'):
