@@ -45,8 +45,7 @@ from dataclasses import dataclass, field
 import trio
 
 from . import manifest as mf
-from . import validate
-from . import names
+from . import names, validate
 from .dcp import storage_files
 from .errors import FsError
 from .members import Members
