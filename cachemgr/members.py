@@ -48,6 +48,7 @@ import time
 
 import trio
 
+from . import validate
 from .errors import FsError
 from .sets import LIVE_STATES
 from .store import NotFound, StoreError
@@ -107,13 +108,12 @@ def _doc(kind: str, **fields) -> bytes:
 
 
 def _load(data: bytes, kind: str) -> dict | None:
+    """A member or intent document, validated (cachemgr.validate.protocol_doc), or None."""
     try:
-        d = json.loads(data)
-    except ValueError:
+        return validate.protocol_doc(data, kind)
+    except validate.DocumentError as e:
+        log.debug("not a valid %s: %s", kind, e)
         return None
-    if not isinstance(d, dict) or d.get("format") != f"ckptfs-{kind}" or d.get("version") != 1:
-        return None
-    return d
 
 
 class Members:
@@ -201,7 +201,7 @@ class Members:
                 doc = _load(await self.store.get(info.key), "member")
             except NotFound:
                 continue
-            lease = float(doc.get("lease_s", 0)) if doc else 0.0
+            lease = doc["lease_s"] if doc else 0.0
             if info.mtime + lease + _SKEW >= now:
                 out[node] = info.mtime
         return out
@@ -271,13 +271,13 @@ class Members:
             doc = _load(await self.store.get(key), "intent")
             iid = parse_intent_key(key)
             if doc is None or iid is None:
-                log.warning("skipping intent %s: not a ckptfs intent", key)
+                log.warning("skipping intent %s: not a valid ckptfs intent", key)
                 self._acked.add((key, etag))
                 return
-            if self.node not in doc.get("nodes", []):
+            if self.node not in doc["nodes"]:
                 self._acked.add((key, etag))  # registered after it: nothing closed before it
                 return
-            roots = [r for r in doc.get("roots", []) if isinstance(r, str) and r]
+            roots = doc["roots"]
             dirs = self._dirs_under(roots)
             await self.t.parts.sync(dirs)
             await self.store.put(ack_key(iid, self.node), _doc(
@@ -285,7 +285,7 @@ class Members:
             self.acks_sent += 1
             self._acked.add((key, etag))
             log.info("acknowledged node %s's commit of %s (%d directories here)",
-                     doc.get("node"), doc.get("path"), len(dirs))
+                     doc["node"], doc["path"], len(dirs))
         except NotFound:
             pass  # the intent went: its commit no longer waits
         except StoreError as e:

@@ -184,10 +184,12 @@ class RemoteSync:
                 self._long[key] = path
             if m["commit"]["node"] == self.t.node:
                 continue  # published by this cache
+            # Remembered until the set is applied here (the index knows its objects then).
             self._named[key] = frozenset(f["object"]["key"] for f in m["files"])
             if self._wanted(path, info.etag):  # again: a local commit may have come meanwhile
                 try:
-                    self._apply(m, info.etag, self.t.sets.newest_at(path))
+                    if self._apply(m, info.etag, self.t.sets.newest_at(path)):
+                        self._named.pop(key, None)
                 except Exception as e:  # one set must not stop the others
                     # A bug, not bad input (that is refused above): the set's transaction
                     # rolled back whole, the next listing tries again.
@@ -224,7 +226,8 @@ class RemoteSync:
 
     # -- applying one manifest ---------------------------------------------------------------
 
-    def _apply(self, m: dict, etag: str, cur) -> None:
+    def _apply(self, m: dict, etag: str, cur) -> bool:
+        """Make the manifest's set the one at its path here; False if it was not applied."""
         path = m["path"]
         parts = path.split("/")
         name = _b(parts[-1])
@@ -244,12 +247,12 @@ class RemoteSync:
             if self._blocked.get(path) != str(e):
                 log.info("store set %s not restored here: %s", path, e)
                 self._blocked[path] = str(e)
-            return
+            return False
         except FsError as e:
             if self._blocked.get(path) != str(e):
                 log.warning("store set %s not restored: %s", path, e)
                 self._blocked[path] = str(e)
-            return
+            return False
         self._blocked.pop(path, None)
         self.applied += 1
         self.adopted_files += adopted
@@ -261,6 +264,7 @@ class RemoteSync:
         self.core.invalidate_entry(parent, name)
         self.t.parts.mark_all()
         self.t._changed_now()
+        return True
 
     def _own(self, m: dict) -> dict[str, int]:
         """{rel: ino} of the manifest's files whose object is this node's upload of a content

@@ -413,6 +413,44 @@ def part_record(data: bytes, key: str | None = None) -> dict:
             "files": files}
 
 
+# Members, intents and acknowledgements (cachemgr.members): small protocol documents.
+MAX_PROTOCOL_BYTES = 1 << 20
+MAX_LEASE_S = 3600.0  # a member claiming a longer lease is taken at this one
+
+
+def protocol_doc(data: bytes, kind: str) -> dict:
+    """A member, intent or ack document (docs/FORMAT.md "Members, intents,
+    acknowledgements"), validated: DocumentError if it must not be used. Returns the fields a
+    reader uses: member {node, lease_s}; intent {node, path, roots, nodes}; ack {node}."""
+    E = DocumentError
+    if len(data) > MAX_PROTOCOL_BYTES:
+        raise E(f"{kind} is {len(data)} bytes (at most {MAX_PROTOCOL_BYTES})")
+    try:
+        d = json.loads(data)
+    except (ValueError, RecursionError):
+        raise E(f"{kind} is not JSON") from None
+    if not isinstance(d, dict) or d.get("format") != f"ckptfs-{kind}" or \
+            d.get("version") != 1 or type(d.get("version")) is not int:
+        raise E(f"not a ckptfs {kind}")
+    out: dict = {"node": node_id(d.get("node"), f"{kind} node", E)}
+    if kind == "member":
+        lease = d.get("lease_s", 0)
+        if type(lease) not in (int, float) or not 0 <= lease < float("inf"):
+            raise E(f"member lease_s {_short(lease)} is not a duration")
+        out["lease_s"] = min(float(lease), MAX_LEASE_S)
+    elif kind == "intent":
+        out["path"] = path(d.get("path"), 2, "intent path", E)
+        roots = d.get("roots")
+        if not isinstance(roots, list) or len(roots) > 1000:
+            raise E("intent roots is not a list of paths")
+        out["roots"] = [path(r, 2, "intent root", E) for r in roots]
+        nodes = d.get("nodes")
+        if not isinstance(nodes, list) or len(nodes) > MAX_ENTRIES:
+            raise E("intent nodes is not a list of node ids")
+        out["nodes"] = [node_id(n, "intent nodes entry", E) for n in nodes]
+    return out
+
+
 def is_own_object(key: str, node: str) -> bool:
     """Is `key` (a validated object key) one that `node` wrote?"""
     return key.startswith(f"data/{node}/")
@@ -420,4 +458,5 @@ def is_own_object(key: str, node: str) -> bool:
 
 __all__ = ["MAX_CHUNK", "MAX_DOCUMENT_BYTES", "MAX_ENTRIES", "MODE_MASK", "DocumentError",
            "ManifestError", "PartError", "is_own_object", "lz4_frame_bound",
-           "manifest", "node_id", "object_geometry", "part_record", "path", "stored_object"]
+           "manifest", "node_id", "object_geometry", "part_record", "path", "protocol_doc",
+           "stored_object"]

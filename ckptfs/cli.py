@@ -386,6 +386,13 @@ def cmd_status(a: argparse.Namespace) -> int:
               f"upload, {up['running']} running, {up['queued']} queued, "
               f"{_human(up['rate_bytes_per_s'])}/s; {up['done']} done, "
               f"{up['cancelled']} cancelled")
+        bad = t.get("remote", {}).get("invalid_manifests") or {}
+        if bad:
+            n = t["remote"].get("invalid_count", len(bad))
+            print(f"invalid    {n} manifest(s) in the store skipped (docs/FORMAT.md"
+                  " \"Validation\"):")
+            for key, why in list(bad.items())[:5]:
+                print(f"{'':>11}{key}: {why}")
         if t["sets"]:
             print(f"{'set':>5}  {'state':<10} {'files':>5} {'size':>10} {'uploaded':>10}  path")
             for x in t["sets"]:

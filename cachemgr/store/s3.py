@@ -137,8 +137,8 @@ class S3Store(ObjectStore):
 
     async def head(self, key) -> ObjectInfo:
         r = await self._call(key, self.client.head_object, Bucket=self.bucket, Key=self._k(key))
-        crc = r.get("Metadata", {}).get(META_CRC)
-        return ObjectInfo(key, r["ContentLength"], r["ETag"], int(crc) if crc else None,
+        crc = _crc_meta(r.get("Metadata", {}).get(META_CRC))
+        return ObjectInfo(key, r["ContentLength"], r["ETag"], crc,
                           r["LastModified"].timestamp())
 
     async def list(self, prefix="") -> list[ObjectInfo]:
@@ -209,3 +209,11 @@ def _translate(e: botocore.exceptions.ClientError, key: str | None) -> StoreErro
     if code in _TRANSIENT_CODES or status >= 500 or status == 429:
         return TransientStoreError(msg, key=key)
     return StoreError(msg, key=key)
+
+
+def _crc_meta(v) -> int | None:
+    """The CRC32C of an object's user metadata, or None (absent, or not one: metadata is
+    anyone's to write, and a bad value must not stop a reader; it is then not checked)."""
+    if isinstance(v, str) and v.isdigit() and len(v) <= 10 and int(v) < 1 << 32:
+        return int(v)
+    return None
