@@ -228,8 +228,16 @@ class Tiering:
                 committed = True
         if not committed:
             # The old path is gone, and so is whatever the rename replaced at the new path.
-            gone = moved + (self.sets.at_or_under(new_path, KEPT_STATES) if dst is not None
-                            else [])
+            replaced = self.sets.at_or_under(new_path, KEPT_STATES) if dst is not None else []
+            if stat.S_ISREG(src.mode) and src.writing and not is_temp_name(_s(new_name)) and \
+                    not self.sets.in_open_set(new_parent):
+                # A file still open for writing (its close's RELEASE may reach the daemon after
+                # the rename: `close(); os.replace(tmp, "latest.pt")`) commits at its last
+                # close as `new_path`, and that commit replaces the set there once it is
+                # published. Deleting that set now would take its manifest out of the store
+                # before its successor is in: a crash in between would leave no `latest.pt`.
+                replaced = [x for x in replaced if x.path != new_path]
+            gone = moved + replaced
             if gone:
                 self._delete_sets(gone, f"renamed away ({old_path} -> {new_path})")
 
