@@ -294,12 +294,17 @@ class LocalStore(ObjectStore):
         # ".." components, so a prefix that does matches nothing).
         base = prefix.rpartition("/")[0]
         base_parts = base.split("/") if base else []
-        if any(p in ("", ".", "..") for p in base_parts) or len(base_parts) >= MAX_DEPTH:
+        if any(p in ("", ".", "..") for p in base_parts) or len(base_parts) >= MAX_DEPTH or \
+                "\0" in base:
             return []
         try:
             top = self._open_dir(["objects", *base_parts], create=False, key=None)
         except (FileNotFoundError, NotADirectoryError, StoreError):
             return []  # nothing there, or a symlink: never descended into
+        except OSError as e:
+            if e.errno == errno.ENAMETOOLONG:
+                return []  # a component no key can have
+            raise
         try:
             meta_fd = self._open_dir(["meta"], create=False, key=None)
         except (OSError, StoreError):
