@@ -127,6 +127,8 @@ class Tiering:
         # the earlier seq. Owned by the namespace worker; in memory (after a restart every
         # live set is queued for publish again in seq order and re-checked).
         self._blocked: dict[int, int] = {}
+        # Garbage keys the store refused to delete for good: not tried again until a restart.
+        self._gc_refused: set[str] = set()
         # Unpublish events ("unpublish", seq, path, horizon) held back until no set with
         # seq <= horizon (committed before the deletion) is live. Namespace worker only.
         self._blocked_unpublish: list[tuple] = []
@@ -985,13 +987,24 @@ class Tiering:
         self._events.append(("gc",))
 
     async def _gc(self) -> None:
-        keys = self.sets.garbage()
+        keys = [k for k in self.sets.garbage() if k not in self._gc_refused]
+        done = 0
         for key in keys:
-            await self.store.delete(key)
+            try:
+                await self.store.delete(key)
+            except StoreError as e:
+                if e.transient:
+                    raise  # retried as a whole after a pause
+                # Refused for good (e.g. a symlink planted in a file:// store): this key is
+                # left alone, logged once, and the garbage after it is still collected.
+                self._gc_refused.add(key)
+                log.warning("gc: cannot delete %s: %s; leaving it", key, e)
+                continue
             with self.index.tx():
                 self.sets.forget_object(key)
-        if keys:
-            log.info("gc: deleted %d unreferenced objects", len(keys))
+            done += 1
+        if done:
+            log.info("gc: deleted %d unreferenced objects", done)
 
     # -- eviction -----------------------------------------------------------------------------
 
