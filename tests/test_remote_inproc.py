@@ -1085,6 +1085,45 @@ def test_a_set_whose_manifest_left_the_store_is_removed(h):
     assert memory_problems(h.core) == [] and h.core.check_consistency() == []
 
 
+def test_a_removal_that_fails_does_not_stop_the_listing(h, caplog):
+    """A set that left the store but cannot be removed here (a full cache disk) is logged once
+    and removed at a later listing; the listing goes on: the other sets are removed, the
+    listing counts, sync_once does not raise."""
+    caplog.set_level(logging.INFO, logger="cachemgr.remote")
+    for name in ("a", "b"):
+        h.publish(h.manifest(f"ckpt/{name}", {"x": b"1", "d/y": b"2"}))
+    h.sync()
+    for name in ("a", "b"):
+        h.delete(mf.manifest_key(f"ckpt/{name}"))
+    real_remove_tree = h.core.remove_tree
+    armed = [True]
+
+    def remove_tree(parent, name):  # ckpt/a cannot go (the index cannot be written)
+        if armed[0] and name == b"a":
+            raise IndexFull("disk full", released=False)
+        return real_remove_tree(parent, name)
+
+    h.core.remove_tree = remove_tree
+    late = h.manifest("ckpt/c", {"z": b"3"})
+    etag = h.publish(late)
+    h.sync()
+    h.sync()
+    a = h.sets.newest_at("ckpt/a")
+    assert a.state == "durable" and resolve(h.core, "ckpt/a") == a.root_ino
+    assert "ckpt/a" in h.remote.status()["not_restored"]
+    assert resolve(h.core, "ckpt/b") is None and h.sets.newest_at("ckpt/b").state == "deleted"
+    assert_set_restored(h, _normalised(late), etag)
+    assert h.remote.syncs == 3
+    assert len([r for r in caplog.records if "ckpt/a" in r.getMessage() and
+                r.levelno >= logging.WARNING]) == 1
+    assert memory_problems(h.core) == [] and h.core.check_consistency() == []
+    armed[0] = False
+    h.sync()
+    assert resolve(h.core, "ckpt/a") is None and h.sets.get(a.seq).state == "deleted"
+    assert h.remote.status()["not_restored"] == {}
+    assert memory_problems(h.core) == [] and h.core.check_consistency() == []
+
+
 # ==============================================================================================
 # 3. all-or-nothing apply
 
