@@ -478,9 +478,10 @@ class CacheFs:
     def _purge(self, node: Inode) -> None:
         """Delete an unlinked, unused inode (inside a transaction): its row now, its cache file
         once the transaction committed (deleted data cannot be undone; a crash in between leaves
-        a cache file without inode, which recover() deletes)."""
-        if self.tiering is not None:
-            self.tiering.on_purge(node.ino)
+        a cache file without inode, which recover() deletes). Tiering hears of the purge only
+        then too: what it forgets (a partly restored file's chunks and their count in
+        cached_bytes) is not brought back if the transaction rolls back (a restored set
+        replaced from the store, whose apply failed half-way: cachemgr.remote)."""
         if node.is_reg and node.cached:
             self.cached_bytes -= node.size - self._holes.pop(node.ino, 0)
             self._freed()
@@ -488,6 +489,8 @@ class CacheFs:
         ino, is_reg = node.ino, node.is_reg
 
         def gone() -> None:
+            if self.tiering is not None:
+                self.tiering.on_purge(ino)
             if is_reg:
                 self._unlink_data(ino)
                 self._last_used.pop(ino, None)
@@ -1184,6 +1187,10 @@ class CacheFs:
             if is_dir:
                 d.nlink += 1
             self._touch_dir(d, now)
+            # Whatever loads the new inode later in the same transaction (a restored set's
+            # files created in this new directory) loads an uncommitted row: gone again if
+            # the transaction rolls back, as in _new_inode.
+            self.index.on_rollback(lambda: self._inodes.pop(ino, None))
         return ino
 
     def raw_set_mtime(self, ino: int, mtime_ns: int) -> None:

@@ -147,7 +147,15 @@ class RemoteSync:
             await self._sync_batch(batch)
         for s in self.t.sets.by_states(("durable",)):
             if s.origin != "local" and mf.manifest_key(s.path) not in listed:
-                self._remove(s)
+                try:
+                    self._remove(s)
+                    self._blocked.pop(s.path, None)
+                except Exception as e:  # a full disk, a bug: the others go on, retried later
+                    why = f"left the store, not removed here: {e}"
+                    if self._blocked.get(s.path) != why:
+                        log.warning("set %s %s", s.path, why,
+                                    exc_info=not isinstance(e, FsError))
+                        self._blocked[s.path] = why
         self.syncs += 1
         self.last_sync = time.time()
 
