@@ -229,8 +229,9 @@ def stored_object(d, writers: frozenset[str], size: int | None = None, *,
     frames = d.get("frames")
     if frames is not None:
         frames = _int_list(frames, f"{what} frames", error)
-    chunk_size = d.get("chunk_size") or 0
-    chunk_size = _int(chunk_size, f"{what} chunk_size", 0, MAX_CHUNK, error)
+    chunk_size = d.get("chunk_size", 0)  # absent or null: written before chunk CRCs
+    chunk_size = _int(0 if chunk_size is None else chunk_size, f"{what} chunk_size", 0,
+                      MAX_CHUNK, error)
     crcs = d.get("chunk_crcs")
     if crcs is not None:
         crcs = _int_list(crcs, f"{what} chunk_crcs", error)
@@ -377,7 +378,7 @@ def manifest(data: bytes, key: str | None = None, *, now_ns: int | None = None) 
              for s in raw_links]
     _check_tree(kind, files, dirs, links)
     total = sum(f["size"] for f in files)
-    if "total_bytes" in m and m["total_bytes"] != total:
+    if "total_bytes" in m and (type(m["total_bytes"]) is not int or m["total_bytes"] != total):
         raise E(f"total_bytes {_short(m['total_bytes'])} is not the sum of its files' sizes")
     out.update(files=files, dirs=dirs, symlinks=links, total_bytes=total)
     return out
