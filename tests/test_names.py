@@ -460,10 +460,14 @@ def test_multinode_set_in_a_non_utf8_directory(mount_factory):
     write(A + b"/run/step_\xff.tmp/__0_0.distcp", data[b"__0_0.distcp"])
     write(B + b"/run/step_\xff.tmp/__1_0.distcp", data[b"__1_0.distcp"])
     write(B + b"/run/step_\xff.tmp/extra\xfe.bin", data[b"extra\xfe.bin"])
-    # close() returned: B's record naming its files is in the store.
+    # B's record naming its files reaches the store soon after the closes (written in the
+    # background: a close never waits for the store, cachemgr.parts).
     view = FileStoreView(a.store_dir)
     node_b = tiering_status(b)["store"]["node"]
-    rec = _strict(view.get(f"parts/run/step_%FF.tmp/@{node_b}.json"))
+    key = f"parts/run/step_%FF.tmp/@{node_b}.json"
+    wait_for(lambda: (got := view.get(key)) and len(json.loads(got)["files"]) == 2,
+             timeout=30, what="B's record naming both files")
+    rec = _strict(view.get(key))
     assert rec["version"] == 2 and rec["dir"] == "run/step_%FF.tmp"
     assert {f["name"] for f in rec["files"]} == {"__1_0.distcp", "extra%FE.bin"}
     # Wait until B's files are durable (their record names their objects), then commit on A.
