@@ -247,8 +247,10 @@ async def read_records(store, path: str, self_node: str, cache: dict,
                        bad: dict[str, str]) -> list[dict]:
     """Every other node's part record at or below `path`. `cache` ({key: (etag, record)}) is
     reused across calls so that only changed records are read again. A record that fails
-    validation is left out and put in `bad` ({key: why}); the caller decides (a set whose
-    other-node records are invalid fails with that reason)."""
+    validation is left out and put in `bad` ({key: why}) when it is a record of a directory
+    at or below `path`; the caller decides (a set whose other-node records are invalid fails
+    with that reason). An invalid record under a hashed key (cachemgr.keys) whose directory
+    cannot be told, or is elsewhere, is logged once per `cache` and skipped."""
     out = []
     listed = await store.list(records_prefix(path)) + await store.list(LONG_PREFIX)
     for info in listed:
@@ -259,17 +261,46 @@ async def read_records(store, path: str, self_node: str, cache: dict,
         if hit is not None and hit[0] == info.etag:
             rec = hit[1]
         else:
+            why = data = None
             if info.size > validate.MAX_DOCUMENT_BYTES:
-                bad[info.key] = f"it is {info.size} bytes"
-                continue
-            try:
-                rec = loads(await store.get(info.key), info.key)
-            except PartError as e:
-                bad[info.key] = str(e)
-                continue
-            except NotFound:  # deleted between the listing and the get
-                continue
+                why = f"it is {info.size} bytes"
+            else:
+                try:
+                    data = await store.get(info.key)
+                except NotFound:  # deleted between the listing and the get
+                    continue
+                try:
+                    rec = loads(data, info.key)
+                except PartError as e:
+                    why = str(e)
+            if why is not None:
+                # Whose directory is it? A plain key says (at or below `path`: it was listed
+                # under it). A hashed key, which every committer lists, only through a
+                # document that names a directory hashing to the key; else nobody's.
+                d = parsed[0] if not info.key.startswith(LONG_PREFIX) else \
+                    _hashed_dir(data, info.key) if data is not None else None
+                rec = {"invalid": why, "dir": d}
             cache[info.key] = (info.etag, rec)
+        if "invalid" in rec:
+            d = rec["dir"]
+            if d is not None and (d == path or d.startswith(path + "/")):
+                bad[info.key] = rec["invalid"]
+            elif not rec.get("logged"):  # another set's invalid record must not fail this one
+                rec["logged"] = True
+                log.warning("skipping part record %s: %s", info.key, rec["invalid"])
+            continue
         if rec["dir"] == path or rec["dir"].startswith(path + "/"):
             out.append(rec)
     return out
+
+
+def _hashed_dir(data: bytes, key: str) -> str | None:
+    """The directory of the record `data` at hashed key `key` (cachemgr.keys), if its document
+    names one (and a node) that map to that key; else None."""
+    try:
+        doc = json.loads(data)
+        d = validate.path(doc["dir"], doc["version"], "dir", PartError)
+        node = validate.node_id(doc["node"], "node", PartError)
+    except (ValueError, RecursionError, TypeError, KeyError):
+        return None
+    return d if part_key(d, node) == key else None

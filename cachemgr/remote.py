@@ -300,9 +300,11 @@ class RemoteSync:
                             " moved", m["path"], key, where)
                 continue
             owner = self.t.sets.set_of_file(r[0])
-            if owner is not None and owner.origin == "local" and not any(
-                    owner.path == root or owner.path.startswith(root + "/") for root in at):
-                continue  # part of a set this node committed elsewhere
+            if owner is not None and owner.origin == "local" and not (
+                    owner.path == m["path"] or owner.path.startswith(m["path"] + "/")):
+                # Part of a set this node committed elsewhere, `commit.from` included: a
+                # manifest claiming a rename of this node's own set must not take its files.
+                continue
             out[f["path"]] = r[0]
         return out
 
