@@ -998,6 +998,7 @@ class Tiering:
                 # Refused for good (e.g. a symlink planted in a file:// store): this key is
                 # left alone, logged once, and the garbage after it is still collected.
                 self._gc_refused.add(key)
+                self.last_error = f"{time.strftime('%H:%M:%S')} gc: {e}"
                 log.warning("gc: cannot delete %s: %s; leaving it", key, e)
                 continue
             with self.index.tx():
