@@ -1203,18 +1203,30 @@ class CacheFs:
             if nd is not od:
                 self._touch_dir(nd, now)
 
-    @_retry_when_full
     def remove_tree(self, parent: int, name: bytes) -> None:
         """rm -rf of one entry without tiering hooks (a restored set replaced from the store).
-        Files still open stay readable through their descriptors until closed."""
+        Files still open stay readable through their descriptors until closed. Iterative
+        (explicit stack, children before their directory): a tree of any depth is fine."""
         ino = self.index.lookup(parent, name)
         if ino is None:
             return
+        stack = [(parent, name, ino, False)]  # (parent, name, ino, children already pushed)
+        while stack:
+            p, n, i, expanded = stack.pop()
+            if self.index.lookup(p, n) != i:
+                continue  # gone already
+            if not expanded and self.inode(i).is_dir:
+                stack.append((p, n, i, True))
+                stack.extend((i, bytes(cn), c, False)
+                             for _id, cn, c in self.index.list_dentries(i, 0, 1 << 30))
+                continue
+            self._remove_entry(p, n, i)
+
+    @_retry_when_full
+    def _remove_entry(self, parent: int, name: bytes, ino: int) -> None:
+        """One step of `remove_tree`: the entry `name` of `parent` (a file, a link or an
+        emptied directory) and, when nothing else holds it, its inode."""
         node = self.inode(ino)
-        if node.is_dir:
-            for child_name, _child in [(bytes(n), i) for _id, n, i in
-                                       self.index.list_dentries(ino, 0, 1 << 30)]:
-                self.remove_tree(ino, child_name)
         d = self.inode(parent)
         with self._tx(node, d):
             self.index.remove_dentry(parent, name)
