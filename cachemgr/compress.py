@@ -18,7 +18,9 @@ Frame parameters (measured on this 2-core VM, 4 MiB frames, best of 30):
   blocks decompressed zeros at 0.6 GB/s.
 - No lz4 content checksum: xxh32 cut decompression to ~1.35 GB/s (3x slower). Integrity is
   end to end instead: the object's CRC32C of the raw content is checked after a full download,
-  and every decompressed frame must have exactly its expected raw length.
+  and every decompressed frame must have exactly its expected raw length. That length is also
+  the bound on what decompression may produce (`decompress_frame`): the frames come from the
+  store, which is not trusted to be benign.
 - `frame_size` 4 MiB: a random read decompresses at most ~4 MiB (~1 ms) of extra data, while the
   per-frame costs (a Python call, ~20 bytes of lz4 header, one int in the manifest: 256 per GiB)
   stay negligible.
@@ -100,33 +102,56 @@ def frames_for_range(frame_size: int, stored_lengths: Sequence[int], offset: int
     return first, last, start, end
 
 
+def decompress_frame(stored: bytes | memoryview, raw_len: int, *, index: int = 0) -> bytes:
+    """One stored frame, which must hold exactly `raw_len` raw bytes and nothing after its end.
+    The output is bounded: lz4 writes at most raw_len + 1 bytes (plus its own block buffer of
+    at most 4 MiB), so a frame that claims to expand to gigabytes (an "lz4 bomb" planted in the
+    store) costs no more memory than a good one. Raises FrameError on any lz4 error, on more or
+    fewer than `raw_len` bytes, on a frame that does not end, and on trailing data; `index` is
+    for messages."""
+    if raw_len < 0:
+        raise FrameError(f"frame {index}: negative raw length {raw_len}")
+    d = lz4.frame.LZ4FrameDecompressor()
+    try:
+        raw = d.decompress(stored, max_length=raw_len + 1)
+    except RuntimeError as e:  # lz4 reports corrupt input as RuntimeError
+        raise FrameError(f"frame {index}: {e}") from None
+    if len(raw) > raw_len:
+        raise FrameError(f"frame {index} decompresses to more than the {raw_len} bytes "
+                         "the manifest states")
+    if len(raw) < raw_len:
+        raise FrameError(f"frame {index} decompressed to {len(raw)} bytes, expected {raw_len}")
+    if not d.eof:
+        raise FrameError(f"frame {index} does not end after its {raw_len} bytes "
+                         "(truncated, or more data than stated)")
+    if d.unused_data:
+        raise FrameError(f"frame {index} has {len(d.unused_data)} bytes of trailing data")
+    return raw
+
+
 def decompress_frames(blob: bytes | memoryview, lengths: Sequence[int], *,
-                      raw_lengths: Sequence[int] | None = None) -> bytes:
+                      raw_lengths: Sequence[int]) -> bytes:
     """Decompress consecutive stored frames (`blob` is exactly their concatenation, `lengths`
-    their stored lengths) into the raw bytes. With `raw_lengths`, each frame must decompress to
-    exactly that many bytes. Raises FrameError on any mismatch or lz4 error."""
+    their stored lengths) into the raw bytes; frame i must decompress to exactly
+    `raw_lengths[i]` bytes (the bound: see `decompress_frame`). Raises FrameError on any
+    mismatch or lz4 error."""
     return b"".join(iter_decompress(blob, lengths, raw_lengths=raw_lengths))
 
 
 def iter_decompress(blob: bytes | memoryview, lengths: Sequence[int], *,
-                    raw_lengths: Sequence[int] | None = None, first: int = 0):
+                    raw_lengths: Sequence[int], first: int = 0):
     """Like `decompress_frames`, one raw frame at a time (lets a caller write each frame out
     without joining them first). `first` is the object-wide number of the first frame, for
     error messages only."""
     mv = memoryview(blob)
     if sum(lengths) != len(mv):
         raise FrameError(f"blob is {len(mv)} bytes, frame index says {sum(lengths)}")
+    if len(raw_lengths) != len(lengths):
+        raise FrameError(f"{len(lengths)} stored frames but {len(raw_lengths)} raw lengths")
     pos = 0
     for i, n in enumerate(lengths):
-        try:
-            raw = lz4.frame.decompress(mv[pos:pos + n])
-        except RuntimeError as e:  # lz4 reports corrupt input as RuntimeError
-            raise FrameError(f"frame {first + i}: {e}") from None
-        if raw_lengths is not None and len(raw) != raw_lengths[i]:
-            raise FrameError(f"frame {first + i} decompressed to {len(raw)} bytes, "
-                             f"expected {raw_lengths[i]}")
+        yield decompress_frame(mv[pos:pos + n], raw_lengths[i], index=first + i)
         pos += n
-        yield raw
 
 
 def sample_ratio(sample_fn: Callable[[int, int], bytes], size: int) -> float:

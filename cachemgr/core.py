@@ -66,6 +66,7 @@ from pathlib import Path
 from .errors import FsError, IndexFull
 from .filecache import FileCache
 from .index import INODE_COLUMNS, ROOT_INO, Index
+from .nodefiles import DIR_MODE, FILE_MODE, make_dirs, open_private, restrict
 
 log = logging.getLogger(__name__)
 
@@ -233,7 +234,7 @@ class CacheFs:
     @classmethod
     def load(cls, cache_dir: Path, *, direct_io_writes: bool = True) -> CacheFs:
         """Open (creating if needed) the cache in `cache_dir` and run crash recovery."""
-        cache_dir.mkdir(parents=True, exist_ok=True)
+        make_dirs(cache_dir)  # 0700 if made here (cachemgr.nodefiles)
         layout_path = cache_dir / "layout.json"
         if layout_path.exists():
             try:
@@ -253,9 +254,15 @@ class CacheFs:
                 raise FsError(errno.ENOTEMPTY, f"{cache_dir} is not empty and is not a ckptfs "
                               "cache (no layout.json)")
             tmp = layout_path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(LAYOUT) + "\n")
+            fd = open_private(tmp, os.O_WRONLY | os.O_TRUNC)
+            with os.fdopen(fd, "w") as f:
+                f.write(json.dumps(LAYOUT) + "\n")
             os.replace(tmp, layout_path)
-        (cache_dir / "data").mkdir(exist_ok=True)
+        # Private whatever made them (an older ckptfs made 0644/0755): data/ at 0700 keeps
+        # every cache file in it out of other users' reach, however old the file.
+        restrict(layout_path, FILE_MODE)
+        make_dirs(cache_dir / "data")
+        restrict(cache_dir / "data", DIR_MODE)
         index = Index.open(cache_dir / "index.sqlite", uid=os.getuid(), gid=os.getgid())
         fs = cls(cache_dir, index, direct_io_writes=direct_io_writes)
         fs.recover()
@@ -364,8 +371,7 @@ class CacheFs:
     data_path = _data_path
 
     def _make_data_file(self, ino: int) -> None:
-        fd = os.open(self._data_path(ino), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        os.close(fd)
+        os.close(open_private(self._data_path(ino), os.O_WRONLY | os.O_TRUNC))
 
     def _unlink_data(self, ino: int) -> None:
         try:
@@ -1219,18 +1225,30 @@ class CacheFs:
             if nd is not od:
                 self._touch_dir(nd, now)
 
-    @_retry_when_full
     def remove_tree(self, parent: int, name: bytes) -> None:
         """rm -rf of one entry without tiering hooks (a restored set replaced from the store).
-        Files still open stay readable through their descriptors until closed."""
+        Files still open stay readable through their descriptors until closed. Iterative
+        (explicit stack, children before their directory): a tree of any depth is fine."""
         ino = self.index.lookup(parent, name)
         if ino is None:
             return
+        stack = [(parent, name, ino, False)]  # (parent, name, ino, children already pushed)
+        while stack:
+            p, n, i, expanded = stack.pop()
+            if self.index.lookup(p, n) != i:
+                continue  # gone already
+            if not expanded and self.inode(i).is_dir:
+                stack.append((p, n, i, True))
+                stack.extend((i, bytes(cn), c, False)
+                             for _id, cn, c in self.index.list_dentries(i, 0, 1 << 30))
+                continue
+            self._remove_entry(p, n, i)
+
+    @_retry_when_full
+    def _remove_entry(self, parent: int, name: bytes, ino: int) -> None:
+        """One step of `remove_tree`: the entry `name` of `parent` (a file, a link or an
+        emptied directory) and, when nothing else holds it, its inode."""
         node = self.inode(ino)
-        if node.is_dir:
-            for child_name, _child in [(bytes(n), i) for _id, n, i in
-                                       self.index.list_dentries(ino, 0, 1 << 30)]:
-                self.remove_tree(ino, child_name)
         d = self.inode(parent)
         with self._tx(node, d):
             self.index.remove_dentry(parent, name)

@@ -34,6 +34,7 @@ from pathlib import Path
 
 from .errors import IndexError_, IndexFull
 from .names import escape_name
+from .nodefiles import FILE_MODE, open_private, restrict
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +85,8 @@ class Index:
              reserve_bytes: int = RESERVE_BYTES) -> Index:
         if not path.exists():
             cls._create(path, uid, gid, root_mode)
+        for p in (path, *cls._sidecars(path), path.with_name(RESERVE_NAME)):
+            restrict(p, FILE_MODE)  # an index made by an older ckptfs was 0644
         conn = cls._connect(path)
         version = conn.execute("PRAGMA user_version").fetchone()[0]
         if version != LAYOUT_VERSION:
@@ -111,7 +114,7 @@ class Index:
             if st.f_bavail * st.f_frsize < 2 * self.reserve_bytes:
                 return
         try:
-            fd = os.open(self.reserve_path, os.O_WRONLY | os.O_CREAT, 0o600)
+            fd = open_private(self.reserve_path, os.O_WRONLY)
             try:
                 os.posix_fallocate(fd, 0, self.reserve_bytes)
             finally:
@@ -143,13 +146,20 @@ class Index:
         conn.execute("PRAGMA synchronous=NORMAL")
         return conn
 
+    @staticmethod
+    def _sidecars(path: Path) -> tuple[Path, Path, Path]:
+        return tuple(Path(f"{path}{s}") for s in ("-wal", "-shm", "-journal"))
+
     @classmethod
     def _create(cls, path: Path, uid: int, gid: int, root_mode: int) -> None:
         """Build a new index beside `path` and rename it into place: a crash during creation
         leaves no half-made index, only a stray .tmp that the next attempt overwrites."""
         tmp = path.with_name(path.name + ".tmp")
-        for p in (tmp, Path(str(tmp) + "-wal"), Path(str(tmp) + "-shm")):
+        for p in (tmp, *cls._sidecars(tmp)):
             p.unlink(missing_ok=True)
+        # Created 0600 before SQLite opens it (SQLite would create it 0644 & ~umask): SQLite
+        # gives its -journal, -wal and -shm files the database file's mode.
+        os.close(open_private(tmp, os.O_WRONLY | os.O_EXCL))
         schema = resources.files(__package__).joinpath("schema.sql").read_text()
         now = time.time_ns()
         conn = sqlite3.connect(str(tmp), isolation_level=None)

@@ -387,13 +387,16 @@ class Restorer:
         return self._start(key, inos)
 
     def _files_under(self, ino: int) -> list[int]:
-        node = self.core.inode(ino)
-        if node.is_reg:
-            return [ino]
+        """Regular files at or below `ino`, depth first (an explicit stack: any depth)."""
         out: list[int] = []
-        if node.is_dir:
-            for _id, _name, child in self.index.list_dentries(ino, 0, 1 << 30):
-                out += self._files_under(child)
+        stack = [ino]
+        while stack:
+            node = self.core.inode(stack.pop())
+            if node.is_reg:
+                out.append(node.ino)
+            elif node.is_dir:
+                kids = [c for _id, _name, c in self.index.list_dentries(node.ino, 0, 1 << 30)]
+                stack.extend(reversed(kids))  # popped in name-list order, as before
         return out
 
     def _start(self, key: str, inos: list[int]) -> dict:

@@ -94,6 +94,7 @@ from .compress import (
     iter_decompress,
     should_compress,
 )
+from .nodefiles import open_private
 from .store.base import IntegrityError, NotFound, ObjectInfo, ObjectStore, Part, crc32c
 from .validate import object_geometry
 
@@ -895,7 +896,7 @@ def _write_range(fd: int, obj: StoredObject, r: _Range, blob: bytes) -> int:
 
 
 def _open_dest(path: str | os.PathLike, size: int) -> int:
-    fd = os.open(os.fspath(path), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    fd = open_private(path, os.O_WRONLY | os.O_TRUNC)  # a cache file: 0600 (cachemgr.nodefiles)
     try:
         os.ftruncate(fd, size)  # sparse: ranges land in any order
     except BaseException:

@@ -35,6 +35,9 @@ from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
+from cachemgr.nodefiles import FILE_MODE, make_dirs, open_private
+
+from . import logsafe
 from .config import (
     ROOT_RUNTIME_DIR,
     MountConfig,
@@ -217,7 +220,7 @@ def check_cache_dir(cache_dir: Path) -> None:
     layout = cache_dir / "layout.json"
     if st is None:
         try:
-            cache_dir.mkdir(parents=True, exist_ok=True)
+            make_dirs(cache_dir)  # 0700: the cache is the daemon's alone (cachemgr.nodefiles)
         except OSError as e:
             raise MountError(EXIT_CACHE_DIR, f"cannot create cache dir {cache_dir}: "
                              f"{e.strerror}") from None
@@ -246,9 +249,9 @@ def check_cache_dir(cache_dir: Path) -> None:
         try:
             fd, name = tempfile.mkstemp(prefix=".layout-", suffix=".tmp", dir=cache_dir)
             tmp = Path(name)
+            os.fchmod(fd, FILE_MODE)
             with os.fdopen(fd, "w") as f:
                 f.write(json.dumps(LAYOUT) + "\n")
-            os.chmod(tmp, 0o644)
             try:
                 os.link(tmp, layout)
             except FileExistsError:
@@ -282,8 +285,7 @@ class CacheLock:
         # O_NOFOLLOW: a `lock` symlink planted in the cache dir must not make the daemon
         # truncate the file it points to.
         try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
-                         0o644)
+            fd = open_private(self.path, os.O_RDWR | os.O_NOFOLLOW)
         except OSError as e:
             raise MountError(EXIT_CACHE_DIR, f"cannot open the lock file {self.path}: "
                              f"{e.strerror}") from None
@@ -576,14 +578,17 @@ def setup_logging(cfg: MountConfig) -> None:
     if target is None:
         handler = logging.StreamHandler(sys.stderr)
     else:
-        target.parent.mkdir(parents=True, exist_ok=True)
+        make_dirs(target.parent)
+        os.close(open_private(target, os.O_WRONLY | os.O_APPEND))  # 0600 before a line lands
         handler = logging.FileHandler(target)
     handler.setFormatter(logging.Formatter(
         "%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s"))
+    handler.addFilter(logsafe.RedactSecrets())
     root.addHandler(handler)
     root.setLevel(cfg.log_level.upper())
     # pyfuse3 logs every FUSEError at debug level; keep that out unless asked for.
     logging.getLogger("pyfuse3").setLevel(max(logging.INFO, root.level))
+    logsafe.cap_aws_loggers(root.level)
 
 
 def tune_readahead(mp: Path, kb: int) -> None:

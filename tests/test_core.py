@@ -296,6 +296,29 @@ def test_mkdir_rmdir(fs):
     assert fs.check_consistency() == []
 
 
+def test_remove_tree_of_a_deep_tree(fs):
+    """remove_tree walks with an explicit stack: 1,500 levels (past Python's recursion limit)
+    go, files and directories alike, and an open file stays readable until released."""
+    top = d = mkdir(fs, ROOT, b"top")
+    chain = [top]
+    for i in range(1500):
+        if i == 700:
+            mkfile(fs, d, b"side", b"side")
+        d = mkdir(fs, d, b"d")
+        chain.append(d)
+    bottom = mkfile(fs, d, b"f", b"bottom")
+    fh = fs.open(bottom, os.O_RDONLY).fh
+    fs.remove_tree(ROOT, b"top")
+    assert fs.index.lookup(ROOT, b"top") is None and names(fs, ROOT) == []
+    assert fs.getattr(ROOT).nlink == 2
+    assert fs.read(fh, 0, 100) == b"bottom"  # still readable through its descriptor
+    fs.release(fh)
+    for ino in chain + [bottom]:
+        forget(fs, ino)
+    assert all(index_row(fs, ino) is None for ino in chain + [bottom])
+    assert fs.check_consistency() == []
+
+
 # ----------------------------------------------------------------------------------------------
 # rename
 

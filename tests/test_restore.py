@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import json
 import math
 import mmap
 import os
@@ -739,6 +740,71 @@ def test_damaged_store_object_answers_eio(nodes):
     # The other files of the set still read fine.
     assert (b.path / "ck" / "step_9" / "good.bin").read_bytes() == files["good.bin"]
     assert (b.path / "ck" / "step_9" / "zeros.bin").read_bytes() == files["zeros.bin"]
+
+
+def _vm_hwm_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    raise AssertionError(f"no VmHWM for pid {pid}")
+
+
+def _replace_file(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".planted")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)  # a new inode: the store's etag changes, its sidecar CRC no longer counts
+
+
+def _lz4_frame_of_zeros(n: int) -> bytes:
+    """One standard lz4 frame of n zero bytes, built 64 MiB at a time (1 GiB gives ~4 MB)."""
+    import lz4.frame
+
+    c = lz4.frame.LZ4FrameCompressor(block_size=lz4.frame.BLOCKSIZE_MAX4MB,
+                                      content_checksum=False)
+    out, piece = [c.begin()], bytes(64 * MiB)
+    for done in range(0, n, len(piece)):
+        out.append(c.compress(piece[:min(len(piece), n - done)]))
+    out.append(c.flush())
+    return b"".join(out)
+
+
+def test_lz4_bomb_in_store_answers_eio_in_bounded_memory(nodes):
+    """A stored frame that expands to 1 GiB where the manifest says 4 MiB: the read gets EIO,
+    the daemon lives, and it never holds more than about one frame of output."""
+    a, b, bargs = start_pair(nodes)
+    a.stop()
+    a.start("--compress", "lz4")
+    files = {"z.bin": bytes(CHUNK), "ok.bin": bytes(MiB)}
+    _restore_set(a, "ck/bomb", files)
+    a.stop()
+    store = a.store_dir / "objects"
+    man_path = store / "manifests" / "ck" / "bomb.json"
+    man = json.loads(man_path.read_text())
+    obj = next(f["object"] for f in man["files"] if f["path"] == "z.bin")
+    assert obj["compression"] == "lz4" and obj["frame_size"] == CHUNK and len(obj["frames"]) == 1
+    bomb = _lz4_frame_of_zeros(1 << 30)
+    assert len(bomb) < 8 * MiB
+    _replace_file(store / obj["key"], bomb)
+    # The manifest still passes every structural check: one frame, its length = stored_size.
+    obj["frames"], obj["stored_size"] = [len(bomb)], len(bomb)
+    _replace_file(man_path, json.dumps(man).encode())
+    del bomb
+
+    b.start(*bargs)
+    p = wait_shown(b, "ck/bomb/z.bin")
+    with pytest.raises(OSError) as ei:
+        p.read_bytes()
+    assert ei.value.errno == errno.EIO
+    assert (b.path / "ck" / "bomb" / "ok.bin").read_bytes() == files["ok.bin"]
+    assert ckptfs.status(b.path)["tiering"]["restore"]["integrity_errors"] >= 1
+    from ckptfs.mount import pid_running
+
+    assert pid_running(b.pid)
+    assert _vm_hwm_mib(b.pid) < 400, f"daemon peaked at {_vm_hwm_mib(b.pid):.0f} MiB"
+    lines = [ln for ln in b.log_text().splitlines() if obj["key"] in ln]
+    assert any("ERROR" in ln and "more than the 4194304 bytes" in ln for ln in lines), \
+        b.log_text()[-3000:]
 
 
 def test_damaged_cache_file_is_fetched_again(nodes):

@@ -5,6 +5,7 @@ status/wait. Key cases run against both the file:// store and S3 over HTTP (moto
 import json
 import os
 import shutil
+import subprocess
 
 import pytest
 import torch
@@ -224,3 +225,77 @@ def test_umount_drains_uploads_and_remount_keeps_sets(mount_factory):
     assert (m.path / "big.bin").read_bytes() == data
     st = ckptfs.status(m.path)["tiering"]
     assert [s["state"] for s in st["sets"] if s["path"] == "big.bin"] == ["durable"]
+
+
+DEEP = 1500  # levels: past Python's recursion limit (1000), under PATH_MAX with 1-byte names
+
+
+def _make_deep_tree(top, depth: int, data: bytes) -> None:
+    """top/d/d/.../d/f (`depth` directories below `top`), built with directory fds."""
+    os.mkdir(top)
+    fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for _ in range(depth):
+            os.mkdir("d", dir_fd=fd)
+            nfd = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+            os.close(fd)
+            fd = nfd
+        wfd = os.open("f", os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=fd)
+        os.write(wfd, data)
+        os.close(wfd)
+    finally:
+        os.close(fd)
+
+
+def _read_deep(top, depth: int) -> bytes:
+    fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for _ in range(depth):
+            nfd = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+            os.close(fd)
+            fd = nfd
+        rfd = os.open("f", os.O_RDONLY, dir_fd=fd)
+        try:
+            return os.read(rfd, 1 << 20)
+        finally:
+            os.close(rfd)
+    finally:
+        os.close(fd)
+
+
+def test_deep_tree_commits_restores_prefetches_and_deletes(mount_factory, s3_bucket):
+    """A 1,500-level directory set: committed by a rename, durable, shown and read on a fresh
+    node, prefetched by path on both, deleted with rm -rf; no walk in the daemon recurses.
+    On S3 (moto): the file:// store's own mkdir of the bottom directory's part-record key
+    recurses (pathlib), which is the store's business, not the namespace walks'."""
+    endpoint, bucket = s3_bucket
+    store = ["--store", f"s3://{bucket}/deep", "--s3-endpoint", endpoint, "--s3-path-style"]
+    a = mount_factory("deep")
+    a.start(*store)
+    data = b"bottom of a deep tree\n"
+    _make_deep_tree(a.path / "deep.tmp", DEEP, data)
+    os.rename(a.path / "deep.tmp", a.path / "deep")
+    assert ckptfs.wait_durable(a.path / "deep", timeout=60)["state"] == "durable"
+    view = S3StoreView(endpoint, bucket, "deep")
+    man = manifests(view)["deep"]
+    assert [f["path"] for f in man["files"]] == ["d/" * DEEP + "f"]
+    assert len(man["dirs"]) == DEEP
+    res = run_cli("prefetch", str(a.path))  # walks the whole namespace from the root
+    assert res.returncode == 0, res.stderr
+    # A fresh node shows the set from its manifest and reads the file from the store.
+    b = mount_factory("deepb")
+    b.start(*store, "--no-prefetch")
+    wait_for(lambda: (b.path / "deep").is_dir(), timeout=30, what="deep set on node B")
+    res = run_cli("prefetch", str(b.path))
+    assert res.returncode == 0, res.stderr
+    assert _read_deep(b.path / "deep", DEEP) == data
+    b.stop()
+    res = subprocess.run(["rm", "-rf", str(a.path / "deep")], capture_output=True, text=True,
+                         check=False)
+    assert res.returncode == 0, res.stderr
+    wait_for(lambda: "deep" not in manifests(view), timeout=60, what="manifest deletion")
+    st = ckptfs.status(a.path)["tiering"]
+    assert {s["path"]: s["state"] for s in st["sets"]}["deep"] == "deleted"
+    assert os.listdir(a.path) == []
+    for m in (a, b):
+        assert not m.unexpected_errors(), m.unexpected_errors()

@@ -12,8 +12,10 @@ import json
 import math
 import os
 import random
+import resource
 from pathlib import Path
 
+import lz4.frame
 import numpy as np
 import pytest
 import trio
@@ -134,15 +136,57 @@ def test_frames_decompress_independently():
     data = mixed(3 * FRAME + 17)
     frames = [compress.compress_frame(data[o:o + FRAME]) for o in range(0, len(data), FRAME)]
     lengths = [len(f) for f in frames]
+    raws = [FRAME, FRAME, FRAME, 17]
     blob = b"".join(frames)
-    assert compress.decompress_frames(blob, lengths) == data
+    assert compress.decompress_frames(blob, lengths, raw_lengths=raws) == data
     # Any frame alone, and any run of frames, decompresses without its predecessors.
-    assert compress.decompress_frames(frames[2], lengths[2:3]) == data[2 * FRAME:3 * FRAME]
-    assert compress.decompress_frames(b"".join(frames[1:]), lengths[1:]) == data[FRAME:]
+    assert compress.decompress_frames(frames[2], lengths[2:3],
+                                      raw_lengths=raws[2:3]) == data[2 * FRAME:3 * FRAME]
+    assert compress.decompress_frames(b"".join(frames[1:]), lengths[1:],
+                                      raw_lengths=raws[1:]) == data[FRAME:]
     with pytest.raises(compress.FrameError):
         compress.decompress_frames(frames[0], lengths[:1], raw_lengths=[FRAME - 1])
     with pytest.raises(compress.FrameError):
-        compress.decompress_frames(b"\0" * lengths[0], lengths[:1])
+        compress.decompress_frames(b"\0" * lengths[0], lengths[:1], raw_lengths=raws[:1])
+
+
+def _lz4_bomb(raw_bytes: int) -> bytes:
+    """One lz4 frame of `raw_bytes` zeros, built 64 MiB at a time (1 GiB gives ~4 MB), with no
+    content size in its header: only decompressing it tells how big it is."""
+    c = lz4.frame.LZ4FrameCompressor(block_size=lz4.frame.BLOCKSIZE_MAX4MB,
+                                      content_checksum=False)
+    out = [c.begin()]
+    piece = bytes(64 << 20)
+    for done in range(0, raw_bytes, len(piece)):
+        out.append(c.compress(piece[:min(len(piece), raw_bytes - done)]))
+    out.append(c.flush())
+    return b"".join(out)
+
+
+def test_decompress_is_bounded_by_the_stated_raw_length():
+    bomb = _lz4_bomb(1 << 30)
+    assert len(bomb) < 8 << 20
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB
+    with pytest.raises(compress.FrameError, match="more than the 1048576 bytes"):
+        compress.decompress_frame(bomb, FRAME, index=3)
+    with pytest.raises(compress.FrameError, match="more than"):
+        compress.decompress_frames(bomb, [len(bomb)], raw_lengths=[FRAME])
+    # Bounded: a few MiB of output and lz4 buffers, not the GiB the frame holds.
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 64 << 10
+    good = compress.compress_frame(b"x" * 1000)
+    assert compress.decompress_frame(good, 1000) == b"x" * 1000
+    with pytest.raises(compress.FrameError, match="decompressed to 1000 bytes, expected 1001"):
+        compress.decompress_frame(good, 1001)         # fewer bytes than stated
+    with pytest.raises(compress.FrameError, match="more than"):
+        compress.decompress_frame(good, 999)
+    with pytest.raises(compress.FrameError, match="trailing data"):
+        compress.decompress_frame(good + b"junk", 1000)
+    with pytest.raises(compress.FrameError, match="trailing data"):
+        compress.decompress_frame(good + good, 1000)  # a second frame hidden behind the first
+    with pytest.raises(compress.FrameError, match="does not end"):
+        compress.decompress_frame(good[:-4], 1000)    # no end mark
+    with pytest.raises(compress.FrameError, match="frame 7"):
+        compress.decompress_frame(b"\0" * 20, 1000, index=7)
 
 
 def test_should_compress_is_cheap_and_right():
