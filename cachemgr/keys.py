@@ -1,8 +1,8 @@
 """Store keys made from set paths (docs/FORMAT.md "Layout"): every valid path maps to exactly
 one key that every store can hold.
 
-A key is *storable* when it is at most 1,024 bytes (S3's limit) and no '/'-separated component
-is over 255 bytes (a file:// store's file names). `manifests/<path>.json` and
+A key is *storable* when it is at most 1,024 bytes (S3's limit), has at most 200
+'/'-separated components and none over 255 bytes (a file:// store's file names and depth). `manifests/<path>.json` and
 `parts/<dir>/@<node>.json` are used as they are when storable; otherwise (a 251-255 byte name,
 whose `<name>.json` is too long; an escaped name of up to 765 characters; a very deep path)
 the path is replaced by the sha256 of its escaped form under the component `LONG_KEY_DIR`:
@@ -22,6 +22,7 @@ import hashlib
 LONG_KEY_DIR = "%25"
 MAX_KEY_BYTES = 1024
 MAX_KEY_COMPONENT_BYTES = 255
+MAX_KEY_COMPONENTS = 200  # a file:// store refuses keys deeper than 256 components
 MANIFEST_PREFIX = "manifests/"
 MANIFEST_SUFFIX = ".json"
 PARTS_PREFIX = "parts/"
@@ -30,8 +31,9 @@ LONG_PARTS_PREFIX = f"{PARTS_PREFIX}{LONG_KEY_DIR}/"
 
 def storable(key: str) -> bool:
     b = key.encode("utf-8", "surrogatepass")
-    return len(b) <= MAX_KEY_BYTES and \
-        all(len(c) <= MAX_KEY_COMPONENT_BYTES for c in b.split(b"/"))
+    parts = b.split(b"/")
+    return len(b) <= MAX_KEY_BYTES and len(parts) <= MAX_KEY_COMPONENTS and \
+        all(len(c) <= MAX_KEY_COMPONENT_BYTES for c in parts)
 
 
 def path_hash(path: str) -> str:
