@@ -455,9 +455,13 @@ def test_concurrent_commits_of_one_path_the_later_one_wins_everywhere(cluster):
     gate_b.unlink()
     ckptfs.wait_durable(b.path / "run" / "shared", timeout=120)
     gate_a.unlink()
-    wait_for(lambda: set_row(a, "run/shared")["state"] == "superseded", timeout=60,
+    # A's own commit (by its seq: once it lost, A's next listing adds B's set at the path as
+    # a newer row, which may come before this poll).
+    def a_commit() -> dict:
+        return next(s for s in status(a)["sets"] if s["seq"] == ra["seq"])
+    wait_for(lambda: a_commit()["state"] == "superseded", timeout=60,
              what="A's earlier commit to lose")
-    assert "later" in set_row(a, "run/shared")["error"]
+    assert "later" in a_commit()["error"]
     m = manifest(cluster.view, "run/shared")
     assert m["commit"]["node"] == node_id(b)
     assert restore(cluster.view, m) == {"model.pt": mine["b-mnt"]}
