@@ -644,12 +644,7 @@ class Tiering:
         # must not publish a manifest pointing at nothing).
         bad = await self._check_objects(files)
         if bad is not None:
-            msg = f"object {bad} vanished from the store before publication"
-            log.error("set %d (%s) failed: %s", seq, s.path, msg)
-            with self.index.tx():
-                self.sets.set_state(seq, "failed", msg)
-            self._foreign.pop(seq, None)
-            self._changed_now()
+            self._fail(seq, s.path, f"object {bad} vanished from the store before publication")
             return
         m = mf.build(path=s.path, kind=s.kind, seq=seq, node=self.node, reason=s.reason,
                      committed_ns=s.committed_ns, layout=json.loads(s.layout), files=files)
@@ -862,12 +857,7 @@ class Tiering:
                         # have written: publishing without it could leave a file out,
                         # publishing with it could name anything. The set fails, saying why.
                         key, why = min(bad.items())
-                        msg = f"part record {key} is invalid: {why}"
-                        log.error("set %d (%s) failed: %s", seq, s.path, msg)
-                        with self.index.tx():
-                            self.sets.set_state(seq, "failed", msg)
-                        self._waiting.pop(seq, None)
-                        self._changed_now()
+                        self._fail(seq, s.path, f"part record {key} is invalid: {why}")
                         return
                 if required is not None:
                     waiting = sorted(required - local - set(foreign))
@@ -886,12 +876,8 @@ class Tiering:
                     what = (f"{len(waiting)} file(s) from other nodes: {', '.join(waiting[:10])}"
                             if not unacked else
                             f"acknowledgements from node(s) {', '.join(unacked[:10])}")
-                    msg = f"commit timed out after {waited:.0f}s waiting for {what}"
-                    log.error("set %d (%s) failed: %s", seq, s.path, msg)
-                    with self.index.tx():
-                        self.sets.set_state(seq, "failed", msg)
-                    self._waiting.pop(seq, None)
-                    self._changed_now()
+                    self._fail(seq, s.path,
+                               f"commit timed out after {waited:.0f}s waiting for {what}")
                     return
                 if pause >= 1.0 or len(self._waiting) == 1:
                     if unacked:
@@ -915,6 +901,15 @@ class Tiering:
             if acks is not None and not acks.done:
                 with trio.CancelScope(shield=True), trio.move_on_after(5):
                     await acks.close()
+
+    def _fail(self, seq: int, path: str, msg: str) -> None:
+        """Set `seq` can never be published as committed: `failed`, with `msg` as its error."""
+        log.error("set %d (%s) failed: %s", seq, path, msg)
+        with self.index.tx():
+            self.sets.set_state(seq, "failed", msg)
+        self._waiting.pop(seq, None)
+        self._foreign.pop(seq, None)
+        self._changed_now()
 
     async def _collect(self, roots: list[str], local: set[str], cache: dict,
                        bad: dict[str, str]) -> tuple[dict[str, dict], set[str]]:

@@ -48,7 +48,7 @@ from cachemgr import manifest as mf
 from cachemgr import parts, validate
 from cachemgr.core import CacheFs
 from cachemgr.errors import FsError, IndexFull
-from cachemgr.index import INODE_COLUMNS, ROOT_INO
+from cachemgr.index import ROOT_INO
 from cachemgr.keys import manifest_key, part_key
 from cachemgr.names import (
     escape_name,
@@ -62,6 +62,7 @@ from cachemgr.restore import Restorer
 from cachemgr.sets import SetRegistry
 from cachemgr.store import LocalStore, crc32c
 from cachemgr.transfer import StoredObject
+from tests.test_diskfull import memory_matches_index
 
 OTHER = "0be1b2c3"  # the node that publishes the sets these tests restore
 THIRD = "77aa88bb"  # another writer of a multi-node set
@@ -268,26 +269,9 @@ def assert_set_restored(h: Harness, m: dict, etag: str | None = None) -> None:
 
 
 def memory_problems(core: CacheFs) -> list[str]:
-    """Differences between the in-memory inodes and the index (as tests/test_diskfull.py), and
-    `cached_bytes` against what the index's cached files hold."""
-    problems = []
-    for ino, node in core._inodes.items():
-        row = core.index.get_inode(ino)
-        if row is None:
-            problems.append(f"inode {ino} in memory, not in the index")
-            continue
-        for col, value in zip(INODE_COLUMNS, row):
-            if col == "target" and value is not None:
-                value = bytes(value)
-            if node.dirty and col in ("size", "mtime_ns", "ctime_ns"):
-                continue
-            if getattr(node, col) != value:
-                problems.append(f"inode {ino} {col}: memory {getattr(node, col)!r} != index"
-                                f" {value!r}")
-    want = core.index.cached_bytes() - sum(core._holes.values())
-    if core.cached_bytes != want:
-        problems.append(f"cached_bytes {core.cached_bytes} != {want}")
-    return problems
+    """Differences between the in-memory inodes and the index, and `cached_bytes` against
+    what the index's cached files hold (the same check as tests/test_diskfull.py)."""
+    return memory_matches_index(core)
 
 
 # ==============================================================================================

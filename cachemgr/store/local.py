@@ -373,18 +373,7 @@ class LocalStore(ObjectStore):
     @staticmethod
     def _write_tmp(dfd: int, data) -> tuple[str, os.stat_result]:
         """A new fsync'd temp file in directory `dfd` holding `data`: (name, its stat)."""
-        tmp = f".tmp-{uuid.uuid4().hex}"
-        fd = _create(dfd, tmp)
-        try:
-            with open(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(fd)
-                return tmp, os.fstat(fd)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp, dir_fd=dfd)
-            raise
+        return _fill_tmp(dfd, lambda f: f.write(data))
 
     def _refuse_object_symlink(self, dfd: int, name: str, key: str) -> None:
         with contextlib.suppress(FileNotFoundError):
@@ -546,19 +535,10 @@ class LocalStore(ObjectStore):
         d = self._part_dir(key, upload_id)
         try:
             def assemble(dfd: int) -> tuple[str, os.stat_result]:
-                tmp = f".tmp-{uuid.uuid4().hex}"
-                out_fd = _create(dfd, tmp)
-                try:
-                    with open(out_fd, "wb") as out:
-                        for p in sorted(parts, key=lambda p: p.number):
-                            self._copy_part(d, key, upload_id, p, out)
-                        out.flush()
-                        os.fsync(out_fd)
-                        return tmp, os.fstat(out_fd)
-                except BaseException:
-                    with contextlib.suppress(OSError):
-                        os.unlink(tmp, dir_fd=dfd)
-                    raise
+                def fill(out) -> None:
+                    for p in sorted(parts, key=lambda p: p.number):
+                        self._copy_part(d, key, upload_id, p, out)
+                return _fill_tmp(dfd, fill)
 
             info = self._store(key, assemble, crc, False, None)
         finally:
@@ -667,3 +647,20 @@ def _valid_upload_id(upload_id) -> bool:
 
 def _etag(st: os.stat_result) -> str:
     return f"{st.st_ino:x}-{st.st_mtime_ns:x}-{st.st_size:x}"
+
+
+def _fill_tmp(dfd: int, fill) -> tuple[str, os.stat_result]:
+    """A new temp file in directory `dfd`, written by `fill(file)` and fsync'd: (name, its
+    stat). Removed again if anything fails."""
+    tmp = f".tmp-{uuid.uuid4().hex}"
+    fd = _create(dfd, tmp)
+    try:
+        with open(fd, "wb") as f:
+            fill(f)
+            f.flush()
+            os.fsync(fd)
+            return tmp, os.fstat(fd)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp, dir_fd=dfd)
+        raise
