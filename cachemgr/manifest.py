@@ -30,7 +30,7 @@ FORMAT_VERSION = 1
 # manifest stays version 1, byte for byte as before, and a version-1 reader refuses one it would
 # misname instead of restoring files under the wrong names.
 ESCAPED_VERSION = 2
-VERSIONS = (FORMAT_VERSION, ESCAPED_VERSION)
+VERSIONS = validate.VERSIONS  # what a reader accepts: (FORMAT_VERSION, ESCAPED_VERSION)
 
 
 ManifestError = validate.ManifestError

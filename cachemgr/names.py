@@ -111,4 +111,3 @@ def from_str(path: str) -> str:
 def to_str(s: str) -> str:
     """An escaped-form path as a str for Python's os functions (inverse of from_str)."""
     return unescape_path(s).decode("utf-8", "surrogateescape")
-

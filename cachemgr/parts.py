@@ -44,7 +44,7 @@ import time
 import trio
 
 from . import validate
-from .keys import LONG_PARTS_PREFIX, part_key
+from .keys import LONG_PARTS_PREFIX, PARTS_PREFIX, part_key
 from .manifest import ESCAPED_VERSION, dumps_checked
 from .names import escape_name, is_escaped
 from .store import NotFound, StoreError
@@ -54,16 +54,14 @@ log = logging.getLogger(__name__)
 FORMAT = "ckptfs-part"
 FORMAT_VERSION = 1
 # As for manifests (cachemgr.manifest): version 2 is version 1 with `dir` and the files' `name`s
-# in the escaped form of cachemgr.names, written only when one of them holds an escape.
-VERSIONS = (FORMAT_VERSION, ESCAPED_VERSION)
-PREFIX = "parts/"
+# in the escaped form of cachemgr.names, written only when one of them holds an escape (the
+# versions a reader accepts: cachemgr.validate).
 _META = "part:"
-
-
-PartError = validate.PartError
 # Records whose natural key no store could hold live under LONG_PREFIX, named by a hash of
 # their directory's path (cachemgr.keys); a committer lists it beside its set's prefix.
-LONG_PREFIX = LONG_PARTS_PREFIX
+PREFIX, LONG_PREFIX = PARTS_PREFIX, LONG_PARTS_PREFIX
+
+PartError = validate.PartError
 
 
 def records_prefix(path: str) -> str:

@@ -362,14 +362,10 @@ class SetRegistry:
     def keys_named_by_others(self, seq: int, keys: set[str]) -> set[str]:
         """Those of `keys` (object keys) that a set other than `seq` names, in a kept, live or
         deleting state: objects that deleting set `seq` must not take with it."""
-        out = set()
-        for (obj,) in self.conn.execute(
-                f"SELECT f.obj FROM set_files f JOIN sets s ON s.seq=f.seq WHERE s.seq != ? AND"
-                f" f.obj IS NOT NULL AND s.state IN {(*KEPT_STATES, 'deleting')}", (seq,)):
-            key = json.loads(obj).get("key")
-            if key in keys:
-                out.add(key)
-        return out
+        return {k for (k,) in self.conn.execute(
+            f"SELECT DISTINCT json_extract(f.obj, '$.key') FROM set_files f JOIN sets s ON"
+            f" s.seq=f.seq WHERE s.seq != ? AND f.obj IS NOT NULL AND s.state IN"
+            f" {(*KEPT_STATES, 'deleting')}", (seq,)) if k in keys}
 
     def forget_object(self, key: str) -> None:
         self.conn.execute("DELETE FROM objects WHERE key=?", (key,))

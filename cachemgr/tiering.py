@@ -213,7 +213,7 @@ class Tiering:
         if new_path is None:
             return
         moved = self.sets.at_or_under(old_path, KEPT_STATES) if old_path else []
-        committed = False
+        committed = commits_at_close = False
         self.parts.mark_all()  # record keys follow their directories' paths
         if stat.S_ISDIR(src.mode):
             self._commit(new_path, src.ino, "rename", absorb_paths=[old_path, new_path],
@@ -225,14 +225,15 @@ class Tiering:
                 self._commit(dir_path, new_parent, "dcp", absorb_paths=[dir_path, old_path])
                 committed = True
         elif not is_temp_name(_s(new_name)) and not self.sets.in_open_set(new_parent):
-            if not (stat.S_ISREG(src.mode) and src.writing):  # else: commits at its last close
+            if stat.S_ISREG(src.mode) and src.writing:
+                commits_at_close = True
+            else:
                 self._commit(new_path, src.ino, "rename", absorb_paths=[old_path])
                 committed = True
         if not committed:
             # The old path is gone, and so is whatever the rename replaced at the new path.
             replaced = self.sets.at_or_under(new_path, KEPT_STATES) if dst is not None else []
-            if stat.S_ISREG(src.mode) and src.writing and not is_temp_name(_s(new_name)) and \
-                    not self.sets.in_open_set(new_parent):
+            if commits_at_close:
                 # A file still open for writing (its close's RELEASE may reach the daemon after
                 # the rename: `close(); os.replace(tmp, "latest.pt")`) commits at its last
                 # close as `new_path`, and that commit replaces the set there once it is

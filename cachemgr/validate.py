@@ -26,7 +26,7 @@ import json
 import re
 import time
 
-from .keys import manifest_key, part_key
+from .keys import MAX_KEY_BYTES, manifest_key, part_key
 from .names import from_str, is_canonical_path, unescape_name, unescape_path
 
 # -- limits (docs/FORMAT.md "Validation") ------------------------------------------------------
@@ -34,7 +34,6 @@ MAX_DOCUMENT_BYTES = 64 << 20  # a manifest or part record; bigger ones are not 
 MAX_ENTRIES = 1_000_000        # files + dirs + symlinks of one manifest, files of one record
 MAX_NAME_BYTES = 255           # one path component (NAME_MAX)
 MAX_PATH_BYTES = 4095          # a whole path or symlink target (PATH_MAX less the NUL)
-MAX_KEY_BYTES = 1024           # an object key (S3's limit)
 MAX_FILE_SIZE = (1 << 63) - 1  # st_size is a signed 64-bit number
 MAX_CHUNK = 64 << 20           # frame_size / chunk_size: what one chunk read may allocate
 MAX_CLOCK_AHEAD_NS = 3600 * 10**9  # a commit time further in the future than this is refused

@@ -276,14 +276,9 @@ def _alive(pid: int) -> bool:
 
 
 def wait_until(cond, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while True:
-        v = cond()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise Failed(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(0.01)
+    from procwait import wait_for  # scripts/procwait.py, beside this script
+
+    return wait_for(cond, timeout, what, exc=Failed)
 
 
 def _file_hashes(root: Path) -> dict[str, str]:

@@ -615,13 +615,7 @@ def _refuse_symlink(dfd: int, name: str, key: str | None, where: str) -> None:
 
 def _create(dfd: int, name: str) -> int:
     """A new file `name` in `dfd`, mode 0600 whatever the umask; never through a symlink."""
-    fd = os.open(name, _CREATE_FLAGS, FILE_MODE, dir_fd=dfd)
-    try:
-        os.fchmod(fd, FILE_MODE)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
+    return _private(os.open(name, _CREATE_FLAGS, FILE_MODE, dir_fd=dfd))
 
 
 def _create_or_open(dfd: int, name: str) -> int:
@@ -632,6 +626,11 @@ def _create_or_open(dfd: int, name: str) -> int:
     except FileExistsError:
         return os.open(name, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
                        dir_fd=dfd)
+    return _private(fd)
+
+
+def _private(fd: int) -> int:
+    """`fd`, a file just created, given FILE_MODE exactly (the umask may have narrowed it)."""
     try:
         os.fchmod(fd, FILE_MODE)
     except BaseException:
