@@ -67,6 +67,7 @@ from .errors import FsError, IndexFull
 from .filecache import FileCache
 from .index import INODE_COLUMNS, ROOT_INO, Index
 from .nodefiles import DIR_MODE, FILE_MODE, make_dirs, open_private, restrict
+from .passthrough import Backings
 
 log = logging.getLogger(__name__)
 
@@ -136,6 +137,7 @@ class Handle:
     writable: bool
     append: bool
     opener: Caller | None = None  # None: privileged (set-id bits stay on writes)
+    passthrough: bool = False     # the kernel does this handle's I/O on the cache file
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,6 +145,7 @@ class OpenResult:
     fh: int
     direct_io: bool
     keep_cache: bool
+    backing_id: int = 0  # > 0: open in passthrough on this backing id (cachemgr.passthrough)
 
 
 @dataclass(slots=True)
@@ -196,7 +199,8 @@ def _in_group(caller: Caller, gid: int) -> bool:
 class CacheFs:
     """POSIX filesystem semantics over one cache directory."""
 
-    def __init__(self, cache_dir: Path, index: Index, *, direct_io_writes: bool = True) -> None:
+    def __init__(self, cache_dir: Path, index: Index, *, direct_io_writes: bool = True,
+                 backings: Backings | None = None) -> None:
         self.cache_dir = cache_dir
         self.data_dir = cache_dir / "data"
         self.index = index
@@ -209,6 +213,8 @@ class CacheFs:
         # The owner of cache-file writes made off the event loop (restore) and of the
         # per-file locks the FUSE layer takes before changing content (cachemgr.filecache).
         self.files = FileCache(str(self.data_dir))
+        # FUSE passthrough: the backing files the kernel does I/O on, and the data-path mode.
+        self.backings = backings if backings is not None else Backings(off_reason="not asked")
         # Tiering hooks (cachemgr.tiering.Tiering) or None for a purely local cache.
         self.tiering = None
         # Bytes of file data held in cache files (evicted files excluded): what --cache-size
@@ -232,7 +238,8 @@ class CacheFs:
     # lifecycle
 
     @classmethod
-    def load(cls, cache_dir: Path, *, direct_io_writes: bool = True) -> CacheFs:
+    def load(cls, cache_dir: Path, *, direct_io_writes: bool = True,
+             backings: Backings | None = None) -> CacheFs:
         """Open (creating if needed) the cache in `cache_dir` and run crash recovery."""
         make_dirs(cache_dir)  # 0700 if made here (cachemgr.nodefiles)
         layout_path = cache_dir / "layout.json"
@@ -264,7 +271,7 @@ class CacheFs:
         make_dirs(cache_dir / "data")
         restrict(cache_dir / "data", DIR_MODE)
         index = Index.open(cache_dir / "index.sqlite", uid=os.getuid(), gid=os.getgid())
-        fs = cls(cache_dir, index, direct_io_writes=direct_io_writes)
+        fs = cls(cache_dir, index, direct_io_writes=direct_io_writes, backings=backings)
         fs.recover()
         return fs
 
@@ -313,6 +320,7 @@ class CacheFs:
         for h in list(self._handles.values()):
             os.close(h.fd)
         self._handles.clear()
+        self.backings.close_all()
         self._retrying(self._persist_all)
         self.index.sync()
         self.index.close()
@@ -576,6 +584,7 @@ class CacheFs:
                 mtime_ns: int | None = None, fh: int | None = None,
                 caller: Caller | None = None) -> Inode:
         node = self.inode(ino)
+        self.take_in_writes(node)
         if size is not None:
             if node.is_dir:
                 raise FsError(errno.EISDIR)
@@ -929,16 +938,24 @@ class CacheFs:
         return fd
 
     def _add_handle(self, node: Inode, fd: int, flags: int, caller: Caller | None) -> OpenResult:
-        """The in-memory side of an open (cannot fail)."""
+        """The in-memory side of an open (cannot fail: a refused passthrough open is served by
+        the daemon)."""
         writable = flags & os.O_ACCMODE in (os.O_WRONLY, os.O_RDWR)
         self._last_used[node.ino] = time.monotonic()
         fh = self._next_fh
         self._next_fh += 1
         opener = caller if caller is not None and caller.uid != 0 else None
-        self._handles[fh] = Handle(fh, node, fd, writable, bool(flags & os.O_APPEND), opener)
+        h = self._handles[fh] = Handle(fh, node, fd, writable, bool(flags & os.O_APPEND), opener)
+        backing_id = self._passthrough_open(node, writable, opener) if node.is_reg else 0
         node.opens += 1
         if writable:
             node.writers += 1
+        if backing_id:
+            h.passthrough = True
+            # The kernel does this handle's reads, writes and mmap on the cache file; page
+            # cache and direct I/O flags do not go with passthrough (fs/fuse/iomode.c).
+            return OpenResult(fh, direct_io=False, keep_cache=False, backing_id=backing_id)
+        if writable:
             # direct_io on write opens: writes arrive as the caller's buffers (up to 1 MiB per
             # request) and skip the kernel page cache; measured 2-3x faster here than cached
             # writes (docs/ARCHITECTURE.md). The price: shared writable mmap is refused.
@@ -950,6 +967,67 @@ class CacheFs:
         if node.writers == 0:
             node.cached_gen = node.gen
         return OpenResult(fh, direct_io=False, keep_cache=keep)
+
+    # Errnos of a passthrough registration that say it cannot work on this mount at all (no
+    # CAP_SYS_ADMIN, not granted, a stacked cache filesystem...): passthrough goes off for the
+    # mount. Any other (EMFILE...) refuses this open only.
+    _PASSTHROUGH_FATAL = frozenset({errno.EPERM, errno.EINVAL, errno.ELOOP, errno.EOPNOTSUPP,
+                                    errno.ENOTTY, errno.ENOSYS, errno.EACCES})
+
+    def _passthrough_open(self, node: Inode, writable: bool, opener: Caller | None) -> int:
+        """The backing id for a passthrough open of `node`, or 0 to serve it in user space.
+
+        Passthrough when the file's data is whole in the cache and nobody has it open (an open
+        in page-cache mode would make the kernel refuse it), and from then on for every open
+        while a passthrough one is open (the kernel refuses any other). The daemon's own path
+        keeps what passthrough cannot do: a file still being restored or not yet checked against
+        its CRCs (cachemgr.restore), writes under --cache-size (every write waits for room),
+        and writes that must remove set-id bits (the kernel would remove them from the cache
+        file, not from the file)."""
+        b = self.backings
+        ino = node.ino
+        if not b.active(ino):
+            if not b.on:
+                return 0
+            t = self.tiering
+            if (node.opens or not node.cached
+                    or t is not None and not t.restorer.trusted(ino)
+                    or writable and (opener is not None and node.mode & _SETID
+                                     or t is not None and t.cfg.cache_size is not None)):
+                b.fallbacks += 1
+                return 0
+        elif writable and opener is not None and node.mode & _SETID:
+            # Passthrough is forced (other opens are); the writer's first write would remove
+            # the set-id bits, so this open does.
+            self._retrying(self._kill_setid_now, node, opener)
+        try:
+            return b.acquire(ino, self._data_path(ino), writable)
+        except OSError as e:
+            if e.errno in self._PASSTHROUGH_FATAL:
+                b.turn_off(f"registering a backing file failed: {os.strerror(e.errno)}")
+            else:
+                log.warning("passthrough open of inode %d refused (%s); served by the daemon",
+                            ino, e)
+            if b.active(ino):
+                raise FsError(errno.EIO, f"inode {ino} is open in passthrough") from None
+            return 0
+
+    def take_in_writes(self, node: Inode) -> None:
+        """Size and mtime of a file a passthrough writer changed, from its cache file: the
+        kernel wrote without telling the daemon. Called before the daemon answers with or acts
+        on the file's attributes (getattr, lookup, setattr, flush, fsync, release, status)."""
+        st = self.backings.refresh(node.ino)
+        if st is None:
+            return
+        if st.st_size != node.size:
+            # Holes are recomputed when the last writer closes (`_released`).
+            self.cached_bytes += st.st_size - node.size
+            if st.st_size < node.size:
+                self._freed()
+            node.size = st.st_size
+        node.mtime_ns = node.ctime_ns = max(st.st_mtime_ns, node.mtime_ns)
+        node.dirty = True
+        node.gen += 1
 
     def _handle(self, fh: int) -> Handle:
         h = self._handles.get(fh)
@@ -1024,6 +1102,8 @@ class CacheFs:
         part record updated in the background (cachemgr.parts); close() never waits for the
         store."""
         h = self._handle(fh)
+        if h.passthrough:
+            self.take_in_writes(h.inode)
         if h.inode.dirty:
             self._retrying(self._persist_now, h.inode)
         if self.tiering is not None and h.writable:
@@ -1033,6 +1113,7 @@ class CacheFs:
     def fsync(self, fh: int, datasync: bool) -> None:
         h = self._handle(fh)
         node = h.inode
+        self.take_in_writes(node)
         if datasync:
             os.fdatasync(h.fd)
         else:
@@ -1057,21 +1138,27 @@ class CacheFs:
         h = self._handles.pop(fh, None)
         if h is None:
             return
-        os.close(h.fd)
         node = h.inode
+        if h.passthrough:
+            try:
+                self.take_in_writes(node)  # what the kernel wrote through this handle
+            finally:
+                self.backings.release(node.ino, h.writable)
+        os.close(h.fd)
         node.opens -= 1
         if h.writable:
             node.writers -= 1
         try:
-            self._retrying(self._released, node, h.writable)
+            self._retrying(self._released, node, h.writable, h.passthrough)
         finally:
             self._maybe_drop(node)
 
-    def _released(self, node: Inode, writable: bool) -> None:
+    def _released(self, node: Inode, writable: bool, passthrough: bool = False) -> None:
         with self._tx(node):
-            if writable and not node.writers and node.ino in self._holes:
+            if writable and not node.writers and (node.ino in self._holes or passthrough):
+                # (A passthrough writer may have written sparsely: the daemon saw no offsets.)
                 # Bytes written into the hole count from now on: take it from the blocks.
-                old_hole = self._holes.pop(node.ino)
+                old_hole = self._holes.pop(node.ino, 0)
                 try:
                     self._note_hole(node.ino, os.stat(self._data_path(node.ino)),
                                     size=node.size)
@@ -1335,6 +1422,7 @@ class CacheFs:
         totals = self.index.totals()
         # Files being written: their in-memory size is newer than the index's.
         for node in self._inodes.values():
+            self.take_in_writes(node)
             if node.dirty and node.nlink > 0:
                 row = self.index.get_inode(node.ino)
                 if row is not None:
@@ -1348,6 +1436,7 @@ class CacheFs:
                       "disk_total_bytes": st.f_blocks * st.f_frsize},
             "io": {"write_requests": s.writes, "bytes_written": s.bytes_written,
                    "read_requests": s.reads, "bytes_read": s.bytes_read, "fsyncs": s.fsyncs},
+            "data_path": self.backings.statistics(),
         }
         if self.tiering is not None:
             out["tiering"] = self.tiering.status()

@@ -129,6 +129,15 @@ class Restorer:
         self._objs.pop(ino, None)
         self.clean.discard(ino)
 
+    def trusted(self, ino: int) -> bool:
+        """The cache file of `ino` may be read without this daemon checking each chunk (FUSE
+        passthrough: the kernel reads it directly): it was written or checked in this run, or
+        there is nothing to check it against."""
+        if ino in self.clean:
+            return True
+        obj = self.obj_of(ino)
+        return obj is None or obj.chunk_crcs is None
+
     # -- reads of files not (all) in the cache -----------------------------------------------
 
     async def ensure_range(self, ino: int, off: int, size: int) -> None:

@@ -97,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "allows shared writable mmap)")
     t.add_argument("--writeback-cache", action="store_true",
                    help="enable the kernel writeback cache (implies --no-direct-io)")
+    t.add_argument("--no-passthrough", dest="passthrough", action="store_false",
+                   help="serve file data in the daemon even where FUSE passthrough works "
+                   "(default: the kernel reads and writes whole cached files directly)")
     t.add_argument("--io-threads", type=int, default=0,
                    help="do data reads/writes in N worker threads (default 0: inline)")
     t.add_argument("--read-ahead-kb", type=int, default=1024,
@@ -205,6 +208,7 @@ def cmd_mount(a: argparse.Namespace) -> int:
             attr_timeout=a.attr_timeout,
             direct_io_writes=a.direct_io,
             writeback_cache=a.writeback_cache,
+            passthrough=a.passthrough,
             io_threads=a.io_threads,
             read_ahead_kb=a.read_ahead_kb,
         )
@@ -377,6 +381,14 @@ def cmd_status(a: argparse.Namespace) -> int:
     print(f"I/O        {io['write_requests']} writes ({_human(io['bytes_written'])}, "
           f"avg {_human(avg)}), {io['read_requests']} reads ({_human(io['bytes_read'])}), "
           f"{io['fsyncs']} fsyncs; {c['open_handles']} open handles")
+    dp = st.get("data_path")
+    if dp:
+        if dp["mode"] == "passthrough":
+            print(f"data path  passthrough: the kernel reads and writes whole cached files "
+                  f"({dp['passthrough_opens']} opens, {dp['open_backings']} open now); I/O above"
+                  f" is what the daemon served")
+        else:
+            print(f"data path  the daemon serves file data ({dp['off_reason']})")
     t = st.get("tiering")
     if t:
         up, store = t["uploads"], t["store"]

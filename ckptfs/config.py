@@ -92,6 +92,9 @@ class MountConfig:
     direct_io_writes: bool = True
     # Kernel writeback cache (off by default; measured in docs/ARCHITECTURE.md).
     writeback_cache: bool = False
+    # FUSE passthrough for files the cache holds whole (docs/ARCHITECTURE.md "Data path"): on
+    # wherever it works; off, or where it cannot work, the daemon serves every byte.
+    passthrough: bool = True
     # 0: blocking file I/O inline on the event loop (default, measured fastest); N > 0: data
     # reads and writes in up to N worker threads.
     io_threads: int = 0

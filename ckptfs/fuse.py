@@ -34,6 +34,7 @@ import trio
 from cachemgr.core import CacheFs, Caller, Inode
 from cachemgr.errors import FsError
 from cachemgr.index import is_disk_full
+from cachemgr.passthrough import Backings
 from cachemgr.transfer import note_foreground
 
 log = logging.getLogger(__name__)
@@ -111,6 +112,11 @@ class FuseOps(pyfuse3.Operations):
 
     enable_writeback_cache = False  # measured: see docs/ARCHITECTURE.md
     supports_dot_lookup = True
+    # FUSE passthrough (patched pyfuse3, scripts/native): asked for at init when the composition
+    # root says it can work; cache files may sit on a stacked filesystem (overlayfs in a
+    # container), at the price of this mount not being stackable itself.
+    enable_passthrough = False
+    max_backing_stack_depth = 1
 
     def __init__(self, core: CacheFs, *, attr_timeout: float = 10.0, io_threads: int = 0) -> None:
         super().__init__()
@@ -137,6 +143,8 @@ class FuseOps(pyfuse3.Operations):
     # -- encoding ----------------------------------------------------------------------------
 
     def _entry(self, node: Inode) -> pyfuse3.EntryAttributes:
+        # A passthrough writer's size and mtime are in the cache file, not yet in the node.
+        self.core.take_in_writes(node)
         e = pyfuse3.EntryAttributes()
         e.st_ino = node.ino
         e.generation = 0
@@ -158,7 +166,16 @@ class FuseOps(pyfuse3.Operations):
     # -- lifecycle ---------------------------------------------------------------------------
 
     def init(self) -> None:
-        log.info("FUSE session initialised")
+        b = self.core.backings
+        if b.on and not (self.enable_passthrough and pyfuse3.passthrough_active()):
+            b.turn_off("the kernel did not grant FUSE passthrough (needs Linux 6.9+ built with"
+                       " CONFIG_FUSE_PASSTHROUGH)")  # says why, once
+        elif b.on:
+            log.info("FUSE session initialised; data path: passthrough for files the cache"
+                     " holds whole (%s)", _LIBFUSE)
+        else:
+            log.info("FUSE session initialised; data path: the daemon serves file data (%s)",
+                     b.off_reason)
 
     def forget(self, inode_list: list[tuple[int, int]]) -> None:  # type: ignore[override]
         for ino, n in inode_list:
@@ -273,6 +290,8 @@ class FuseOps(pyfuse3.Operations):
             await self._ensure_cached(inode)
         async with self._changing(inode, writing or truncating):
             res = self.core.open(inode, flags, _caller(ctx))
+        if writing and res.backing_id:
+            note_foreground()  # its writes never reach the daemon (cachemgr.transfer)
         if not writing and self.core.tiering is not None:
             # Reads wait only for their own ranges; the rest of the set comes in meanwhile.
             self.core.tiering.restorer.on_open(inode)
@@ -280,6 +299,9 @@ class FuseOps(pyfuse3.Operations):
 
     @staticmethod
     def _fileinfo(res) -> pyfuse3.FileInfo:
+        if res.backing_id:
+            return pyfuse3.FileInfo(fh=res.fh, direct_io=False, keep_cache=False,
+                                    backing_id=res.backing_id)
         return pyfuse3.FileInfo(fh=res.fh, direct_io=res.direct_io, keep_cache=res.keep_cache)
 
     @_guarded
@@ -369,6 +391,51 @@ class FuseOps(pyfuse3.Operations):
         s.f_favail = st.f_favail
         s.f_namemax = 255
         return s
+
+
+def _libfuse_loaded() -> str:
+    """Which libfuse this process runs with (the binding's rpath picks scripts/native's)."""
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                if "libfuse3.so" in line:
+                    return "libfuse " + line.split()[-1]
+    except OSError:
+        pass
+    return "libfuse unknown"
+
+
+_LIBFUSE = _libfuse_loaded()
+_CAP_SYS_ADMIN = 21
+
+
+def _has_cap_sys_admin() -> bool:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("CapEff:"):
+                    return bool(int(line.split()[1], 16) >> _CAP_SYS_ADMIN & 1)
+    except (OSError, ValueError):
+        pass
+    return os.geteuid() == 0
+
+
+def backings(cfg) -> Backings:
+    """The data path a mount with `cfg` asks for: passthrough where this process can register
+    backing files, else why not (the kernel's own answer comes at init: `FuseOps.init`)."""
+    why = None
+    if not cfg.passthrough:
+        why = "--no-passthrough"
+    elif cfg.writeback_cache:
+        why = "--writeback-cache (the kernel's writeback cache excludes passthrough)"
+    elif not hasattr(pyfuse3, "passthrough_open"):
+        why = ("this pyfuse3 has no passthrough (scripts/native/build.sh did not install the"
+               " patched binding: see .venv/native/build.log)")
+    elif not _has_cap_sys_admin():
+        why = "not root (registering a backing file needs CAP_SYS_ADMIN)"
+    if why is not None:
+        return Backings(off_reason=why)
+    return Backings(pyfuse3.passthrough_open, pyfuse3.passthrough_close)
 
 
 def fuse_options(*, allow_other: bool, fsname: str = "ckptfs") -> set[str]:

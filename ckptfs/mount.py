@@ -685,7 +685,7 @@ def run_daemon(cfg: MountConfig, notify: Notify) -> int:
     try:
         try:
             core = CacheFs.load(cfg.cache_dir, direct_io_writes=cfg.direct_io_writes
-                                and not cfg.writeback_cache)
+                                and not cfg.writeback_cache, backings=fuse.backings(cfg))
         except (FsError, OSError) as e:
             msg = f"cannot open cache in {cfg.cache_dir}: {e}"
             log.error("%s", msg)
@@ -728,6 +728,7 @@ def run_daemon(cfg: MountConfig, notify: Notify) -> int:
         core.tiering = tiering
         ops = fuse.FuseOps(core, attr_timeout=cfg.attr_timeout, io_threads=cfg.io_threads)
         ops.enable_writeback_cache = cfg.writeback_cache
+        ops.enable_passthrough = core.backings.on  # the kernel's answer: FuseOps.init
         try:
             main = fuse.mount_and_serve(ops, str(cfg.mountpoint),
                                         fuse.fuse_options(allow_other=cfg.allow_other))

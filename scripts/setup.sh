@@ -7,7 +7,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${CKPTFS_VENV:-$ROOT/.venv}"
 
 need_pkgs=()
-for p in fuse3 libfuse3-dev pkg-config fio python3-venv gcc python3-dev; do
+for p in fuse3 libfuse3-dev pkg-config fio python3-venv gcc python3-dev patch debian-archive-keyring; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || need_pkgs+=("$p")
 done
 # python3-venv / python3-dev are only needed when the python3 on PATH is Debian's own.
@@ -28,6 +28,10 @@ if [ ! -x "$VENV/bin/python" ]; then
     echo "setup: creating virtual environment $VENV"
     python3 -m venv "$VENV"
 fi
+# The FUSE binding with kernel passthrough (libfuse 3.17 + patched pyfuse3, built once and cached
+# in $VENV/native); before the packages, so pip finds pyfuse3 satisfied and builds no other one.
+# Never fatal: without it ckptfs runs its user-space data path.
+bash "$ROOT/scripts/native/build.sh" "$VENV"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     echo "setup: installing Python packages into $VENV (torch==2.13.0 CPU build)"
     "$VENV/bin/pip" install -q --disable-pip-version-check "torch==2.13.0" 2>&1 | grep -v "^WARNING: Location" || true

@@ -23,6 +23,9 @@ sys.path.insert(0, str(REPO / "scripts"))
 from procwait import wait_for  # re-exported: tests import it from here
 
 IN_CI = os.environ.get("CI", "").lower() == "true"
+# CKPTFS_TEST_DATA_PATH=fuse: every Mount runs with --no-passthrough, so the daemon's own data
+# path keeps its tests (scripts/test.sh runs the operations, torch and crash tests so too).
+USER_SPACE_DATA_PATH = os.environ.get("CKPTFS_TEST_DATA_PATH", "") == "fuse"
 
 
 def fuse_problem() -> str | None:
@@ -94,8 +97,9 @@ class Mount:
         # Each test gets its own file:// store unless it names one: the embedded default is
         # shared by every mount of the user.
         store = [] if "--store" in self.extra else ["--store", f"file://{self.store_dir}"]
+        forced = ["--no-passthrough"] if USER_SPACE_DATA_PATH else []
         res = run_cli("mount", str(self.mountpoint), "--cache-dir", str(self.cache_dir),
-                      "--log-file", str(self.log_file), *store, *self.extra)
+                      "--log-file", str(self.log_file), *store, *self.extra, *forced)
         if check:
             assert res.returncode == 0, f"mount failed ({res.returncode}): {res.stderr}"
             m = re.search(r"pid (\d+)", res.stdout)
@@ -103,6 +107,18 @@ class Mount:
             self.pid = int(m.group(1))
             assert is_mounted(self.mountpoint)
         return res
+
+    def status(self) -> dict:
+        import json
+
+        res = run_cli("status", str(self.mountpoint), "--json")
+        assert res.returncode == 0, res.stderr
+        return json.loads(res.stdout)
+
+    @property
+    def passthrough(self) -> bool:
+        """The mount's data path is FUSE passthrough (`ckptfs status`)."""
+        return self.status()["data_path"]["mode"] == "passthrough"
 
     def stop(self) -> None:
         res = run_cli("umount", str(self.mountpoint))

@@ -730,11 +730,18 @@ def test_mmap(mnt):
     try:
         with mmap.mmap(fd, 0, access=mmap.ACCESS_COPY) as m:  # MAP_PRIVATE on a write fd
             assert m[:] == data
-        # MAP_SHARED on a descriptor open for writing: refused (direct I/O writes).
-        refused(errno.ENODEV, mmap.mmap, fd, 0, access=mmap.ACCESS_WRITE)
+        if mnt.passthrough:
+            # Passthrough: the mapping is the cache file's, shared and writable.
+            with mmap.mmap(fd, 0, access=mmap.ACCESS_WRITE) as m:
+                m[4:8] = b"MMAP"
+        else:
+            # MAP_SHARED on a descriptor open for writing: refused (direct I/O writes).
+            refused(errno.ENODEV, mmap.mmap, fd, 0, access=mmap.ACCESS_WRITE)
         os.pwrite(fd, b"NEW!", 0)
     finally:
         os.close(fd)
+    if mnt.passthrough:
+        data = data[:4] + b"MMAP" + data[8:]
     # A new mapping sees data written since the last one (no stale page cache).
     fd = os.open(p, os.O_RDONLY)
     try:

@@ -1,5 +1,6 @@
 """`ckptfs status`: the control socket answers, and the data path counters prove that large
-writes reach the daemon as large requests (direct_io; not split into 4 KiB pages)."""
+writes reach the daemon as large requests (direct_io; not split into 4 KiB pages) when the
+daemon serves file data."""
 
 import json
 import os
@@ -13,7 +14,11 @@ def status(m) -> dict:
     return json.loads(res.stdout)
 
 
-def test_large_writes_reach_the_daemon(mnt):
+def test_large_writes_reach_the_daemon(mount_factory):
+    # The daemon's own data path (with passthrough the kernel writes the cache file directly:
+    # tests/test_passthrough.py).
+    mnt = mount_factory()
+    mnt.start("--no-passthrough")
     before = status(mnt)["io"]
     chunk = os.urandom(8 << 20)
     with open(mnt.path / "big.bin", "wb", buffering=0) as f:
