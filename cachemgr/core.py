@@ -982,8 +982,9 @@ class CacheFs:
         while a passthrough one is open (the kernel refuses any other). The daemon's own path
         keeps what passthrough cannot do: a file still being restored or not yet checked against
         its CRCs (cachemgr.restore), writes under --cache-size (every write waits for room),
-        and writes that must remove set-id bits (the kernel would remove them from the cache
-        file, not from the file)."""
+        writes while the index reserve is released (a full cache disk: the room it freed is
+        for the index, `before_write`), and writes that must remove set-id bits (the kernel
+        would remove them from the cache file, not from the file)."""
         b = self.backings
         ino = node.ino
         if not b.active(ino):
@@ -993,7 +994,9 @@ class CacheFs:
             if (node.opens or not node.cached
                     or t is not None and not t.restorer.trusted(ino)
                     or writable and (opener is not None and node.mode & _SETID
-                                     or t is not None and t.cfg.cache_size is not None)):
+                                     or t is not None and t.cfg.cache_size is not None
+                                     or not self.index.reserve_held
+                                     and self.index.reserve_bytes)):
                 b.fallbacks += 1
                 return 0
         elif writable and opener is not None and node.mode & _SETID:
