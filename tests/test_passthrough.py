@@ -11,6 +11,7 @@ kernel and as a user with which it works, so there it must be active.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import mmap
 import os
@@ -280,3 +281,21 @@ def test_concurrent_writers_and_readers(pt):
     assert io(pt)["write_requests"] == 0
     for name in files:
         wait_durable(pt, name)
+
+
+def test_daemon_killed_under_a_passthrough_writer(pt):
+    """kill -9 of the daemon: an open passthrough descriptor still writes the cache file, its
+    close reports ENOTCONN, and the remount shows every byte it wrote (not committed: it was
+    never closed while the daemon ran)."""
+    a, b = rand(2 * MiB, 20), rand(2 * MiB, 21)
+    f = open(pt.path / "w.bin", "wb", buffering=0)
+    f.write(a)
+    pt.kill9()
+    assert f.write(b) == len(b)  # the kernel writes the cache file, no daemon involved
+    with pytest.raises(OSError) as e:
+        f.close()
+    assert e.value.errno == errno.ENOTCONN
+    pt.start()
+    assert (pt.path / "w.bin").read_bytes() == a + b
+    res = run_cli("wait", str(pt.path / "w.bin"), "--timeout", "5")
+    assert res.returncode == 8, res.stdout + res.stderr  # in no committed set
