@@ -175,7 +175,7 @@ def test_a_writer_open_in_passthrough_is_never_uploaded(pt, mount_factory):
     v1, v2 = rand(8 * MiB, 3), rand(8 * MiB, 4)
     p.write_bytes(v1)
     wait_durable(pt, "model.pt")
-    f = open(p, "r+b", buffering=0)
+    f = open(p, "r+b", buffering=0)  # noqa: SIM115
     try:
         f.write(v2[: 4 * MiB])  # half of v2 over v1: not a content anyone closed
         assert dp(pt)["open_backings"] == 1
@@ -198,7 +198,8 @@ def test_restored_file_switches_to_passthrough_once_whole(pt, mount_factory):
     b = second_node(mount_factory, pt, "b", "--no-prefetch")
     rb = b.path / "r.bin"
     wait_for(lambda: rb.exists(), what="r.bin on node B")
-    first = open(rb, "rb")  # not in the cache yet: the daemon serves it (and restores it)
+    # Not in the cache yet: the daemon serves it (and restores it).
+    first = open(rb, "rb")  # noqa: SIM115
     try:
         assert dp(b)["passthrough_opens"] == 0
         assert first.read() == data
@@ -288,7 +289,7 @@ def test_daemon_killed_under_a_passthrough_writer(pt):
     close reports ENOTCONN, and the remount shows every byte it wrote (not committed: it was
     never closed while the daemon ran)."""
     a, b = rand(2 * MiB, 20), rand(2 * MiB, 21)
-    f = open(pt.path / "w.bin", "wb", buffering=0)
+    f = open(pt.path / "w.bin", "wb", buffering=0)  # noqa: SIM115
     f.write(a)
     pt.kill9()
     assert f.write(b) == len(b)  # the kernel writes the cache file, no daemon involved
