@@ -1007,7 +1007,9 @@ class CacheFs:
             return b.acquire(ino, self._data_path(ino), writable)
         except OSError as e:
             if e.errno in self._PASSTHROUGH_FATAL:
-                b.turn_off(f"registering a backing file failed: {os.strerror(e.errno)}")
+                hint = (" (the cache dir is on a filesystem stacked too deep for passthrough)"
+                        if e.errno == errno.ELOOP else "")
+                b.turn_off(f"registering a backing file failed: {os.strerror(e.errno)}{hint}")
             else:
                 log.warning("passthrough open of inode %d refused (%s); served by the daemon",
                             ino, e)

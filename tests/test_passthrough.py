@@ -300,3 +300,21 @@ def test_daemon_killed_under_a_passthrough_writer(pt):
     assert (pt.path / "w.bin").read_bytes() == a + b
     res = run_cli("wait", str(pt.path / "w.bin"), "--timeout", "5")
     assert res.returncode == 8, res.stdout + res.stderr  # in no committed set
+
+
+def test_cache_dir_stacked_too_deep_falls_back(pt, mount_factory):
+    """A cache dir inside another passthrough mount is a stack deeper than the kernel allows:
+    the first registration fails, passthrough goes off with one line saying why, and the mount
+    serves every byte itself, correctly."""
+    (pt.path / "inner-cache").mkdir()
+    inner = mount_factory("inner", cache_dir=pt.path / "inner-cache")
+    inner.start()
+    data = rand(3 * MiB, 30)
+    (inner.path / "f.bin").write_bytes(data)
+    assert (inner.path / "f.bin").read_bytes() == data
+    d = dp(inner)
+    assert d["mode"] == "fuse" and "stacked too deep" in d["off_reason"], d
+    lines = [ln for ln in inner.log_text().splitlines() if "passthrough off" in ln]
+    assert len(lines) == 1, lines
+    assert io(inner)["bytes_written"] == len(data)
+    inner.stop()
