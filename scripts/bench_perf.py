@@ -9,8 +9,8 @@ here) and on the same data:
   fio        scripts/fio/{write,read_warm,read_cold}.fio at 1, 4 and 8 writers: 1 MiB
              sequential writes of incompressible data (refill_buffers) with end_fsync=1, a read
              right after (page cache warm) and a read after sync + drop_caches; through a
-             ckptfs mount and on the raw cache disk, back to back (order alternating), reported
-             as mount/raw.
+             ckptfs mount of each ckptfs target (below) and on the raw cache disk, back to back
+             (order rotated), reported as mount/raw.
   mlperf     an MLPerf-Storage-like checkpoint: R rank processes, each `torch.save`s its shard
              (fp16 model + fp32 optimizer state: master weights and two Adam moments) and
              fsyncs it, into `step_N.tmp/`, renamed to `step_N/` when every rank is done.
@@ -22,7 +22,12 @@ here) and on the same data:
   (same node, page cache dropped) and `cold` restore (a fresh node: empty cache, new mount).
   Targets (the peers):
     raw        the raw cache disk: the ceiling for save and warm restore
-    ckptfs     `ckptfs mount --store s3://...` (durable: ckptfs.wait_durable)
+    ckptfs     `ckptfs mount --store s3://...` (durable: ckptfs.wait_durable): the default data
+               path, FUSE passthrough (the kernel reads/writes whole cached files directly)
+    ckptfs-fuse  the same with `--no-passthrough`: the daemon serves every byte (user space)
+               Both ckptfs targets run in every section (fio, mlperf, dcp, profiles); the data
+               path each mount actually ran (`ckptfs status --json` -> data_path: mode,
+               off_reason, passthrough opens) is recorded per mount and per run.
     s3fs       s3fs-fuse with its local cache (use_cache=DIR), defaults otherwise
     rclone     rclone mount --vfs-cache-mode writes, defaults otherwise
     s3torch    (dcp only) s3torchconnector's S3StorageWriter/S3StorageReader straight to S3
@@ -33,7 +38,7 @@ here) and on the same data:
 
   The ckptfs daemon's RSS is sampled every 0.1 s during every run (peak reported, with the
   bytes that went through that mount). A last section records py-spy profiles of the daemon
-  during a fio write and during a cold restore.
+  during a fio write, a fio read after drop_caches and a cold restore, for each ckptfs target.
 
 Method: repeats (quick 1, full 3) with the target order rotated per repeat; medians with
 min/max; ratios are computed per repeat from back-to-back runs, then the median taken.
@@ -84,6 +89,46 @@ CEIL_CONC = 8
 # every uploaded object is then checked with sha256 against the file (verify_upload): a
 # corrupted upload makes that run an error.
 RCLONE_FLAGS = ["--ignore-checksum", "--no-checksum"]
+# the ckptfs targets: name -> extra `ckptfs mount` arguments. "ckptfs" keeps its name (and its
+# mount names and store prefixes) so results stay comparable with runs before passthrough.
+CKPTFS_TARGETS: dict[str, list[str]] = {"ckptfs": [], "ckptfs-fuse": ["--no-passthrough"]}
+
+
+def tsfx(target: str) -> str:
+    """Suffix of a ckptfs target's mount names and store prefixes: '' or '-fuse'."""
+    return target[len("ckptfs"):]
+
+
+def main_thread_cpu_s(pid: int | None) -> float | None:
+    """utime + stime of a daemon's main thread (tid = pid), in seconds: the trio thread that
+    answers FUSE requests (inline with the default --io-threads 0). Reads of cache files for
+    uploads and the store's HTTP calls run in worker threads (trio.to_thread), so the rest of
+    the daemon's CPU (process total - this) is mostly upload/restore work."""
+    if pid is None:
+        return None
+    try:
+        stat = Path(f"/proc/{pid}/task/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def io_delta(st0: dict | None, st1: dict | None) -> dict:
+    """What the daemon itself served between two `ckptfs status --json` readings (`io` counts
+    only the requests the daemon served; passthrough I/O never reaches it), and the opens
+    answered in passthrough."""
+    if not st0 or not st1:
+        return {}
+    io0, io1 = st0.get("io") or {}, st1.get("io") or {}
+    dp0, dp1 = st0.get("data_path") or {}, st1.get("data_path") or {}
+    out = {"daemon_bytes_written": io1.get("bytes_written", 0) - io0.get("bytes_written", 0),
+           "daemon_bytes_read": io1.get("bytes_read", 0) - io0.get("bytes_read", 0)}
+    if dp1:
+        out["passthrough_opens"] = (dp1.get("passthrough_opens", 0)
+                                    - dp0.get("passthrough_opens", 0))
+        out["data_path"] = dp1.get("mode")
+    return out
 
 
 
@@ -373,11 +418,16 @@ class Perf:
             "started": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
             "argv": [sys.argv[0], *sys.argv[1:]], "repeats": a.repeats,
             "fio_size": a.fio_size, "fio_jobs": a.jobs, "torch_size": a.torch_size,
+            "ckptfs_targets": a.ckptfs_targets, "clk_tck": os.sysconf("SC_CLK_TCK"),
+            "fio_jobs_by_target": {t: self.fio_jobs(t) for t in a.ckptfs_targets},
             "ranks": a.ranks, "dcp_threads": a.dcp_threads, "touch": a.touch,
             "workdir": str(self.work), "store": f"moto_server {self.moto.url} "
             f"({shlex.join(self.moto.cmd)})",
             "ckptfs_mount": shlex.join(["ckptfs", "mount", "MNT", "--cache-dir", "DIR",
                                         *self.ckptfs_args("PREFIX")]),
+            "ckptfs_mounts": {t: shlex.join(["ckptfs", "mount", "MNT", "--cache-dir", "DIR",
+                                             *self.ckptfs_args("PREFIX"), *CKPTFS_TARGETS[t]])
+                              for t in a.ckptfs_targets},
             "ceiling": f"boto3 upload_file/download_file of every file in parallel, "
                        f"TransferConfig(multipart_chunksize={CEIL_PART >> 20} MiB, "
                        f"max_concurrency={CEIL_CONC})",
@@ -389,18 +439,35 @@ class Perf:
         url = self.moto.url if self.moto else "URL"
         return ["--store", f"s3://{BUCKET}/{prefix}", "--s3-endpoint", url, "--s3-path-style"]
 
-    def new_ckptfs(self, name: str, prefix: str):
+    def fio_jobs(self, target: str) -> list[int]:
+        """The fio job counts a target runs at (ckptfs-fuse: --fuse-jobs, default --jobs)."""
+        if target == "ckptfs-fuse" and self.a.fuse_jobs:
+            return [nj for nj in self.a.jobs if nj in self.a.fuse_jobs]
+        return list(self.a.jobs)
+
+    def new_ckptfs(self, name: str, prefix: str, target: str = "ckptfs"):
         from bench_fio import Mount
 
         cache = self.work / f"cache-{name}"
         shutil.rmtree(cache, ignore_errors=True)
-        m = Mount(self.ckptfs, self.work / f"mnt-{name}", cache, self.ckptfs_args(prefix))
+        m = Mount(self.ckptfs, self.work / f"mnt-{name}", cache,
+                  [*self.ckptfs_args(prefix), *CKPTFS_TARGETS[target]])
         m.keep_log_as = self.out / f"daemon-{name}.log"
         m.open()
         self.rss.watch(m.pid)
         m.info["name"] = name
+        m.info["target"] = target
         self.open_mounts.append(m)
+        dp = (m.status() or {}).get("data_path")
+        m.info["data_path_at_mount"] = dp
+        if target == "ckptfs" and (dp or {}).get("mode") != "passthrough":
+            self.note(f"target ckptfs, mount {name}: NOT passthrough: "
+                      f"{(dp or {}).get('off_reason') if dp else 'status has no data_path'}")
         return m
+
+    def note(self, msg: str) -> None:
+        self.res.setdefault("notes", []).append(msg)
+        self.progress(f"!! {msg}")
 
     def close_ckptfs(self, m, bytes_through: int | None = None) -> None:
         peak = self.rss.peak_mib(m.pid) if m.pid else None
@@ -411,6 +478,9 @@ class Perf:
                 self.open_mounts.remove(m)
         m.info["peak_rss_sampled_mib"] = peak
         m.info["bytes_through"] = bytes_through
+        # the data path the mount ran: its last status (at unmount), else the one at mount
+        m.info["data_path"] = ((m.info.get("final_status") or {}).get("data_path")
+                               or m.info.get("data_path_at_mount"))
         self.res["mounts"].append(m.info)
         if not is_mounted(m.mnt):
             shutil.rmtree(m.cache, ignore_errors=True)
@@ -421,57 +491,82 @@ class Perf:
         from bench_fio import check_files, clean_dir, run_fio
 
         a = self.a
+        cts = a.ckptfs_targets
         self.raw_fio = self.raw / "fio"
         self.raw_fio.mkdir(exist_ok=True)
         jobfile_out = self.out / "last-fio.json"
-        n = a.repeats * len(a.jobs) * 3 * 2
+        n = a.repeats * sum(1 + sum(nj in self.fio_jobs(t) for t in cts) for nj in a.jobs) * 3
         k = 0
         for rep in range(a.repeats):
-            m = self.new_ckptfs(f"fio{rep}", f"fio{rep}")
-            through = 0
+            mounts: dict = {}
+            through = {t: 0 for t in cts}
             try:
-                for nj in a.jobs:
+                for t in cts:
+                    mounts[t] = self.new_ckptfs(f"fio{rep}{tsfx(t)}", f"fio{rep}{tsfx(t)}", t)
+                for ji, nj in enumerate(a.jobs):
                     per_job = (a.fio_size // nj) // MiB * MiB
-                    order = ["raw", "mount"] if (rep + nj) % 2 == 0 else ["mount", "raw"]
+                    tl = ["raw"] + [t for t in cts if nj in self.fio_jobs(t)]
+                    rot = (rep + ji) % len(tl)
+                    order = tl[rot:] + tl[:rot]
                     for phase in ("write", "read-warm", "read-cold"):
                         for target in order:
-                            d = self.raw_fio if target == "raw" else m.mnt
+                            m = mounts.get(target)
+                            d = self.raw_fio if m is None else m.mnt
                             if phase == "write":
                                 clean_dir(d)
-                                if target == "mount":
+                                if m is not None:
                                     m.wait_idle(600)
+                            st0 = m.status() if m is not None else None
                             if phase == "read-cold":
                                 drop_caches()
                             self.hygiene()
                             la0 = loadavg()
-                            cpu0 = m.cpu_s() if target == "mount" else None
+                            cpu0 = m.cpu_s() if m is not None else None
+                            mcpu0 = main_thread_cpu_s(m.pid) if m is not None else None
                             rec = run_fio(phase, d, per_job, nj, jobfile_out,
                                           timeout=120 + a.fio_size / 10e6)
                             rec.update(rep=rep, numjobs=nj, phase=phase, target=target,
                                        loadavg=[la0, loadavg()])
-                            if target == "mount":
+                            if m is not None:
+                                # main thread first, then all: its delta never exceeds the total
+                                mcpu1 = main_thread_cpu_s(m.pid)
                                 rec["daemon_cpu_s"] = round(m.cpu_s() - cpu0, 3)
-                                through += rec.get("io_bytes", 0) if phase == "write" else 0
+                                if mcpu0 is not None and mcpu1 is not None:
+                                    rec["daemon_main_thread_cpu_s"] = round(mcpu1 - mcpu0, 3)
+                                rec.update(io_delta(st0, m.status()))
+                                through[target] += (rec.get("io_bytes", 0)
+                                                    if phase == "write" else 0)
                             if phase == "write" and "error" not in rec:
                                 bad = check_files(d, per_job, nj)
                                 if bad:
                                     rec["error"] = bad
-                            if phase == "write" and target == "mount":
+                            if phase == "write" and m is not None:
                                 drain, _ = m.wait_idle(600)
                                 rec["upload_drain_s"] = round(drain, 2)
                             self.res["fio"].append(rec)
                             k += 1
                             if "error" in rec:
                                 self.error(f"fio {phase} nj={nj} {target}: {rec['error']}")
+                            served = ""
+                            if m is not None:
+                                b = rec.get("daemon_bytes_written" if phase == "write"
+                                            else "daemon_bytes_read")
+                                served = (f"  daemon served {b / MiB:.0f} MiB, "
+                                          f"{rec.get('passthrough_opens', 0)} pt opens"
+                                          if b is not None else "")
                             self.progress(f"fio {k}/{n}: rep {rep + 1} {phase:9s} nj={nj} "
-                                          f"{target:5s} {rec.get('mbps', 0):7.0f} MB/s"
-                                          f"  load {la0[0]:.1f}")
+                                          f"{target:11s} {rec.get('mbps', 0):7.0f} MB/s"
+                                          f"  load {la0[0]:.1f}{served}")
                             self.save()
                     clean_dir(self.raw_fio)
-                    m.wait_idle(600)
-                    clean_dir(m.mnt)
+                    for m in mounts.values():
+                        m.wait_idle(600)
+                        clean_dir(m.mnt)
+                    for m in mounts.values():
+                        m.wait_idle(600)
             finally:
-                self.close_ckptfs(m, through)
+                for t, m in mounts.items():
+                    self.close_ckptfs(m, through[t])
 
     # -- store helpers --
 
@@ -562,10 +657,13 @@ class Perf:
                 sd_out = {"model": {k: torch.zeros_like(v) for k, v in sd["model"].items()}}
             self.progress(f"{wl}: state of {a.torch_size / GiB:.2f} GiB built in "
                           f"{time.perf_counter() - t0:.1f}s")
-            targets = ["raw", "ckptfs", "s3fs", "rclone"] + (["s3torch"] if wl == "dcp" else [])
-            ma = self.new_ckptfs(f"{wl}-A", wl)
-            through = 0
+            cts = a.ckptfs_targets
+            targets = (["raw", *cts, "s3fs", "rclone"] + (["s3torch"] if wl == "dcp" else []))
+            mas: dict = {}
+            through = {t: 0 for t in cts}
             try:
+                for t in cts:  # one node per ckptfs target takes every checkpoint in turn
+                    mas[t] = self.new_ckptfs(f"{wl}{tsfx(t)}-A", f"{wl}{tsfx(t)}", t)
                 for rep in range(a.repeats):
                     order = targets[rep % len(targets):] + targets[:rep % len(targets)]
                     for t in order:
@@ -574,7 +672,10 @@ class Perf:
                         rec = {"workload": wl, "rep": rep, "target": t}
                         self.progress(f"{wl} rep {rep + 1}/{a.repeats}: {t} ...")
                         try:
-                            getattr(self, f"run_{t}")(wl, rep, rec, ranks, sd, sd_out, ma)
+                            if t in CKPTFS_TARGETS:
+                                self.run_ckptfs(wl, rep, rec, ranks, sd, sd_out, mas[t], t)
+                            else:
+                                getattr(self, f"run_{t}")(wl, rep, rec, ranks, sd, sd_out, None)
                         except KeyboardInterrupt:
                             raise
                         except BaseException as e:  # noqa: BLE001
@@ -582,14 +683,21 @@ class Perf:
                             rec["error"] = self.explain(t, e)
                             self.error(f"{wl} {t} rep {rep + 1}: {rec['error']}")
                             rec["traceback"] = traceback.format_exc()[-2000:]
-                            if rep == 0 and t not in ("raw", "ckptfs"):
+                            if rep == 0 and t != "raw" and t not in CKPTFS_TARGETS:
                                 self.res["peers"][f"{t}:{wl}"] = f"not available: {rec['error']}"
-                        if t == "ckptfs":
-                            through += rec.get("bytes", 0)
+                        if t in through:
+                            through[t] += rec.get("bytes", 0)
                         self.res["torch"].append(rec)
+                        dp = ""
+                        if rec.get("save_io"):
+                            io = rec["save_io"]
+                            dp = (f"; data path {io.get('data_path')}, daemon served "
+                                  f"{io.get('daemon_bytes_written', 0) / MiB:.0f} MiB of the "
+                                  f"save, {io.get('passthrough_opens', 0)} pt opens")
                         self.progress("   " + ", ".join(
                             f"{k} {rec[k]:.2f}s" for k in ("save_s", "durable_s", "warm_s",
-                                                           "cold_s") if rec.get(k) is not None))
+                                                           "cold_s") if rec.get(k) is not None)
+                            + dp)
                         self.save()
                     # the store's ceiling on the same files (the raw target's)
                     src = self.raw / wl / f"step_{rep}"
@@ -624,7 +732,8 @@ class Perf:
                         shutil.rmtree(src, ignore_errors=True)
                     self.save()
             finally:
-                self.close_ckptfs(ma, through)
+                for t, m in mas.items():
+                    self.close_ckptfs(m, through[t])
         finally:
             if ranks is not None:
                 ranks.close()
@@ -696,27 +805,41 @@ class Perf:
                               3)
         # kept for the ceiling run of this repeat, then removed
 
-    def run_ckptfs(self, wl, rep, rec, ranks, sd, sd_out, ma) -> None:
+    def run_ckptfs(self, wl, rep, rec, ranks, sd, sd_out, ma, target="ckptfs") -> None:
         import ckptfs
 
         d = ma.mnt / f"step_{rep}"
-        ma.wait_idle(600)
+        _, st0 = ma.wait_idle(600)
+        st0 = st0 or ma.status()
         cpu0 = ma.cpu_s()
+        mcpu0 = main_thread_cpu_s(ma.pid)
+        cpu_saved = []
         t0 = time.perf_counter()
 
         def save_and_wait():
             s, n = self.fs_save(wl, d, ranks, sd)
+            # /proc reads: the daemon's CPU (main thread, then all threads: the main thread's
+            # delta never exceeds the total's) until the save returned
+            mc = main_thread_cpu_s(ma.pid)
+            cpu_saved.extend([ma.cpu_s(), mc])
             rec.update(save_s=round(s, 3), bytes=n)
             ckptfs.wait_durable(str(d), timeout=1800)
             return time.perf_counter() - t0
 
         rec["durable_s"] = round(self.timed(rec, "save+durable", save_and_wait, drop=False), 3)
         rec["commit_to_durable_s"] = round(rec["durable_s"] - rec["save_s"], 3)
-        rec["daemon_cpu_save_s"] = round(ma.cpu_s() - cpu0, 2)
+        rec["daemon_cpu_save_s"] = round(ma.cpu_s() - cpu0, 2)  # save + uploads until durable
+        rec["daemon_cpu_during_save_s"] = round(cpu_saved[0] - cpu0, 3)
+        if mcpu0 is not None and cpu_saved[1] is not None:
+            rec["daemon_main_thread_cpu_during_save_s"] = round(cpu_saved[1] - mcpu0, 3)
+        st1 = ma.status()
+        rec["save_io"] = io_delta(st0, st1)
+        rec["data_path"] = rec["save_io"].get("data_path")
         rec["warm_s"] = round(self.timed(rec, "warm", lambda: self.fs_load(wl, d, ranks, sd_out)),
                               3)
+        rec["warm_io"] = io_delta(st1, ma.status())
         # a fresh node: empty cache dir, same store
-        mb = self.new_ckptfs(f"{wl}-B{rep}", wl)
+        mb = self.new_ckptfs(f"{wl}{tsfx(target)}-B{rep}", f"{wl}{tsfx(target)}", target)
         try:
             t1 = time.perf_counter()
             while True:
@@ -732,6 +855,7 @@ class Perf:
             rec["cold_s"] = round(self.timed(
                 rec, "cold", lambda: self.fs_load(wl, mb.mnt / d.name, ranks, sd_out)), 3)
             rec["daemon_cpu_cold_s"] = round(mb.cpu_s() - cpu0, 2)
+            rec["cold_io"] = io_delta(st, mb.status())
             rec["cold_node_peak_rss_mib"] = self.rss.peak_mib(mb.pid)
         finally:
             self.close_ckptfs(mb, 0)
@@ -912,25 +1036,38 @@ class Perf:
     # -- profiles --
 
     def profiles(self) -> None:
-        """py-spy on the daemon: a fio write (nj=1) and a cold restore (sequential read of a
-        fresh node's set). Not timed runs: sampling slows the daemon."""
-        from bench_fio import clean_dir, run_fio
-
+        """py-spy on the daemon of each ckptfs target: a fio write (nj=1), a fio read after
+        drop_caches and a cold restore (sequential read of a fresh node's set). Not timed
+        runs: sampling slows the daemon. Profile names of `ckptfs-fuse` end in `-fuse`."""
         pyspy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
         if not os.access(pyspy, os.X_OK):
             self.res["profiles"]["error"] = "not available: py-spy not installed"
             return
+        for t in self.a.ckptfs_targets:
+            self.profiles_of(pyspy, t)
+
+    def profile(self, pyspy: str, m, name: str, target: str, fn) -> None:
+        st0 = m.status()
+        rec = self.pyspy(pyspy, m.pid, name, fn)
+        io = io_delta(st0, m.status())
+        rec.update(target=target, io=io, data_path=io.get("data_path"))
+        self.res["profiles"][name] = rec
+        self.progress(f"   profile {name}: {rec.get('samples')} samples in {rec.get('seconds')}"
+                      f" s; data path {io.get('data_path')}")
+
+    def profiles_of(self, pyspy: str, target: str) -> None:
+        from bench_fio import run_fio
+
+        sx = tsfx(target)
         size = self.a.fio_size
-        m = self.new_ckptfs("prof", "prof")
+        m = self.new_ckptfs(f"prof{sx}", f"prof{sx}", target)
         try:
-            for name, fn in (("fio-write-nj1", lambda: run_fio(
-                    "write", m.mnt, size, 1, self.out / "last-fio.json", 600)),):
-                self.res["profiles"][name] = self.pyspy(pyspy, m.pid, name, fn)
+            self.profile(pyspy, m, f"fio-write-nj1{sx}", target, lambda: run_fio(
+                "write", m.mnt, size, 1, self.out / "last-fio.json", 600))
             m.wait_idle(600)
             drop_caches()
-            self.res["profiles"]["fio-read-cold-nj1"] = self.pyspy(
-                pyspy, m.pid, "fio-read-cold-nj1",
-                lambda: run_fio("read-cold", m.mnt, size, 1, self.out / "last-fio.json", 600))
+            self.profile(pyspy, m, f"fio-read-cold-nj1{sx}", target, lambda: run_fio(
+                "read-cold", m.mnt, size, 1, self.out / "last-fio.json", 600))
             # the file as a committed set: a directory renamed into place
             (m.mnt / "set.tmp").mkdir()
             os.rename(m.mnt / "ckpt.0", m.mnt / "set.tmp" / "ckpt.0")
@@ -939,7 +1076,7 @@ class Perf:
             ckptfs.wait_durable(str(m.mnt / "set"), timeout=900)
         finally:
             self.close_ckptfs(m, size)
-        mb = self.new_ckptfs("prof-B", "prof")
+        mb = self.new_ckptfs(f"prof{sx}-B", f"prof{sx}", target)
         try:
             t1 = time.monotonic()
             while not (mb.mnt / "set" / "ckpt.0").exists() and time.monotonic() - t1 < 60:
@@ -951,11 +1088,9 @@ class Perf:
                     while f.read(MiB):
                         pass
 
-            self.res["profiles"]["cold-restore-read"] = self.pyspy(pyspy, mb.pid,
-                                                                  "cold-restore-read", readall)
+            self.profile(pyspy, mb, f"cold-restore-read{sx}", target, readall)
         finally:
             self.close_ckptfs(mb, 0)
-        _ = clean_dir
 
     def pyspy(self, pyspy: str, pid: int, name: str, fn) -> dict:
         raw = self.out / f"profile-{name}.txt"
@@ -1040,6 +1175,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fio-size", default=None, help="bytes per fio run (all jobs together)")
     p.add_argument("--torch-size", default=None, help="bytes per torch checkpoint")
     p.add_argument("--jobs", default="1,4,8")
+    p.add_argument("--ckptfs-targets", default=",".join(CKPTFS_TARGETS),
+                   help="ckptfs targets to run: ckptfs (default mount: passthrough), "
+                        "ckptfs-fuse (--no-passthrough); default both")
+    p.add_argument("--fuse-jobs", default=None,
+                   help="fio job counts for ckptfs-fuse (a subset of --jobs; default: --jobs)")
     p.add_argument("--ranks", type=int, default=4)
     p.add_argument("--dcp-threads", type=int, default=4)
     p.add_argument("--workloads", default="mlperf,dcp")
@@ -1064,6 +1204,12 @@ def parse_args(argv):
     a.torch_size = parse_size(a.torch_size or ("256m" if a.quick else "512m"))
     a.touch = parse_size(a.touch or ("512m" if a.quick else "1g"))
     a.jobs = [int(x) for x in a.jobs.split(",")]
+    a.fuse_jobs = [int(x) for x in a.fuse_jobs.split(",")] if a.fuse_jobs else None
+    a.ckptfs_targets = [t for t in a.ckptfs_targets.split(",") if t]
+    bad = [t for t in a.ckptfs_targets if t not in CKPTFS_TARGETS]
+    if bad:
+        raise SystemExit(f"bench_perf.py: unknown ckptfs target(s) {bad}; "
+                         f"known: {', '.join(CKPTFS_TARGETS)}")
     a.workloads = [w for w in a.workloads.split(",") if w]
     a.sections = [s for s in a.sections.split(",") if s]
     return a

@@ -22,6 +22,7 @@ RSS_BOUND_MIB = 1024  # 64M parts x 8 in flight + 32M prefetch x 8 + the daemon 
 TARGET_NAMES = {
     "raw": "raw cache disk (ceiling)",
     "ckptfs": "ckptfs",
+    "ckptfs-fuse": "ckptfs --no-passthrough",
     "s3fs": "s3fs-fuse (use_cache)",
     "rclone": "rclone mount --vfs-cache-mode writes --ignore-checksum --no-checksum",
     "rclone-ro": "rclone mount, cold restore only: reads the objects the store-ceiling step "
@@ -29,6 +30,23 @@ TARGET_NAMES = {
     "s3torch": "s3torchconnector DCP (direct to S3)",
     "ceiling": "boto3 transfer manager (store ceiling)",
 }
+
+
+# the ckptfs targets, in report order; fio records of runs before ckptfs-fuse say "mount"
+CKPTFS_TARGETS = ("ckptfs", "ckptfs-fuse")
+FIO_COLORS = {"ckptfs": "#1f77b4", "ckptfs-fuse": "#17becf"}
+# goals of the passthrough issue (fio, torch.save, DCP save, daemon CPU): see issue_targets
+ISSUE_RATIO = 0.9
+ISSUE_DCP_SAVE = 1.1
+ISSUE_CPU_S_PER_GIB = 0.1
+
+
+def fio_target(r: dict) -> str:
+    return "ckptfs" if r.get("target") == "mount" else r.get("target")
+
+
+def mount_target(m: dict) -> str:
+    return m.get("target") or "ckptfs"
 
 
 def mmm(xs):
@@ -66,26 +84,90 @@ def la_range(recs):
 # summaries
 
 
+def data_paths(res: dict) -> dict:
+    """Per ckptfs target: the data path its mounts actually ran (from `ckptfs status --json`
+    -> data_path, recorded per mount), as a label, with the evidence."""
+    out: dict = {}
+    mounts = res.get("mounts", [])
+    present = [t for t in CKPTFS_TARGETS
+               if any(mount_target(m) == t for m in mounts)
+               or any(fio_target(r) == t for r in res.get("fio", []))
+               or any(r.get("target") == t for r in res.get("torch", []))]
+    for t in present:
+        ms = [m for m in mounts if mount_target(m) == t]
+        dps = [m.get("data_path") for m in ms]
+        known = [d for d in dps if d]
+        modes = Counter(d.get("mode") for d in known)
+        reasons = list(dict.fromkeys(d.get("off_reason") for d in known
+                                     if d.get("mode") != "passthrough" and d.get("off_reason")))
+        opens = sum(d.get("passthrough_opens") or 0 for d in known)
+        served = sum(((m.get("final_status") or {}).get("io") or {}).get(k) or 0
+                     for m in ms for k in ("bytes_written", "bytes_read"))
+        fio_recs = [r for r in res.get("fio", []) if fio_target(r) == t and "error" not in r]
+        fio_moved = sum(r.get("io_bytes") or 0 for r in fio_recs
+                        if "daemon_bytes_written" in r or "daemon_bytes_read" in r)
+        fio_served = sum((r.get("daemon_bytes_written") or 0) + (r.get("daemon_bytes_read") or 0)
+                         for r in fio_recs)
+        why = "; ".join(reasons) or "no reason recorded"
+        if not known:
+            label, passthrough = "not recorded (run before data_path existed)", None
+        elif modes.get("passthrough") == len(known):
+            passthrough = opens > 0
+            label = ("passthrough" if opens else
+                     "passthrough on, but no open was answered in passthrough")
+            if len(known) < len(dps):
+                label += f" ({len(dps) - len(known)} of {len(dps)} mounts not recorded)"
+        elif not modes.get("passthrough"):
+            label, passthrough = f"fuse ({why})", False
+        else:
+            label = (f"mixed: passthrough on {modes.get('passthrough')} of {len(dps)} mounts, "
+                     f"fuse ({why}) on the rest")
+            passthrough = False
+        out[t] = {"label": label, "passthrough": passthrough, "mounts": len(ms),
+                  "modes": dict(modes), "off_reasons": reasons, "passthrough_opens": opens,
+                  "daemon_served_bytes": served, "fio_bytes_moved": fio_moved,
+                  "fio_daemon_served_bytes": fio_served}
+    return out
+
+
 def summarize(res: dict) -> dict:
     s: dict = {"fio": [], "torch": [], "ceiling": {}, "targets": [], "rss": []}
+    s["data_paths"] = data_paths(res)
     fio = [r for r in res.get("fio", []) if "error" not in r and "bw_bytes" in r]
     phases = ["write", "read-warm", "read-cold"]
     jobs = sorted({r["numjobs"] for r in fio})
+    cts = [t for t in CKPTFS_TARGETS if any(fio_target(r) == t for r in fio)]
     for ph in phases:
         for nj in jobs:
             sel = [r for r in fio if r["phase"] == ph and r["numjobs"] == nj]
             raw = {r["rep"]: r for r in sel if r["target"] == "raw"}
-            mnt = {r["rep"]: r for r in sel if r["target"] == "mount"}
-            ratios = [mnt[k]["bw_bytes"] / raw[k]["bw_bytes"] for k in raw.keys() & mnt.keys()]
-            cpu = [m["daemon_cpu_s"] / (m["io_bytes"] / GiB) for m in mnt.values()
-                   if m.get("daemon_cpu_s") is not None and m.get("io_bytes")]
-            s["fio"].append({
-                "phase": ph, "numjobs": nj,
-                "raw_mbps": mmm([r["mbps"] for r in raw.values()]),
-                "mount_mbps": mmm([r["mbps"] for r in mnt.values()]),
-                "ratio": mmm(ratios), "daemon_cpu_s_per_gib": mmm(cpu),
-                "upload_drain_s": mmm([m.get("upload_drain_s") for m in mnt.values()]),
-                "loadavg": la_range(sel), "n": len(ratios)})
+            row = {"phase": ph, "numjobs": nj, "raw_mbps": mmm([r["mbps"] for r in raw.values()]),
+                   "loadavg": la_range(sel), "by": {}}
+            for t in cts:
+                mnt = {r["rep"]: r for r in sel if fio_target(r) == t}
+                ratios = [mnt[k]["bw_bytes"] / raw[k]["bw_bytes"]
+                          for k in raw.keys() & mnt.keys()]
+                cpu = [m["daemon_cpu_s"] / (m["io_bytes"] / GiB) for m in mnt.values()
+                       if m.get("daemon_cpu_s") is not None and m.get("io_bytes")]
+                key = "daemon_bytes_written" if ph == "write" else "daemon_bytes_read"
+                share = [m[key] / m["io_bytes"] for m in mnt.values()
+                         if m.get(key) is not None and m.get("io_bytes")]
+                row["by"][t] = {
+                    "mbps": mmm([r["mbps"] for r in mnt.values()]), "ratio": mmm(ratios),
+                    "daemon_cpu_s_per_gib": mmm(cpu),
+                    "daemon_main_cpu_s_per_gib": mmm(
+                        [m["daemon_main_thread_cpu_s"] / (m["io_bytes"] / GiB)
+                         for m in mnt.values()
+                         if m.get("daemon_main_thread_cpu_s") is not None and m.get("io_bytes")]),
+                    "daemon_served_share": mmm(share),
+                    "upload_drain_s": mmm([m.get("upload_drain_s") for m in mnt.values()]),
+                    "n": len(ratios)}
+            # the `ckptfs` target under the keys of earlier reports
+            ck = row["by"].get("ckptfs") or {}
+            row.update(mount_mbps=ck.get("mbps"), ratio=ck.get("ratio"),
+                       daemon_cpu_s_per_gib=ck.get("daemon_cpu_s_per_gib"),
+                       upload_drain_s=ck.get("upload_drain_s"), n=ck.get("n", 0))
+            s["fio"].append(row)
     tr = [r for r in res.get("torch", []) if "error" not in r]
     ceil = res.get("ceiling", [])
     wls = []
@@ -102,7 +184,7 @@ def summarize(res: dict) -> dict:
                             "upload_moto_busy": mmm([x.get("upload_moto_busy") for x in c]),
                             "download_moto_busy": mmm([x.get("download_moto_busy") for x in c]),
                             "loadavg": la_range(c), "n": len(c)}
-        for t in ("raw", "ckptfs", "s3fs", "rclone", "rclone-ro", "s3torch"):
+        for t in ("raw", *CKPTFS_TARGETS, "s3fs", "rclone", "rclone-ro", "s3torch"):
             sel = [r for r in tr if r["workload"] == wl and r["target"] == t]
             if not sel and not any(r["workload"] == wl and r["target"] == t
                                    for r in res.get("torch", [])):
@@ -117,14 +199,43 @@ def summarize(res: dict) -> dict:
             row["moto_busy_cold"] = mmm([(r.get("moto_busy") or {}).get("cold") for r in sel])
             row["daemon_cpu_cold_s"] = mmm([r.get("daemon_cpu_cold_s") for r in sel])
             row["daemon_cpu_save_s"] = mmm([r.get("daemon_cpu_save_s") for r in sel])
+            row["daemon_cpu_during_save_s_per_gib"] = mmm(
+                [r["daemon_cpu_during_save_s"] / (r["bytes"] / GiB) for r in sel
+                 if r.get("daemon_cpu_during_save_s") is not None and r.get("bytes")])
+            row["daemon_main_cpu_during_save_s_per_gib"] = mmm(
+                [r["daemon_main_thread_cpu_during_save_s"] / (r["bytes"] / GiB) for r in sel
+                 if r.get("daemon_main_thread_cpu_during_save_s") is not None and r.get("bytes")])
+            row["daemon_cpu_save_durable_s_per_gib"] = mmm(
+                [r["daemon_cpu_save_s"] / (r["bytes"] / GiB) for r in sel
+                 if r.get("daemon_cpu_save_s") is not None and r.get("bytes")])
+            row["daemon_served_save_share"] = mmm(
+                [(r.get("save_io") or {}).get("daemon_bytes_written", 0) / r["bytes"]
+                 for r in sel if r.get("save_io") and r.get("bytes")])
+            for ph, key in (("warm", "warm_io"), ("cold", "cold_io")):
+                row[f"daemon_served_{ph}_share"] = mmm(
+                    [(r.get(key) or {}).get("daemon_bytes_read", 0) / r["bytes"]
+                     for r in sel if r.get(key) and r.get("bytes")])
+                row[f"passthrough_opens_{ph}"] = mmm(
+                    [(r.get(key) or {}).get("passthrough_opens") for r in sel if r.get(key)])
+            row["passthrough_opens_save"] = mmm(
+                [(r.get("save_io") or {}).get("passthrough_opens") for r in sel
+                 if r.get("save_io")])
+            row["node_peak_rss_mib"] = mmm([r.get("node_peak_rss_mib") for r in sel])
+            row["cold_node_peak_rss_mib"] = mmm([r.get("cold_node_peak_rss_mib") for r in sel])
             errs = [r["error"] for r in res.get("torch", [])
                     if r["workload"] == wl and r["target"] == t and "error" in r]
             if errs:
                 row["error"] = errs[0]
             s["torch"].append(row)
     s["targets"] = targets(res, s)
+    s["issue_targets"] = issue_targets(res, s)
     for m in res.get("mounts", []):
-        s["rss"].append({"name": m.get("name"), "bytes_through": m.get("bytes_through"),
+        dpm = m.get("data_path") or {}
+        s["rss"].append({"name": m.get("name"), "target": mount_target(m),
+                         "data_path": (None if not dpm else dpm.get("mode") if
+                                       dpm.get("mode") == "passthrough" else
+                                       f"{dpm.get('mode')} ({dpm.get('off_reason')})"),
+                         "bytes_through": m.get("bytes_through"),
                          "peak_rss_mib": m.get("peak_rss_sampled_mib") or m.get("peak_rss_mib")})
     return s
 
@@ -192,12 +303,62 @@ def targets(res, s) -> list[dict]:
             add(f"{wl}: cold restore speed-up over rclone (rclone reading the store-ceiling "
                 f"objects of the same checkpoint: its own upload failed)", 2.0, ">=",
                 _paired(res, wl, "ckptfs", "rclone-ro", "cold_s", invert=True), "cold-rclone")
-    peaks = [m.get("peak_rss_sampled_mib") or m.get("peak_rss_mib")
-             for m in res.get("mounts", []) if str(m.get("name", "")).endswith("-A")]
-    tot = sum((m.get("bytes_through") or 0) for m in res.get("mounts", [])
-              if str(m.get("name", "")).endswith("-A"))
+    a_mounts = [m for m in res.get("mounts", [])
+                if str(m.get("name", "")).endswith("-A") and mount_target(m) == "ckptfs"]
+    peaks = [m.get("peak_rss_sampled_mib") or m.get("peak_rss_mib") for m in a_mounts]
+    tot = sum((m.get("bytes_through") or 0) for m in a_mounts)
     add(f"daemon peak RSS (MiB) while checkpointing {tot / GiB:.1f} GiB through one mount",
         RSS_BOUND_MIB, "<=", mmm(peaks), "rss")
+    return out
+
+
+def issue_targets(res, s) -> list[dict]:
+    """The goals of the passthrough issue, each with the measured value of every ckptfs target
+    (median [min–max] over repeats) and met / not met. Only measured values."""
+    cts = [t for t in CKPTFS_TARGETS if t in s.get("data_paths", {})
+           or any(t in r.get("by", {}) for r in s["fio"])]
+    out = []
+
+    def add(name, goal, op, vals: dict, fmt="{:.2f}", main: dict | None = None):
+        by = {}
+        for t in cts:
+            v = vals.get(t)
+            met = None
+            if v:
+                met = v[0] >= goal if op == ">=" else v[0] <= goal
+            by[t] = {"measured": v, "met": met}
+            if main is not None:  # the daemon's main thread alone (FUSE requests): evidence
+                by[t]["main_thread"] = main.get(t)
+        out.append({"target": name, "goal": f"{op} {goal:g}", "by": by, "fmt": fmt})
+
+    phase_names = {"write": "fio write (end_fsync) mount/raw",
+                   "read-warm": "fio read right after the write mount/raw",
+                   "read-cold": "fio read after drop_caches mount/raw"}
+    for ph, title in phase_names.items():
+        for r in s["fio"]:
+            if r["phase"] == ph:
+                add(f"{title}, {r['numjobs']} job(s)", ISSUE_RATIO, ">=",
+                    {t: (r["by"].get(t) or {}).get("ratio") for t in cts})
+    add("mlperf per-rank torch.save: mount/raw throughput (raw save s / mount save s)",
+        ISSUE_RATIO, ">=", {t: _paired(res, "mlperf", t, "raw", "save_s", invert=True)
+                            for t in cts})
+    add("DCP save time (trainer-visible): mount/raw", ISSUE_DCP_SAVE, "<=",
+        {t: _paired(res, "dcp", t, "raw", "save_s") for t in cts})
+    for r in s["fio"]:
+        if r["phase"] == "write":
+            add(f"daemon CPU s per GiB written: fio write, {r['numjobs']} job(s)",
+                ISSUE_CPU_S_PER_GIB, "<=",
+                {t: (r["by"].get(t) or {}).get("daemon_cpu_s_per_gib") for t in cts}, "{:.3f}",
+                {t: (r["by"].get(t) or {}).get("daemon_main_cpu_s_per_gib") for t in cts})
+    for wl, title in (("mlperf", "mlperf torch.save"), ("dcp", "DCP save")):
+        rows = {r["target"]: r for r in s["torch"] if r["workload"] == wl}
+        if any(t in rows for t in cts):
+            add(f"daemon CPU s per GiB written: {title} (until the save returns)",
+                ISSUE_CPU_S_PER_GIB, "<=",
+                {t: (rows.get(t) or {}).get("daemon_cpu_during_save_s_per_gib") for t in cts},
+                "{:.3f}",
+                {t: (rows.get(t) or {}).get("daemon_main_cpu_during_save_s_per_gib")
+                 for t in cts})
     return out
 
 
@@ -220,25 +381,34 @@ def plots(res, s, outdir: Path) -> list[str]:
         return [[t[0] - t[1]], [t[2] - t[0]]] if t else [[0], [0]]
 
     # fio
-    rows = [r for r in s["fio"] if r["raw_mbps"] and r["mount_mbps"]]
+    rows = [r for r in s["fio"] if r["raw_mbps"] and any(b["mbps"] for b in r["by"].values())]
     if rows:
-        fig, ax = plt.subplots(figsize=(10, 4.2))
+        dp = s.get("data_paths", {})
+        series = [("raw", "raw cache disk", "#888")] + [
+            (t, f"{TARGET_NAMES[t]} [{(dp.get(t) or {}).get('label', '?')}]", FIO_COLORS[t])
+            for t in CKPTFS_TARGETS if any(t in r["by"] for r in rows)]
+        fig, ax = plt.subplots(figsize=(11, 4.4))
         x = range(len(rows))
-        w = 0.38
-        for i, (key, lab, col) in enumerate((("raw_mbps", "raw cache disk", "#888"),
-                                             ("mount_mbps", "ckptfs mount", "#1f77b4"))):
-            xs = [xi + (i - 0.5) * w for xi in x]
-            ys = [r[key][0] for r in rows]
-            e = [[r[key][0] - r[key][1] for r in rows], [r[key][2] - r[key][0] for r in rows]]
-            ax.bar(xs, ys, w, yerr=e, capsize=2, label=lab, color=col)
-        for xi, r in zip(x, rows):
-            ax.annotate(f"{r['ratio'][0]:.2f}x", (xi, max(r["raw_mbps"][0],
-                                                          r["mount_mbps"][0])),
-                        ha="center", va="bottom", fontsize=7)
+        w = 0.8 / len(series)
+        for i, (t, lab, col) in enumerate(series):
+            xs, ys, e = [], [], [[], []]
+            for xi, r in zip(x, rows):
+                v = r["raw_mbps"] if t == "raw" else (r["by"].get(t) or {}).get("mbps")
+                if not v:
+                    continue
+                xs.append(xi + (i - (len(series) - 1) / 2) * w)
+                ys.append(v[0])
+                e[0].append(v[0] - v[1])
+                e[1].append(v[2] - v[0])
+                if t != "raw" and (r["by"][t] or {}).get("ratio"):
+                    ax.annotate(f"{r['by'][t]['ratio'][0]:.2f}x", (xs[-1], v[0]),
+                                ha="center", va="bottom", fontsize=6)
+            ax.bar(xs, ys, w, yerr=e, capsize=2, label=lab[:90], color=col)
         ax.set_xticks(list(x), [f"{r['phase']}\nnj={r['numjobs']}" for r in rows], fontsize=8)
         ax.set_ylabel("MB/s (median, min/max bars)")
         ax.set_yscale("log")
-        ax.set_title(f"fio, 1 MiB sequential, incompressible: mount vs raw ({mode} run)")
+        ax.set_title(f"fio, 1 MiB sequential, incompressible: mounts vs raw, mount/raw above "
+                     f"the bars ({mode} run)")
         ax.legend(fontsize=8)
         fig.tight_layout()
         fig.savefig(outdir / "perf-fio.png", dpi=110, bbox_inches="tight")
@@ -250,8 +420,9 @@ def plots(res, s, outdir: Path) -> list[str]:
         fig, axes = plt.subplots(1, len(wls), figsize=(6.2 * len(wls), 4.4), squeeze=False)
         metrics = [("save_s", "save\n(trainer back)"), ("durable_s", "durable\nin store"),
                    ("warm_s", "warm\nrestore"), ("cold_s", "cold\nrestore")]
-        colors = {"raw": "#888", "ckptfs": "#1f77b4", "s3fs": "#ff7f0e", "rclone": "#2ca02c",
-                  "s3torch": "#d62728", "ceiling": "#9467bd"}
+        colors = {"raw": "#888", "ckptfs": "#1f77b4", "ckptfs-fuse": "#17becf",
+                  "s3fs": "#ff7f0e", "rclone": "#2ca02c", "s3torch": "#d62728",
+                  "ceiling": "#9467bd"}
         for ax, wl in zip(axes[0], wls):
             rows = [r for r in s["torch"] if r["workload"] == wl and r["n"]]
             c = s["ceiling"].get(wl)
@@ -316,15 +487,37 @@ def why(t, res, s) -> str:
                                                        "fio-read-warm": "read-warm",
                                                        "fio-read-cold": "read-cold"}[k]]
         cpu = ", ".join(f"nj={r['numjobs']}: {f3(r['daemon_cpu_s_per_gib'])}" for r in rows)
-        msg = (f"Every byte crosses the single-threaded Python daemon: daemon CPU s/GiB {cpu} "
-               f"on a 2-core machine where fio itself needs the other core.")
-        if k == "fio-read-warm":
-            msg += (" On the raw disk this read is a page-cache copy; through the mount the "
-                    "first read after a write must reach the daemon (see Data-path notes).")
+        dp = (s.get("data_paths") or {}).get("ckptfs") or {}
+        share = ", ".join(
+            f"nj={r['numjobs']}: "
+            f"{f3((r['by'].get('ckptfs') or {}).get('daemon_served_share'), '{:.0%}')}"
+            for r in rows)
+        if dp.get("passthrough"):
+            mains = [(r["numjobs"], (r["by"].get("ckptfs") or {}).get("daemon_main_cpu_s_per_gib"))
+                     for r in rows]
+            main = ""
+            if any(v for _, v in mains):
+                main = (" (its main thread, which answers FUSE requests: "
+                        + ", ".join(f"nj={nj}: {f3(v)}" for nj, v in mains)
+                        + "; the rest is worker threads: upload reads and store calls)")
+            msg = (f"`ckptfs` ran with FUSE passthrough: of the bytes of these runs the daemon "
+                   f"served itself {share}; daemon CPU s/GiB during the runs {cpu}{main} on a "
+                   f"2-core machine.")
+        else:
+            msg = (f"`ckptfs` data path: {dp.get('label', 'not recorded')}. Every byte crosses "
+                   f"the single-threaded Python daemon: daemon CPU s/GiB {cpu} on a 2-core "
+                   f"machine where fio itself needs the other core.")
+            if k == "fio-read-warm":
+                msg += (" On the raw disk this read is a page-cache copy; through the mount the "
+                        "first read after a write must reach the daemon (see Data-path notes).")
+        fuse = ", ".join(f"nj={r['numjobs']}: {f3(r['by']['ckptfs-fuse'].get('ratio'))}"
+                         for r in rows if r["by"].get("ckptfs-fuse"))
+        if fuse:
+            msg += f" `ckptfs-fuse` (--no-passthrough) in the same runs: mount/raw {fuse}."
         p = prof.get("fio-write-nj1" if k == "fio-write" else "fio-read-cold-nj1")
         if p and p.get("top_self"):
             top = "; ".join(f"`{f}` {c * 100:.0f}%" for f, c in p["top_self"][:4])
-            msg += f" Profile (py-spy, self time): {top}."
+            msg += f" Profile of `ckptfs` (py-spy, self time): {top}."
         return msg
     if k == "durable":
         c = s["ceiling"]
@@ -362,6 +555,15 @@ def why(t, res, s) -> str:
                 f"whole object, and the daemon verifies and writes every chunk to the cache "
                 f"disk before the reader gets it.{top}")
     if k == "dcp-raw":
+        dp = (s.get("data_paths") or {}).get("ckptfs") or {}
+        row = next((r for r in s["torch"] if r["workload"] == "dcp" and r["target"] == "ckptfs"),
+                   {})
+        if dp.get("passthrough"):
+            return (f"`ckptfs` ran with FUSE passthrough: the daemon served "
+                    f"{f3(row.get('daemon_served_save_share'), '{:.0%}')} of the save's bytes "
+                    f"itself and used {f3(row.get('daemon_cpu_during_save_s_per_gib'), '{:.3f}')}"
+                    f" CPU-s/GiB until the save returned; on two cores the uploads of the first "
+                    f"closed shards, moto and the trainer share the CPU (see Data-path notes).")
         return ("DCP writes each shard with fsync; through FUSE every 1 MiB write is a "
                 "round trip to the single-threaded Python daemon (see the fio write rows and "
                 "the fio-write profile), and on two cores the uploads of the first closed "
@@ -405,8 +607,105 @@ def markdown(res: dict, s: dict, pngs: list[str], docs: bool) -> str:
              f"readings at its start and end). Other jobs on this 2-core machine disturb "
              f"absolute numbers; every ratio pairs runs made back to back in the same repeat.")
     L.append("")
+    # data paths
+    dps = s.get("data_paths", {})
+    cts = [t for t in CKPTFS_TARGETS if t in dps]
+    if dps:
+        L += ["## ckptfs data paths", "",
+              ("Two ckptfs targets run side by side on the same data: `ckptfs` (the default "
+               "mount: FUSE passthrough, the kernel reads and writes whole cached files "
+               "directly) and `ckptfs-fuse` (`--no-passthrough`: the daemon serves every "
+               "byte). The data path is what each mount reported (`ckptfs status --json` -> "
+               "`data_path`: mode, off_reason), not what was asked for. Bytes the daemon "
+               "served = its `io` counters (requests it served itself), summed over the "
+               "target's mounts."), "",
+              ("| target | mount options | data path (as run) | mounts | opens in passthrough "
+               "| fio: bytes the daemon served / bytes fio moved |"),
+              "|---|---|---|---:|---:|---:|"]
+        for t in cts:
+            d = dps[t]
+            fio_share = (f"{d['fio_daemon_served_bytes'] / GiB:.2f} / "
+                         f"{d['fio_bytes_moved'] / GiB:.2f} GiB" if d["fio_bytes_moved"]
+                         else "—")
+            opts = " ".join(["(defaults)"] if t == "ckptfs" else ["`--no-passthrough`"])
+            L.append(f"| `{t}` | {opts} | **{d['label']}** | {d['mounts']} | "
+                     f"{d['passthrough_opens']} | {fio_share} |")
+        L.append("")
+        ck = dps.get("ckptfs")
+        if ck and ck["passthrough"] is None:
+            L += [("**The data path of the `ckptfs` target was not recorded** (a run from before "
+                   "`data_path` existed): do not read its numbers as passthrough numbers."), ""]
+        elif ck and ck["passthrough"] is False:
+            L += [(f"**The `ckptfs` target did NOT run with FUSE passthrough: {ck['label']}.** "
+                   f"Its numbers below are those of the user-space data path, like "
+                   f"`ckptfs-fuse`; they say nothing about passthrough."), ""]
+        trows = [r for r in s["torch"] if r["target"] in cts and r["n"]
+                 and r.get("daemon_served_save_share") is not None]
+        if trows:
+            L += [("Where the bytes of the torch workloads went: the share of the checkpoint's "
+                   "bytes the daemon served itself (0% = the kernel moved them in passthrough) "
+                   "and the opens answered in passthrough, per phase (warm = same node after "
+                   "drop_caches, cold = a fresh node with an empty cache)."), "",
+                  ("| workload | target | save: daemon-served, pt opens | warm restore | "
+                   "cold restore |"), "|---|---|---|---|---|"]
+            for r in trows:
+                cells = [f"{f3(r[f'daemon_served_{ph}_share'], '{:.0%}')}, "
+                         f"{f3(r[f'passthrough_opens_{ph}'], '{:.0f}')}"
+                         for ph in ("save", "warm", "cold")]
+                L.append(f"| {r['workload']} | `{r['target']}` | " + " | ".join(cells) + " |")
+            L.append("")
+        for n in res.get("notes", []):
+            L.append(f"- {n}")
+        if res.get("notes"):
+            L.append("")
+    # targets of the passthrough issue
+    it = s.get("issue_targets") or []
+    if it and cts:
+        L += ["## Targets of the passthrough issue", "",
+              ("Computed from the measurements of this run: mount/raw ratios are per repeat "
+               "(back-to-back runs), then the median [min–max]; daemon CPU is the daemon's "
+               "utime+stime during the run (fio) or until the save returned (torch), per GiB "
+               "written."), "",
+              "| target | goal | " + " | ".join(
+                  f"`{t}` ({dps[t]['label']}) | met" for t in cts) + " |",
+              "|---|---|" + "---:|---|" * len(cts)]
+        for row in it:
+            cells = []
+            for t in cts:
+                b = row["by"].get(t) or {}
+                cell = (f3(b.get("measured"), row["fmt"]) if b.get("measured")
+                        else "not measured")
+                if b.get("main_thread"):
+                    cell += f" (main thread {f3(b['main_thread'], row['fmt'])})"
+                cells.append(cell)
+                cells.append("—" if b.get("met") is None else
+                             ("**met**" if b["met"] else "**not met**"))
+            L.append(f"| {row['target']} | {row['goal']} | " + " | ".join(cells) + " |")
+        has_main = any(b.get("main_thread") for row in it for b in row["by"].values())
+        L += ["", ("Daemon CPU is the whole daemon (all threads), the value judged against the "
+                   "goal; it includes upload work that overlaps the run (an upload of a closed "
+                   "file may start while other files are still being written). In parentheses: "
+                   "its main thread alone, the trio thread that answers FUSE requests (reads of "
+                   "cache files for uploads and the store's HTTP calls run in worker threads)."
+                   if has_main else
+                   "Daemon CPU is the whole daemon (all threads); it includes upload work that "
+                   "overlaps the run.")]
+        if c.get("clk_tck") and c.get("fio_size"):
+            tick = 1 / c["clk_tck"]
+            L += ["", (f"CPU times come from /proc in ticks of {tick * 1000:.0f} ms: "
+                       f"{tick / (c['fio_size'] / GiB):.2f} s/GiB for one fio run of "
+                       f"{c['fio_size'] / MiB:.0f} MiB, so values that close to each other (or "
+                       f"a main thread one tick above its daemon) are within resolution.")]
+        L.append("")
+        jb = c.get("fio_jobs_by_target") or {}
+        short = {t: j for t, j in jb.items() if j != c.get("fio_jobs")}
+        for t, j in short.items():
+            L += [(f"`{t}` ran fio at {', '.join(map(str, j)) or 'no'} job count(s) only "
+                  f"(`--fuse-jobs`), not at every one of {c.get('fio_jobs')}."), ""]
     # targets
     L += ["## Targets", "",
+          ("Goals set before passthrough, for the `ckptfs` target (data path: "
+           f"{(dps.get('ckptfs') or {}).get('label', 'not recorded')})."), "",
           "| target | goal | measured: median [min–max] of per-repeat ratios | met |",
           "|---|---|---:|---|"]
     for t in s["targets"]:
@@ -439,7 +738,8 @@ def markdown(res: dict, s: dict, pngs: list[str], docs: bool) -> str:
           f"{0.1:g} s without a FUSE write, or after waiting 2 s for that part. In an A/B of "
           "3x2 256 MiB DCP saves into fresh mounts the trainer-visible save went from a "
           "median 1.06 s to 0.58 s (measured while developing; this run has the change)."),
-          ("- **Warm read right after a write** (`read_warm.fio`): the raw disk serves it from "
+          ("- **Warm read right after a write** (`read_warm.fio`; this note is about the "
+          "user-space data path, the `ckptfs-fuse` target): the raw disk serves it from "
           "the page cache (GB/s); through the mount the pages written with `direct_io` are not "
           "in the FUSE inode's page cache, and a read-only open after a change gets "
           "`keep_cache=False` (cachemgr/core.py). Pushing the written data into the kernel with "
@@ -476,16 +776,35 @@ def markdown(res: dict, s: dict, pngs: list[str], docs: bool) -> str:
           f"`read_cold.fio` (after `sync; echo 3 > /proc/sys/vm/drop_caches`: the data is "
           f"in ckptfs's local cache, not in the page cache). "
           f"{c.get('fio_size', 0) / MiB:.0f} MiB per run split over the jobs. "
-          f"MB/s = 10^6 B/s as fio reports it."), "",
-          ("| phase | jobs | raw MB/s | mount MB/s | mount/raw | daemon CPU s/GiB | "
-          "upload drain s | load avg |"),
-          "|---|---:|---:|---:|---:|---:|---:|---|"]
+          f"MB/s = 10^6 B/s as fio reports it. Per ckptfs target: MB/s, mount/raw, "
+          f"daemon CPU s/GiB during the run (all threads; in parentheses its main thread, "
+          f"which answers FUSE requests), and the share of fio's bytes the daemon served "
+          f"itself (0% = all through passthrough)."), ""]
+    fcts = [t for t in CKPTFS_TARGETS if any(t in r["by"] for r in s["fio"])]
+    for t in fcts:
+        L.append(f"- `{t}`: {TARGET_NAMES[t]}, data path "
+                 f"**{(dps.get(t) or {}).get('label', 'not recorded')}**")
+    L += ["", "| phase | jobs | raw MB/s | " + " | ".join(
+              f"{t} MB/s | {t}/raw | {t} CPU s/GiB | {t} daemon-served" for t in fcts)
+          + " | upload drain s | load avg |",
+          "|---|---:|---:|" + "---:|---:|---:|---:|" * len(fcts) + "---:|---|"]
     for r in s["fio"]:
+        cells = []
+        drains = []
+        for t in fcts:
+            b = r["by"].get(t)
+            if not b or not b["n"]:
+                cells += ["not run", "", "", ""]
+                continue
+            cpu = f3(b["daemon_cpu_s_per_gib"])
+            if b.get("daemon_main_cpu_s_per_gib"):
+                cpu += f" (main {f3(b['daemon_main_cpu_s_per_gib'])})"
+            cells += [f3(b["mbps"], "{:.0f}"), f3(b["ratio"]), cpu,
+                      f3(b["daemon_served_share"], "{:.0%}")]
+            if r["phase"] == "write":
+                drains.append(f"{t}: {f3(b['upload_drain_s'], '{:.1f}')}")
         L.append(f"| {r['phase']} | {r['numjobs']} | {f3(r['raw_mbps'], '{:.0f}')} | "
-                 f"{f3(r['mount_mbps'], '{:.0f}')} | {f3(r['ratio'])} | "
-                 f"{f3(r['daemon_cpu_s_per_gib'])} | "
-                 f"{f3(r['upload_drain_s'], '{:.1f}') if r['phase'] == 'write' else ''} | "
-                 f"{r['loadavg']} |")
+                 + " | ".join(cells) + f" | {'; '.join(drains)} | {r['loadavg']} |")
     L.append("")
     # torch
     peers = res.get("peers", {})
@@ -511,20 +830,28 @@ def markdown(res: dict, s: dict, pngs: list[str], docs: bool) -> str:
                  f"store; commit→durable = durable − save; warm = restore on the same node "
                  f"after drop_caches; cold = a fresh mount with an empty cache (s3torch: "
                  f"straight from S3). Seconds, median [min–max].")
+        L.append("ckptfs targets also show the daemon's CPU until the save returned per GiB "
+                 "written, the share of the save's bytes the daemon served itself (0% = all "
+                 "through passthrough) and the peak RSS of the node that took every checkpoint "
+                 "(restore node in parentheses).")
         L += ["", ("| target | save s | durable s | commit→durable s | warm restore s | "
-              "cold restore s | save MB/s | cold MB/s | load avg |"),
-              "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+              "cold restore s | save MB/s | cold MB/s | daemon CPU s/GiB (save) | "
+              "daemon-served (save) | peak RSS MiB | load avg |"),
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
         for r in rows:
             name = TARGET_NAMES.get(r["target"], r["target"])
+            if r["target"] in CKPTFS_TARGETS:
+                name = (f"{name} (`{r['target']}`, data path "
+                        f"{(dps.get(r['target']) or {}).get('label', 'not recorded')})")
             if not r["n"]:
                 why_na = (peers.get(f"{r['target']}:{wl}") or r.get("error") or "failed")
                 if not str(why_na).startswith("not available"):
                     why_na = f"not available: {why_na}"
-                L.append(f"| {name} | {why_na} | | | | | | | |")
+                L.append(f"| {name} | {why_na} | | | | | | | | | | |")
                 continue
             if r["target"] == "rclone-ro":
                 L.append(f"| {name} | n/a | n/a | | n/a | {f3(r['cold_s'])} | | "
-                         f"{f3(r['cold_mbps'], '{:.0f}')} | {r['loadavg']} |")
+                         f"{f3(r['cold_mbps'], '{:.0f}')} | | | | {r['loadavg']} |")
                 continue
             L.append(f"| {name} | {f3(r['save_s'])} | "
                      f"{f3(r['durable_s']) if r['target'] != 'raw' else 'n/a (no store)'} | "
@@ -532,23 +859,30 @@ def markdown(res: dict, s: dict, pngs: list[str], docs: bool) -> str:
                      f"{f3(r['warm_s']) if r['target'] != 's3torch' else 'n/a (no local copy)'}"
                      f" | {f3(r['cold_s']) if r['target'] != 'raw' else 'n/a'} | "
                      f"{f3(r['save_mbps'], '{:.0f}')} | {f3(r['cold_mbps'], '{:.0f}')} | "
-                     f"{r['loadavg']} |")
+                     + (f"{f3(r['daemon_cpu_during_save_s_per_gib'], '{:.3f}')} | "
+                        f"{f3(r['daemon_served_save_share'], '{:.0%}')} | "
+                        f"{f3(r['node_peak_rss_mib'], '{:.0f}')} "
+                        f"({f3(r['cold_node_peak_rss_mib'], '{:.0f}')}) | "
+                        if r["target"] in CKPTFS_TARGETS else "| | | ")
+                     + f"{r['loadavg']} |")
         cc = s["ceiling"].get(wl)
         if cc and cc["n"]:
             L.append(f"| {TARGET_NAMES['ceiling']} | | upload {f3(cc['upload_s'])} | | | "
                      f"download {f3(cc['download_s'])} | up {f3(cc['upload_mbps'], '{:.0f}')} "
-                     f"| {f3(cc['download_mbps'], '{:.0f}')} | {cc['loadavg']} |")
+                     f"| {f3(cc['download_mbps'], '{:.0f}')} | | | | {cc['loadavg']} |")
         L.append("")
     # rss
     L += ["## ckptfs daemon memory", "",
           ("Peak RSS of each daemon (VmRSS sampled every 0.1 s from /proc and the kernel's "
           "VmHWM, pid from `ckptfs mount`), with the bytes written through it. `*-A` mounts "
-          "took every checkpoint of a workload in turn; `*-B*` are the fresh restore nodes."),
-          "", "| mount | bytes written through it | peak RSS MiB |", "|---|---:|---:|"]
+          "took every checkpoint of a workload in turn; `*-B*` are the fresh restore nodes; "
+          "`*-fuse*` mounts belong to the `ckptfs-fuse` target (`--no-passthrough`)."),
+          "", "| mount | target | data path | bytes written through it | peak RSS MiB |",
+          "|---|---|---|---:|---:|"]
     for r in s["rss"]:
         bt = r["bytes_through"]
-        L.append(f"| {r['name']} | {bt / GiB:.2f} GiB | {r['peak_rss_mib']} |" if bt else
-                 f"| {r['name']} | — | {r['peak_rss_mib']} |")
+        L.append(f"| {r['name']} | {r['target']} | {r.get('data_path') or '—'} | "
+                 f"{f'{bt / GiB:.2f} GiB' if bt else '—'} | {r['peak_rss_mib']} |")
     L.append("")
     # profiles
     prof = res.get("profiles", {})
@@ -557,13 +891,23 @@ def markdown(res: dict, s: dict, pngs: list[str], docs: bool) -> str:
               ("Recorded in a separate, untimed pass (sampling slows the daemon): "
               "`py-spy record --rate 250 --format raw --threads` on the daemon's pid. Shares "
               "are of the samples where a thread of the daemon was on CPU (idle excluded). "
+              "Each ckptfs target is profiled (names ending in `-fuse`: `ckptfs-fuse`); with "
+              "passthrough the kernel moves the data and the daemon may have few samples. "
               "Raw stacks: bench-results/perf/profile-*.txt."), ""]
         if "error" in prof:
             L.append(prof["error"])
         for name, p in prof.items():
             if not isinstance(p, dict):
                 continue
-            L += [f"### {name} ({p.get('seconds')} s, {p.get('samples')} samples)", ""]
+            io = p.get("io") or {}
+            served = ""
+            if io:
+                served = (f"; the daemon served {io.get('daemon_bytes_written', 0) / MiB:.0f} "
+                          f"MiB written, {io.get('daemon_bytes_read', 0) / MiB:.0f} MiB read, "
+                          f"{io.get('passthrough_opens', 0)} opens in passthrough")
+            L += [f"### {name} ({p.get('seconds')} s, {p.get('samples')} samples)", "",
+                  (f"Target `{p.get('target', 'ckptfs')}`, data path "
+                  f"{p.get('data_path') or 'not recorded'}{served}."), ""]
             if p.get("error"):
                 L += [p["error"], ""]
                 continue
@@ -591,7 +935,9 @@ def markdown(res: dict, s: dict, pngs: list[str], docs: bool) -> str:
     L += ["## Method and exact commands", "",
           "- Entry: `" + " ".join(c.get("argv", [])) + "` (via `bash scripts/bench.sh`).",
           f"- Store: {c.get('store')}; bucket `bench`, one prefix per target and repeat.",
-          f"- ckptfs: `{c.get('ckptfs_mount')}` (defaults otherwise).",
+          *([f"- {t}: `{cmd}` (defaults otherwise)."
+             for t, cmd in (c.get("ckptfs_mounts") or {}).items()]
+            or [f"- ckptfs: `{c.get('ckptfs_mount')}` (defaults otherwise)."]),
           f"- s3fs: `{c.get('s3fs_cmd', 'not run')}`",
           f"- rclone: `{c.get('rclone_cmd', 'not run')}`",
           ("- s3torchconnector: `S3StorageWriter`/`S3StorageReader` with an `S3Client(endpoint="
