@@ -49,6 +49,7 @@ class Backing:
     writers: int = 0      # ... of them with write access
     seen_mtime_ns: int = 0  # the backing file's mtime the daemon last took in
     seen_size: int = 0
+    probed: tuple[int, int] = (0, 0)  # (size, mtime) at the last `wrote_since_probe`
 
 
 class Backings:
@@ -148,14 +149,19 @@ class Backings:
         self.refreshes += 1
         return st
 
-    def taken_in(self, ino: int) -> None:
-        """The daemon changed the backing file itself (truncate, utimens): what it sees now is
-        not the kernel's doing."""
-        b = self._by_ino.get(ino)
-        if b is not None:
-            st = os.fstat(b.fd)
-            b.seen_mtime_ns = st.st_mtime_ns
-            b.seen_size = st.st_size
+    def wrote_since_probe(self) -> bool:
+        """Has any passthrough writer written since the last call? (The upload scheduler's
+        "the trainer is writing" signal, cachemgr.transfer.yield_to_foreground: the daemon sees
+        no write requests of these files.)"""
+        wrote = False
+        for b in self._by_ino.values():
+            if b.writers:
+                st = os.fstat(b.fd)
+                now = (st.st_size, st.st_mtime_ns)
+                if now != b.probed:
+                    b.probed = now
+                    wrote = True
+        return wrote
 
     def close_all(self) -> None:
         for ino in list(self._by_ino):

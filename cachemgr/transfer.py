@@ -126,9 +126,13 @@ _LZ4_FRAME_SLACK = 64
 # never pauses still lets every upload advance). Measured (docs/PERFORMANCE.md): on a small
 # machine the upload's preads, CRCs and store sends otherwise take about half the daemon's CPU
 # while the trainer is still writing, and the trainer waits for it.
+# Writes the daemon never sees (FUSE passthrough: the kernel writes the cache file) are found
+# by a probe the composition root installs (`set_foreground_probe`: Backings.wrote_since_probe,
+# an fstat per file open for writing in passthrough): True means "written since last asked".
 FOREGROUND_QUIET_S = 0.1
 FOREGROUND_MAX_DEFER_S = 2.0
 _last_foreground = 0.0
+_foreground_probe: Callable[[], bool] | None = None
 
 
 def note_foreground() -> None:
@@ -136,9 +140,16 @@ def note_foreground() -> None:
     _last_foreground = time.monotonic()
 
 
+def set_foreground_probe(probe: Callable[[], bool] | None) -> None:
+    global _foreground_probe
+    _foreground_probe = probe
+
+
 async def yield_to_foreground() -> None:
     start = time.monotonic()
     while True:
+        if _foreground_probe is not None and _foreground_probe():
+            note_foreground()
         now = time.monotonic()
         idle = now - _last_foreground
         if idle >= FOREGROUND_QUIET_S or now - start >= FOREGROUND_MAX_DEFER_S:

@@ -661,7 +661,7 @@ def run_daemon(cfg: MountConfig, notify: Notify) -> int:
     from cachemgr.errors import FsError
     from cachemgr.store import RetryingStore, StoreError, open_store
     from cachemgr.tiering import Tiering, TieringConfig
-    from cachemgr.transfer import TransferConfig
+    from cachemgr.transfer import TransferConfig, set_foreground_probe
 
     from . import control, fuse
 
@@ -729,6 +729,8 @@ def run_daemon(cfg: MountConfig, notify: Notify) -> int:
         ops = fuse.FuseOps(core, attr_timeout=cfg.attr_timeout, io_threads=cfg.io_threads)
         ops.enable_writeback_cache = cfg.writeback_cache
         ops.enable_passthrough = core.backings.on  # the kernel's answer: FuseOps.init
+        # Uploads hold back while the trainer writes; passthrough writes are seen by fstat.
+        set_foreground_probe(core.backings.wrote_since_probe)
         try:
             main = fuse.mount_and_serve(ops, str(cfg.mountpoint),
                                         fuse.fuse_options(allow_other=cfg.allow_other))
