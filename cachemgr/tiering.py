@@ -670,7 +670,14 @@ class Tiering:
         self._foreign.pop(seq, None)
         with self.index.tx():
             s2 = self.sets.get(seq)
-            if s2 is None or s2.state not in LIVE_STATES:
+            # Superseded while the PUT was in flight (a later commit of the same path, its
+            # content changed, absorbed): its manifest is now the store's at its path, in place
+            # of the older durable one, and it is whole. Taking it back out would leave the path
+            # with no manifest until its successor publishes (a crash in between: a published
+            # `latest.pt` gone from the store). It stays, as durable; its successor replaces it
+            # in commit order.
+            kept = s2 is not None and s2.state == "superseded"
+            if s2 is None or (s2.state not in LIVE_STATES and not kept):
                 # Deleted while the PUT was in flight: take the manifest back out.
                 self.sets.set_etag(seq, etag)
                 self._events.appendleft(("unpublish", seq, s.path))
@@ -679,7 +686,7 @@ class Tiering:
                 return
             self.sets.set_state(seq, "durable")
             self.sets.set_etag(seq, etag)
-            if foreign:
+            if foreign and not kept:
                 # The committing node shows the set as published: the other nodes' files
                 # appear beside its own, read by range from the store as on any node.
                 self.remote.complete_local(seq, s2.root_ino, foreign)
