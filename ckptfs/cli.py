@@ -183,6 +183,13 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def mount_parser() -> argparse.ArgumentParser:
+    """The `ckptfs mount` parser: `mount.fuse.ckptfs` (ckptfs/mounthelper.py) derives its `-o`
+    options from it, so an option added here is spellable in fstab without more code."""
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices["mount"]
+
+
 def _fail(code: int, msg: str) -> int:
     print(f"ckptfs: {msg}", file=sys.stderr)
     return code

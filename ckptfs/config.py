@@ -35,6 +35,14 @@ def default_store_url() -> str:
     return f"file://{base}/ckptfs/store"
 
 
+def default_store_note() -> str:
+    """What a mount on the default store says about it (success message and log line): the
+    store is not private to the mount, so an operator should not assume it is."""
+    who = ("every mount on this machine run as root" if os.getuid() == 0
+           else "every mount of this user on this machine")
+    return f"embedded default store, shared by {who} without --store"
+
+
 def parse_size(text: str) -> int:
     """'512M', '2G', '1.5T', '4096' -> bytes (binary units). Refuses anything that is not a
     finite number >= 0 ('nan', 'inf', '1e400' parse as floats, but are no size)."""

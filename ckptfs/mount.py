@@ -41,6 +41,7 @@ from . import logsafe
 from .config import (
     ROOT_RUNTIME_DIR,
     MountConfig,
+    default_store_note,
     default_store_url,
     runtime_dir,
     user_runtime_dirs,
@@ -591,6 +592,15 @@ def setup_logging(cfg: MountConfig) -> None:
     logsafe.cap_aws_loggers(root.level)
 
 
+def mount_source(store_url: str) -> str:
+    """The mount's source in /proc/self/mountinfo (`df`, `findmnt`): the store URL, as fstab
+    names it, so `mount -a` sees an fstab line with that SOURCE as mounted already. libfuse
+    splits options at commas and pyfuse3 passes them as ASCII: any other URL shows "ckptfs"."""
+    ok = store_url.isascii() and store_url.isprintable() and not any(
+        c in store_url for c in ", \\")
+    return store_url if ok else "ckptfs"
+
+
 def tune_readahead(mp: Path, kb: int) -> None:
     """Raise the mount's readahead (the FUSE bdi defaults to 128 KiB); measured in
     docs/ARCHITECTURE.md to bring cold sequential reads close to the raw disk."""
@@ -733,14 +743,15 @@ def run_daemon(cfg: MountConfig, notify: Notify) -> int:
         set_foreground_probe(core.backings.wrote_since_probe)
         try:
             main = fuse.mount_and_serve(ops, str(cfg.mountpoint),
-                                        fuse.fuse_options(allow_other=cfg.allow_other))
+                                        fuse.fuse_options(allow_other=cfg.allow_other,
+                                                          fsname=mount_source(store_url)))
         except RuntimeError as e:
             msg = f"mount of {cfg.mountpoint} failed: {e}"
             log.error("%s", msg)
             tell(EXIT_NOT_READY, msg)
             return EXIT_NOT_READY
         mounted = True
-        default = "" if cfg.store else " (embedded default)"
+        default = "" if cfg.store else f" ({default_store_note()})"
         log.info("mounted %s (cache %s, store %s%s, pid %d)", cfg.mountpoint, cfg.cache_dir,
                  store_url, default, os.getpid())
 
