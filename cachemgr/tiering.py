@@ -1341,8 +1341,9 @@ class Tiering:
                 continue
             # superseded, no later commit yet: its content changed (a rewrite) or went away.
             ino = self._at_path(r.path)
-            if ino is None:
-                return {"state": "deleted", "seq": r.seq, "path": r.path, "error": r.error}
+            if ino is None:  # removed, or renamed away, before its upload
+                return {"state": "deleted", "seq": r.seq, "path": r.path,
+                        "error": f"{r.path} is no longer in the mount ({r.error})"}
             if r.kind == "file" and self.core.inode(ino).is_reg:
                 pending.discard(r.seq)  # the file is waited for: its next commit, at its close
                 writing[ino] = r.path

@@ -269,6 +269,17 @@ def test_wait_dir_fails_when_a_set_is_deleted_or_failed(mount_factory, tmp_path)
         assert waiter.returncode == EXIT_ERROR, (out, err)
         assert f"global_step3/{names[0]} is deleted" in err and "deleted through the mount" \
             in err, err
+        # Renamed away (out of the directory) counts the same: it is no longer under DIR.
+        waiter = subprocess.Popen(ckptfs_cmd("wait", str(step), "--timeout", "120"),
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                  cwd=REPO)
+        wait_for(lambda: waiting(m, "global_step3", n + 2), timeout=60,
+                 what="the wait to take stock")
+        os.rename(step / names[1], m.path / "moved.pt")
+        out, err = waiter.communicate(timeout=120)
+        assert waiter.returncode == EXIT_ERROR, (out, err)
+        assert f"global_step3/{names[1]} is deleted" in err and "no longer in the mount" in err \
+            and "moved.pt" in err, err
     finally:
         gate.unlink()
     m.stop()
@@ -284,3 +295,68 @@ def test_wait_dir_fails_when_a_set_is_deleted_or_failed(mount_factory, tmp_path)
     one_line(cli_wait(big, "--timeout", "60"), EXIT_ERROR,
              "set global_step4/huge.bin is failed", "cannot be stored")
     assert not m.unexpected_errors()
+
+
+def test_wait_dir_follows_rewrites_and_a_directory_commit_above(mount_factory, tmp_path):
+    """Sets the wait counted that are replaced while it waits: a file rewritten (its set
+    superseded) is waited for until its close commits it again; per-rank sets absorbed by a
+    `ckptfs commit` of their directory are followed to that directory's set, which is what the
+    wait then counts."""
+    gate = tmp_path / "data-held"
+    gate.touch()
+    m = mount_factory()
+    start(m, {"CKPTFS_FAULTS": HOLD_DATA.format(g=gate)})
+    try:
+        run = m.path / "run"
+        run.mkdir()
+        names = deepspeed_step(run / "step", 1)
+        n = m.log_text().count("wait run: ")
+        waiter = subprocess.Popen(ckptfs_cmd("wait", str(run), "--timeout", "120"),
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                  cwd=REPO)
+        wait_for(lambda: waiting(m, "run", n + 1), timeout=60, what="the wait to take stock")
+        assert f"wait run: {len(names)} set(s) committed under it" in m.log_text()
+        new = {"w": torch.zeros(128, 128)}
+        torch.save(new, run / "step" / names[0])  # a rewrite, before its upload
+        assert sets_under(m, f"run/step/{names[0]}")[f"run/step/{names[0]}"] in (
+            "committed", "uploading")
+        res = run_cli("commit", str(run / "step"))
+        assert res.returncode == EXIT_OK, res.stderr
+        assert waiter.poll() is None
+    finally:
+        gate.unlink()
+    out, err = waiter.communicate(timeout=120)
+    assert waiter.returncode == EXIT_OK, err
+    assert out.strip() == f"ckptfs: {run}: 1 set durable"
+    st = sets_under(m, "run")
+    assert st["run/step"] == "durable", st
+    back = torch.load(run / "step" / names[0])
+    assert torch.equal(back["w"], new["w"])
+    assert not m.unexpected_errors()
+
+
+def test_wait_dir_a_rewritten_file_that_no_close_commits_ends_the_wait(mount_factory, tmp_path):
+    """A file set the wait counted, superseded by a rewrite of its file: the wait waits for the
+    file's next close; when that close commits nothing (the directory became a DCP directory
+    meanwhile, an open set), the wait ends with exit 8 naming the file, not with a timeout."""
+    gate = tmp_path / "data-held"
+    gate.touch()
+    m = mount_factory()
+    start(m, {"CKPTFS_FAULTS": HOLD_DATA.format(g=gate)})
+    try:
+        step = m.path / "global_step5"
+        names = deepspeed_step(step, 1)
+        n = m.log_text().count("wait global_step5: ")
+        waiter = subprocess.Popen(ckptfs_cmd("wait", str(step), "--timeout", "300"),
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                  cwd=REPO)
+        wait_for(lambda: waiting(m, "global_step5", n + 1), timeout=60,
+                 what="the wait to take stock")
+        (step / ".metadata.tmp").write_bytes(b"")  # a DCP directory now: closes commit nothing
+        with open(step / names[0], "r+b") as f:
+            f.write(b"\0")
+        out, err = waiter.communicate(timeout=120)
+    finally:
+        gate.unlink()
+    assert waiter.returncode == EXIT_NO_SET, (out, err)
+    assert f"global_step5/{names[0]} was closed but is in no committed set" in err, err
