@@ -160,10 +160,16 @@ def test_wait_dir_waits_for_every_file_set_of_a_deepspeed_step(mount_factory, s3
     assert res.returncode == EXIT_OK and "is durable (set " in res.stdout, res.stderr
     res = cli_wait(step / names[0], "--timeout", "60")
     assert res.returncode == EXIT_OK and f"{rel}/{names[0]} is durable (set " in res.stdout
+    # The mount root is a directory like any other: every set in the mount (`latest` too).
+    wait_for(lambda: sets_under(m, "run/latest").get("run/latest") == "durable", timeout=60,
+             what="latest to be durable")
+    res = cli_wait(m.path, "--timeout", "60")
+    assert res.returncode == EXIT_OK and res.stdout.strip() == f"ckptfs: {m.path}: 6 sets durable"
     assert not m.unexpected_errors()
 
 
 def test_wait_dir_with_no_committed_set_exits_8(mnt):
+    one_line(cli_wait(mnt.path), EXIT_NO_SET, "/ holds no committed set")
     empty = mnt.path / "empty"
     empty.mkdir()
     one_line(cli_wait(empty), EXIT_NO_SET, "empty holds no committed set")
