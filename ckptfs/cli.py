@@ -173,10 +173,11 @@ def build_parser() -> argparse.ArgumentParser:
     pf.add_argument("path", type=Path)
     pf.add_argument("--no-wait", action="store_true", help="start it and return")
 
-    w = sub.add_parser("wait", help="wait until the set holding PATH is durable in the store")
+    w = sub.add_parser("wait", help="wait until the set holding PATH is durable in the store; a "
+                       "directory of several sets (one per file): every set under it")
     w.add_argument("path", type=Path)
     w.add_argument("--timeout", type=_nonneg_float, default=None,
-                   help="seconds (default: no limit); exit 7 on timeout")
+                   help="seconds for the whole wait (default: no limit); exit 7 on timeout")
     st = sub.add_parser("status", help="show what a mount's cache holds and its I/O counters")
     st.add_argument("mountpoint", type=Path)
     st.add_argument("--json", action="store_true", help="machine-readable output")
@@ -355,7 +356,11 @@ def cmd_wait(a: argparse.Namespace) -> int:
         r = api.wait_durable(a.path, timeout=a.timeout)
     except api.CkptfsError as e:
         return _fail(e.code, str(e))
-    print(f"ckptfs: {r['path']} is durable (set {r['seq']})")
+    if "sets" in r:  # a directory of several sets
+        n = r["sets"]
+        print(f"ckptfs: {a.path}: {n} set{'' if n == 1 else 's'} durable")
+    else:
+        print(f"ckptfs: {r['path']} is durable (set {r['seq']})")
     return EXIT_OK
 
 

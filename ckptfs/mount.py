@@ -59,7 +59,8 @@ EXIT_NO_FUSE = 5        # /dev/fuse or fusermount3 missing
 EXIT_NOT_READY = 6      # the daemon died or did not answer before the mount was ready
 EXIT_STORE = 7          # the object store is unusable (no bucket, access denied, bad URL);
                         # `wait`/`umount`: timed out with uploads still pending
-EXIT_NO_SET = 8         # `wait`: the path is in no committed set
+EXIT_NO_SET = 8         # `wait`: the path is in no committed set (a directory: holds none,
+                        # or a closed file in none)
 EXIT_ACCESS = 9         # control request refused: the caller may not read/write the path
 
 READY_TIMEOUT_S = 90.0  # generous: recovery of a large cache index runs before readiness
