@@ -682,7 +682,20 @@ def run_daemon(cfg: MountConfig, notify: Notify) -> int:
         return e.code
     core = None
     mounted = False
+    metrics_server = None
     try:
+        if cfg.metrics_listen is not None:
+            # Bound before anything is mounted: a port that cannot be had fails the mount.
+            from . import __version__, metrics
+
+            try:
+                metrics_server = metrics.MetricsServer(*cfg.metrics_listen,
+                                                       cache_dir=cfg.cache_dir,
+                                                       version=__version__)
+            except metrics.MetricsBindError as e:
+                log.error("%s", e.strerror)
+                tell(EXIT_NOT_READY, e.strerror)
+                return EXIT_NOT_READY
         try:
             core = CacheFs.load(cfg.cache_dir, direct_io_writes=cfg.direct_io_writes
                                 and not cfg.writeback_cache, backings=fuse.backings(cfg))
@@ -808,6 +821,11 @@ def run_daemon(cfg: MountConfig, notify: Notify) -> int:
                 await nursery.start(partial(control.serve, mode=control_mode()),
                                     control_path(cfg.mountpoint), on_control)
                 await nursery.start(tiering.run)
+                if metrics_server is not None:
+                    from . import metrics
+
+                    metrics_server.start(trio.lowlevel.current_trio_token(),
+                                         partial(metrics.snapshot, core, ops))
                 nursery.start_soon(ready)
                 nursery.start_soon(on_signals, nursery.cancel_scope)
                 await main()
@@ -821,6 +839,11 @@ def run_daemon(cfg: MountConfig, notify: Notify) -> int:
         tell(EXIT_ERROR, f"daemon failed: {e}")
         return EXIT_ERROR
     finally:
+        if metrics_server is not None:
+            try:
+                metrics_server.close()  # first: no scrape waits on a loop that has ended
+            except Exception:
+                log.exception("stopping the metrics server failed")
         if mounted:
             try:
                 fuse.close_session(unmount=True)
