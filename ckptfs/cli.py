@@ -91,8 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="log verbosity; debug logs every refused operation (default info)")
     m.add_argument("--metrics", metavar="[ADDR:]PORT", default=None,
                    help="serve Prometheus metrics at http://ADDR:PORT/metrics (ADDR default "
-                   "127.0.0.1; IPv6 as [ADDR]:PORT); off by default. A scrape costs the daemon "
-                   "well under a millisecond")
+                   "127.0.0.1; IPv6 as [ADDR]:PORT); off by default. A scrape costs the "
+                   "daemon's loop about a millisecond")
     t = m.add_argument_group("tuning (defaults chosen by measurement, docs/ARCHITECTURE.md)")
     t.add_argument("--attr-timeout", type=_nonneg_float, default=10.0,
                    help="seconds the kernel caches attributes and names (default 10)")

@@ -15,6 +15,9 @@ its main loop and leaves a dead mount behind. So every handler runs under `_guar
   * any other exception              -> EIO, logged with traceback and the operation name.
 
 `forget` must not raise at all (it answers no request), so it swallows and logs.
+
+`_guarded` also counts each request by handler, and each refusal by (handler, errno), in plain
+dicts on the loop thread (`FuseOps.statistics`, read by ckptfs.metrics through the loop).
 """
 
 from __future__ import annotations

@@ -56,6 +56,7 @@ EXIT_MOUNTPOINT = 3     # mount point missing, not a directory, not empty, (not)
 EXIT_CACHE_DIR = 4      # cache dir unwritable, in use by another daemon, incompatible
 EXIT_NO_FUSE = 5        # /dev/fuse or fusermount3 missing
 EXIT_NOT_READY = 6      # the daemon died or did not answer before the mount was ready
+                        # (or could not start it: the --metrics port cannot be bound)
 EXIT_STORE = 7          # the object store is unusable (no bucket, access denied, bad URL);
                         # `wait`/`umount`: timed out with uploads still pending
 EXIT_NO_SET = 8         # `wait`: the path is in no committed set

@@ -204,7 +204,7 @@ def test_metrics_follow_a_checkpoint_until_durable(mount_factory, monkeypatch, t
     assert not m.unexpected_errors()
 
 
-def test_port_in_use_fails_the_mount_and_daemon_data_path_counts_bytes(mount_factory):
+def test_port_in_use_fails_the_mount_then_bytes_evictions_restores_count(mount_factory):
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))
     taken.listen()
@@ -221,16 +221,28 @@ def test_port_in_use_fails_the_mount_and_daemon_data_path_counts_bytes(mount_fac
     assert not is_mounted(m.path)
 
     # Nothing was left behind: the same cache dir mounts at once on a free port, loopback only.
+    # --keep-local 0: a durable set's data leaves the cache (an eviction) and is read back.
     port = free_port()
-    m.start("--no-passthrough", "--metrics", str(port))
+    m.start("--no-passthrough", "--keep-local", "0", "--metrics", str(port))
     assert listening_sockets(m.pid) == [("0100007F", port)]  # 127.0.0.1, little-endian hex
     base = scrape(port)
     assert base("ckptfs_data_path", mode="daemon") == 1
     assert base("ckptfs_data_path", mode="passthrough") == 0
     data = os.urandom(3 * MiB + 123)
     (m.path / "f.bin").write_bytes(data)
+    res = run_cli("wait", str(m.path / "f.bin"), "--timeout", "120")
+    assert res.returncode == 0, res.stderr
+    evicted = scrape(port)
+    assert evicted("ckptfs_cache_evictions_total") - base("ckptfs_cache_evictions_total") == 1
+    assert evicted("ckptfs_cache_evicted_bytes_total") - \
+        base("ckptfs_cache_evicted_bytes_total") == len(data)
+    assert evicted("ckptfs_cache_data_bytes") == base("ckptfs_cache_data_bytes")
     assert (m.path / "f.bin").read_bytes() == data
     s = scrape(port)
+    assert s("ckptfs_restore_bytes_total") - base("ckptfs_restore_bytes_total") >= len(data)
+    assert s("ckptfs_restore_chunks_total") > base("ckptfs_restore_chunks_total")
+    assert s("ckptfs_store_requests_total", op="get") > base.get("ckptfs_store_requests_total",
+                                                                  op="get")
     assert s("ckptfs_fuse_bytes_total", op="write") - \
         base("ckptfs_fuse_bytes_total", op="write") == len(data)
     assert s("ckptfs_fuse_bytes_total", op="read") - \
@@ -308,7 +320,7 @@ class _Loop:
 
 
 def test_a_busy_or_finished_loop_fails_the_scrape_not_the_loop():
-    from ckptfs.metrics import LoopSnapshots, ScrapeError
+    from ckptfs.metrics import MAX_SNAPSHOTS_IN_FLIGHT, LoopSnapshots, ScrapeError
 
     loop = _Loop()
     try:
@@ -320,6 +332,34 @@ def test_a_busy_or_finished_loop_fails_the_scrape_not_the_loop():
         loop.release.set()
         # The abandoned request did nothing when the loop got to it; the next one is served.
         assert wait_for(lambda: snaps.get()) == {"calls": 2}
+
+        # A flood: while the loop is busy, only MAX_SNAPSHOTS_IN_FLIGHT scrapes wait for it.
+        loop.release.clear()
+        loop.blocked.clear()
+        loop.block()
+        queued = []
+
+        class Token:  # the loop's token, counting what is handed to the loop
+            def run_sync_soon(self, fn):
+                queued.append(fn)
+                loop.token.run_sync_soon(fn)
+
+        flood = LoopSnapshots(Token(), loop.snapshot, timeout=60)
+        results = []
+        waiting = [threading.Thread(target=lambda: results.append(flood.get()))
+                   for _ in range(MAX_SNAPSHOTS_IN_FLIGHT)]
+        for w in waiting:
+            w.start()
+        wait_for(lambda: len(queued) == MAX_SNAPSHOTS_IN_FLIGHT, what="the scrapes to queue")
+        with pytest.raises(ScrapeError, match="already wait"):
+            flood.get()
+        assert len(queued) == MAX_SNAPSHOTS_IN_FLIGHT  # refused without reaching the loop
+        loop.release.set()
+        for w in waiting:
+            w.join(60)
+        n = MAX_SNAPSHOTS_IN_FLIGHT
+        assert sorted(r["calls"] for r in results) == list(range(3, 3 + n))
+        assert flood.get() == {"calls": 3 + n}
     finally:
         loop.stop()
     assert not loop.thread.is_alive()
