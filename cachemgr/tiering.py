@@ -1163,6 +1163,29 @@ class Tiering:
             "sets": sets,
         }
 
+    def statistics(self) -> dict:
+        """Counters and totals for metrics (ckptfs.metrics): what `status` shows, over every set
+        instead of the recent ones, and without per-set detail. Plain data, copied: the caller
+        may keep it after the loop has moved on."""
+        retry = getattr(self.store, "stats", None)  # RetryingStore; absent: a bare store
+        up = self.uploader.statistics()
+        r = self.restorer
+        return {
+            "sets": self.sets.statistics(),
+            "store": {"health": self.health(), "consecutive_failures": self.consecutive_failures,
+                      "requests": dict(getattr(retry, "by_op", {})),
+                      "retries": dict(getattr(retry, "by_error", {})),
+                      "errors": dict(getattr(retry, "errors", {}))},
+            "uploads": {"done": self.uploads_done, "cancelled": self.uploads_cancelled,
+                        "bytes": self.bytes_uploaded, "stored_bytes": up.stored_bytes,
+                        "parts": up.parts, "running": len(self._running),
+                        "queued": len(self._jobs)},
+            "restore": {"bytes": r.bytes_fetched, "chunks": r.chunks_fetched,
+                        "integrity_errors": r.integrity_errors,
+                        "damaged_cache_chunks": r.damaged_chunks},
+            "cache_size": self.cfg.cache_size,
+        }
+
     async def wait(self, path: str, timeout: float | None) -> dict:
         """Wait until the set holding `path` is durable (following supersession to the newest
         set of that path). Returns {"state", "seq", "path", "error"}. `path` as os functions

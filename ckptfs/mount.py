@@ -57,6 +57,7 @@ EXIT_MOUNTPOINT = 3     # mount point missing, not a directory, not empty, (not)
 EXIT_CACHE_DIR = 4      # cache dir unwritable, in use by another daemon, incompatible
 EXIT_NO_FUSE = 5        # /dev/fuse or fusermount3 missing
 EXIT_NOT_READY = 6      # the daemon died or did not answer before the mount was ready
+                        # (or could not start it: the --metrics port cannot be bound)
 EXIT_STORE = 7          # the object store is unusable (no bucket, access denied, bad URL);
                         # `wait`/`umount`: timed out with uploads still pending
 EXIT_NO_SET = 8         # `wait`: the path is in no committed set (a directory: holds none,
@@ -693,7 +694,20 @@ def run_daemon(cfg: MountConfig, notify: Notify) -> int:
         return e.code
     core = None
     mounted = False
+    metrics_server = None
     try:
+        if cfg.metrics_listen is not None:
+            # Bound before anything is mounted: a port that cannot be had fails the mount.
+            from . import __version__, metrics
+
+            try:
+                metrics_server = metrics.MetricsServer(*cfg.metrics_listen,
+                                                       cache_dir=cfg.cache_dir,
+                                                       version=__version__)
+            except metrics.MetricsBindError as e:
+                log.error("%s", e.strerror)
+                tell(EXIT_NOT_READY, e.strerror)
+                return EXIT_NOT_READY
         try:
             core = CacheFs.load(cfg.cache_dir, direct_io_writes=cfg.direct_io_writes
                                 and not cfg.writeback_cache, backings=fuse.backings(cfg))
@@ -820,6 +834,11 @@ def run_daemon(cfg: MountConfig, notify: Notify) -> int:
                 await nursery.start(partial(control.serve, mode=control_mode()),
                                     control_path(cfg.mountpoint), on_control)
                 await nursery.start(tiering.run)
+                if metrics_server is not None:
+                    from . import metrics
+
+                    metrics_server.start(trio.lowlevel.current_trio_token(),
+                                         partial(metrics.snapshot, core, ops))
                 nursery.start_soon(ready)
                 nursery.start_soon(on_signals, nursery.cancel_scope)
                 await main()
@@ -833,6 +852,11 @@ def run_daemon(cfg: MountConfig, notify: Notify) -> int:
         tell(EXIT_ERROR, f"daemon failed: {e}")
         return EXIT_ERROR
     finally:
+        if metrics_server is not None:
+            try:
+                metrics_server.close()  # first: no scrape waits on a loop that has ended
+            except Exception:
+                log.exception("stopping the metrics server failed")
         if mounted:
             try:
                 fuse.close_session(unmount=True)
