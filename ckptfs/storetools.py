@@ -27,6 +27,7 @@ import argparse
 import contextlib
 import datetime
 import json
+import logging
 import math
 import os
 import sys
@@ -179,6 +180,10 @@ def add_parsers(sub) -> None:
 def run(a: argparse.Namespace) -> int:
     """Run `ls`, `restore` or `fsck`: the exit code (README "Exit codes")."""
     cmd = {"ls": cmd_ls, "restore": cmd_restore, "fsck": cmd_fsck}[a.cmd]
+    # The store layer logs its retries; these tools report in one line each, so no log line
+    # may reach stderr through logging's last-resort handler.
+    if not logging.getLogger().handlers:
+        logging.getLogger().addHandler(logging.NullHandler())
     try:
         return cmd(a)
     except ToolError as e:
