@@ -1072,7 +1072,8 @@ def _sig(st: os.stat_result) -> list[int]:
 
 class _State:
     """DEST/.ckptfs-restore/<h>.json: what this restore verified at each place (see above).
-    Written tmp + fsync + rename, at most once a second while files complete, and at the end.
+    Written tmp + fsync + rename, at most once a second (less often if writing it is slow)
+    while files complete, and at the end.
     A state file that does not parse, or belongs to another set, is ignored (everything is
     then read back and checked instead)."""
 
@@ -1082,6 +1083,7 @@ class _State:
             "utf-8", "surrogatepass")).hexdigest()
         self.lock = threading.Lock()
         self.last = 0.0
+        self.interval = 1.0  # seconds between two writes while files complete
         self.files: dict[str, list[int]] = {}
         self.links: dict[str, list[int]] = {}
         self.keep = {f["path"] for f in m["files"]}, {s["path"] for s in m["symlinks"]} | (
@@ -1145,7 +1147,7 @@ class _State:
     def flush(self, done: bool = False, force: bool = False) -> None:
         with self.lock:
             now = time.monotonic()
-            if not (force or done) and now - self.last < 1.0:
+            if not (force or done) and now - self.last < self.interval:
                 return
             self.last = now
             doc = {"format": STATE_FORMAT, "version": 1, "set": self.path,
@@ -1167,6 +1169,9 @@ class _State:
                 finally:
                     os.close(fd)
                 os.rename(tmp, self.name, src_dir_fd=self.dir_fd, dst_dir_fd=self.dir_fd)
+                # Workers wait for this lock: writing a big state (a set of 100,000s of files)
+                # must take a small share of the time (at most 1/20th).
+                self.interval = max(1.0, 20 * (time.monotonic() - now))
             except OSError as e:
                 raise DestinationError(f"cannot write the restore state in "
                                        f"{STATE_DIR.decode()}: {e.strerror}") from None
