@@ -53,9 +53,9 @@ from pathlib import Path
 _REPO = Path(__file__).resolve().parent.parent
 if (_REPO / "cachemgr" / "storeread.py").is_file() and str(_REPO) not in sys.path:
     sys.path.append(str(_REPO))
-from cachemgr import storeread  # noqa: E402
-from cachemgr.names import unescape_name, unescape_path  # noqa: E402,F401  (re-exported)
-from cachemgr.storeread import (  # noqa: E402,F401  (re-exported: tests, fault_loop, train_demo)
+from cachemgr import storeread
+from cachemgr.names import unescape_name, unescape_path  # noqa: F401  (re-exported)
+from cachemgr.storeread import (  # noqa: F401  (re-exported: tests, fault_loop, train_demo)
     EXIT_CORRUPT,
     EXIT_DEST,
     EXIT_NO_SET,
