@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from . import __version__, api
+from . import __version__, api, storetools
 from .config import (
     LOG_LEVELS,
     ConfigError,
@@ -185,6 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
     st = sub.add_parser("status", help="show what a mount's cache holds and its I/O counters")
     st.add_argument("mountpoint", type=Path)
     st.add_argument("--json", action="store_true", help="machine-readable output")
+    storetools.add_parsers(sub)  # ls, restore, fsck: on a store, no mount (ckptfs/storetools.py)
     return p
 
 
@@ -462,6 +463,12 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_wait(args)
         if args.cmd == "prefetch":
             return cmd_prefetch(args)
+        if args.cmd == "ls":
+            return storetools.run(args)
+        if args.cmd == "restore":
+            return storetools.run(args)
+        if args.cmd == "fsck":
+            return storetools.run(args)
     except KeyboardInterrupt:
         return _fail(EXIT_ERROR, "interrupted")
     except Exception as e:  # never a traceback on the terminal

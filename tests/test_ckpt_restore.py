@@ -27,7 +27,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cachemgr import keys, names, validate
+from cachemgr import keys, names, storeread, validate
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "ckpt_restore.py"
 NODE = "n1"
@@ -743,7 +743,8 @@ def test_s3_store_restores_by_ranges_and_refuses_a_corrupt_object(s3_bucket, tmp
         if p.is_file():
             s3.put_object(Bucket=bucket, Key="pre/" + str(p.relative_to(
                 tmp_path / "local" / "objects")), Body=p.read_bytes())
-    monkeypatch.setattr(cr, "READ_BYTES", 3000, raising=False)  # many ranges; frames in pieces
+    # many ranges; frames in pieces (the implementation lives in cachemgr.storeread)
+    monkeypatch.setattr(storeread, "READ_BYTES", 3000)
     url = f"s3://{bucket}/pre"
     rc, out, err = run_main("list", url, "--endpoint-url", endpoint)
     assert rc == 0 and [ln.split()[-1] for ln in out.splitlines()] == ["ck/bad", "ck/step_1"]
@@ -817,15 +818,15 @@ def test_a_256_mib_file_restores_in_bounded_memory(tmp_path, compression):
 # -- without ckptfs installed ------------------------------------------------------------------
 
 def test_the_script_needs_only_the_stdlib_modules_of_cachemgr(tmp_path):
-    """A copy of the script beside only cachemgr/{__init__,names,keys,validate}.py validates
-    with them (an invalid manifest: one line on stderr in `list`, exit 3 in `restore`) and
-    imports nothing else of ckptfs."""
+    """A copy of the script beside only cachemgr/{__init__,names,keys,validate,storeread}.py
+    validates with them (an invalid manifest: one line on stderr in `list`, exit 3 in
+    `restore`) and imports nothing else of ckptfs (no trio, no pyfuse3)."""
     repo = Path(__file__).resolve().parent.parent
     copy = tmp_path / "copy"
     (copy / "scripts").mkdir(parents=True)
     (copy / "cachemgr").mkdir()
     shutil.copy(SCRIPT, copy / "scripts")
-    for n in ("__init__.py", "names.py", "keys.py", "validate.py"):
+    for n in ("__init__.py", "names.py", "keys.py", "validate.py", "storeread.py"):
         shutil.copy(repo / "cachemgr" / n, copy / "cachemgr")
     s = Store(tmp_path / "store")
     s.manifest(doc("ok", "file", [file_entry("", s.obj(b"fine"))]))
@@ -846,8 +847,8 @@ def test_the_script_needs_only_the_stdlib_modules_of_cachemgr(tmp_path):
                        capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert "ok" in r.stdout and f"cachemgr {copy / 'cachemgr' / '__init__.py'}" in r.stdout
-    assert "loaded ['cachemgr', 'cachemgr.keys', 'cachemgr.names', 'cachemgr.validate']" \
-        in r.stdout
+    assert "loaded ['cachemgr', 'cachemgr.keys', 'cachemgr.names', 'cachemgr.storeread', " \
+        "'cachemgr.validate']" in r.stdout
     assert one_line(r.stderr) and "manifests/bad.json" in r.stderr, r.stderr
     r = subprocess.run([sys.executable, "-c", probe, "restore", s.url, "bad",
                         str(tmp_path / "d")], check=False, capture_output=True, text=True,

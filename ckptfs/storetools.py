@@ -1,0 +1,903 @@
+"""`ckptfs ls`, `ckptfs restore`, `ckptfs fsck`: tools that work on a store, without a mount.
+
+For people who restore, audit and clean up. STORE is a store URL as `ckptfs mount --store`
+takes it, with the same S3 options, and the store is built as the mount builds it
+(cachemgr.store.open_store wrapped in a RetryingStore), so the same credentials, endpoints and
+retries apply. Everything read from the store passes cachemgr.validate (through
+cachemgr.storeread, the implementation shared with scripts/ckpt_restore.py) before use, and no
+document is read past validate.MAX_DOCUMENT_BYTES.
+
+Threads: the async store runs in a trio loop on a thread of its own (`_Bridge`); the tools are
+plain threads that call into it (trio.from_thread), so the caller's thread keeps Ctrl-C and
+the progress display, and cachemgr.storeread's worker threads read objects in parallel.
+
+Exit codes (README "Exit codes"): 0 done; 1 unexpected error or interrupted; 2 bad command
+line; 7 the store is unusable (unreachable, no such bucket, access denied, a listing or read
+that keeps failing); 8 `restore`: no such set (`ls PATH`: nothing at PATH); 10 damage in the
+store: a manifest that fails validation, or an object a manifest names that is missing, of the
+wrong size or fails its CRC32C (`fsck`; `restore` of such a set); 11 `restore`: the
+destination refused (an unrelated file in the way without --overwrite, a symlink or a file
+where a directory must be, not writable). One line `ckptfs: <reason>` on stderr for each
+failure, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import logging
+import math
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Self
+
+from cachemgr import keys, names, storeread, validate
+from cachemgr import members as mem
+from cachemgr import parts as prt
+
+from .mount import EXIT_ERROR, EXIT_NO_SET, EXIT_OK, EXIT_STORE, EXIT_USAGE
+
+EXIT_DAMAGE = 10   # the store holds damage: an invalid manifest, an object missing/wrong/bad CRC
+EXIT_DEST = 11     # restore: the destination refused (an unrelated file in the way, ...)
+
+COMMANDS = ("ls", "restore", "fsck")
+DEFAULT_OLDER_THAN = 86400.0   # docs/FORMAT.md: lifecycle rules may delete protocol keys after a day
+# Manifest bytes held at once while reading many (each at most MAX_DOCUMENT_BYTES): what bounds
+# the memory of `ls` and `fsck`, whatever the store holds (as cachemgr.remote's _HOLD_BYTES).
+_HOLD_BYTES = validate.MAX_DOCUMENT_BYTES
+_DOC_READERS = 8          # documents read at once
+_DELETE_BATCH = 500       # garbage deleted between two re-listings of manifests/
+
+GARBAGE_RULE = (
+    "A live mount may be uploading right now: an object not yet named by any manifest because "
+    "its set is still being published is not garbage: only objects older than --older-than "
+    "(store LastModified / mtime) count as garbage, and fsck re-checks that no manifest names "
+    "an object right before deleting it.")
+
+
+class ToolError(Exception):
+    def __init__(self, code: int, msg: str) -> None:
+        super().__init__(msg)
+        self.code = code
+
+
+def _code(e: storeread.RestoreError) -> int:
+    if isinstance(e, storeread.NoSuchSet):
+        return EXIT_NO_SET
+    if isinstance(e, storeread.UsageError):
+        return EXIT_USAGE
+    if isinstance(e, storeread.DestinationError):
+        return EXIT_DEST
+    if isinstance(e, storeread.StoreError):
+        return EXIT_STORE
+    return EXIT_DAMAGE  # CorruptError: invalid or damaged data in the store
+
+
+def _fail(code: int, msg: str) -> int:
+    print(f"ckptfs: {' '.join(msg.splitlines())}", file=sys.stderr)
+    return code
+
+
+# -- the command line ----------------------------------------------------------------------------
+
+def _seconds(s: str) -> float:
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {s!r}") from None
+    if not math.isfinite(v) or v < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0: {s!r}")
+    return v
+
+
+def _workers(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {s!r}") from None
+    if not 1 <= v <= 256:
+        raise argparse.ArgumentTypeError(f"must be between 1 and 256: {s}")
+    return v
+
+
+def _store_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("store", metavar="STORE",
+                   help="the store, as `ckptfs mount --store` takes it: s3://bucket[/prefix] "
+                   "or file:///dir")
+    o = p.add_argument_group("S3 (as for `ckptfs mount`; credentials come only from the AWS "
+                             "chain: environment, config files, profile)")
+    o.add_argument("--s3-endpoint", default=None, help="S3 endpoint URL (MinIO, Ceph, ...)")
+    o.add_argument("--s3-region", default=None, help="S3 region")
+    o.add_argument("--s3-path-style", action="store_true", help="path-style S3 addressing")
+    o.add_argument("--s3-profile", default=None, help="AWS profile name")
+
+
+def add_parsers(sub) -> None:
+    """Register `ls`, `restore` and `fsck` on the `ckptfs` subparsers."""
+    ls = sub.add_parser(
+        "ls", help="list the checkpoints published in a store (no mount needed)",
+        description="List the shard sets published in STORE under PATH (all if omitted): "
+        "size, files, committing node(s), commit time, compression ratio (stored/raw). A "
+        "manifest that fails validation is listed as invalid with the reason. Exit 0; 7 "
+        "store unusable; 8 nothing at PATH.")
+    _store_args(ls)
+    ls.add_argument("path", metavar="PATH", nargs="?", default=None,
+                    help="a set path or a directory of sets, as in the mount (e.g. ckpt)")
+    ls.add_argument("--json", action="store_true", help="machine-readable output")
+
+    r = sub.add_parser(
+        "restore", help="restore a checkpoint from a store into a directory (no mount needed)",
+        description="Restore set SET of STORE at DEST/SET: parallel ranged GETs, every chunk "
+        "checked against its CRC32C as it arrives and every file read back and checked "
+        "whole before it takes its place; a progress bar on a terminal. Resumable: a rerun "
+        "after an interruption fetches only what is missing or fails its check (its state is "
+        "in DEST/.ckptfs-restore). A rerun over a restored set repairs it. Never writes "
+        "outside DEST and never follows a symlink there; an existing file that restore did not "
+        "put there and that holds other content is refused unless --overwrite. Exit 0 done; "
+        "1 interrupted (rerun to resume); 2 usage; 7 store unusable; 8 no such set; 10 the set "
+        "is damaged in the store; 11 the destination refused.")
+    _store_args(r)
+    r.add_argument("set", metavar="SET", help="the set's path as in the mount (ckpt/step_100),"
+                   " or as `ckptfs ls` prints it")
+    r.add_argument("dest", metavar="DEST", type=Path,
+                   help="directory to restore into (created if missing); the set goes to "
+                   "DEST/SET, so links between sets (`latest`) keep working")
+    r.add_argument("--overwrite", action="store_true",
+                   help="replace files (and symlinks) at the set's paths that hold other "
+                   "content, even if restore did not put them there")
+    r.add_argument("--parallel", type=_workers, default=storeread.DEFAULT_WORKERS,
+                   help="ranged GETs in flight (default 8; memory is about 8 MiB each)")
+
+    f = sub.add_parser(
+        "fsck", help="check a store; list (and with --repair delete) its garbage",
+        description="Check that every manifest in STORE is valid and every object it names is "
+        "there with the right size (--verify: and the right CRC32C, by reading it). List as "
+        "garbage: objects under data/ that no manifest (and no kept part record) names, and "
+        "part, member, intent and ack records of nodes not seen (no member record renewed) for "
+        "longer than --older-than; --repair deletes the garbage, and never an object a "
+        "manifest names. " + GARBAGE_RULE + " Exit 0: no damage (garbage found but not "
+        "repaired is still 0); 7 store unusable or a deletion failed; 10 damage found.")
+    _store_args(f)
+    f.add_argument("--verify", action="store_true",
+                   help="also read every object a manifest names and check its CRC32C (and "
+                   "chunk CRC32Cs, lz4 frames): reads the whole store")
+    f.add_argument("--repair", action="store_true",
+                   help="delete the garbage found (never an object a manifest names; see above)")
+    f.add_argument("--older-than", type=_seconds, default=DEFAULT_OLDER_THAN, metavar="SECONDS",
+                   help="how old (store LastModified / mtime) unreferenced objects and records "
+                   "of nodes not seen must be to count as garbage (default 86400: 24 h). Choose "
+                   "it above --commit-timeout and above the longest time a file may stay "
+                   "uploaded but uncommitted (a *.tmp directory renamed later)")
+    f.add_argument("--parallel", type=_workers, default=storeread.DEFAULT_WORKERS,
+                   help="objects read at once with --verify (default 8)")
+
+
+def run(a: argparse.Namespace) -> int:
+    """Run `ls`, `restore` or `fsck`: the exit code (README "Exit codes")."""
+    cmd = {"ls": cmd_ls, "restore": cmd_restore, "fsck": cmd_fsck}[a.cmd]
+    # The store layer logs its retries; these tools report in one line each, so no log line
+    # may reach stderr through logging's last-resort handler.
+    if not logging.getLogger().handlers:
+        logging.getLogger().addHandler(logging.NullHandler())
+    try:
+        return cmd(a)
+    except ToolError as e:
+        return _fail(e.code, str(e))
+    except storeread.RestoreError as e:
+        return _fail(_code(e), str(e))
+
+
+# -- the store, as the mount builds it -----------------------------------------------------------
+
+class _Bridge:
+    """A trio loop on a thread of its own, for the async store; any thread may call into it."""
+
+    def __init__(self) -> None:
+        import trio
+
+        self._trio = trio
+        self._ready = threading.Event()
+        self._token = None
+        self._done = None
+        self._thread = threading.Thread(target=trio.run, args=(self._main,),
+                                        name="ckptfs-store", daemon=True)
+        self._thread.start()
+        self._ready.wait()
+
+    async def _main(self) -> None:
+        self._token = self._trio.lowlevel.current_trio_token()
+        self._done = self._trio.Event()
+        self._ready.set()
+        await self._done.wait()
+
+    def call(self, afn, *args):
+        return self._trio.from_thread.run(afn, *args, trio_token=self._token)
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            try:
+                self._trio.from_thread.run_sync(self._done.set, trio_token=self._token)
+            except self._trio.RunFinishedError:
+                pass
+            self._thread.join()
+
+
+class _Reader:
+    """An object read by ranges; holds no descriptor (cachemgr.store opens per read)."""
+
+    def __init__(self, view: StoreView, key: str, size: int) -> None:
+        self.view, self.key, self.size = view, key, size
+
+    def read(self, offset: int, n: int) -> bytes:
+        if n <= 0:
+            return b""
+        data = self.view.call(self.view.store.get, self.key, offset, n)
+        if len(data) != n:
+            raise storeread.CorruptError(f"{self.key}: {len(data)} bytes at {offset}, expected "
+                                         f"{n} (the object is shorter than it was)")
+        return data
+
+    def close(self) -> None:
+        pass
+
+
+class StoreView:
+    """cachemgr.storeread's view of a store (listing, get, open) over cachemgr.store, plus
+    what fsck needs (infos with LastModified, head, delete). Every failure of the store is a
+    storeread.StoreError (exit 7), an absent key None."""
+
+    def __init__(self, bridge: _Bridge, store, url: str) -> None:
+        self.bridge, self.store, self.url = bridge, store, url
+
+    def call(self, afn, *args):
+        from cachemgr.store import NotFound
+        from cachemgr.store import StoreError as Unusable
+
+        try:
+            return self.bridge.call(afn, *args)
+        except NotFound:
+            raise
+        except Unusable as e:
+            raise storeread.StoreError(f"object store {self.url}: {e}") from None
+        except storeread.RestoreError:
+            raise
+        except Exception as e:  # noqa: BLE001 - botocore credential/config errors, a stopped loop
+            raise storeread.StoreError(f"object store {self.url}: {type(e).__name__}: "
+                                       f"{e}") from None
+
+    def infos(self, prefix: str) -> list:
+        return self.call(self.store.list, prefix)
+
+    def listing(self, prefix: str) -> list[tuple[str, int]]:
+        return [(i.key, i.size) for i in self.infos(prefix)]
+
+    def get(self, key: str, max_bytes: int | None = None) -> bytes | None:
+        from cachemgr.store import NotFound
+
+        try:
+            data = self.call(self.store.get, key, 0,
+                             None if max_bytes is None else max_bytes + 1)
+        except NotFound:
+            return None
+        if max_bytes is not None and len(data) > max_bytes:
+            raise storeread.CorruptError(f"{key} is more than {max_bytes} bytes")
+        return data
+
+    def head(self, key: str):
+        from cachemgr.store import NotFound
+
+        try:
+            return self.call(self.store.head, key)
+        except NotFound:
+            return None
+
+    def open(self, key: str) -> _Reader | None:
+        info = self.head(key)
+        return None if info is None else _Reader(self, key, info.size)
+
+    def delete(self, key: str) -> None:
+        self.call(self.store.delete, key)
+
+
+class Session:
+    """An open store: `view`, and the listing of manifests/ the probe made."""
+
+    def __init__(self, a: argparse.Namespace, workers: int = storeread.DEFAULT_WORKERS) -> None:
+        from cachemgr.store import RetryingStore, RetryPolicy, open_store
+        from cachemgr.store import StoreError as Unusable
+
+        url = a.store
+        if url.startswith("file://"):
+            root = url[len("file://"):]
+            if not root.startswith("/"):
+                raise ToolError(EXIT_USAGE, f"a file:// store needs an absolute path: {url!r}")
+            # LocalStore would create a missing store: these tools only read existing ones.
+            if not os.path.isdir(os.path.join(root, "objects")):
+                raise ToolError(EXIT_STORE, f"object store {url} is unusable: no store there "
+                                "(no objects/ directory)")
+        elif url.startswith("s3://"):
+            if not url[len("s3://"):].partition("/")[0]:
+                raise ToolError(EXIT_USAGE, f"{url!r}: no bucket")
+        else:
+            raise ToolError(EXIT_USAGE, f"unsupported store URL {url!r} (s3://bucket[/prefix] "
+                            "or file:///dir)")
+        self.url = url
+        try:
+            inner = open_store(url, endpoint_url=a.s3_endpoint, region=a.s3_region,
+                               path_style=a.s3_path_style, profile=a.s3_profile,
+                               max_connections=max(16, workers)) \
+                if url.startswith("s3://") else open_store(url)
+        except Exception as e:  # noqa: BLE001 - StoreError; botocore: an unknown profile, a config
+            what = str(e) if isinstance(e, Unusable) else f"{type(e).__name__}: {e}"
+            raise ToolError(EXIT_STORE, f"object store {url} is unusable: {what}") from None
+        self.store = RetryingStore(inner)
+        self.bridge = _Bridge()
+        self.view = StoreView(self.bridge, self.store, url)
+        # The probe (as at mount): the first listing, with fewer retries, so that a store that
+        # cannot work at all (unreachable, no such bucket, access denied) fails within seconds.
+        probe = StoreView(self.bridge, RetryingStore(inner, RetryPolicy(attempts=3,
+                                                                          max_delay=1.0)), url)
+        try:
+            self.manifest_infos = probe.infos(keys.MANIFEST_PREFIX)
+        except storeread.StoreError as e:
+            self.close()
+            raise ToolError(EXIT_STORE, f"{e} (the store is unusable)") from None
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):  # closing: nothing left to report
+            self.bridge.call(self.store.aclose)
+        self.bridge.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+# -- helpers ------------------------------------------------------------------------------------
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _age(s: float) -> str:
+    if s < 120:
+        return f"{s:.0f} s"
+    if s < 7200:
+        return f"{s / 60:.0f} min"
+    if s < 2 * 86400:
+        return f"{s / 3600:.1f} h"
+    return f"{s / 86400:.1f} d"
+
+
+def _when(ns: int) -> str:
+    return datetime.datetime.fromtimestamp(ns / 1e9, tz=datetime.UTC).strftime(
+        "%Y-%m-%d %H:%M:%S")
+
+
+class _Budget:
+    """Bytes of documents held at once (a counting semaphore by size)."""
+
+    def __init__(self, total: int) -> None:
+        self.total, self.free = total, total
+        self.cv = threading.Condition()
+
+    def take(self, n: int) -> int:
+        n = max(1, min(n, self.total))
+        with self.cv:
+            self.cv.wait_for(lambda: self.free >= n)
+            self.free -= n
+        return n
+
+    def give(self, n: int) -> None:
+        with self.cv:
+            self.free += n
+            self.cv.notify_all()
+
+
+def _read_docs(view: StoreView, infos: list, fn) -> None:
+    """fn(info, raw bytes or None if gone) for each listed document, _DOC_READERS at a time and
+    at most _HOLD_BYTES of them held at once; a document bigger than MAX_DOCUMENT_BYTES is not
+    read (fn gets b"" and checks the listed size itself)."""
+    budget = _Budget(_HOLD_BYTES)
+
+    def one(info) -> None:
+        if info.size > validate.MAX_DOCUMENT_BYTES:
+            fn(info, b"")
+            return
+        n = budget.take(info.size)
+        try:
+            raw = view.get(info.key, max_bytes=validate.MAX_DOCUMENT_BYTES)
+            fn(info, raw)
+        finally:
+            budget.give(n)
+
+    storeread.run_parallel(infos, one, _DOC_READERS, threading.Event(), lambda: None)
+
+
+def _load(info, raw: bytes | None) -> dict | None:
+    """The validated manifest listed as `info` whose bytes are `raw`; None if it is gone;
+    CorruptError if it is invalid or too big."""
+    if raw is None:
+        return None
+    if info.size > validate.MAX_DOCUMENT_BYTES or len(raw) > validate.MAX_DOCUMENT_BYTES:
+        raise storeread.CorruptError(f"{info.key}: a manifest of {info.size} bytes (at most "
+                                     f"{validate.MAX_DOCUMENT_BYTES})")
+    return storeread.parse_manifest(raw, info.key)
+
+
+def _path_forms(p: str) -> list[str]:
+    """The escaped forms PATH may stand for (as given, if it is one; and its bytes escaped)."""
+    p = p.strip("/")
+    forms = [p] if names.is_canonical_path(p) else []
+    forms.append(names.escape_path(os.fsencode(p)))
+    out = []
+    for f in dict.fromkeys(forms):
+        try:
+            validate.path(f, 2, "path", validate.ManifestError)
+        except validate.ManifestError:
+            continue
+        out.append(f)
+    if not out:
+        raise ToolError(EXIT_USAGE, f"{p!r} is not a path of the mount")
+    return out
+
+
+def _under(path: str, forms: list[str] | None) -> bool:
+    return forms is None or any(path == f or path.startswith(f + "/") for f in forms)
+
+
+class _Progress:
+    """Restore progress on stderr: a rich progress bar on a terminal, else a plain line every
+    10 seconds."""
+
+    def __init__(self, label: str) -> None:
+        self.label = label
+        self.tty = sys.stderr.isatty()
+        self.bar = self.task = None
+        self.t0 = self.last = time.monotonic()
+        if self.tty:
+            from rich.console import Console
+            from rich.progress import (
+                BarColumn,
+                DownloadColumn,
+                Progress,
+                TextColumn,
+                TimeRemainingColumn,
+                TransferSpeedColumn,
+            )
+
+            self.bar = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
+                                TransferSpeedColumn(), TimeRemainingColumn(),
+                                TextColumn("{task.fields[files]}"),
+                                console=Console(stderr=True), transient=False)
+            self.bar.start()
+            self.task = self.bar.add_task(label, total=None, files="")
+
+    def update(self, s: dict) -> None:
+        files = f"{s['files_done']}/{s['files_total']} files"
+        if self.bar is not None:
+            self.bar.update(self.task, total=s["bytes_total"], completed=s["bytes_done"],
+                            files=files)
+            return
+        now = time.monotonic()
+        if now - self.last >= 10 and s["bytes_done"] < s["bytes_total"]:
+            self.last = now
+            pct = s["bytes_done"] / s["bytes_total"] if s["bytes_total"] else 1.0
+            rate = s["bytes_fetched"] / max(now - self.t0, 1e-3)
+            print(f"ckptfs: {self.label} {pct:4.0%}: {_human(s['bytes_done'])} of "
+                  f"{_human(s['bytes_total'])}, {files}, {_human(rate)}/s", file=sys.stderr,
+                  flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+            self.bar = None
+
+
+# -- ls -----------------------------------------------------------------------------------------
+
+def _summary(m: dict, key: str) -> dict:
+    raw = m["total_bytes"]
+    stored = sum(f["object"]["stored_size"] for f in m["files"])
+    c = m["commit"]
+    out = {"path": m["path"], "kind": m["kind"], "files": len(m["files"]), "bytes": raw,
+           "stored_bytes": stored, "ratio": round(stored / raw, 4) if raw else None,
+           "node": c["node"], "nodes": c.get("nodes", [c["node"]]), "seq": c["seq"],
+           "reason": c["reason"], "committed_ns": c["committed_ns"],
+           "committed": _when(c["committed_ns"]), "key": key}
+    if "published_ns" in c:
+        out["published_ns"] = c["published_ns"]
+    if m["kind"] == "symlink":
+        out["target"] = m["target"]
+    return out
+
+
+def cmd_ls(a: argparse.Namespace) -> int:
+    forms = _path_forms(a.path) if a.path else None
+    with Session(a) as s:
+        rows: list[dict] = []
+        bad: list[dict] = []
+        lock = threading.Lock()
+
+        def wanted(info) -> bool:
+            if not keys.is_manifest_key(info.key):
+                return False
+            p = keys.path_of_manifest_key(info.key)
+            return p is None or _under(p, forms)  # a hashed key: only its document tells
+
+        def one(info, raw) -> None:
+            try:
+                m = _load(info, raw)
+            except storeread.CorruptError as e:
+                p = keys.path_of_manifest_key(info.key)
+                if forms is None or (p is not None and _under(p, forms)):
+                    with lock:
+                        bad.append({"key": info.key, "path": p, "reason": str(e)})
+                return
+            if m is not None and _under(m["path"], forms):
+                with lock:
+                    rows.append(_summary(m, info.key))
+
+        _read_docs(s.view, [i for i in s.manifest_infos if wanted(i)], one)
+    rows.sort(key=lambda r: r["path"])
+    bad.sort(key=lambda r: r["key"])
+    if a.json:
+        print(json.dumps({"store": a.store, "sets": rows, "invalid": bad}, indent=2))
+    else:
+        if rows:
+            w = max(len("SET"), *(len(r["path"]) for r in rows))
+            print(f"{'SET':<{w}}  {'KIND':<7} {'FILES':>6} {'SIZE':>10} {'STORED':>10} "
+                  f"{'RATIO':>6}  {'COMMITTED (UTC)':<19}  NODE")
+            for r in rows:
+                ratio = f"{r['ratio']:.2f}" if r["ratio"] is not None else "-"
+                others = len(r["nodes"]) - 1
+                node = r["node"] + (f" (+{others} nodes)" if others else "")
+                print(f"{r['path']:<{w}}  {r['kind']:<7} {r['files']:>6} "
+                      f"{_human(r['bytes']):>10} {_human(r['stored_bytes']):>10} {ratio:>6}  "
+                      f"{r['committed']:<19}  {node}")
+        for b in bad:
+            print(f"INVALID  {b['reason']}")
+    if a.path and not rows and not bad:
+        return _fail(EXIT_NO_SET, f"no set at or under {a.path!r} in {a.store}")
+    return EXIT_OK
+
+
+# -- restore ------------------------------------------------------------------------------------
+
+def cmd_restore(a: argparse.Namespace) -> int:
+    with Session(a, a.parallel) as s:
+        m = storeread.find_set(s.view, a.set)
+        bar = _Progress(f"restore {m['path']}")
+        try:
+            r = storeread.restore_resumable(s.view, m, a.dest, overwrite=a.overwrite,
+                                            workers=a.parallel, progress=bar.update)
+        except KeyboardInterrupt:
+            bar.close()
+            return _fail(EXIT_ERROR, f"interrupted: rerun the same command to resume the "
+                         f"restore of {m['path']}")
+        finally:
+            bar.close()
+    already = r["bytes_done"] - r["bytes_fetched"]
+    print(f"ckptfs: restored {m['path']} to {os.fsdecode(r['target'])!r}: {r['files_total']} "
+          f"file(s), {_human(r['bytes_total'])} ({_human(r['bytes_fetched'])} fetched, "
+          f"{_human(already)} already there and verified) in {r['seconds']:.1f}s, every "
+          "CRC32C checked")
+    return EXIT_OK
+
+
+# -- fsck ---------------------------------------------------------------------------------------
+
+def _loose_keys(raw: bytes | None) -> set[str] | None:
+    """Every string that looks like an object key (`data/...`) anywhere in a document that
+    failed validation (its objects must not become garbage: a newer format, a clock ahead), or
+    None if it is not even JSON (then its objects cannot be known)."""
+    if not raw:
+        return None
+    try:
+        doc = json.loads(raw)
+    except (ValueError, RecursionError):
+        return None
+    out: set[str] = set()
+    stack = [doc]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, dict):
+            stack.extend(x.values())
+        elif isinstance(x, list):
+            stack.extend(x)
+        elif isinstance(x, str) and x.startswith("data/"):
+            out.add(x)
+    return out
+
+
+def _node_of_data(key: str) -> str | None:
+    parts = key.split("/")
+    return parts[1] if len(parts) > 2 and parts[0] == "data" else None
+
+
+def _record_node(key: str) -> tuple[str, str] | None:
+    """(kind, the node whose liveness decides) of a protocol record key, or None."""
+    if key.startswith(prt.PREFIX):
+        p = prt.parse_key(key)
+        return ("part record", p[1]) if p else None
+    n = mem.parse_member_key(key)
+    if n is not None:
+        return "member record", n
+    iid = mem.parse_intent_key(key)
+    if iid is not None:
+        return "intent", iid.split("-")[0]
+    ack = mem.parse_ack_key(key)
+    if ack is not None:
+        return "ack", ack[0].split("-")[0]  # the committer's: it deletes its acks itself
+    return None
+
+
+class _Fsck:
+    def __init__(self, s: Session, a: argparse.Namespace) -> None:
+        self.s, self.a, self.view = s, a, s.view
+        self.older = a.older_than
+        self.now = time.time()
+        self.lock = threading.Lock()
+        self.damage: list[str] = []
+        self.invalid = 0
+        self.manifests = 0
+        self.named: dict[str, tuple[dict, str]] = {}   # object key -> (object, manifest key)
+        self.protected: set[str] = set()               # keys named loosely (invalid documents)
+        self.protected_nodes: set[str] = set()         # nodes with a record that did not parse
+        self.unknown: list[str] = []                   # documents whose objects are unknown
+        self.seen_manifests: dict[str, str] = {}       # manifest key -> etag read
+
+    def out(self, line: str) -> None:
+        print(line, flush=True)
+
+    def add_manifest(self, info, raw) -> None:
+        try:
+            m = _load(info, raw)
+        except storeread.CorruptError as e:
+            loose = _loose_keys(raw)
+            with self.lock:
+                self.manifests += 1
+                self.invalid += 1
+                self.damage.append(f"DAMAGED {e}")
+                self.seen_manifests[info.key] = info.etag
+                if loose is None:
+                    self.unknown.append(info.key)
+                else:
+                    self.protected |= loose
+            return
+        with self.lock:
+            self.seen_manifests[info.key] = info.etag
+            if m is None:
+                return
+            self.manifests += 1
+            for f in m["files"]:
+                self.named.setdefault(f["object"]["key"], (f["object"], info.key))
+
+    def still_named(self, key: str, mkey: str) -> bool:
+        """Whether manifest `mkey` (read again now) still names object `key`: a set replaced or
+        deleted since it was read takes its objects with it, which is no damage."""
+        try:
+            m = storeread.load_manifest(self.view, mkey)
+        except storeread.CorruptError:
+            return True
+        return m is not None and any(f["object"]["key"] == key for f in m["files"])
+
+    def check_objects(self, data: dict) -> tuple[int, int, int]:
+        present = missing = wrong = 0
+        for key, (obj, mkey) in sorted(self.named.items()):
+            info = data.get(key)
+            if info is None:
+                info = self.view.head(key)  # the listing may predate its upload
+            if info is None:
+                if self.still_named(key, mkey):
+                    missing += 1
+                    self.damage.append(f"DAMAGED {key}: missing (named by {mkey})")
+                continue
+            if info.size != obj["stored_size"]:
+                wrong += 1
+                self.damage.append(f"DAMAGED {key}: {info.size} bytes in the store, the "
+                                   f"manifest says {obj['stored_size']} (named by {mkey})")
+                continue
+            present += 1
+            data[key] = info
+        return present, missing, wrong
+
+    def verify(self, data: dict) -> int:
+        todo = [(k, o, mk) for k, (o, mk) in sorted(self.named.items()) if
+                k in data and data[k].size == o["stored_size"]]
+        total = sum(o["size"] for _, o, _ in todo)
+        bar = _Progress("verify") if todo else None
+        snap = {"bytes_total": total, "bytes_done": 0, "bytes_fetched": 0,
+                "files_total": len(todo), "files_done": 0}
+
+        def one(item) -> None:
+            _key, obj, mkey = item
+            try:
+                storeread.verify_object(self.view, obj)
+            except storeread.CorruptError as e:
+                with self.lock:
+                    self.damage.append(f"DAMAGED {e} (named by {mkey})")
+            with self.lock:
+                snap["bytes_done"] += obj["size"]
+                snap["bytes_fetched"] += obj["stored_size"]
+                snap["files_done"] += 1
+
+        def tick() -> None:
+            if bar is not None:
+                with self.lock:
+                    bar.update(dict(snap))
+
+        try:
+            storeread.run_parallel(todo, one, self.a.parallel, threading.Event(), tick)
+        finally:
+            if bar is not None:
+                bar.close()
+        return len(todo)
+
+    def garbage(self, data: dict) -> tuple[list, int, dict]:
+        """(garbage [(key, size, kind, why)], unreferenced objects kept, live nodes)."""
+        member_infos = self.view.infos(mem.MEMBERS)
+        live: dict[str, float] = {}
+        for i in member_infos:
+            n = mem.parse_member_key(i.key)
+            if n is not None and self.now - i.mtime < self.older:
+                live[n] = max(live.get(n, 0.0), i.mtime)
+        out = []
+        records = [i for p in (prt.PREFIX, mem.INTENTS, mem.ACKS) for i in self.view.infos(p)]
+        kept_parts = []
+        for i in member_infos + records:
+            rn = _record_node(i.key)
+            if rn is None:
+                continue  # not a key ckptfs writes: left alone
+            kind, node = rn
+            age = self.now - i.mtime
+            if age >= self.older and node not in live:
+                why = f"{kind} of node {node}, {_age(age)} old, not seen for {_age(self.older)}"
+                out.append((i.key, i.size, kind, why))
+            elif kind == "part record":
+                kept_parts.append(i)
+
+        def part(info, raw) -> None:  # a kept record's objects are not garbage
+            node = _record_node(info.key)[1]
+            try:
+                if not raw:
+                    raise validate.PartError("too big or gone")
+                rec = validate.part_record(raw, info.key)
+            except validate.PartError:
+                loose = _loose_keys(raw)
+                with self.lock:
+                    if loose is None:
+                        self.protected_nodes.add(node)
+                    else:
+                        self.protected |= loose
+                return
+            with self.lock:
+                self.protected |= {f["object"]["key"] for f in rec["files"] if f["object"]}
+
+        _read_docs(self.view, kept_parts, part)
+        kept = 0
+        for key, info in sorted(data.items()):
+            if key in self.named or key in self.protected:
+                continue
+            node = _node_of_data(key)
+            age = self.now - info.mtime
+            if age < self.older or node in live or node in self.protected_nodes:
+                kept += 1
+                continue
+            out.append((key, info.size, "data object",
+                        f"data object, {_age(age)} old: no manifest names it"
+                        + (f"; node {node} not seen for {_age(self.older)}" if node else "")))
+        return out, kept, live
+
+    def protect(self, info, raw) -> None:
+        """A manifest that appeared or changed after the check: its objects are not garbage
+        (whatever it is: it was not part of the check)."""
+        try:
+            m = _load(info, raw)
+        except storeread.CorruptError:
+            loose = _loose_keys(raw)
+            with self.lock:
+                self.seen_manifests[info.key] = info.etag
+                if loose is None:
+                    self.unknown.append(info.key)
+                else:
+                    self.protected |= loose
+            return
+        with self.lock:
+            self.seen_manifests[info.key] = info.etag
+            if m is not None:
+                self.protected |= {f["object"]["key"] for f in m["files"]}
+
+    def recheck_manifests(self) -> None:
+        """Read every manifest that appeared or changed since it was read (a set published
+        meanwhile): its objects are protected."""
+        infos = [i for i in self.view.infos(keys.MANIFEST_PREFIX) if keys.is_manifest_key(i.key)
+                 and self.seen_manifests.get(i.key) != i.etag]
+        if infos:
+            _read_docs(self.view, infos, self.protect)
+
+    def repair(self, garbage: list) -> tuple[int, int, list[str]]:
+        deleted = freed = 0
+        errors: list[str] = []
+        for b in range(0, len(garbage), _DELETE_BATCH):
+            self.recheck_manifests()
+            for key, size, kind, _why in garbage[b:b + _DELETE_BATCH]:
+                if kind == "data object" and (self.unknown or key in self.named or
+                                              key in self.protected):
+                    self.out(f"KEPT    {key}: " + ("named by a manifest now"
+                             if not self.unknown else "a manifest could not be read"))
+                    continue
+                try:
+                    info = self.view.head(key)
+                    if info is None:
+                        continue  # gone already (its node, or another fsck)
+                    if self.now - info.mtime < self.older:
+                        self.out(f"KEPT    {key}: rewritten since it was listed")
+                        continue
+                    self.view.delete(key)
+                except storeread.StoreError as e:
+                    errors.append(str(e))
+                    self.out(f"FAILED  {key}: {e}")
+                    continue
+                deleted += 1
+                freed += size
+                self.out(f"DELETED {key}")
+        return deleted, freed, errors
+
+
+def cmd_fsck(a: argparse.Namespace) -> int:
+    with Session(a, a.parallel) as s:
+        f = _Fsck(s, a)
+        _read_docs(s.view, [i for i in s.manifest_infos if keys.is_manifest_key(i.key)],
+                   f.add_manifest)
+        # Listed after the manifests were read: an object a manifest names was uploaded before
+        # that manifest was written, so it is in this listing unless it went since.
+        data = {i.key: i for i in s.view.infos("data/")}
+        listed = len(data)
+        present, missing, wrong = f.check_objects(data)
+        verified = f.verify(data) if a.verify else 0
+        garbage, kept, live = f.garbage(data)
+        for line in sorted(f.damage):
+            f.out(line)
+        for key, size, _kind, why in garbage:
+            f.out(f"GARBAGE {key} ({_human(size)}): {why}")
+        deleted = freed = 0
+        errors: list[str] = []
+        if a.repair and garbage:
+            deleted, freed, errors = f.repair(garbage)
+    gbytes = sum(g[1] for g in garbage)
+    by_kind: dict[str, int] = {}
+    for g in garbage:
+        by_kind[g[2]] = by_kind.get(g[2], 0) + 1
+    print(f"fsck {a.store}: {f.manifests} manifests ({f.invalid} invalid), {len(f.named)} "
+          f"objects named: {present} present, {missing} missing, {wrong} of the wrong size"
+          + (f", {verified} read and CRC32C-checked" if a.verify else "")
+          + f"; {listed} objects under data/; {len(f.damage)} problems")
+    kinds = ", ".join(f"{n} {k}s" for k, n in sorted(by_kind.items())) or "none"
+    print(f"garbage: {kinds} ({_human(gbytes)}), older than {_age(a.older_than)} and of nodes "
+          f"not seen for as long; {kept} unreferenced objects kept (younger, or of "
+          f"{len(live)} live nodes)")
+    if f.unknown and any(g[2] == "data object" for g in garbage):
+        print(f"note: {len(f.unknown)} manifest(s) could not be read at all (e.g. "
+              f"{f.unknown[0]}): data objects are not deleted while they are there")
+    if a.repair:
+        print(f"repair: deleted {deleted} ({_human(freed)})"
+              + (f", {len(errors)} deletions failed" if errors else ""))
+    elif garbage:
+        print("not repaired: rerun with --repair to delete the garbage")
+    if f.damage:
+        return EXIT_DAMAGE
+    if errors:
+        return _fail(EXIT_STORE, f"{len(errors)} deletions failed: {errors[0]}")
+    return EXIT_OK
