@@ -12,7 +12,7 @@ import math
 import sys
 from pathlib import Path
 
-from . import __version__, api, ui
+from . import __version__, api
 from .config import (
     LOG_LEVELS,
     ConfigError,
@@ -254,6 +254,8 @@ def cmd_mount(a: argparse.Namespace) -> int:
 
 
 def cmd_umount(a: argparse.Namespace) -> int:
+    from . import ui  # rich: imported by the commands that draw, not by mount/commit/wait
+
     mp = a.mountpoint.absolute()
     drained = True
     if not a.no_wait:
@@ -283,6 +285,8 @@ def cmd_commit(a: argparse.Namespace) -> int:
 
 
 def cmd_prefetch(a: argparse.Namespace) -> int:
+    from . import ui
+
     try:
         job = api.prefetch(a.path)
         if a.no_wait or job["finished"]:
@@ -311,6 +315,8 @@ def cmd_wait(a: argparse.Namespace) -> int:
 
 
 def cmd_status(a: argparse.Namespace) -> int:
+    from . import ui
+
     mp, interval = a.mountpoint, None
     if a.watch is not None:
         try:
