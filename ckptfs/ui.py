@@ -201,8 +201,8 @@ def _summary(st: dict, now: float) -> Table:
                             f"{duration(st['uptime_s'])})"))
     g.add_row("cache dir", Text(
         f"{safe(st['cache_dir'])}: {c['files']} files, {c['dirs']} dirs, {c['symlinks']} "
-        f"symlinks, {human(c['bytes'])} ({human(c.get('cached_bytes', c['bytes']))} held "
-        f"here); disk free {human(c['disk_free_bytes'])} of {human(c['disk_total_bytes'])}"))
+        f"symlinks, {human(c['bytes'])} ({human(c.get('cached_bytes', c['bytes']))} "
+        f"cached); disk free {human(c['disk_free_bytes'])} of {human(c['disk_total_bytes'])}"))
     avg = io_["bytes_written"] / io_["write_requests"] if io_["write_requests"] else 0
     g.add_row("I/O", Text(
         f"{io_['write_requests']} writes ({human(io_['bytes_written'])}, avg {human(avg)}), "
@@ -307,16 +307,14 @@ def _invalid(t: dict, fancy: bool) -> list[RenderableType]:
     if not bad:
         return []
     n = t["remote"].get("invalid_count", len(bad))
-    tab = _table(fancy)
-    tab.add_column("manifest", no_wrap=not fancy, overflow="fold")
-    tab.add_column("why")
+    # `key: reason`, one a line: the key whole (folded on a narrow terminal), as grep wants it.
+    g = Table.grid()
+    g.add_column(overflow="fold")
     for key, why in list(bad.items())[:5]:
-        tab.add_row(safe(key), safe(why))
-    out: list[RenderableType] = [
-        Text(""), Text(f"invalid manifests: {n} in the store skipped (docs/FORMAT.md "
-                       "\"Validation\")" + (f"; the first 5 of them:" if n > 5 else ":"),
-                       style="bold yellow" if fancy else ""), tab]
-    return out
+        g.add_row(Text(f"{safe(key)}: {safe(why)}"))
+    return [Text(""), Text(f"invalid manifests: {n} in the store skipped (docs/FORMAT.md "
+                           "\"Validation\")" + ("; the first 5 of them:" if n > 5 else ":"),
+                           style="bold yellow" if fancy else ""), g]
 
 
 def _jobs(t: dict, fancy: bool, narrow: bool) -> list[RenderableType]:

@@ -17,10 +17,12 @@
 from __future__ import annotations
 
 import fcntl
+import io
 import json
 import os
 import pty
 import re
+import shlex
 import signal
 import struct
 import subprocess
@@ -30,6 +32,7 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO, ckptfs_cmd, run_cli, wait_for
+from rich.console import Console
 
 import ckptfs
 from ckptfs import ui
@@ -415,7 +418,7 @@ def cold_pair(mount_factory, tmp_path, monkeypatch):
 
 
 def test_prefetch_draws_a_progress_bar_and_without_a_terminal_plain_lines(cold_pair, runs):
-    a, b, gate, sets = cold_pair
+    _a, b, gate, sets = cold_pair
     size = sum(len(v) for v in sets["ck/step_1"].values())
     p = runs("prefetch", str(b.path / "ck" / "step_1"), stdout_tty=False)
     wait_for(lambda: BAR in p.tty.text() and "prefetch ck/step_1" in p.tty.text(), timeout=30,
@@ -457,13 +460,13 @@ def test_a_reader_that_goes_away_gets_no_traceback(mnt):
         r, w = os.pipe()
         os.close(r)  # the reader is gone before the first write: EPIPE
         res = subprocess.run(ckptfs_cmd("status", str(mnt.path), *args), stdout=w,
-                             stderr=subprocess.PIPE, text=True, cwd=REPO, timeout=60)
+                             stderr=subprocess.PIPE, text=True, cwd=REPO, timeout=60, check=False)
         os.close(w)
         assert res.returncode == EXIT_OK and res.stderr == "", (args, res.stderr)
     # `status --watch | head -1`: head exits after a line, the next page meets a closed pipe.
-    cmd = " ".join(ckptfs_cmd("status", str(mnt.path), "--watch", "0.1"))
+    cmd = shlex.join(ckptfs_cmd("status", str(mnt.path), "--watch", "0.1"))
     res = subprocess.run(["bash", "-c", f"set -o pipefail; {cmd} | head -1"],
-                         capture_output=True, text=True, cwd=REPO, timeout=60)
+                         capture_output=True, text=True, cwd=REPO, timeout=60, check=False)
     assert res.returncode == EXIT_OK and res.stderr == "", res.stderr
     assert res.stdout.startswith("ckptfs status ") and len(res.stdout.splitlines()) == 1
 
@@ -479,3 +482,43 @@ def test_a_narrow_terminal_gets_no_traceback(mnt, runs):
         assert "Traceback" not in out and f"pid{mnt.pid}" in out, out
         if cols == 40:
             assert name in out, out  # folded over lines (the last column), not cut
+
+
+def test_notes_invalid_manifests_and_jobs_render_plain_and_narrow(mnt):
+    """In process, in addition to the real runs above: a real status reply, with the parts a
+    single node cannot easily show (a set waiting for other nodes, one published after it, a
+    failed one, invalid manifests) added, rendered plain and on a narrow terminal."""
+    (mnt.path / "w.pt").write_bytes(b"w" * 10)
+    wait_for(lambda: set_row(mnt, "w.pt"), timeout=30, what="the set")
+    st = ckptfs.status(mnt.path)
+    t = st["tiering"]
+    row = t["sets"][-1]
+    bad_key = "manifests/" + "k" * 300 + ".json"
+    t["sets"] = [
+        dict(row, state="committed", waiting_for={"files": ["__2_0.distcp"], "missing": 1,
+                                                  "waited_s": 12.4, "timeout_s": 1800}),
+        dict(row, seq=row["seq"] + 1, path="next.pt", state="committed",
+             after_set=row["seq"]),
+        dict(row, seq=row["seq"] + 2, path="bad.pt", state="failed", error="no room\nat all"),
+    ]
+    t["remote"]["invalid_manifests"] = {bad_key: "not JSON"}
+    t["remote"]["invalid_count"] = 1
+    t["restore"]["jobs"] = [{"path": "ck/x", "files": 2, "bytes_total": 3 * MiB,
+                             "bytes_done": MiB, "finished": True, "error": "the cache is full"}]
+    text = ui.plain(ui.status_view(st, fancy=False))
+    assert ESC not in text
+    lines = text.splitlines()
+    i = lines.index(next(ln for ln in lines if ln.endswith("  w.pt")))
+    assert lines[i + 1].strip() == ("waiting 12s (timeout 1800s) for 1 file(s) from other "
+                                    "nodes: __2_0.distcp"), lines[i + 1]
+    assert any(ln.endswith("  next.pt") for ln in lines)
+    assert any(ln.strip() == f"published after set {row['seq']} (commit order)" for ln in lines)
+    assert any(ln.endswith("bad.pt  (no room\\x0aat all)") and " failed " in ln for ln in lines)
+    assert f"{bad_key}: not JSON" in lines, text
+    assert any(ln.split()[:2] == ["1", "stopped"] and ln.endswith("ck/x  (the cache is full)")
+               for ln in lines), text
+    narrow = Console(file=io.StringIO(), width=30, color_system="truecolor", force_terminal=True)
+    narrow.print(ui.status_view(st, fancy=True, width=30))
+    out = re.sub(r"\s+", "", strip_ansi(narrow.file.getvalue()))
+    for word in ("w.pt", "waiting12s", "publishedafterset", "bad.pt", bad_key, "ck/x"):
+        assert word in out, (word, out)
