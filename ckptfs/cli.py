@@ -264,12 +264,12 @@ def cmd_umount(a: argparse.Namespace) -> int:
             try:
                 drained = ui.drain(mp, a.timeout)
             except api.CkptfsError as e:
-                print(f"ckptfs: not waiting for uploads: {e}", file=sys.stderr)
+                ui.note(f"not waiting for uploads: {e}")
     code, msg = umount(mp)
     if code != EXIT_OK:
-        return _fail(code, msg)
+        return ui.fail(code, msg)
     if not drained:
-        return _fail(EXIT_STORE, f"{msg}, but uploads were still pending after {a.timeout}s; "
+        return ui.fail(EXIT_STORE, f"{msg}, but uploads were still pending after {a.timeout}s; "
                      "they resume at the next mount of this cache dir")
     ui.result(f"ckptfs: {msg}")
     return EXIT_OK
@@ -297,9 +297,9 @@ def cmd_prefetch(a: argparse.Namespace) -> int:
         mp, _ = api.locate(a.path)
         j, took = ui.prefetch(mp, job)
     except api.CkptfsError as e:
-        return _fail(e.code, str(e))
+        return ui.fail(e.code, str(e))
     if j.get("error"):
-        return _fail(EXIT_ERROR, f"prefetch of {j['path']} incomplete: {j['error']}")
+        return ui.fail(EXIT_ERROR, f"prefetch of {j['path']} incomplete: {j['error']}")
     ui.result(f"ckptfs: prefetched {ui.safe(j['path'])}: {j['files']} files, "
               f"{ui.human(j['bytes_total'])} in {took:.1f}s")
     return EXIT_OK
@@ -323,21 +323,21 @@ def cmd_status(a: argparse.Namespace) -> int:
             interval = _interval(a.watch)
         except argparse.ArgumentTypeError as e:
             if mp is not None:
-                return _fail(EXIT_USAGE, f"argument --watch: {e} (see ckptfs status --help)")
+                return ui.fail(EXIT_USAGE, f"argument --watch: {e} (see ckptfs status --help)")
             mp, interval = Path(a.watch), WATCH_DEFAULT  # `status --watch MOUNTPOINT`
     if mp is None:
-        return _fail(EXIT_USAGE, "the following arguments are required: mountpoint "
+        return ui.fail(EXIT_USAGE, "the following arguments are required: mountpoint "
                      "(see ckptfs status --help)")
     mp = mp.absolute()
     entry = find_mount(mp)
     if entry is None or entry["fstype"] != "fuse.ckptfs":
-        return _fail(EXIT_MOUNTPOINT, f"{mp} is not a ckptfs mount")
+        return ui.fail(EXIT_MOUNTPOINT, f"{mp} is not a ckptfs mount")
     if interval is not None:
         return ui.watch_status(mp, interval)
     try:
         st = api.status(mp)
     except api.CkptfsError as e:
-        return _fail(e.code, str(e))
+        return ui.fail(e.code, str(e))
     if a.json:
         return ui.print_json(json.dumps(st, indent=2, sort_keys=True))
     return ui.print_status(st)

@@ -110,15 +110,20 @@ def safe(s: object) -> str:
 # streams
 
 
-def _quiet_stdout() -> None:
-    """The reader of stdout went away: send what is still buffered, and everything after, to
-    /dev/null, so the interpreter's final flush does not fail with a BrokenPipeError too."""
+def _quiet(stream) -> None:
+    """The reader of `stream` (stdout or stderr) went away: send what is still buffered, and
+    everything after, to /dev/null, so the interpreter's final flush does not fail too (that
+    would print "Exception ignored ..." and exit 120)."""
     try:
         fd = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(fd, sys.stdout.fileno())
+        os.dup2(fd, stream.fileno())
         os.close(fd)
     except (OSError, ValueError):
         pass
+
+
+def _quiet_stdout() -> None:
+    _quiet(sys.stdout)
 
 
 def write_out(text: str) -> bool:
@@ -142,7 +147,7 @@ def note(msg: str) -> None:
     try:
         print(f"ckptfs: {safe(msg)}", file=sys.stderr, flush=True)
     except OSError:
-        pass  # nobody can read it; an exit code still says what happened
+        _quiet(sys.stderr)  # nobody can read it; an exit code still says what happened
 
 
 def fail(code: int, msg: str) -> int:
@@ -458,6 +463,7 @@ class Meter:
                 self._print(plain_line)
         except OSError:
             self.off = True
+            _quiet(sys.stderr)
 
     def _print(self, line: str) -> None:
         print(line, file=sys.stderr, flush=True)
@@ -476,6 +482,7 @@ class Meter:
             elif not self.tty and not self.off and self.line and self.line != self.printed:
                 self._print(self.line)
         except OSError:
+            _quiet(sys.stderr)
             pass
         self.off = True
 

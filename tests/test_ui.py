@@ -31,12 +31,12 @@ import threading
 from pathlib import Path
 
 import pytest
-from conftest import REPO, ckptfs_cmd, run_cli, wait_for
+from conftest import REPO, ckptfs_cmd, is_mounted, run_cli, wait_for
 from rich.console import Console
 
 import ckptfs
 from ckptfs import ui
-from ckptfs.mount import EXIT_MOUNTPOINT, EXIT_OK, EXIT_USAGE
+from ckptfs.mount import EXIT_MOUNTPOINT, EXIT_OK, EXIT_STORE, EXIT_USAGE
 
 MiB = 1 << 20
 ESC = "\x1b"
@@ -469,6 +469,28 @@ def test_a_reader_that_goes_away_gets_no_traceback(mnt):
                          capture_output=True, text=True, cwd=REPO, timeout=60, check=False)
     assert res.returncode == EXIT_OK and res.stderr == "", res.stderr
     assert res.stdout.startswith("ckptfs status ") and len(res.stdout.splitlines()) == 1
+
+
+def test_umount_with_a_closed_stderr_still_unmounts(mount_factory, tmp_path, monkeypatch):
+    """Progress and the timeout error meet a closed stderr: the unmount goes on, and the exit
+    code still says what happened (7: uploads were pending at the timeout). A traceback, or
+    the interpreter's failed final flush, would exit 1 or 120."""
+    gate = tmp_path / "uploads-held"
+    m = mount_factory()
+    start_held(m, gate, UPLOADS, monkeypatch)
+    write(m.path / "big.pt", 2 * MiB, 3)
+    wait_for(lambda: set_row(m, "big.pt"), timeout=30, what="the set")
+    r, w = os.pipe()
+    os.close(r)
+    res = subprocess.run(ckptfs_cmd("umount", str(m.path), "--timeout", "1"), stderr=w,
+                         stdout=subprocess.PIPE, text=True, cwd=REPO, timeout=120, check=False)
+    os.close(w)
+    assert res.returncode == EXIT_STORE and res.stdout == "", res
+    wait_for(lambda: not is_mounted(m.path), timeout=30, what="the unmount")
+    m.pid = None
+    gate.unlink()
+    m.start()  # the upload resumes at the next mount
+    assert run_cli("wait", str(m.path / "big.pt"), "--timeout", "60").returncode == EXIT_OK
 
 
 def test_a_narrow_terminal_gets_no_traceback(mnt, runs):
