@@ -1,11 +1,12 @@
 """What the `ckptfs` command line shows a person: `status` (once, or `--watch`), and the progress
 of `umount`'s drain and of `prefetch`, drawn with rich.
 
-This module owns the look of the output and nothing else: `ckptfs.cli` parses the arguments and
-calls in here; the numbers come from the daemon (`ckptfs.api.status`), and nothing here changes
-them (`status --json` prints the daemon's reply as it is).
+This module owns the look of the output, and the loops that ask the daemon while they show it
+(`watch_status`, `drain`, `prefetch`): `ckptfs.cli` parses the arguments and calls in here; the
+numbers come from the daemon (`ckptfs.api.status`), and nothing here changes them (`status
+--json` prints the daemon's reply as it is).
 
-Two audiences, chosen per stream by `isatty()`:
+Two audiences, chosen per stream (`fancy`: a terminal, and not TERM=dumb):
 
   * a terminal gets colours, tables and progress bars redrawn in place (rich `Live`);
   * anything else (a pipe, a file, a log) gets plain text: no escape codes, no carriage returns,
@@ -27,7 +28,6 @@ import io
 import os
 import sys
 import time
-from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 
@@ -340,11 +340,11 @@ def _jobs(t: dict, fancy: bool, narrow: bool) -> list[RenderableType]:
             _listing(("job", "state", "fetched", "of", "files"), rows, fancy, narrow)]
 
 
-def status_view(st: dict, fancy: bool, header: str | None = None, width: int | None = None,
-                now: float | None = None) -> RenderableType:
+def status_view(st: dict, fancy: bool, header: str | None = None,
+                width: int | None = None) -> RenderableType:
     """The whole `ckptfs status` page for the daemon's reply `st`, for a terminal `width`
     columns wide (None: plain text, as wide as its longest line)."""
-    now = time.time() if now is None else now
+    now = time.time()
     narrow = width is not None and width < NARROW
     parts: list[RenderableType] = []
     if header:
@@ -378,10 +378,9 @@ def print_json(text: str) -> int:
     return EXIT_OK
 
 
-def watch_status(mp: Path, interval: float, fetch: Callable[[], dict] | None = None) -> int:
+def watch_status(mp: Path, interval: float) -> int:
     """Show status every `interval` seconds until Ctrl-C (exit 0). If the daemon stops
     answering (unmounted, died) the last page stays and the error's code is the exit code."""
-    fetch = fetch or (lambda: api.status(mp))
 
     def header() -> str:
         return (f"ckptfs status {safe(mp)}, every {interval:g}s (Ctrl-C to stop), "
@@ -393,13 +392,13 @@ def watch_status(mp: Path, interval: float, fetch: Callable[[], dict] | None = N
             with Live(console=console, auto_refresh=False, redirect_stdout=False,
                       redirect_stderr=False) as live:
                 while True:
-                    st = fetch()
+                    st = api.status(mp)
                     live.update(status_view(st, fancy=True, header=header(),
                                             width=console.width), refresh=True)
                     time.sleep(interval)
         else:
             while True:
-                st = fetch()
+                st = api.status(mp)
                 if not write_out(plain(status_view(st, fancy=False, header=header())) + "\n"):
                     return EXIT_OK
                 time.sleep(interval)
@@ -483,7 +482,6 @@ class Meter:
                 self._print(self.line)
         except OSError:
             _quiet(sys.stderr)
-            pass
         self.off = True
 
 
