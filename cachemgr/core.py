@@ -156,6 +156,8 @@ class CoreStats:
     bytes_read: int = 0
     fsyncs: int = 0
     errors: dict[str, int] = field(default_factory=dict)
+    evictions: int = 0        # cached files whose data was dropped (it is in the store)
+    evicted_bytes: int = 0    # their cache bytes freed
 
 
 def _now() -> int:
@@ -1236,7 +1238,10 @@ class CacheFs:
             self._save(node, "cached")
             self.index.conn.execute("UPDATE inodes SET present=NULL WHERE ino=?", (ino,))
         os.truncate(self._data_path(ino), 0)
-        self.cached_bytes -= node.size - self._holes.pop(ino, 0)
+        freed = node.size - self._holes.pop(ino, 0)
+        self.cached_bytes -= freed
+        self.stats.evictions += 1
+        self.stats.evicted_bytes += freed
         self._freed()
         log.debug("evicted inode %d (%d bytes)", ino, node.size)
         return True
@@ -1437,6 +1442,7 @@ class CacheFs:
         out = {
             "cache": {**totals, "open_handles": len(self._handles),
                       "cached_bytes": self.cached_bytes,
+                      "evictions": s.evictions, "evicted_bytes": s.evicted_bytes,
                       "disk_free_bytes": st.f_bavail * st.f_frsize,
                       "disk_total_bytes": st.f_blocks * st.f_frsize},
             "io": {"write_requests": s.writes, "bytes_written": s.bytes_written,

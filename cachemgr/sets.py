@@ -267,6 +267,20 @@ class SetRegistry:
         return [SetRow(*r) for r in self.conn.execute(
             f"SELECT {_SET_COLS} FROM sets WHERE state IN ({q}) ORDER BY seq", states)]
 
+    def statistics(self) -> dict:
+        """Totals over every set (metrics): sets by state; the files and bytes of live sets not
+        uploaded yet (each content once, however many live sets hold it); and when the oldest
+        live set was committed (None when none is live)."""
+        by_state = dict(self.conn.execute("SELECT state, COUNT(*) FROM sets GROUP BY state"))
+        files, nbytes = self.conn.execute(
+            "SELECT COUNT(*), COALESCE(SUM(size), 0) FROM (SELECT DISTINCT f.ino, f.version,"
+            " f.size FROM set_files f JOIN sets s ON s.seq = f.seq"
+            f" WHERE s.state IN {LIVE_STATES} AND f.obj IS NULL)").fetchone()
+        oldest = self.conn.execute(
+            f"SELECT MIN(committed_ns) FROM sets WHERE state IN {LIVE_STATES}").fetchone()[0]
+        return {"by_state": by_state, "pending_files": files, "pending_bytes": nbytes,
+                "oldest_live_committed_ns": oldest}
+
     def recent(self, limit: int) -> list[SetRow]:
         return [SetRow(*r) for r in self.conn.execute(
             f"SELECT {_SET_COLS} FROM sets ORDER BY seq DESC LIMIT ?", (limit,))][::-1]

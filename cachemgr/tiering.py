@@ -40,7 +40,7 @@ import math
 import stat
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import trio
 
@@ -50,7 +50,7 @@ from .dcp import storage_files
 from .errors import FsError
 from .members import Members
 from .parts import PartPublisher, read_records
-from .sets import DCP_METADATA, KEPT_STATES, LIVE_STATES, SetRegistry, is_temp_name
+from .sets import DCP_METADATA, KEPT_STATES, LIVE_STATES, SetRegistry, SetRow, is_temp_name
 from .store import NotFound, ObjectStore, PreconditionFailed, StoreError
 from .transfer import StoredObject, Superseded, TransferConfig, Uploader, download_file
 
@@ -195,6 +195,7 @@ class Tiering:
             path = self.index.path_of(node.ino)
             if path:
                 self._commit(path, node.ino, "close")
+        self._wake_waiters()  # a directory wait may wait for this close
 
     def announce_dir(self, node) -> None:
         """A writer of `node` is closing (flush): if the file is in an open set, its directory's
@@ -262,6 +263,7 @@ class Tiering:
                 if key[0] == node.ino and job.cancel is not None:
                     job.cancel.cancel()
         self._enqueue_gc()
+        self._wake_waiters()  # a directory wait may wait for this file
 
     def on_symlink(self, node, parent_ino: int, name: bytes) -> None:
         if not is_temp_name(_s(name)) and not self.sets.in_open_set(parent_ino):
@@ -1161,11 +1163,44 @@ class Tiering:
             "sets": sets,
         }
 
+    def statistics(self) -> dict:
+        """Counters and totals for metrics (ckptfs.metrics): what `status` shows, over every set
+        instead of the recent ones, and without per-set detail. Plain data, copied: the caller
+        may keep it after the loop has moved on."""
+        retry = getattr(self.store, "stats", None)  # RetryingStore; absent: a bare store
+        up = self.uploader.statistics()
+        r = self.restorer
+        return {
+            "sets": self.sets.statistics(),
+            "store": {"health": self.health(), "consecutive_failures": self.consecutive_failures,
+                      "requests": dict(getattr(retry, "by_op", {})),
+                      "retries": dict(getattr(retry, "by_error", {})),
+                      "errors": dict(getattr(retry, "errors", {}))},
+            "uploads": {"done": self.uploads_done, "cancelled": self.uploads_cancelled,
+                        "bytes": self.bytes_uploaded, "stored_bytes": up.stored_bytes,
+                        "parts": up.parts, "running": len(self._running),
+                        "queued": len(self._jobs)},
+            "restore": {"bytes": r.bytes_fetched, "chunks": r.chunks_fetched,
+                        "integrity_errors": r.integrity_errors,
+                        "damaged_cache_chunks": r.damaged_chunks},
+            "cache_size": self.cfg.cache_size,
+        }
+
     async def wait(self, path: str, timeout: float | None) -> dict:
         """Wait until the set holding `path` is durable (following supersession to the newest
         set of that path). Returns {"state", "seq", "path", "error"}. `path` as os functions
-        give it (`ckptfs wait PATH`)."""
+        give it (`ckptfs wait PATH`). A directory that is not (inside) one set is waited for
+        as a whole (`_wait_dir`)."""
         path = names.from_str(path.strip("/"))
+        s = self.sets.holding(path) if path else None
+        if s is None or s.state in _ENDED:
+            # Not in one set, or the set that held it ended and the directory has been written
+            # file by file since (a set below it committed later): the sets under it.
+            under = self._newest_under(path)
+            if s is None or any(r.seq > s.seq and r.path != path for r in under.values()):
+                ino = self._dir_ino(path)
+                if ino is not None:
+                    return await self._wait_dir(path, ino, under, timeout)
         with trio.move_on_after(math.inf if timeout is None else timeout):
             while True:
                 s = self.sets.holding(path)
@@ -1179,6 +1214,166 @@ class Tiering:
         return {"state": "timeout", "seq": s.seq if s else None, "path": s.path if s else None,
                 "error": f"not durable after {timeout}s (state {s.state if s else '?'})"}
 
+    # -- waiting for a directory of many sets (docs/SEMANTICS.md "Waiting for a directory") ----
+    #
+    # What is waited for is fixed at the call: the newest commit of each path at or under the
+    # directory, if it is committed, uploading or durable, and every file under it that is
+    # open for writing (it commits at its last close, or the wait says why not). A set that
+    # ended (failed, deleted) or a file in no set ends the wait with the reason. One request,
+    # woken by `_changed` (every set state change, and closes and removals: `_wake_waiters`);
+    # each wake re-reads the pending sets in one query.
+
+    def _wake_waiters(self) -> None:
+        """Wake `wait` requests (a file closed or removed: a directory wait may be waiting for
+        it), without the namespace work of `_changed_now`."""
+        self._changed.set()
+        self._changed = trio.Event()
+
+    def _newest_under(self, path: str) -> dict[str, SetRow]:
+        """The newest set (any state) of each path at or under `path` ("" = the mount root)."""
+        rows = (self.sets.at_or_under(path, _ALL_STATES) if path
+                else self.sets.by_states(_ALL_STATES))
+        return {r.path: r for r in rows}  # ordered by seq: the newest of each path wins
+
+    def _dir_ino(self, path: str) -> int | None:
+        try:
+            ino = self._resolve(path) if path else 1
+            return ino if self.core.inode(ino).is_dir else None
+        except FsError:
+            return None
+
+    def _at_path(self, path: str) -> int | None:
+        """The inode at `path` now, None if there is none."""
+        try:
+            return self._resolve(path)
+        except FsError:
+            return None
+
+    async def _wait_dir(self, path: str, dir_ino: int, newest: dict[str, SetRow],
+                        timeout: float | None) -> dict:
+        where = path or "/"
+        prefix = path + "/" if path else ""
+        pending: set[int] = set()
+        for p, r in newest.items():
+            if r.state in KEPT_STATES:
+                pending.add(r.seq)
+            elif r.state == "failed" and self._at_path(p) == r.root_ino and not any(
+                    q.startswith(p + "/") and x.seq > r.seq for q, x in newest.items()):
+                # Still there and not written anew below: the directory cannot be durable.
+                return {"state": "failed", "seq": r.seq, "path": r.path, "error": r.error}
+        # Every file under the directory must be in one of those sets (its current content),
+        # or be open for writing (waited for): anything else is in no set, and nothing will
+        # commit it on its own (a temporary name, a directory that is not committed yet).
+        contents = {(ino, version) for (ino, version) in self.index.conn.execute(
+            "SELECT ino, version FROM set_files WHERE seq IN (SELECT value FROM json_each(?))",
+            (json.dumps(sorted(pending)),))}
+        set_paths = {newest_path for newest_path, r in newest.items() if r.seq in pending}
+        files, layout = self.sets.snapshot(dir_ino)
+        writing: dict[int, str] = {}  # ino -> path of files open for writing, waited for
+        loose: list[str] = []
+        for rel, ino, version, *_ in files:
+            if (ino, version) not in contents:
+                if self.core.inode(ino).writers:
+                    writing[ino] = prefix + rel
+                else:
+                    loose.append(prefix + rel)
+        for link in layout["symlinks"]:
+            p = prefix + link["path"]
+            parts = p.split("/")
+            if not any("/".join(parts[:i]) in set_paths for i in range(len(parts), 0, -1)):
+                loose.append(p)
+        if loose:
+            return _uncommitted(where, sorted(loose))
+        if not pending and not writing:
+            return {"state": "none", "path": path,
+                    "error": f"{where} holds no committed set"}
+        log.info("wait %s: %d set(s) committed under it, %d file(s) open for writing", where,
+                 len(pending), len(writing))
+        durable: set[int] = set()
+        with trio.move_on_after(math.inf if timeout is None else timeout):
+            while True:
+                ended = self._dir_step(pending, durable, writing)
+                if ended is not None:
+                    return ended
+                if not pending and not writing:
+                    log.info("wait %s: %d sets durable", where, len(durable))
+                    return {"state": "durable", "path": path, "sets": len(durable)}
+                await self._changed.wait()
+        n = len(pending) + len(durable)
+        names_ = sorted(r.path for r in self._rows(pending))
+        msg = (f"{where}: not durable after {timeout}s: {len(pending)} of {n} set(s) still"
+               f" pending"
+               + (f" ({_some(names_)})" if names_ else ""))
+        if writing:
+            msg += (f"; {len(writing)} file(s) still open for writing"
+                    f" ({_some(sorted(writing.values()))})")
+        return {"state": "timeout", "path": path, "sets": n, "pending": len(pending),
+                "open": len(writing), "error": msg}
+
+    def _rows(self, seqs: set[int]) -> list[SetRow]:
+        """The sets `seqs`, in one query (a directory wait looks at all of them at each wake)."""
+        return [SetRow(*r) for r in self.index.conn.execute(
+            f"SELECT {_SETROW_COLS} FROM sets WHERE seq IN (SELECT value FROM json_each(?))",
+            (json.dumps(sorted(seqs)),))]
+
+    def _dir_step(self, pending: set[int], durable: set[int],
+                  writing: dict[int, str]) -> dict | None:
+        """One look at what a directory wait waits for: moves durable sets out of `pending`,
+        follows sets replaced by a newer commit, turns closed files into their sets. Returns
+        the reply that ends the wait, or None to go on waiting."""
+        for ino, p in list(writing.items()):
+            try:
+                node = self.core.inode(ino)
+            except FsError:
+                node = None
+            if node is None or not node.nlink:
+                return {"state": "deleted", "path": p, "error": f"{p} was removed while open for"
+                        " writing, before any commit of it"}
+            if node.writers:
+                continue
+            del writing[ino]
+            s = self.sets.set_of_file(ino)  # committed at its close (or a rename since)
+            if s is None:
+                return _uncommitted(p, [p], closed=True)
+            if s.seq not in durable:
+                pending.add(s.seq)
+        todo = self._rows(pending)
+        while todo:
+            r = todo.pop()
+            if r.state == "durable":
+                pending.discard(r.seq)
+                durable.add(r.seq)
+                continue
+            if r.state in LIVE_STATES:
+                continue
+            newer = self.sets.holding(r.path)
+            if newer is not None and newer.seq > r.seq:
+                # A later commit of its path, or of a directory above it (absorbed), took its
+                # place: that one is waited for instead (as `wait` follows one set).
+                pending.discard(r.seq)
+                if newer.seq not in durable and newer.seq not in pending:
+                    pending.add(newer.seq)
+                    todo.append(newer)
+                continue
+            if r.state in ("failed", "deleting", "deleted"):
+                return {"state": "deleted" if r.state != "failed" else "failed", "seq": r.seq,
+                        "path": r.path, "error": r.error}
+            if r.state == "replaced":  # was durable; its successor is (not reached: newer)
+                pending.discard(r.seq)
+                durable.add(r.seq)
+                continue
+            # superseded, no later commit yet: its content changed (a rewrite) or went away.
+            ino = self._at_path(r.path)
+            if ino is None:  # removed, or renamed away, before its upload
+                return {"state": "deleted", "seq": r.seq, "path": r.path,
+                        "error": f"{r.path} is no longer in the mount ({r.error})"}
+            if r.kind == "file" and self.core.inode(ino).is_reg:
+                pending.discard(r.seq)  # the file is waited for: its next commit, at its close
+                writing[ino] = r.path
+                return self._dir_step(pending, durable, writing)
+            # A directory set one of whose files was rewritten: waits for its next commit.
+        return None
+
 
 class _LostRace(Exception):
     pass
@@ -1188,6 +1383,30 @@ def _gathers(s) -> bool:
     """Can other nodes hold files of set `s`? Directories committed by DCP, a rename or a
     request can; single files and symlinks commit on the node that has them."""
     return s.kind == "dir" and s.reason in ("dcp", "rename", "request")
+
+
+# Set states in which a set no longer holds its path's content: a directory that held one
+# of these and was written file by file since is waited for as a directory (`Tiering.wait`).
+_ENDED = ("superseded", "failed", "deleting", "deleted")
+_SETROW_COLS = ", ".join(f.name for f in fields(SetRow))  # the columns, in SetRow's order
+_ALL_STATES = ("committed", "uploading", "durable", "failed", "superseded", "replaced",
+               "deleting", "deleted")
+
+
+def _some(paths: list[str], n: int = 5) -> str:
+    """The first `n` of `paths`, and how many more."""
+    more = f" and {len(paths) - n} more" if len(paths) > n else ""
+    return ", ".join(paths[:n]) + more
+
+
+def _uncommitted(where: str, paths: list[str], closed: bool = False) -> dict:
+    """The reply of a directory wait that found files in no committed set (`closed`: a file it
+    waited for was closed and nothing committed it)."""
+    what = (f"{where} was closed but is in no committed set" if closed else
+            f"{where} holds {len(paths)} file(s) in no committed set: {_some(paths)}")
+    return {"state": "uncommitted", "path": where, "files": paths[:50], "count": len(paths),
+            "error": f"{what}; not durable (a temporary name, or in a directory not committed"
+                     " yet: nothing commits it on its own; `ckptfs commit` it, or remove it)"}
 
 
 def object_key(node: str, ino: int, version: int, path: str) -> str:

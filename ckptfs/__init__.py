@@ -6,6 +6,8 @@ store. This package holds the FUSE layer (`fuse`), the CLI (`cli`), the mount li
 and the Python API re-exported here: `wait_durable`, `commit`, `status`.
 """
 
+# The one version: pyproject.toml reads it (setuptools dynamic version, attr), `ckptfs --version`
+# prints it (tests/test_fstab.py checks both agree with the installed distribution).
 __version__ = "0.2.0"
 
 from .api import CkptfsError, NotDurable, commit, prefetch, status, wait_durable  # noqa: E402

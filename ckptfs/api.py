@@ -38,8 +38,9 @@ class CkptfsError(Exception):
 
 
 class NotDurable(CkptfsError):
-    """wait_durable ended without the set being durable: `state` is failed, deleted, timeout or
-    none (the path is in no committed set)."""
+    """wait_durable ended without the set being durable: `state` is failed, deleted, timeout,
+    none (the path is in no committed set) or uncommitted (a directory holds a file in no
+    committed set)."""
 
     def __init__(self, msg: str, state: str, code: int) -> None:
         super().__init__(msg, code)
@@ -115,7 +116,15 @@ def prefetch(path: str | os.PathLike) -> dict:
 def wait_durable(path: str | os.PathLike, timeout: float | None = None) -> dict:
     """Block until the set holding `path` is durable in the object store. Returns the set's
     {"state": "durable", "seq", "path"}; raises NotDurable otherwise, and CkptfsError with
-    code 9 (EXIT_ACCESS) if the caller may not read `path`."""
+    code 9 (EXIT_ACCESS) if the caller may not read `path`.
+
+    A directory that is not (inside) one set (DeepSpeed's `global_stepN/`, each file its own
+    set) is waited for as a whole: every set committed under it at the call, and every file
+    under it open for writing (docs/SEMANTICS.md "Waiting for a directory"). Returns
+    {"state": "durable", "path", "sets": N}; raises NotDurable with state "uncommitted" (code
+    8) if a file under it is in no committed set, "none" (code 8) if it holds no committed
+    set, "timeout" (code 7) when `timeout` (for the whole wait) runs out, "failed"/"deleted"
+    (code 1) if one of its sets did."""
     mp, rel = locate(path)
     sock_timeout = None if timeout is None else timeout + 30
     reply = _request(mp, {"op": "wait", "path": rel, "timeout": timeout}, timeout=sock_timeout)
@@ -123,8 +132,8 @@ def wait_durable(path: str | os.PathLike, timeout: float | None = None) -> dict:
     if state == "durable":
         return reply
     msg = reply.get("error") or f"set is {state}"
-    if state == "none":
-        raise NotDurable(msg, "none", EXIT_NO_SET)
+    if state in ("none", "uncommitted"):
+        raise NotDurable(msg, state, EXIT_NO_SET)
     if state == "timeout":
         raise NotDurable(msg, "timeout", EXIT_STORE)
     if state is None:

@@ -99,6 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="log file (default: <cache-dir>/ckptfs.log in the background)")
     m.add_argument("--log-level", default="info", type=str.lower, choices=LOG_LEVELS,
                    help="log verbosity; debug logs every refused operation (default info)")
+    m.add_argument("--metrics", metavar="[ADDR:]PORT", default=None,
+                   help="serve Prometheus metrics at http://ADDR:PORT/metrics (ADDR default "
+                   "127.0.0.1; IPv6 as [ADDR]:PORT); off by default. A scrape costs the "
+                   "daemon's loop about a millisecond")
     t = m.add_argument_group("tuning (defaults chosen by measurement, docs/ARCHITECTURE.md)")
     t.add_argument("--attr-timeout", type=_nonneg_float, default=10.0,
                    help="seconds the kernel caches attributes and names (default 10)")
@@ -183,10 +187,11 @@ def build_parser() -> argparse.ArgumentParser:
     pf.add_argument("path", type=Path)
     pf.add_argument("--no-wait", action="store_true", help="start it and return")
 
-    w = sub.add_parser("wait", help="wait until the set holding PATH is durable in the store")
+    w = sub.add_parser("wait", help="wait until the set holding PATH is durable in the store; a "
+                       "directory of several sets (one per file): every set under it")
     w.add_argument("path", type=Path)
     w.add_argument("--timeout", type=_nonneg_float, default=None,
-                   help="seconds (default: no limit); exit 7 on timeout")
+                   help="seconds for the whole wait (default: no limit); exit 7 on timeout")
     st = sub.add_parser("status", help="show what a mount's cache holds and its I/O counters",
                         usage="ckptfs status MOUNTPOINT [--json | --watch [SECONDS]]")
     # Optional here only so that `status --watch MOUNTPOINT` works (argparse gives --watch the
@@ -198,6 +203,13 @@ def build_parser() -> argparse.ArgumentParser:
                      metavar="SECONDS", help="redraw every SECONDS (default "
                      f"{WATCH_DEFAULT:g}) until Ctrl-C; one control-socket request each")
     return p
+
+
+def mount_parser() -> argparse.ArgumentParser:
+    """The `ckptfs mount` parser: `mount.fuse.ckptfs` (ckptfs/mounthelper.py) derives its `-o`
+    options from it, so an option added here is spellable in fstab without more code."""
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices["mount"]
 
 
 def _fail(code: int, msg: str) -> int:
@@ -217,6 +229,7 @@ def cmd_mount(a: argparse.Namespace) -> int:
             prefetch_range=a.prefetch_range,
             refresh_interval=a.refresh_interval, commit_timeout=a.commit_timeout,
             allow_empty_namespace=a.allow_empty_namespace,
+            metrics=a.metrics,
             mountpoint=a.mountpoint.absolute(),
             cache_dir=(a.cache_dir or default_cache_dir()).absolute(),
             foreground=a.foreground,
@@ -310,7 +323,11 @@ def cmd_wait(a: argparse.Namespace) -> int:
         r = api.wait_durable(a.path, timeout=a.timeout)
     except api.CkptfsError as e:
         return _fail(e.code, str(e))
-    print(f"ckptfs: {r['path']} is durable (set {r['seq']})")
+    if "sets" in r:  # a directory of several sets
+        n = r["sets"]
+        print(f"ckptfs: {a.path}: {n} set{'' if n == 1 else 's'} durable")
+    else:
+        print(f"ckptfs: {r['path']} is durable (set {r['seq']})")
     return EXIT_OK
 
 

@@ -5,6 +5,7 @@ Everything a daemon needs to know is here; nothing reads argv or the environment
 
 from __future__ import annotations
 
+import ipaddress
 import math
 import os
 from dataclasses import dataclass
@@ -35,6 +36,14 @@ def default_store_url() -> str:
     return f"file://{base}/ckptfs/store"
 
 
+def default_store_note() -> str:
+    """What a mount on the default store says about it (success message and log line): the
+    store is not private to the mount, so an operator should not assume it is."""
+    who = ("every mount on this machine run as root" if os.getuid() == 0
+           else "every mount of this user on this machine")
+    return f"embedded default store, shared by {who} without --store"
+
+
 def parse_size(text: str) -> int:
     """'512M', '2G', '1.5T', '4096' -> bytes (binary units). Refuses anything that is not a
     finite number >= 0 ('nan', 'inf', '1e400' parse as floats, but are no size)."""
@@ -53,6 +62,40 @@ def parse_size(text: str) -> int:
     if v < 0:
         raise ConfigError(f"size must be >= 0: {text!r}")
     return int(v * mult)
+
+
+def parse_listen(text: str) -> tuple[str, int]:
+    """--metrics: 'PORT' -> ('127.0.0.1', PORT) (loopback unless an address is given);
+    'ADDR:PORT' with an IPv4 address or localhost; '[ADDR]:PORT' with an IPv6 address."""
+    t = text.strip()
+    host = "127.0.0.1"
+    if t.startswith("["):
+        inner, sep, rest = t[1:].partition("]")
+        if not sep or not rest.startswith(":"):
+            raise ConfigError(f"--metrics {text!r}: write an IPv6 address as [ADDR]:PORT")
+        host, t = inner, rest[1:]
+        _check_ip(host, text, version=6)
+    elif ":" in t:
+        host, _, t = t.rpartition(":")
+        if not host:
+            raise ConfigError(f"--metrics {text!r}: no address before ':' (0.0.0.0:PORT "
+                              "listens on every interface)")
+        if host != "localhost":
+            _check_ip(host, text, version=4)
+    if not (t.isascii() and t.isdigit()) or not (1 <= int(t) <= 65535):
+        raise ConfigError(f"--metrics {text!r}: the port must be a number from 1 to 65535")
+    return host, int(t)
+
+
+def _check_ip(host: str, text: str, version: int) -> None:
+    try:
+        ok = ipaddress.ip_address(host).version == version
+    except ValueError:
+        ok = False
+    if not ok:
+        want = "an IPv6 address" if version == 6 else \
+            "an IPv4 address or localhost (IPv6 as [ADDR]:PORT)"
+        raise ConfigError(f"--metrics {text!r}: the address must be {want}")
 
 
 # Where root daemons register (root-owned, 0755): the one registration directory every user
@@ -124,6 +167,8 @@ class MountConfig:
     # Mount even when the store's sets cannot be listed (the namespace then holds only this
     # cache's sets until a listing succeeds); default: such a mount fails with exit 7.
     allow_empty_namespace: bool = False
+    # --metrics [ADDR:]PORT: serve Prometheus metrics there (ckptfs.metrics); None: off.
+    metrics: str | None = None
 
     def __post_init__(self) -> None:
         if self.store is not None and not (self.store.startswith("s3://")
@@ -160,6 +205,13 @@ class MountConfig:
             raise ConfigError("--io-threads must be between 0 and 64")
         if not (0 <= self.read_ahead_kb <= 65536):
             raise ConfigError("--read-ahead-kb must be between 0 and 65536")
+        if self.metrics is not None:
+            parse_listen(self.metrics)
+
+    @property
+    def metrics_listen(self) -> tuple[str, int] | None:
+        """(address, port) of --metrics, or None when it is off."""
+        return None if self.metrics is None else parse_listen(self.metrics)
 
     @property
     def effective_log_file(self) -> Path | None:

@@ -15,6 +15,9 @@ its main loop and leaves a dead mount behind. So every handler runs under `_guar
   * any other exception              -> EIO, logged with traceback and the operation name.
 
 `forget` must not raise at all (it answers no request), so it swallows and logs.
+
+`_guarded` also counts each request by handler, and each refusal by (handler, errno), in plain
+dicts on the loop thread (`FuseOps.statistics`, read by ckptfs.metrics through the loop).
 """
 
 from __future__ import annotations
@@ -52,36 +55,49 @@ _DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 BLKSIZE = 1 << 20
 
 
+# The handlers `_guarded` wraps, by name: FuseOps.requests counts each (metrics).
+_OPS: list[str] = []
+
+
 def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
     op = fn.__name__
+    _OPS.append(op)
 
     @functools.wraps(fn)
     async def wrapper(self: FuseOps, *args: Any) -> Any:
+        # One dict increment on the loop thread: the whole cost of counting (ckptfs.metrics).
+        self.requests[op] += 1
         try:
             return await fn(self, *args)
-        except pyfuse3.FUSEError:
-            raise
+        except pyfuse3.FUSEError as e:
+            err = e.errno
         except FsError as e:
             if e.errno in _DISK_ERRNOS:
                 log.warning("%s%r: cache disk refused: %s", op, _brief(args), e)
             else:
                 log.debug("%s%r: %s", op, _brief(args), e)
-            raise pyfuse3.FUSEError(e.errno) from None
+            err = e.errno
         except OSError as e:
             if e.errno in _PASSTHROUGH_OS_ERRNOS:
                 log.warning("%s%r: cache disk refused: %s", op, _brief(args), e)
-                raise pyfuse3.FUSEError(e.errno) from None
-            log.exception("%s%r failed: unexpected OSError, answering EIO", op, _brief(args))
-            raise pyfuse3.FUSEError(errno.EIO) from None
+                err = e.errno
+            else:
+                log.exception("%s%r failed: unexpected OSError, answering EIO", op,
+                              _brief(args))
+                err = errno.EIO
         except sqlite3.OperationalError as e:
             if not is_disk_full(e):
                 log.exception("%s%r failed: unexpected error, answering EIO", op, _brief(args))
-                raise pyfuse3.FUSEError(errno.EIO) from None
-            log.warning("%s%r: cache disk refused: index: %s", op, _brief(args), e)
-            raise pyfuse3.FUSEError(errno.ENOSPC) from None
+                err = errno.EIO
+            else:
+                log.warning("%s%r: cache disk refused: index: %s", op, _brief(args), e)
+                err = errno.ENOSPC
         except Exception:
             log.exception("%s%r failed: unexpected error, answering EIO", op, _brief(args))
-            raise pyfuse3.FUSEError(errno.EIO) from None
+            err = errno.EIO
+        key = (op, err)
+        self.errors[key] = self.errors.get(key, 0) + 1
+        raise pyfuse3.FUSEError(err) from None
 
     return wrapper
 
@@ -122,11 +138,20 @@ class FuseOps(pyfuse3.Operations):
         super().__init__()
         self.core = core
         self.attr_timeout = attr_timeout
+        # Requests answered, by handler, and refusals by (handler, errno): loop thread only;
+        # `statistics()` copies them for the metrics snapshot.
+        self.requests: dict[str, int] = dict.fromkeys(_OPS, 0)
+        self.errors: dict[tuple[str, int], int] = {}
         # io_threads > 0 moves the data syscalls (pread/pwrite) to worker threads; bookkeeping
         # stays on the loop thread, so the core still sees one thread. Off by default: measured
         # slower here (docs/ARCHITECTURE.md).
         self._io_limiter = trio.CapacityLimiter(io_threads) if io_threads > 0 else None
         core.invalidate_entry = self._invalidate_entry
+
+    def statistics(self) -> dict:
+        """Copies of the request counters (loop thread). With passthrough, reads and writes of
+        files the cache holds whole go to the cache file in the kernel and are not counted."""
+        return {"requests": dict(self.requests), "errors": dict(self.errors)}
 
     def _changing(self, inode: int, changes_content: bool):
         """Context for an operation that may change a file's content: it waits for a restore

@@ -41,6 +41,7 @@ from . import logsafe
 from .config import (
     ROOT_RUNTIME_DIR,
     MountConfig,
+    default_store_note,
     default_store_url,
     runtime_dir,
     user_runtime_dirs,
@@ -56,9 +57,11 @@ EXIT_MOUNTPOINT = 3     # mount point missing, not a directory, not empty, (not)
 EXIT_CACHE_DIR = 4      # cache dir unwritable, in use by another daemon, incompatible
 EXIT_NO_FUSE = 5        # /dev/fuse or fusermount3 missing
 EXIT_NOT_READY = 6      # the daemon died or did not answer before the mount was ready
+                        # (or could not start it: the --metrics port cannot be bound)
 EXIT_STORE = 7          # the object store is unusable (no bucket, access denied, bad URL);
                         # `wait`/`umount`: timed out with uploads still pending
-EXIT_NO_SET = 8         # `wait`: the path is in no committed set
+EXIT_NO_SET = 8         # `wait`: the path is in no committed set (a directory: holds none,
+                        # or a closed file in none)
 EXIT_ACCESS = 9         # control request refused: the caller may not read/write the path
 
 READY_TIMEOUT_S = 90.0  # generous: recovery of a large cache index runs before readiness
@@ -591,6 +594,15 @@ def setup_logging(cfg: MountConfig) -> None:
     logsafe.cap_aws_loggers(root.level)
 
 
+def mount_source(store_url: str) -> str:
+    """The mount's source in /proc/self/mountinfo (`df`, `findmnt`): the store URL, as fstab
+    names it, so `mount -a` sees an fstab line with that SOURCE as mounted already. libfuse
+    splits options at commas and pyfuse3 passes them as ASCII: any other URL shows "ckptfs"."""
+    ok = store_url.isascii() and store_url.isprintable() and not any(
+        c in store_url for c in ", \\")
+    return store_url if ok else "ckptfs"
+
+
 def tune_readahead(mp: Path, kb: int) -> None:
     """Raise the mount's readahead (the FUSE bdi defaults to 128 KiB); measured in
     docs/ARCHITECTURE.md to bring cold sequential reads close to the raw disk."""
@@ -682,7 +694,20 @@ def run_daemon(cfg: MountConfig, notify: Notify) -> int:
         return e.code
     core = None
     mounted = False
+    metrics_server = None
     try:
+        if cfg.metrics_listen is not None:
+            # Bound before anything is mounted: a port that cannot be had fails the mount.
+            from . import __version__, metrics
+
+            try:
+                metrics_server = metrics.MetricsServer(*cfg.metrics_listen,
+                                                       cache_dir=cfg.cache_dir,
+                                                       version=__version__)
+            except metrics.MetricsBindError as e:
+                log.error("%s", e.strerror)
+                tell(EXIT_NOT_READY, e.strerror)
+                return EXIT_NOT_READY
         try:
             core = CacheFs.load(cfg.cache_dir, direct_io_writes=cfg.direct_io_writes
                                 and not cfg.writeback_cache, backings=fuse.backings(cfg))
@@ -733,14 +758,15 @@ def run_daemon(cfg: MountConfig, notify: Notify) -> int:
         set_foreground_probe(core.backings.wrote_since_probe)
         try:
             main = fuse.mount_and_serve(ops, str(cfg.mountpoint),
-                                        fuse.fuse_options(allow_other=cfg.allow_other))
+                                        fuse.fuse_options(allow_other=cfg.allow_other,
+                                                          fsname=mount_source(store_url)))
         except RuntimeError as e:
             msg = f"mount of {cfg.mountpoint} failed: {e}"
             log.error("%s", msg)
             tell(EXIT_NOT_READY, msg)
             return EXIT_NOT_READY
         mounted = True
-        default = "" if cfg.store else " (embedded default)"
+        default = "" if cfg.store else f" ({default_store_note()})"
         log.info("mounted %s (cache %s, store %s%s, pid %d)", cfg.mountpoint, cfg.cache_dir,
                  store_url, default, os.getpid())
 
@@ -808,6 +834,11 @@ def run_daemon(cfg: MountConfig, notify: Notify) -> int:
                 await nursery.start(partial(control.serve, mode=control_mode()),
                                     control_path(cfg.mountpoint), on_control)
                 await nursery.start(tiering.run)
+                if metrics_server is not None:
+                    from . import metrics
+
+                    metrics_server.start(trio.lowlevel.current_trio_token(),
+                                         partial(metrics.snapshot, core, ops))
                 nursery.start_soon(ready)
                 nursery.start_soon(on_signals, nursery.cancel_scope)
                 await main()
@@ -821,6 +852,11 @@ def run_daemon(cfg: MountConfig, notify: Notify) -> int:
         tell(EXIT_ERROR, f"daemon failed: {e}")
         return EXIT_ERROR
     finally:
+        if metrics_server is not None:
+            try:
+                metrics_server.close()  # first: no scrape waits on a loop that has ended
+            except Exception:
+                log.exception("stopping the metrics server failed")
         if mounted:
             try:
                 fuse.close_session(unmount=True)

@@ -206,6 +206,19 @@ def unreferenced_objects(reader) -> set[str]:
     return set(reader.keys("data/")) - referenced
 
 
+def _store_vs_mount(reader, in_mount: dict[str, dict[str, bytes]]) -> str:
+    """What still differs between the store and the mount: the message of a failed wait."""
+    try:
+        store = read_store(reader)
+    except (TornSet, AssertionError) as e:
+        return f"the store does not read whole: {e}"
+    only_mount = sorted(set(in_mount) - set(store))
+    only_store = sorted(set(store) - set(in_mount))
+    differ = sorted(p for p in set(store) & set(in_mount) if store[p] != in_mount[p])
+    return (f"sets only in the mount {only_mount}, only in the store {only_store}, with other "
+            f"content {differ}; unreferenced objects {sorted(unreferenced_objects(reader))[:10]}")
+
+
 # ----------------------------------------------------------------------------------------------
 # helpers
 
@@ -552,7 +565,10 @@ def test_crash_loop_store_never_torn(mount_factory, tmp_path):
         except (TornSet, AssertionError):
             return False  # racing the daemon's deletes; judged strictly below
         return store == in_mount and not unreferenced_objects(reader)
-    wait_for(settled, timeout=120, what="the store to match the mount (deletes and GC done)")
+    try:
+        wait_for(settled, timeout=120, what="the store to match the mount (deletes and GC done)")
+    except AssertionError as e:
+        raise AssertionError(f"{e}: {_store_vs_mount(reader, in_mount)}") from None
     st = status_json(m)["tiering"]
     failed = [s for s in st["sets"] if s["state"] == "failed"]
     assert not failed, failed

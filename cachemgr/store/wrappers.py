@@ -35,7 +35,10 @@ class RetryStats:
     calls: int = 0
     retries: int = 0
     failures: int = 0
-    by_error: dict[str, int] = field(default_factory=dict)
+    by_error: dict[str, int] = field(default_factory=dict)   # retries, by the error retried
+    by_op: dict[str, int] = field(default_factory=dict)      # calls, by operation
+    # errors handed to the caller (retries exhausted, or not transient): (op, error class)
+    errors: dict[tuple[str, str], int] = field(default_factory=dict)
 
 
 class _Wrapper(ObjectStore):
@@ -91,7 +94,9 @@ class RetryingStore(_Wrapper):
 
     async def _do(self, op: str, *args, **kw):
         p = self.policy
-        self.stats.calls += 1
+        st = self.stats
+        st.calls += 1
+        st.by_op[op] = st.by_op.get(op, 0) + 1
         for attempt in range(1, p.attempts + 1):
             try:
                 return await getattr(self.inner, op)(*args, **kw)
@@ -100,6 +105,8 @@ class RetryingStore(_Wrapper):
                     if getattr(e, "transient", False):
                         self.stats.failures += 1
                         log.warning("%s failed after %d attempts: %s", op, attempt, e)
+                    kind = (op, type(e).__name__)
+                    st.errors[kind] = st.errors.get(kind, 0) + 1
                     raise
                 name = type(e).__name__
                 self.stats.retries += 1
