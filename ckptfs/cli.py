@@ -10,7 +10,6 @@ import argparse
 import json
 import math
 import sys
-import time
 from pathlib import Path
 
 from . import __version__, api, storetools
@@ -69,6 +68,17 @@ def _size(s: str) -> int:
         return parse_size(s)
     except ConfigError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+WATCH_DEFAULT = 2.0  # `status --watch`: seconds between pages
+
+
+def _interval(s: str) -> float:
+    v = _nonneg_float(s)
+    # faster than 10 pages a second nobody reads, and each page costs the daemon a status
+    if v < 0.1:
+        raise argparse.ArgumentTypeError(f"must be >= 0.1: {s}")
+    return v
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -182,9 +192,16 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("path", type=Path)
     w.add_argument("--timeout", type=_nonneg_float, default=None,
                    help="seconds for the whole wait (default: no limit); exit 7 on timeout")
-    st = sub.add_parser("status", help="show what a mount's cache holds and its I/O counters")
-    st.add_argument("mountpoint", type=Path)
-    st.add_argument("--json", action="store_true", help="machine-readable output")
+    st = sub.add_parser("status", help="show what a mount's cache holds and its I/O counters",
+                        usage="ckptfs status MOUNTPOINT [--json | --watch [SECONDS]]")
+    # Optional here only so that `status --watch MOUNTPOINT` works (argparse gives --watch the
+    # next word): cmd_status sorts the two out and requires a mount point.
+    st.add_argument("mountpoint", type=Path, nargs="?")
+    stv = st.add_mutually_exclusive_group()
+    stv.add_argument("--json", action="store_true", help="machine-readable output")
+    stv.add_argument("--watch", nargs="?", const=str(WATCH_DEFAULT), default=None,
+                     metavar="SECONDS", help="redraw every SECONDS (default "
+                     f"{WATCH_DEFAULT:g}) until Ctrl-C; one control-socket request each")
     storetools.add_parsers(sub)  # ls, restore, fsck: on a store, no mount (ckptfs/storetools.py)
     return p
 
@@ -250,66 +267,25 @@ def cmd_mount(a: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _bar(done: int, total: int, width: int = 30) -> str:
-    frac = 1.0 if total <= 0 else min(1.0, done / total)
-    return "[" + "#" * int(frac * width) + "-" * (width - int(frac * width)) + f"] {frac:4.0%}"
-
-
-def _drain(mp: Path, timeout: float | None) -> bool:
-    """Show upload progress until no committed set is pending. False on timeout."""
-    deadline = None if timeout is None else time.monotonic() + timeout
-    tty = sys.stderr.isatty()
-    total = None
-    last_line = 0.0
-    while True:
-        st = api.status(mp).get("tiering", {})
-        pending, nsets = st.get("pending_bytes", 0), st.get("pending_sets", 0)
-        remote = st.get("waiting_sets", 0)
-        if nsets - remote <= 0 and pending == 0:
-            if total:
-                print(("\r" if tty else "") + f"uploads {_bar(1, 1)} all sets durable" +
-                      " " * 20, file=sys.stderr)
-            if remote:
-                # Their commits wait for files other nodes write: nothing here can finish
-                # them; they resume at the next mount of this cache dir.
-                print(f"ckptfs: {remote} set(s) still wait for files from other nodes; their"
-                      " commit resumes at the next mount", file=sys.stderr)
-            return True
-        total = max(total or 0, pending)
-        rate = st.get("uploads", {}).get("rate_bytes_per_s", 0.0)
-        line = (f"uploads {_bar(total - pending, total)} {nsets} sets, "
-                f"{_human(pending)} pending, {_human(rate)}/s, store "
-                f"{st.get('store', {}).get('health', '?')}")
-        now = time.monotonic()
-        if tty:
-            print("\r" + line + " " * 10, end="", file=sys.stderr, flush=True)
-        elif now - last_line >= 5:
-            print(line, file=sys.stderr, flush=True)
-            last_line = now
-        if deadline is not None and now >= deadline:
-            if tty:
-                print(file=sys.stderr)
-            return False
-        time.sleep(0.2)
-
-
 def cmd_umount(a: argparse.Namespace) -> int:
+    from . import ui  # rich: imported by the commands that draw, not by mount/commit/wait
+
     mp = a.mountpoint.absolute()
     drained = True
     if not a.no_wait:
         entry = find_mount(mp)
         if entry is not None and entry["fstype"] == "fuse.ckptfs":
             try:
-                drained = _drain(mp, a.timeout)
+                drained = ui.drain(mp, a.timeout)
             except api.CkptfsError as e:
-                print(f"ckptfs: not waiting for uploads: {e}", file=sys.stderr)
+                ui.note(f"not waiting for uploads: {e}")
     code, msg = umount(mp)
     if code != EXIT_OK:
-        return _fail(code, msg)
+        return ui.fail(code, msg)
     if not drained:
-        return _fail(EXIT_STORE, f"{msg}, but uploads were still pending after {a.timeout}s; "
+        return ui.fail(EXIT_STORE, f"{msg}, but uploads were still pending after {a.timeout}s; "
                      "they resume at the next mount of this cache dir")
-    print(f"ckptfs: {msg}")
+    ui.result(f"ckptfs: {msg}")
     return EXIT_OK
 
 
@@ -323,37 +299,23 @@ def cmd_commit(a: argparse.Namespace) -> int:
 
 
 def cmd_prefetch(a: argparse.Namespace) -> int:
+    from . import ui
+
     try:
         job = api.prefetch(a.path)
         if a.no_wait or job["finished"]:
-            print(f"ckptfs: prefetch of {job['path']}: {job['files']} files, "
-                  f"{_human(job['bytes_total'])}" + (" (already cached)" if job["finished"]
-                                                     else " started"))
+            ui.result(f"ckptfs: prefetch of {ui.safe(job['path'])}: {job['files']} files, "
+                      f"{ui.human(job['bytes_total'])}" + (" (already cached)" if job["finished"]
+                                                           else " started"))
             return EXIT_OK
         mp, _ = api.locate(a.path)
-        tty = sys.stderr.isatty()
-        t0 = time.monotonic()
-        while True:
-            jobs = {j["path"]: j for j in
-                    api.status(mp)["tiering"]["restore"]["jobs"]}
-            j = jobs.get(job["path"], job)
-            rate = j["bytes_done"] / max(time.monotonic() - t0, 1e-3)
-            line = (f"prefetch {_bar(j['bytes_done'], j['bytes_total'])} "
-                    f"{_human(j['bytes_done'])} of {_human(j['bytes_total'])}, "
-                    f"{_human(rate)}/s")
-            if tty:
-                print("\r" + line + " " * 10, end="", file=sys.stderr, flush=True)
-            if j["finished"]:
-                if tty:
-                    print(file=sys.stderr)
-                break
-            time.sleep(0.2)
+        j, took = ui.prefetch(mp, job)
     except api.CkptfsError as e:
-        return _fail(e.code, str(e))
+        return ui.fail(e.code, str(e))
     if j.get("error"):
-        return _fail(EXIT_ERROR, f"prefetch of {j['path']} incomplete: {j['error']}")
-    print(f"ckptfs: prefetched {j['path']}: {j['files']} files, {_human(j['bytes_total'])} in "
-          f"{time.monotonic() - t0:.1f}s")
+        return ui.fail(EXIT_ERROR, f"prefetch of {j['path']} incomplete: {j['error']}")
+    ui.result(f"ckptfs: prefetched {ui.safe(j['path'])}: {j['files']} files, "
+              f"{ui.human(j['bytes_total'])} in {took:.1f}s")
     return EXIT_OK
 
 
@@ -370,82 +332,33 @@ def cmd_wait(a: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
-
-
 def cmd_status(a: argparse.Namespace) -> int:
-    mp = a.mountpoint.absolute()
+    from . import ui
+
+    mp, interval = a.mountpoint, None
+    if a.watch is not None:
+        try:
+            interval = _interval(a.watch)
+        except argparse.ArgumentTypeError as e:
+            if mp is not None:
+                return ui.fail(EXIT_USAGE, f"argument --watch: {e} (see ckptfs status --help)")
+            mp, interval = Path(a.watch), WATCH_DEFAULT  # `status --watch MOUNTPOINT`
+    if mp is None:
+        return ui.fail(EXIT_USAGE, "the following arguments are required: mountpoint "
+                     "(see ckptfs status --help)")
+    mp = mp.absolute()
     entry = find_mount(mp)
     if entry is None or entry["fstype"] != "fuse.ckptfs":
-        return _fail(EXIT_MOUNTPOINT, f"{mp} is not a ckptfs mount")
+        return ui.fail(EXIT_MOUNTPOINT, f"{mp} is not a ckptfs mount")
+    if interval is not None:
+        return ui.watch_status(mp, interval)
     try:
         st = api.status(mp)
     except api.CkptfsError as e:
-        return _fail(e.code, str(e))
+        return ui.fail(e.code, str(e))
     if a.json:
-        print(json.dumps(st, indent=2, sort_keys=True))
-        return EXIT_OK
-    c, io = st["cache"], st["io"]
-    avg = io["bytes_written"] / io["write_requests"] if io["write_requests"] else 0
-    print(f"mount      {st['mountpoint']} (pid {st['pid']}, up {st['uptime_s']:.0f}s)")
-    print(f"cache dir  {st['cache_dir']}: {c['files']} files, {c['dirs']} dirs, "
-          f"{c['symlinks']} symlinks, {_human(c['bytes'])}; disk free "
-          f"{_human(c['disk_free_bytes'])} of {_human(c['disk_total_bytes'])}")
-    print(f"I/O        {io['write_requests']} writes ({_human(io['bytes_written'])}, "
-          f"avg {_human(avg)}), {io['read_requests']} reads ({_human(io['bytes_read'])}), "
-          f"{io['fsyncs']} fsyncs; {c['open_handles']} open handles")
-    dp = st.get("data_path")
-    if dp:
-        if dp["mode"] == "passthrough":
-            print(f"data path  passthrough: the kernel reads and writes whole cached files "
-                  f"({dp['passthrough_opens']} opens, {dp['open_backings']} open now); I/O above"
-                  f" is what the daemon served")
-        else:
-            print(f"data path  the daemon serves file data ({dp['off_reason']})")
-    t = st.get("tiering")
-    if t:
-        up, store = t["uploads"], t["store"]
-        print(f"store      {store['url']}: {store['health']}"
-              + (f" (last error: {store['last_error']})" if store.get("last_error") else ""))
-        print(f"uploads    {t['pending_sets']} sets pending, {_human(t['pending_bytes'])} to "
-              f"upload, {up['running']} running, {up['queued']} queued, "
-              f"{_human(up['rate_bytes_per_s'])}/s; {up['done']} done, "
-              f"{up['cancelled']} cancelled")
-        bad = t.get("remote", {}).get("invalid_manifests") or {}
-        if bad:
-            n = t["remote"].get("invalid_count", len(bad))
-            print(f"invalid    {n} manifest(s) in the store skipped (docs/FORMAT.md"
-                  " \"Validation\"):")
-            for key, why in list(bad.items())[:5]:
-                print(f"{'':>11}{key}: {why}")
-        if t["sets"]:
-            print(f"{'set':>5}  {'state':<10} {'files':>5} {'size':>10} {'uploaded':>10}  path")
-            for x in t["sets"]:
-                err = f"  ({x['error']})" if x.get("error") and x["state"] != "durable" else ""
-                print(f"{x['seq']:>5}  {x['state']:<10} {x['files']:>5} "
-                      f"{_human(x['bytes']):>10} {_human(x['bytes_uploaded']):>10}  "
-                      f"{x['path']}{err}")
-                w = x.get("waiting_for")
-                if w and w.get("acks_from"):
-                    print(f"{'':>5}  waiting {w['waited_s']:.0f}s (timeout {w['timeout_s']:.0f}s)"
-                          f" for acks from nodes {', '.join(w['acks_from'][:10])}")
-                elif w:
-                    names = ", ".join(w["files"][:5]) + (" ..." if w["missing"] > 5 else "")
-                    print(f"{'':>5}  waiting {w['waited_s']:.0f}s (timeout {w['timeout_s']:.0f}s)"
-                          f" for {w['missing']} file(s) from other nodes: {names}")
-                if x.get("after_set") is not None:
-                    print(f"{'':>5}  published after set {x['after_set']} (commit order)")
-        for j in t.get("restore", {}).get("jobs", [])[-5:]:
-            state = "done" if j["finished"] and not j.get("error") else \
-                "stopped" if j["finished"] else "running"
-            print(f"prefetch   {j['path']}: {state}, {_human(j['bytes_done'])} of "
-                  f"{_human(j['bytes_total'])}" + (f" ({j['error']})" if j.get("error") else ""))
-    return EXIT_OK
+        return ui.print_json(json.dumps(st, indent=2, sort_keys=True))
+    return ui.print_status(st)
 
 
 def main(argv: list[str] | None = None) -> int:

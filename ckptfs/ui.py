@@ -1,0 +1,551 @@
+"""What the `ckptfs` command line shows a person: `status` (once, or `--watch`), and the progress
+of `umount`'s drain and of `prefetch`, drawn with rich.
+
+This module owns the look of the output, and the loops that ask the daemon while they show it
+(`watch_status`, `drain`, `prefetch`): `ckptfs.cli` parses the arguments and calls in here; the
+numbers come from the daemon (`ckptfs.api.status`), and nothing here changes them (`status
+--json` prints the daemon's reply as it is).
+
+Two audiences, chosen per stream (`fancy`: a terminal, and not TERM=dumb):
+
+  * a terminal gets colours, tables and progress bars redrawn in place (rich `Live`);
+  * anything else (a pipe, a file, a log) gets plain text: no escape codes, no carriage returns,
+    no box drawing, one line per set whatever its path's length (the plain console is as wide as
+    the longest line, so nothing wraps or is cut), and progress as a line every `PLAIN_EVERY`
+    seconds.
+
+Output never ends in a traceback: a reader that goes away (`ckptfs status | head -1`) ends the
+output quietly (stdout is pointed at /dev/null so the interpreter's last flush cannot fail
+either), and a stderr that cannot be written any more turns the progress display off while the
+work (an unmount) goes on. Text that came from elsewhere (set paths, which other nodes and the
+store name; errors; invalid manifest keys) is shown with its control characters escaped, so a
+file name cannot move the cursor or split a line.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+
+from rich import box
+from rich.console import Console, Group, RenderableType
+from rich.live import Live
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TaskProgressColumn,
+    TextColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
+from rich.table import Table
+from rich.text import Text
+
+from . import api
+from .mount import EXIT_OK
+
+# A plain progress line every 5 s: often enough to see a drain move in a CI log, rare enough
+# that an hour-long upload leaves ~700 lines (the interval the pre-rich CLI used).
+PLAIN_EVERY = 5.0
+# How often the CLI asks the daemon while it shows progress: one control-socket round trip
+# (~1 ms) five times a second; the daemon's upload rate is a 10 s window anyway.
+POLL = 0.2
+# The plain console's width: wider than any line status can produce (a set path is at most
+# PATH_MAX = 4096 bytes, escaped at most 3x; notes name at most 10 nodes or 5 files), so rich
+# never wraps or cuts; lines are right-stripped after rendering.
+PLAIN_WIDTH = 1 << 16
+# States of a set that is committed but not yet durable in the store (cachemgr.sets.LIVE_STATES).
+AT_RISK = ("committed", "uploading")
+STATE_STYLE = {"durable": "green", "committed": "yellow", "uploading": "cyan",
+               "failed": "bold red", "deleting": "dim", "deleted": "dim", "replaced": "dim"}
+# Below this many columns a terminal gets the sets one above the other: the five number and
+# state columns of the table take ~45, which would leave a path no room.
+NARROW = 72
+HEALTH_STYLE = {"normal": "green", "unstable": "yellow", "down": "bold red"}
+
+
+# ----------------------------------------------------------------------------------------------
+# words
+
+
+def human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def duration(s: float) -> str:
+    """12s, 3m05s, 2h03m, 4d02h."""
+    s = max(0, int(s))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+_CONTROL = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7F, 0xA0))}
+
+
+def safe(s: object) -> str:
+    """`s` with control characters (C0, DEL, C1) written as \\xNN: text from elsewhere can
+    neither drive the terminal nor break a line in two."""
+    return str(s).translate(_CONTROL)
+
+
+# ----------------------------------------------------------------------------------------------
+# streams
+
+
+def _quiet(stream) -> None:
+    """The reader of `stream` (stdout or stderr) went away: send what is still buffered, and
+    everything after, to /dev/null, so the interpreter's final flush does not fail too (that
+    would print "Exception ignored ..." and exit 120)."""
+    try:
+        fd = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(fd, stream.fileno())
+        os.close(fd)
+    except (OSError, ValueError):
+        pass
+
+
+def _quiet_stdout() -> None:
+    _quiet(sys.stdout)
+
+
+def write_out(text: str) -> bool:
+    """Write `text` to stdout now. False if its reader is gone (then stdout is quiet)."""
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+        return True
+    except BrokenPipeError:
+        _quiet_stdout()
+        return False
+
+
+def result(line: str) -> None:
+    """A command's one-line result on stdout (`ckptfs: unmounted /mnt/ckpt`)."""
+    write_out(line + "\n")
+
+
+def note(msg: str) -> None:
+    """One line `ckptfs: <msg>` on stderr."""
+    try:
+        print(f"ckptfs: {safe(msg)}", file=sys.stderr, flush=True)
+    except OSError:
+        _quiet(sys.stderr)  # nobody can read it; an exit code still says what happened
+
+
+def fail(code: int, msg: str) -> int:
+    """The one-line error on stderr; returns `code` for the caller to exit with."""
+    note(msg)
+    return code
+
+
+def fancy(stream) -> bool:
+    """Draw for a person: `stream` is a terminal that can move its cursor."""
+    try:
+        return stream.isatty() and os.environ.get("TERM") != "dumb"
+    except (AttributeError, ValueError):
+        return False
+
+
+def _tty_console(file) -> Console:
+    return Console(file=file, highlight=False, emoji=False, markup=False)
+
+
+def plain(renderable: RenderableType) -> str:
+    """`renderable` as plain text: no escape codes, nothing wrapped, no trailing blanks."""
+    buf = io.StringIO()
+    Console(file=buf, width=PLAIN_WIDTH, color_system=None, force_terminal=False,
+            force_interactive=False, no_color=True, highlight=False, emoji=False, markup=False,
+            legacy_windows=False).print(renderable)
+    return "".join(ln.rstrip() + "\n" for ln in buf.getvalue().splitlines())
+
+
+# ----------------------------------------------------------------------------------------------
+# status
+
+
+def _at_risk(t: dict, now: float) -> Text:
+    """Committed but not yet durable: what a lost cache disk would take with it."""
+    n, pending = t.get("pending_sets", 0), t.get("pending_bytes", 0)
+    if n == 0:
+        return Text(f"{human(pending)} in 0 sets: every committed set is durable in the store",
+                    style="green")
+    live = [s["committed_ns"] for s in t.get("sets", []) if s["state"] in AT_RISK
+            and s.get("committed_ns")]
+    words = f"{human(pending)} in {_plural(n, 'set')} committed but not yet durable"
+    if live:
+        words += f", the oldest committed {duration(now - min(live) / 1e9)} ago"
+    if t.get("waiting_sets"):
+        words += f" ({t['waiting_sets']} waiting for other nodes)"
+    return Text(words, style="bold yellow")
+
+
+def _summary(st: dict, now: float) -> Table:
+    g = Table.grid(padding=(0, 2))  # label, 2 blanks, value: "data path  passthrough ..."
+    g.add_column(style="bold", no_wrap=True)
+    g.add_column(overflow="fold")  # a terminal too narrow for a path folds it, never cuts it
+    c, io_ = st["cache"], st["io"]
+    g.add_row("mount", Text(f"{safe(st['mountpoint'])} (pid {st['pid']}, up "
+                            f"{duration(st['uptime_s'])})"))
+    g.add_row("cache dir", Text(
+        f"{safe(st['cache_dir'])}: {c['files']} files, {c['dirs']} dirs, {c['symlinks']} "
+        f"symlinks, {human(c['bytes'])} ({human(c.get('cached_bytes', c['bytes']))} "
+        f"cached); disk free {human(c['disk_free_bytes'])} of {human(c['disk_total_bytes'])}"))
+    avg = io_["bytes_written"] / io_["write_requests"] if io_["write_requests"] else 0
+    g.add_row("I/O", Text(
+        f"{io_['write_requests']} writes ({human(io_['bytes_written'])}, avg {human(avg)}), "
+        f"{io_['read_requests']} reads ({human(io_['bytes_read'])}), {io_['fsyncs']} fsyncs; "
+        f"{c['open_handles']} open handles"))
+    dp = st.get("data_path")
+    if dp:
+        if dp["mode"] == "passthrough":
+            g.add_row("data path", Text(
+                f"passthrough: the kernel reads and writes whole cached files "
+                f"({dp['passthrough_opens']} opens, {dp['open_backings']} open now); I/O above "
+                f"is what the daemon served"))
+        else:
+            g.add_row("data path", Text(f"the daemon serves file data ({safe(dp['off_reason'])})"))
+    t = st.get("tiering")
+    if t:
+        store, up = t["store"], t["uploads"]
+        line = Text(f"{safe(store['url'])}: ")
+        line.append(store["health"], style=HEALTH_STYLE.get(store["health"], ""))
+        line.append(f" (node {safe(store.get('node', '?'))})")
+        if store.get("last_error"):
+            line.append(f"; last error: {safe(store['last_error'])}")
+        g.add_row("store", line)
+        g.add_row("at risk", _at_risk(t, now))
+        g.add_row("uploads", Text(
+            f"{up['running']} running, {up['queued']} queued, "
+            f"{human(up['rate_bytes_per_s'])}/s; {up['done']} done, {up['cancelled']} "
+            f"cancelled"))
+    return g
+
+
+def _table(fancy: bool) -> Table:
+    if fancy:
+        return Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False, header_style="bold")
+    # No box, no header rule: columns of text that grep and awk read like the old output.
+    return Table(box=None, pad_edge=False, show_edge=False, header_style="")
+
+
+def _listing(heads: tuple[str, ...], rows: list[tuple[list, Text, list[Text]]], fancy: bool,
+             narrow: bool) -> Table:
+    """A table of `rows` (cells, path, notes): the path last, each note on a line of its own
+    under the path. `heads` names the cells, right-aligned but the second (a state).
+
+    On a terminal narrower than NARROW the cells go on one line and the path on the next,
+    folded to the width: a table would leave the path no column at all."""
+    if narrow:
+        g = Table.grid(padding=(0, 1))
+        g.add_column(overflow="fold")
+        for cells, path, notes in rows:
+            line = Text()
+            for head, cell in zip(heads, cells, strict=True):
+                line.append(f"{head} " if head != "state" else "")
+                line.append(cell if isinstance(cell, Text) else Text(cell))
+                line.append("  ")
+            g.add_row(line)
+            g.add_row(Text("  ").append_text(path))
+            for n in notes:
+                g.add_row(Text("  ").append_text(n))
+        return g
+    tab = _table(fancy)
+    for i, head in enumerate(heads):
+        tab.add_column(head, justify="left" if i == 1 else "right", no_wrap=True)
+    # On a terminal a path too long for it folds (there is no other room); in plain text the
+    # line is as long as the path, so grep finds the set by its path.
+    tab.add_column("path", overflow="fold")
+    for cells, path, notes in rows:
+        tab.add_row(*cells, path)
+        for n in notes:
+            tab.add_row(*[""] * len(heads), n)
+    return tab
+
+
+def _sets(t: dict, fancy: bool, narrow: bool) -> Table:
+    note = "dim italic" if fancy else ""
+    rows = []
+    for x in t["sets"]:
+        path = Text(safe(x["path"]))
+        if x.get("error") and x["state"] != "durable":
+            path.append(f"  ({safe(x['error'])})", style="red" if fancy else "")
+        notes = []
+        w = x.get("waiting_for")
+        if w and w.get("acks_from"):
+            notes.append(Text(
+                f"waiting {w['waited_s']:.0f}s (timeout {w['timeout_s']:.0f}s) for acks from "
+                f"nodes {safe(', '.join(w['acks_from'][:10]))}", style=note))
+        elif w:
+            names = ", ".join(w["files"][:5]) + (" ..." if w["missing"] > 5 else "")
+            notes.append(Text(
+                f"waiting {w['waited_s']:.0f}s (timeout {w['timeout_s']:.0f}s) for "
+                f"{w['missing']} file(s) from other nodes: {safe(names)}", style=note))
+        if x.get("after_set") is not None:
+            notes.append(Text(f"published after set {x['after_set']} (commit order)",
+                              style=note))
+        state = Text(x["state"], style=STATE_STYLE.get(x["state"], "") if fancy else "")
+        rows.append(([str(x["seq"]), state, str(x["files"]), human(x["bytes"]),
+                      human(x["bytes_uploaded"])], path, notes))
+    return _listing(("set", "state", "files", "size", "uploaded"), rows, fancy, narrow)
+
+
+def _invalid(t: dict, fancy: bool) -> list[RenderableType]:
+    bad = t.get("remote", {}).get("invalid_manifests") or {}
+    if not bad:
+        return []
+    n = t["remote"].get("invalid_count", len(bad))
+    # `key: reason`, one a line: the key whole (folded on a narrow terminal), as grep wants it.
+    g = Table.grid()
+    g.add_column(overflow="fold")
+    for key, why in list(bad.items())[:5]:
+        g.add_row(Text(f"{safe(key)}: {safe(why)}"))
+    return [Text(""), Text(f"invalid manifests: {n} in the store skipped (docs/FORMAT.md "
+                           "\"Validation\")" + ("; the first 5 of them:" if n > 5 else ":"),
+                           style="bold yellow" if fancy else ""), g]
+
+
+def _jobs(t: dict, fancy: bool, narrow: bool) -> list[RenderableType]:
+    jobs = t.get("restore", {}).get("jobs", [])[-5:]
+    if not jobs:
+        return []
+    rows = []
+    for j in jobs:
+        state = "done" if j["finished"] and not j.get("error") else \
+            "stopped" if j["finished"] else "running"
+        path = Text(safe(j["path"]))
+        if j.get("error"):
+            path.append(f"  ({safe(j['error'])})", style="red" if fancy else "")
+        style = {"done": "green", "stopped": "red"}.get(state, "cyan") if fancy else ""
+        rows.append(([str(len(rows) + 1), Text(state, style=style), human(j["bytes_done"]),
+                      human(j["bytes_total"]), str(j["files"])], path, []))
+    return [Text(""), Text("prefetch jobs (newest last)", style="bold" if fancy else ""),
+            _listing(("job", "state", "fetched", "of", "files"), rows, fancy, narrow)]
+
+
+def status_view(st: dict, fancy: bool, header: str | None = None,
+                width: int | None = None) -> RenderableType:
+    """The whole `ckptfs status` page for the daemon's reply `st`, for a terminal `width`
+    columns wide (None: plain text, as wide as its longest line)."""
+    now = time.time()
+    narrow = width is not None and width < NARROW
+    parts: list[RenderableType] = []
+    if header:
+        parts += [Text(header, style="bold" if fancy else ""), Text("")]
+    parts.append(_summary(st, now))
+    t = st.get("tiering")
+    if t:
+        parts += _invalid(t, fancy)
+        if t["sets"]:
+            parts += [Text(""), Text("sets (newest last)", style="bold" if fancy else ""),
+                      _sets(t, fancy, narrow)]
+        parts += _jobs(t, fancy, narrow)
+    return Group(*parts)
+
+
+def print_status(st: dict) -> int:
+    if fancy(sys.stdout):
+        try:
+            console = _tty_console(sys.stdout)
+            console.print(status_view(st, fancy=True, width=console.width))
+            sys.stdout.flush()
+        except BrokenPipeError:
+            _quiet_stdout()
+        return EXIT_OK
+    write_out(plain(status_view(st, fancy=False)))
+    return EXIT_OK
+
+
+def print_json(text: str) -> int:
+    write_out(text + "\n")
+    return EXIT_OK
+
+
+def watch_status(mp: Path, interval: float) -> int:
+    """Show status every `interval` seconds until Ctrl-C (exit 0). If the daemon stops
+    answering (unmounted, died) the last page stays and the error's code is the exit code."""
+
+    def header() -> str:
+        return (f"ckptfs status {safe(mp)}, every {interval:g}s (Ctrl-C to stop), "
+                f"{datetime.now():%H:%M:%S}")
+
+    try:
+        if fancy(sys.stdout):
+            console = _tty_console(sys.stdout)
+            with Live(console=console, auto_refresh=False, redirect_stdout=False,
+                      redirect_stderr=False) as live:
+                while True:
+                    st = api.status(mp)
+                    live.update(status_view(st, fancy=True, header=header(),
+                                            width=console.width), refresh=True)
+                    time.sleep(interval)
+        else:
+            while True:
+                st = api.status(mp)
+                if not write_out(plain(status_view(st, fancy=False, header=header())) + "\n"):
+                    return EXIT_OK
+                time.sleep(interval)
+    except KeyboardInterrupt:
+        return EXIT_OK
+    except BrokenPipeError:
+        _quiet_stdout()
+        return EXIT_OK
+    except api.CkptfsError as e:
+        return fail(e.code, str(e))
+
+
+# ----------------------------------------------------------------------------------------------
+# progress
+
+
+class Meter:
+    """One transfer's progress on stderr: a rich bar redrawn in place on a terminal, else a plain
+    line now and then every PLAIN_EVERY seconds. Draws nothing until the first `update`.
+    A stderr that fails a write turns it off; the caller's work goes on."""
+
+    def __init__(self, label: str, fields: tuple[str, ...], eta: bool) -> None:
+        self.label = label
+        self.fields = fields
+        self.eta = eta
+        self.tty = fancy(sys.stderr)
+        self.off = False
+        self.progress: Progress | None = None
+        self.task = None
+        self.t0 = time.monotonic()
+        self.last_line = -PLAIN_EVERY
+        self.line = ""      # the latest plain line
+        self.printed = ""   # the plain line printed last
+        self.closed = False
+
+    def _start(self, done: int, total: int, fields: dict[str, str]) -> None:
+        cols = [TextColumn("{task.description}"),
+                BarColumn(complete_style="cyan", finished_style="green"), TaskProgressColumn(),
+                DownloadColumn(binary_units=True)]
+        cols += [TextColumn(f"{{task.fields[{f}]}}") for f in self.fields]
+        if self.eta:
+            cols += [TransferSpeedColumn(), TimeRemainingColumn()]
+        self.progress = Progress(*cols, console=_tty_console(sys.stderr), auto_refresh=False,
+                                 transient=False, redirect_stdout=False, redirect_stderr=False)
+        # The task before the display starts: its first frame has the numbers, not a pulse.
+        self.task = self.progress.add_task(self.label, total=total, completed=done, **fields)
+        self.progress.start()
+
+    def update(self, done: int, total: int, plain_line: str, **fields: str) -> None:
+        if self.off:
+            return
+        self.line = plain_line
+        try:
+            if self.tty:
+                if self.progress is None:
+                    self._start(done, total, fields)
+                else:
+                    self.progress.update(self.task, completed=done, total=total, **fields)
+                    self.progress.refresh()
+            elif time.monotonic() - self.last_line >= PLAIN_EVERY:
+                self._print(plain_line)
+        except OSError:
+            self.off = True
+            _quiet(sys.stderr)
+
+    def _print(self, line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+        self.printed = line
+        self.last_line = time.monotonic()
+
+    def close(self) -> None:
+        """Stop drawing (the bar stays, as last drawn); a plain display prints its latest line
+        unless that was the last one printed."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            if self.progress is not None:
+                self.progress.stop()
+            elif not self.tty and not self.off and self.line and self.line != self.printed:
+                self._print(self.line)
+        except OSError:
+            _quiet(sys.stderr)
+        self.off = True
+
+
+def drain(mp: Path, timeout: float | None) -> bool:
+    """`umount`: show upload progress until no committed set this node can finish is pending.
+    False on timeout."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    meter = Meter("uploads", ("sets", "rate", "store"), eta=False)
+    total = 0
+    try:
+        while True:
+            st = api.status(mp).get("tiering", {})
+            pending, nsets = st.get("pending_bytes", 0), st.get("pending_sets", 0)
+            remote = st.get("waiting_sets", 0)
+            if nsets - remote <= 0 and pending == 0:
+                if total:
+                    meter.update(total, total, f"uploads: {human(total)} of {human(total)} "
+                                 "(100%): all sets durable", sets="all sets durable", rate="",
+                                 store="")
+                meter.close()
+                if remote:
+                    # Their commits wait for files other nodes write: nothing here can finish
+                    # them; they resume at the next mount of this cache dir.
+                    note(f"{remote} set(s) still wait for files from other nodes; their"
+                         " commit resumes at the next mount")
+                return True
+            total = max(total, pending)
+            rate = human(st.get("uploads", {}).get("rate_bytes_per_s", 0.0)) + "/s"
+            health = st.get("store", {}).get("health", "?")
+            done = total - pending
+            meter.update(done, total,
+                         f"uploads: {human(done)} of {human(total)} "
+                         f"({done / total if total else 1:.0%}), {_plural(nsets, 'set')} "
+                         f"pending, {rate}, store {health}",
+                         sets=f"{_plural(nsets, 'set')} pending,", rate=rate + ",",
+                         store=f"store {health}")
+            if deadline is not None and time.monotonic() >= deadline:
+                meter.close()
+                return False
+            time.sleep(POLL)
+    finally:
+        meter.close()
+
+
+def prefetch(mp: Path, job: dict) -> tuple[dict, float]:
+    """`prefetch`: show the job's progress until it finishes. Returns its last state and the
+    seconds it took."""
+    meter = Meter(f"prefetch {safe(job['path'])}", ("files",), eta=True)
+    t0 = time.monotonic()
+    try:
+        while True:
+            jobs = {j["path"]: j for j in api.status(mp)["tiering"]["restore"]["jobs"]}
+            j = jobs.get(job["path"], job)
+            done, total = j["bytes_done"], j["bytes_total"]
+            elapsed = max(time.monotonic() - t0, 1e-3)
+            rate = done / elapsed
+            eta = f", ETA {duration((total - done) / rate)}" if rate and done < total else ""
+            meter.update(done, total,
+                         f"prefetch {safe(j['path'])}: {human(done)} of {human(total)} "
+                         f"({done / total if total else 1:.0%}), {_plural(j['files'], 'file')}, "
+                         f"{human(rate)}/s{eta}",
+                         files=_plural(j["files"], "file"))
+            if j["finished"]:
+                return j, time.monotonic() - t0
+            time.sleep(POLL)
+    finally:
+        meter.close()
