@@ -9,7 +9,8 @@ policy (`--prefetch`, docs/ARCHITECTURE.md "Restore policy"):
   set    opening a file of a set prefetches the whole set in the background;
   file   opening a file prefetches that file only;
   reads  nothing at open: a read that continues a file's sequential stream reads ahead of it,
-         by a window of 1/RA_DIV of what the stream has read so far (at most range_size);
+         by a window of 1/RA_DIV of what the stream has read so far (at most range_size); a
+         short read followed by a jump back fetches the range between (`_read_ahead`);
   none   only the chunks reads cover (`--no-prefetch`);
   auto   (default) per set, decided at its first open from what the daemon knows without
          reading any file's content: `set` when one node wrote the set and no other live node
@@ -206,23 +207,33 @@ class Restorer:
         to a chunk past what was asked for) extends it, and the chunks up to RA_DIV-th of the
         stream's length ahead of its furthest read are fetched in the background (runs of at
         most range_size, `concurrency` GETs at a time, never waited for by the read); any other
-        read starts a new stream with no read-ahead. So a reader that jumps around fetches its
-        chunks only, and one that goes on reading gets ahead of it."""
+        read starts a new stream with no read-ahead, unless it jumps back after a short read
+        (below). So a reader that jumps around fetches its chunks only, and one that goes on
+        reading gets ahead of it."""
         cs = obj.chunk_size
         st = self._streams.get(ino)
         if st is None or not (st[0] - cs <= off <= st[2] * cs + cs):
+            prev = st
             st = self._streams[ino] = [off, end, (end - 1) // cs + 1]
-            return
-        st[1] = max(st[1], end)
-        window = min(self.range_size, (st[1] - st[0]) // RA_DIV)
-        last = (min(obj.size, st[1] + window) - 1) // cs
+            if prev is None or not (off < prev[0] and prev[1] - prev[0] <= cs):
+                return
+            # A short read, then a jump back before it: the reader looked at the end of a
+            # range first and now reads it from its start (torch.load reads a zip's directory
+            # at its end: each DCP item, each torch.save file), so the whole range between is
+            # wanted: fetch it now, `concurrency` GETs in parallel.
+            last = (min(obj.size, prev[1]) - 1) // cs
+            parts = self.concurrency
+        else:
+            st[1] = max(st[1], end)
+            window = min(self.range_size, (st[1] - st[0]) // RA_DIV)
+            last = (min(obj.size, st[1] + window) - 1) // cs
+            parts = 4  # a large window is several GETs in flight at once
         first = max(st[2], (end - 1) // cs + 1)
         if last < first:
             return
         st[2] = last + 1
         per = max(1, self.range_size // cs)
-        # Split so that a large window is several GETs in flight at once.
-        step = max(1, min(per, -(-(last - first + 1) // 4)))
+        step = max(1, min(per, -(-(last - first + 1) // parts)))
         for i in range(first, last + 1, step):
             j = min(i + step, last + 1) - 1
             self.readahead_bytes += sum(chunk_span(obj, k)[1] for k in range(i, j + 1))

@@ -190,8 +190,9 @@ def test_dcp_resharded_and_subset_loads_fetch_what_each_node_reads(nodes, tmp_pa
         st = settled(m)
         want, _files = read_by(md, keys, rank, LOAD_WORLD)
         assert st["set_policies"].get("run/step_5") == "split", st
-        print(f"node {m.mountpoint.name} (rank {rank} of {LOAD_WORLD}): read {want} B, fetched"
-              f" {st['bytes_fetched']} B in {st['gets']} GETs (set {set_bytes} B)")
+        print(f"node {m.mountpoint.name} (rank {rank} of {LOAD_WORLD}): read {want} B,"
+              f" fetched {st['bytes_fetched']} B in {st['gets']} GETs, read-ahead"
+              f" {st['readahead_bytes']} B (set {set_bytes} B)")
         assert 0 < st["bytes_fetched"] <= 1.2 * want + meta_size, (rank, want, st)
         assert st["bytes_fetched"] < 0.75 * set_bytes, (rank, set_bytes, st)
         assert st["integrity_errors"] == 0
@@ -250,3 +251,27 @@ def test_per_rank_files_fetch_the_file_opened_and_set_fetches_the_set(nodes):
                 ino = (m.path / "pr" / "step_1" / sib).stat().st_ino
                 cache = m.cache_dir / "data" / str(ino)
                 assert not cache.exists() or cache.stat().st_blocks == 0, (name, sib)
+
+
+def test_prefetch_option_is_validated(tmp_path):
+    """--prefetch takes one of the policies (exit 2, one line naming the option, nothing
+    touched); --no-prefetch is --prefetch none; the config refuses anything else."""
+    from conftest import run_cli
+
+    from ckptfs.cli import build_parser
+    from ckptfs.config import ConfigError, MountConfig
+
+    mp_, cache = tmp_path / "mp", tmp_path / "cache"
+    mp_.mkdir()
+    res = run_cli("mount", str(mp_), "--cache-dir", str(cache), "--prefetch", "everything")
+    lines = res.stderr.splitlines()
+    assert res.returncode == 2 and len(lines) == 1 and lines[0].startswith("ckptfs: "), res
+    assert "--prefetch" in lines[0] and "Traceback" not in res.stderr
+    assert not cache.exists()
+    parse = build_parser().parse_args
+    assert parse(["mount", str(mp_)]).prefetch == "auto"
+    assert parse(["mount", str(mp_), "--no-prefetch"]).prefetch == "none"
+    assert parse(["mount", str(mp_), "--prefetch", "READS"]).prefetch == "reads"
+    assert MountConfig(mountpoint=mp_, cache_dir=cache, prefetch="file").prefetch == "file"
+    with pytest.raises(ConfigError, match="--prefetch"):
+        MountConfig(mountpoint=mp_, cache_dir=cache, prefetch="everything")
