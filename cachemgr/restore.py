@@ -87,6 +87,9 @@ class Restorer:
         self._policy: dict[int, str] = {}
         self._policy_paths: dict[str, str] = {}  # set path -> policy, for status
         self._deciding: dict[int, list[int]] = {}  # seq -> files opened while deciding
+        # auto: files of sets that chose `set` (their reads need no read-ahead: the whole set
+        # is coming); dropped with the file's cache state (forget).
+        self._whole: set[int] = set()
         # reads: per file being read, its sequential stream: [first byte, end of the furthest
         # read, first chunk not yet asked for]. Dropped with the file's cache state (forget).
         self._streams: dict[int, list[int]] = {}
@@ -165,6 +168,7 @@ class Restorer:
         self._verified.pop(ino, None)
         self._objs.pop(ino, None)
         self._streams.pop(ino, None)
+        self._whole.discard(ino)
         self.clean.discard(ino)
 
     def trusted(self, ino: int) -> bool:
@@ -197,7 +201,8 @@ class Restorer:
         if end <= off:
             return
         cs = obj.chunk_size
-        if read and self.mode in ("reads", "auto") and self.nursery is not None:
+        if read and (self.mode == "reads" or self.mode == "auto" and ino not in self._whole) \
+                and self.nursery is not None:
             self._read_ahead(ino, obj, off, end)
         for i in range(off // cs, (end - 1) // cs + 1):
             await self._ensure_chunk(ino, obj, i)
@@ -518,6 +523,7 @@ class Restorer:
             self._policy_paths.pop(next(iter(self._policy_paths)))
         opened = self._deciding.pop(s.seq, [])
         if policy == "set":
+            self._whole.update(f[1] for f in self.t.sets.files(s.seq))
             self._start_set(s)
         else:
             for ino in opened:
