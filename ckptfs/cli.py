@@ -148,7 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--prefetch", default="auto", type=str.lower,
                    choices=PREFETCH_MODES,
                    help="what a node fetches ahead of its readers: set = the whole set when "
-                   "one of its files is opened (fastest where this node reads all of it); file = the file opened; reads = read-ahead of "
+                   "one of its files is opened (fastest where this node reads all of it); "
+                   "file = the file opened; reads = read-ahead of "
                    "sequential reads only (a node fetches ~what its ranks read); none = only "
                    "what reads cover; auto = set for a single-node restore, else reads for DCP "
                    "shards and file for other files (default auto)")
