@@ -3,8 +3,22 @@ sets committed by other nodes appear in the namespace.
 
 `Restorer` serves reads of files whose data is not (all) in the cache (`cached = 0`: restored
 from the store, or evicted): a read waits only for the chunks it covers (one ranged GET each,
-verified against the manifest's per-chunk CRC32C), while opening a file of a set prefetches the
-whole set in the background, `concurrency` chunks at a time (memory: concurrency x chunk size).
+verified against the manifest's per-chunk CRC32C). What else comes in, and when, is the restore
+policy (`--prefetch`, docs/ARCHITECTURE.md "Restore policy"):
+
+  set    opening a file of a set prefetches the whole set in the background;
+  file   opening a file prefetches that file only;
+  reads  nothing at open: a read that continues a file's sequential stream reads ahead of it,
+         by a window of 1/RA_DIV of what the stream has read so far (at most range_size); a
+         short read followed by a jump back fetches the range between (`_read_ahead`);
+  none   only the chunks reads cover (`--no-prefetch`);
+  auto   (default) per set, decided at its first open from what the daemon knows without
+         reading any file's content: `set` when one node wrote the set and no other live node
+         (members/) but its writer is mounted on the store (a single-node restore); otherwise
+         `reads` for DCP shard files (`__<rank>_<n>.distcp`: a rank reads only its ranges) and
+         `file` for any other file (a per-rank torch.save file is read whole by one rank).
+
+Background fetches run `concurrency` GETs at a time (memory: concurrency x range_size).
 Chunks already in the cache file are recorded in `inodes.present`, so a restore interrupted by a
 crash resumes where it stopped. Restored chunks count against --cache-size: room is made before
 each chunk's GET (whole files first, then chunks of incomplete files nobody has open); a prefetch
@@ -26,6 +40,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import re
 import time
 
 import trio
@@ -47,15 +62,37 @@ log = logging.getLogger(__name__)
 
 FETCH_ATTEMPTS = 3
 
+MODES = ("auto", "set", "file", "reads", "none")
+# `reads`: the read-ahead window is 1/RA_DIV of the bytes the stream has read so far, so what a
+# stream fetches beyond its last read is at most 1/RA_DIV of what it read (plus the chunk that
+# read ends in): the 1.2x fetched/read target of docs/ARCHITECTURE.md "Restore policy" with room
+# for chunk rounding.
+RA_DIV = 8
+# DCP's shard files: each rank of a load reads only the ranges of its tensors from them.
+_DCP_SHARD = re.compile(r"__\d+_\d+\.distcp")
+
 
 class Restorer:
     def __init__(self, tiering, *, concurrency: int = 8, auto_prefetch: bool = True,
-                 range_size: int = 64 << 20) -> None:
+                 range_size: int = 64 << 20, mode: str | None = None) -> None:
         self.t = tiering
         self.core = tiering.core
         self.index = tiering.index
         self.concurrency = concurrency
-        self.auto_prefetch = auto_prefetch
+        # `auto_prefetch` is the older spelling: True = whole-set prefetch, False = none.
+        self.mode = mode if mode is not None else ("set" if auto_prefetch else "none")
+        if self.mode not in MODES:
+            raise ValueError(f"restore policy must be one of {', '.join(MODES)}")
+        # auto: the policy chosen for each set (seq -> "set" | "split"), "deciding" meanwhile.
+        self._policy: dict[int, str] = {}
+        self._policy_paths: dict[str, str] = {}  # set path -> policy, for status
+        self._deciding: dict[int, list[int]] = {}  # seq -> files opened while deciding
+        # auto: files of sets that chose `set` (their reads need no read-ahead: the whole set
+        # is coming); dropped with the file's cache state (forget).
+        self._whole: set[int] = set()
+        # reads: per file being read, its sequential stream: [first byte, end of the furthest
+        # read, first chunk not yet asked for]. Dropped with the file's cache state (forget).
+        self._streams: dict[int, list[int]] = {}
         # A prefetch GETs runs of adjacent chunks of up to range_size bytes at once (reads of
         # data not yet in fetch just their chunks): see docs/ARCHITECTURE.md for the numbers.
         self.range_size = range_size
@@ -78,6 +115,9 @@ class Restorer:
         self.nursery: trio.Nursery | None = None
         self.bytes_fetched = 0
         self.chunks_fetched = 0
+        self.gets = 0                 # GET requests that returned data
+        self.readahead_bytes = 0      # bytes asked for by read-ahead (policy reads)
+        self._ahead_running = 0       # read-ahead tasks started and not yet ended
         self.integrity_errors = 0
         self.damaged_chunks = 0
 
@@ -127,6 +167,8 @@ class Restorer:
         self._bitmaps.pop(ino, None)
         self._verified.pop(ino, None)
         self._objs.pop(ino, None)
+        self._streams.pop(ino, None)
+        self._whole.discard(ino)
         self.clean.discard(ino)
 
     def trusted(self, ino: int) -> bool:
@@ -140,8 +182,9 @@ class Restorer:
 
     # -- reads of files not (all) in the cache -----------------------------------------------
 
-    async def ensure_range(self, ino: int, off: int, size: int) -> None:
-        """Return once bytes [off, off+size) of `ino` are in its cache file."""
+    async def ensure_range(self, ino: int, off: int, size: int, *, read: bool = False) -> None:
+        """Return once bytes [off, off+size) of `ino` are in its cache file. `read`: a reader's
+        read (FuseOps.read), which may start a read-ahead (policy reads, `_read_ahead`)."""
         node = self.core.inode(ino)
         if node.cached:
             return
@@ -158,8 +201,62 @@ class Restorer:
         if end <= off:
             return
         cs = obj.chunk_size
+        if read and (self.mode == "reads" or self.mode == "auto" and ino not in self._whole) \
+                and self.nursery is not None:
+            self._read_ahead(ino, obj, off, end)
         for i in range(off // cs, (end - 1) // cs + 1):
             await self._ensure_chunk(ino, obj, i)
+
+    def _read_ahead(self, ino: int, obj: StoredObject, off: int, end: int) -> None:
+        """Policy reads: a read inside the file's current stream (from a chunk before its start
+        to a chunk past what was asked for) extends it, and the chunks up to RA_DIV-th of the
+        stream's length ahead of its furthest read are fetched in the background (runs of at
+        most range_size, `concurrency` GETs at a time, never waited for by the read); any other
+        read starts a new stream with no read-ahead, unless it jumps back after a short read
+        (below). So a reader that jumps around fetches its chunks only, and one that goes on
+        reading gets ahead of it."""
+        cs = obj.chunk_size
+        st = self._streams.get(ino)
+        if st is None or not (st[0] - cs <= off <= st[2] * cs + cs):
+            prev = st
+            st = self._streams[ino] = [off, end, (end - 1) // cs + 1]
+            if prev is None or not (off < prev[0] and prev[1] - prev[0] <= cs):
+                return
+            # A short read, then a jump back before it: the reader looked at the end of a
+            # range first and now reads it from its start (torch.load reads a zip's directory
+            # at its end: each DCP item, each torch.save file), so the whole range between is
+            # wanted: fetch it now, `concurrency` GETs in parallel.
+            last = (min(obj.size, prev[1]) - 1) // cs
+            parts = self.concurrency
+        else:
+            st[1] = max(st[1], end)
+            window = min(self.range_size, (st[1] - st[0]) // RA_DIV)
+            last = (min(obj.size, st[1] + window) - 1) // cs
+            parts = 4  # a large window is several GETs in flight at once
+        first = max(st[2], (end - 1) // cs + 1)
+        if last < first:
+            return
+        st[2] = last + 1
+        per = max(1, self.range_size // cs)
+        step = max(1, min(per, -(-(last - first + 1) // parts)))
+        for i in range(first, last + 1, step):
+            j = min(i + step, last + 1) - 1
+            self.readahead_bytes += sum(chunk_span(obj, k)[1] for k in range(i, j + 1))
+            self._ahead_running += 1
+            self.nursery.start_soon(self._ahead, ino, obj, i, j)
+
+    async def _ahead(self, ino: int, obj: StoredObject, first: int, last: int) -> None:
+        """One read-ahead run. Nothing raised here may leave the task (the nursery is the
+        daemon's): a failure is logged and the reader fetches what it needs itself."""
+        try:
+            async with self._limiter:
+                await self._ensure_run(ino, obj, first, last, set())
+        except (FsError, StoreError, OSError) as e:
+            log.info("read-ahead of inode %d chunks %d..%d stopped: %s", ino, first, last, e)
+        except Exception:  # a bug: this read-ahead ends, the daemon goes on
+            log.exception("read-ahead of inode %d chunks %d..%d failed", ino, first, last)
+        finally:
+            self._ahead_running -= 1
 
     async def ensure_all(self, ino: int) -> None:
         node = self.core.inode(ino)
@@ -255,6 +352,7 @@ class Restorer:
                         raw = await fetch_chunk(self.t.store, obj, i)
                 self.chunks_fetched += 1
                 self.bytes_fetched += len(raw)
+                self.gets += 1
                 return raw
             except StoreError as e:  # IntegrityError included: a re-read may be clean
                 last = e
@@ -367,20 +465,100 @@ class Restorer:
     # -- prefetch ------------------------------------------------------------------------------
 
     def on_open(self, ino: int) -> None:
-        """A file is being opened: prefetch its whole set (or the file) in the background."""
-        if not self.auto_prefetch or self.nursery is None:
+        """A file is being opened for reading: start what the restore policy fetches ahead of
+        its reads, in the background (see the module docstring)."""
+        if self.mode in ("none", "reads") or self.nursery is None:
             return
         s = self.t.sets.set_of_file(ino)
-        if s is None:
-            path = self.index.path_of(ino)
-            if path is not None and not self.core.inode(ino).cached:
-                self._start(path, [ino])
+        if s is None or self.mode == "file":
+            self._start_file(ino)
             return
+        if self.mode == "auto":
+            policy = self._policy.get(s.seq)
+            if policy is None:
+                self._policy[s.seq] = "deciding"
+                self._deciding[s.seq] = [ino]
+                self.nursery.start_soon(self._decide, s)
+                return
+            if policy == "deciding":
+                self._deciding[s.seq].append(ino)  # _decide starts what the policy asks
+                return
+            if policy == "split":
+                self._open_split(ino)
+                return
+        self._start_set(s)
+
+    def _start_file(self, ino: int) -> None:
+        if self.index.get_inode(ino) is None or self.core.inode(ino).cached:
+            return
+        path = self.index.path_of(ino)
+        if path is not None and not (path in self._jobs and not self._jobs[path]["finished"]):
+            self._start(path, [ino])
+
+    def _start_set(self, s) -> None:
         if s.path in self._jobs and not self._jobs[s.path]["finished"]:
             return
         inos = [f[1] for f in self.t.sets.files(s.seq)]
         if any(not self.core.inode(i).cached for i in inos if self.index.get_inode(i)):
             self._start(s.path, inos)
+
+    def _open_split(self, ino: int) -> None:
+        """auto, a set several nodes restore: a DCP shard file is read by ranges (reads); any
+        other file is fetched whole (file)."""
+        path = self.index.path_of(ino)
+        if path is not None and not _DCP_SHARD.fullmatch(path.rsplit("/", 1)[-1]):
+            self._start_file(ino)
+
+    async def _decide(self, s) -> None:
+        """Nothing raised here may leave the task (the nursery is the daemon's): a failure
+        falls back to the whole set, today's behaviour."""
+        try:
+            policy = await self._choose(s)
+        except Exception:  # a bug: logged with its traceback, the daemon goes on
+            log.exception("restore policy of %s: choosing failed; whole set", s.path)
+            policy = "set"
+        self._policy[s.seq] = policy
+        self._policy_paths[s.path] = policy
+        while len(self._policy_paths) > 100:  # status shows the recent ones
+            self._policy_paths.pop(next(iter(self._policy_paths)))
+        opened = self._deciding.pop(s.seq, [])
+        if policy == "set":
+            self._whole.update(f[1] for f in self.t.sets.files(s.seq))
+            self._start_set(s)
+        else:
+            for ino in opened:
+                self._open_split(ino)
+
+    async def _choose(self, s) -> str:
+        """auto: choose the policy of set `s` at its first open. `set` when one node wrote it
+        and no other live node than that writer is mounted on the store (a single-node
+        restore: the whole set is wanted here), else `split`. The writers come from the
+        objects' keys (data/<node>/..., validated); the live nodes from the members/ records
+        (one LIST). A store that cannot be listed gives `set` (the behaviour before policies)."""
+        writers: set[str] = set()
+        for f in self.t.sets.files(s.seq):
+            obj = self.obj_of(f[1]) if self.index.get_inode(f[1]) else None
+            if obj is not None and obj.key.startswith("data/"):
+                writers.add(obj.key.split("/", 2)[1])
+        others: set[str] = set()
+        why = "one writer"
+        if len(writers) > 1:
+            policy, why = "split", f"{len(writers)} nodes wrote it"
+        else:
+            try:
+                others = set(await self.t.members.live()) - writers
+            except StoreError as e:
+                log.warning("restore policy of %s: cannot list the live nodes (%s): whole set",
+                            s.path, e)
+            policy = "split" if others else "set"
+            if others:
+                why = f"{len(others)} other live node(s) may restore it too"
+            else:
+                why = "one writer, no other reader mounted"
+        log.info("restore policy of %s: %s (%s)", s.path,
+                 "whole set" if policy == "set" else "ranges read (DCP shards), files opened",
+                 why)
+        return policy
 
     def prefetch_path(self, path: str) -> dict:
         """`ckptfs prefetch PATH`: the set holding PATH, or every file under PATH."""
@@ -590,6 +768,7 @@ class Restorer:
                 raws = await fetch_chunks(self.t.store, obj, first, last)
                 self.chunks_fetched += len(raws)
                 self.bytes_fetched += sum(len(r) for r in raws)
+                self.gets += 1
                 return raws
             except StoreError as e:
                 last_err = e
@@ -615,7 +794,12 @@ class Restorer:
             job["error"] = f"internal error: {e!r}"
 
     def status(self) -> dict:
-        return {"bytes_fetched": self.bytes_fetched, "chunks_fetched": self.chunks_fetched,
+        return {"policy": self.mode, "bytes_fetched": self.bytes_fetched,
+                "chunks_fetched": self.chunks_fetched, "gets": self.gets,
+                "readahead_bytes": self.readahead_bytes,
+                "readahead_running": self._ahead_running,
+                "in_flight_chunks": len(self._inflight),
+                "set_policies": dict(list(self._policy_paths.items())[-20:]),
                 "integrity_errors": self.integrity_errors,
                 "damaged_cache_chunks": self.damaged_chunks,
                 "jobs": [dict(j) for j in list(self._jobs.values())[-20:]]}

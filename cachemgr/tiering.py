@@ -67,7 +67,8 @@ class TieringConfig:
     cache_size: int | None = None    # bytes of file data kept in the cache before eviction
     keep_local: int | None = None    # keep data of only the newest N durable sets locally
     retry_pause: float = 1.0         # pause before re-queueing an upload that failed
-    prefetch: bool = True            # opening a file of a set prefetches the whole set
+    # restore policy (cachemgr.restore): auto, set, file, reads or none (--prefetch)
+    prefetch: str = "auto"
     prefetch_concurrency: int = 8    # GETs in flight per prefetch (memory: x prefetch_range)
     prefetch_range: int = 64 << 20   # bytes per prefetch GET (runs of adjacent chunks)
     refresh_interval: float = 10.0   # seconds between listings of the store's manifests
@@ -112,7 +113,7 @@ class Tiering:
         from .restore import Restorer
 
         self.restorer = Restorer(self, concurrency=cfg.prefetch_concurrency,
-                                 auto_prefetch=cfg.prefetch, range_size=cfg.prefetch_range)
+                                 mode=cfg.prefetch, range_size=cfg.prefetch_range)
         self.remote = RemoteSync(self, cfg.refresh_interval)
         self.parts = PartPublisher(self)
         self.members = Members(self, cfg.lease, cfg.refresh_interval if cfg.refresh_interval > 0

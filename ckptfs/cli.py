@@ -15,6 +15,7 @@ from pathlib import Path
 from . import __version__, api, storetools
 from .config import (
     LOG_LEVELS,
+    PREFETCH_MODES,
     ConfigError,
     MountConfig,
     default_cache_dir,
@@ -144,9 +145,16 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--cache-size", type=_size, default=None,
                    help="file data to keep in the cache (e.g. 200G); beyond it durable data is "
                    "evicted and writers wait for uploads (default: the disk's size)")
-    o.add_argument("--no-prefetch", dest="prefetch", action="store_false",
-                   help="do not prefetch a whole set when one of its files is opened (reads "
-                   "still fetch their own ranges)")
+    o.add_argument("--prefetch", default="auto", type=str.lower,
+                   choices=PREFETCH_MODES,
+                   help="what a node fetches ahead of its readers: set = the whole set when "
+                   "one of its files is opened (fastest where this node reads all of it); "
+                   "file = the file opened; reads = read-ahead of "
+                   "sequential reads only (a node fetches ~what its ranks read); none = only "
+                   "what reads cover; auto = set for a single-node restore, else reads for DCP "
+                   "shards and file for other files (default auto)")
+    o.add_argument("--no-prefetch", dest="prefetch", action="store_const", const="none",
+                   help="same as --prefetch none")
     o.add_argument("--prefetch-concurrency", type=int, default=8,
                    help="GETs in flight per prefetch; memory is about prefetch-range x this "
                    "(default 8)")

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
+# --prefetch: the restore policies of cachemgr.restore (MODES there)
+PREFETCH_MODES = ("auto", "set", "file", "reads", "none")
 
 
 class ConfigError(ValueError):
@@ -159,7 +161,9 @@ class MountConfig:
     upload_files: int = 4           # files uploading at once
     cache_size: int | None = None   # bytes; None: bounded only by the cache disk
     keep_local: int | None = None   # keep only the newest N durable sets' data locally
-    prefetch: bool = True           # opening a file of a set prefetches the whole set
+    # Restore policy (cachemgr.restore, docs/ARCHITECTURE.md "Restore policy"): auto, set (the
+    # whole set on open), file (the file opened), reads (read-ahead of sequential reads), none.
+    prefetch: str = "auto"
     prefetch_concurrency: int = 8   # GETs in flight per prefetch (memory: x prefetch_range)
     prefetch_range: int = 64 << 20  # bytes per prefetch GET (docs/ARCHITECTURE.md: measured)
     refresh_interval: float = 10.0  # seconds between listings of the store's manifests
@@ -187,6 +191,8 @@ class MountConfig:
             raise ConfigError("--upload-files must be between 1 and 64")
         if self.cache_size is not None and self.cache_size < (64 << 20):
             raise ConfigError("--cache-size must be at least 64M")
+        if self.prefetch not in PREFETCH_MODES:
+            raise ConfigError(f"--prefetch must be one of {', '.join(PREFETCH_MODES)}")
         if not (1 <= self.prefetch_concurrency <= 256):
             raise ConfigError("--prefetch-concurrency must be between 1 and 256")
         if not (1 << 20 <= self.prefetch_range <= 1 << 30):

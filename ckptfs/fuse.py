@@ -318,7 +318,8 @@ class FuseOps(pyfuse3.Operations):
         if writing and res.backing_id:
             note_foreground()  # its writes never reach the daemon (cachemgr.transfer)
         if not writing and self.core.tiering is not None:
-            # Reads wait only for their own ranges; the rest of the set comes in meanwhile.
+            # Reads wait only for their own ranges; what the restore policy (--prefetch)
+            # fetches ahead of them comes in meanwhile.
             self.core.tiering.restorer.on_open(inode)
         return self._fileinfo(res)
 
@@ -336,7 +337,7 @@ class FuseOps(pyfuse3.Operations):
             node = self.core.io_handle(fh).inode
             if not node.cached:
                 try:
-                    await t.restorer.ensure_range(node.ino, off, size)
+                    await t.restorer.ensure_range(node.ino, off, size, read=True)
                 except OSError as e:
                     if e.errno not in (errno.ENOSPC, errno.EDQUOT):
                         raise
