@@ -73,14 +73,13 @@ _DCP_SHARD = re.compile(r"__\d+_\d+\.distcp")
 
 
 class Restorer:
-    def __init__(self, tiering, *, concurrency: int = 8, auto_prefetch: bool = True,
-                 range_size: int = 64 << 20, mode: str | None = None) -> None:
+    def __init__(self, tiering, *, concurrency: int = 8,
+                 range_size: int = 64 << 20, mode: str = "auto") -> None:
         self.t = tiering
         self.core = tiering.core
         self.index = tiering.index
         self.concurrency = concurrency
-        # `auto_prefetch` is the older spelling: True = whole-set prefetch, False = none.
-        self.mode = mode if mode is not None else ("set" if auto_prefetch else "none")
+        self.mode = mode
         if self.mode not in MODES:
             raise ValueError(f"restore policy must be one of {', '.join(MODES)}")
         # auto: the policy chosen for each set (seq -> "set" | "split"), "deciding" meanwhile.
@@ -89,7 +88,7 @@ class Restorer:
         self._deciding: dict[int, list[int]] = {}  # seq -> files opened while deciding
         # auto: files of sets that chose `set` (their reads need no read-ahead: the whole set
         # is coming); dropped with the file's cache state (forget).
-        self._whole: set[int] = set()
+        self._whole_set_files: set[int] = set()
         # reads: per file being read, its sequential stream: [first byte, end of the furthest
         # read, first chunk not yet asked for]. Dropped with the file's cache state (forget).
         self._streams: dict[int, list[int]] = {}
@@ -168,7 +167,7 @@ class Restorer:
         self._verified.pop(ino, None)
         self._objs.pop(ino, None)
         self._streams.pop(ino, None)
-        self._whole.discard(ino)
+        self._whole_set_files.discard(ino)
         self.clean.discard(ino)
 
     def trusted(self, ino: int) -> bool:
@@ -201,7 +200,8 @@ class Restorer:
         if end <= off:
             return
         cs = obj.chunk_size
-        if read and (self.mode == "reads" or self.mode == "auto" and ino not in self._whole) \
+        if read and (self.mode == "reads"
+                     or self.mode == "auto" and ino not in self._whole_set_files) \
                 and self.nursery is not None:
             self._read_ahead(ino, obj, off, end)
         for i in range(off // cs, (end - 1) // cs + 1):
@@ -523,7 +523,7 @@ class Restorer:
             self._policy_paths.pop(next(iter(self._policy_paths)))
         opened = self._deciding.pop(s.seq, [])
         if policy == "set":
-            self._whole.update(f[1] for f in self.t.sets.files(s.seq))
+            self._whole_set_files.update(f[1] for f in self.t.sets.files(s.seq))
             self._start_set(s)
         else:
             for ino in opened:

@@ -150,8 +150,7 @@ class Tiering:
         self._wake_ns.set()
 
     def _changed_now(self) -> None:
-        self._changed.set()
-        self._changed = trio.Event()
+        self._wake_waiters()
         if (self._blocked or self._blocked_unpublish) and ("release",) not in self._events:
             # A set may have left the live states: sets published in commit order after it
             # are looked at again, in the namespace FIFO.

@@ -27,6 +27,7 @@ from __future__ import annotations
 import copy
 import errno
 import functools
+import inspect
 import json
 import logging
 import os
@@ -102,7 +103,7 @@ class StandIn:
         self.parts = _Parts()
         self.changes = 0
         self.cfg = types.SimpleNamespace(cache_size=None)
-        self.restorer = Restorer(self, auto_prefetch=False)
+        self.restorer = Restorer(self, mode="none")
         core.tiering = self
 
     def _changed_now(self) -> None:
@@ -1287,3 +1288,10 @@ def test_failed_apply_keeps_a_partly_restored_file(h):
     with open(h.core.data_path(ino), "rb") as f:
         assert f.read() == big
     assert memory_problems(h.core) == [] and h.core.check_consistency() == []
+
+
+def test_restorer_state_does_not_shadow_its_whole_object_fetch(h):
+    """A prefetch of an object stored before chunk CRCs runs `Restorer._whole` (the whole
+    object at once); the restorer's per-file state must not hide that method under the same
+    name (it did: the prefetch then failed with "'set' object is not callable")."""
+    assert inspect.iscoroutinefunction(h.t.restorer._whole)
