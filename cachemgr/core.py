@@ -389,6 +389,11 @@ class CacheFs:
         except FileNotFoundError:
             pass
 
+    def inode_if_loaded(self, ino: int) -> Inode | None:
+        """The in-memory inode if the table holds it (open, known to the kernel, or loaded
+        since), without reading the index: what tiering asks about files being written."""
+        return self._inodes.get(ino)
+
     def inode(self, ino: int) -> Inode:
         node = self._inodes.get(ino)
         if node is not None:

@@ -33,7 +33,7 @@ from importlib import resources
 from pathlib import Path
 
 from .errors import IndexError_, IndexFull
-from .names import escape_name
+from .names import escape_name, unescape_name
 from .nodefiles import FILE_MODE, open_private, restrict
 
 log = logging.getLogger(__name__)
@@ -359,6 +359,16 @@ class Index:
             "SELECT ino FROM dentries WHERE parent=? AND name=?", (parent, name)
         ).fetchone()
         return row[0] if row else None
+
+    def resolve(self, path: str) -> int | None:
+        """The inode at `path` (escaped form, cachemgr.names; "" is the root), or None."""
+        ino = ROOT_INO
+        for part in path.split("/") if path else ():
+            child = self.lookup(ino, unescape_name(part))
+            if child is None:
+                return None
+            ino = child
+        return ino
 
     def add_dentry(self, parent: int, name: bytes, ino: int) -> None:
         self.conn.execute(

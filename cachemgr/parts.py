@@ -168,7 +168,7 @@ class PartPublisher:
                     " i.obj, i.obj_version FROM dentries d JOIN inodes i ON i.ino = d.ino"
                     " WHERE d.parent=? AND (i.mode & 61440) = 32768 AND i.version > 0",
                     (dir_ino,)):
-            node = self.t.core._inodes.get(ino)
+            node = self.t.core.inode_if_loaded(ino)
             if node is not None:  # sizes of open files live in memory
                 size, mtime_ns, writing = node.size, node.mtime_ns, node.writing
             durable = obj is not None and obj_version == version and not writing

@@ -296,12 +296,9 @@ class Tiering:
 
     def _resolve(self, path: str) -> int:
         """The inode at `path` (escaped form, cachemgr.names)."""
-        ino = 1
-        for part in path.split("/"):
-            child = self.index.lookup(ino, names.unescape_name(part))
-            if child is None:
-                raise FsError(errno.ENOENT, f"no such file: {path}")
-            ino = child
+        ino = self.index.resolve(path)
+        if ino is None:
+            raise FsError(errno.ENOENT, f"no such file: {path}")
         return ino
 
     def _commit(self, path: str, root_ino: int, reason: str,
@@ -413,7 +410,7 @@ class Tiering:
                 self.sets.supersede_content(ino, version, "the daemon crashed while a file was"
                                             " being written")
                 self.index.update_inode(ino, version=version + 1, writing=0)
-                node = self.core._inodes.get(ino)
+                node = self.core.inode_if_loaded(ino)
                 if node is not None:
                     node.version, node.writing = version + 1, 0
             for s in self.sets.by_states(LIVE_STATES):
@@ -464,7 +461,7 @@ class Tiering:
             await self._upload(job)
 
     def _valid(self, ino: int, version: int) -> bool:
-        node = self.core._inodes.get(ino)
+        node = self.core.inode_if_loaded(ino)
         if node is not None:
             return node.version == version and node.nlink > 0 and not node.writers
         return self._content_present(ino, version)
@@ -477,7 +474,7 @@ class Tiering:
             "SELECT obj_version, size FROM inodes WHERE ino=?", (ino,)).fetchone()
         if row is None or row[0] == version:
             return  # already uploaded (e.g. enqueued twice)
-        node = self.core._inodes.get(ino)
+        node = self.core.inode_if_loaded(ino)
         size = node.size if node is not None else row[1]
         key = self.sets.object_key(ino, version)
         if key is None:
