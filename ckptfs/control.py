@@ -13,6 +13,11 @@ kernel attaches to the connection (SO_PEERCRED: pid, uid, gid; SO_PEERGROUPS: th
 groups), never by anything the client says about itself. The handler gets them as a `Peer`.
 The client, in turn, checks that the server is the uid it expects (SO_PEERCRED on its end), so a
 socket planted by another user is never believed.
+
+State: the server's only state is `per_uid` (open connections per uid, the bound on one
+user's descriptors), local to one `serve` call and touched only by its tasks on the trio loop:
+no lock. Handlers run on the loop too, so they may read the daemon's services directly. The
+permission check (`check_access`) reads the cache index on the loop, as a handler.
 """
 
 from __future__ import annotations

@@ -10,7 +10,8 @@ documented exit code before the next one starts):
                 anything is mounted: a port that cannot be had fails the mount.
   3. cache      open the cache: `CacheFs.load` (index + crash recovery; fails: EXIT_CACHE_DIR).
   4. store      open the object store (fault injection for tests, `RetryingStore`), probe it
-                (fails: EXIT_STORE), bind the cache dir to the store URL (another URL: EXIT_CACHE_DIR).
+                (fails: EXIT_STORE), bind the cache dir to the store URL (another URL:
+                EXIT_CACHE_DIR).
   5. services   build `Tiering` (which builds its own services) and `FuseOps` over the core.
   6. mount      open the FUSE session (`fuse.mount_and_serve`; fails: EXIT_NOT_READY).
   7. serve      `trio.run`: one nursery holds, started in this order, the control socket, the
@@ -314,7 +315,7 @@ class _Daemon:
     async def serve(self) -> None:  # step 7, on the trio loop
         import trio
 
-        from . import control, metrics
+        from . import control
 
         svc = Services(self.cfg, self.core, self.tiering, started=time.time())
         assert self.main is not None
@@ -323,6 +324,8 @@ class _Daemon:
                                 control_path(self.cfg.mountpoint), partial(dispatch, svc))
             await nursery.start(self.tiering.run)
             if self.metrics_server is not None:
+                from . import metrics
+
                 self.metrics_server.start(trio.lowlevel.current_trio_token(),
                                           partial(metrics.snapshot, self.core, self.ops))
             nursery.start_soon(self._ready)
