@@ -42,8 +42,9 @@ import shutil
 import stat
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import Any, Protocol, cast
 
 import crc32c
 import lz4.frame
@@ -60,6 +61,35 @@ EXIT_DEST = 4
 EXIT_STORE = 5
 
 READ_BYTES = 4 << 20  # the most read from the store, decompressed or written at a time
+
+# A manifest (or one of its entries) that passed cachemgr.validate: JSON, fields in FORMAT.md.
+Manifest = dict[str, Any]
+ProgressFn = Callable[[dict[str, int]], None]
+
+
+class Reader(Protocol):
+    """An open object of a store view: its key, its stored size, ranged reads, close."""
+
+    @property
+    def key(self) -> str: ...
+
+    @property
+    def size(self) -> int: ...
+
+    def read(self, offset: int, n: int) -> bytes: ...
+
+    def close(self) -> None: ...
+
+
+class StoreView(Protocol):
+    """What restore reads a store through (FileStoreView, S3StoreView, ckptfs's view over
+    cachemgr.store)."""
+
+    def listing(self, prefix: str) -> list[tuple[str, int]]: ...
+
+    def get(self, key: str, max_bytes: int | None = None) -> bytes | None: ...
+
+    def open(self, key: str) -> Reader | None: ...
 
 
 class RestoreError(Exception):
@@ -225,7 +255,7 @@ class _S3Object:
             total = str(r.get("ContentRange", "")).rpartition("/")[2]
             body = r["Body"]
             try:
-                data = body.read(n + 1)  # never more than asked, whatever the server sends
+                data: bytes = body.read(n + 1)  # never more than asked, whatever the server sends
             finally:
                 body.close()
         if total != str(self.size) or len(data) != n:
@@ -248,7 +278,7 @@ class S3StoreView:
         self.prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
 
     @contextlib.contextmanager
-    def _errors(self, what: str, missing: str | None = None):
+    def _errors(self, what: str, missing: str | None = None) -> Iterator[None]:
         """botocore's errors as StoreError (or CorruptError for a missing/changed object)."""
         import botocore.exceptions as be
 
@@ -274,7 +304,7 @@ class S3StoreView:
     def keys(self, prefix: str) -> list[str]:
         return [k for k, _ in self.listing(prefix)]
 
-    def _missing(self, e) -> bool:
+    def _missing(self, e: Exception) -> bool:
         import botocore.exceptions as be
 
         return isinstance(e, be.ClientError) and \
@@ -305,7 +335,7 @@ class S3StoreView:
             if max_bytes is not None and size > max_bytes:
                 raise CorruptError(f"{key} is {size} bytes (at most {max_bytes})")
             with self._errors(key):
-                data = body.read() if max_bytes is None else body.read(max_bytes + 1)
+                data: bytes = body.read() if max_bytes is None else body.read(max_bytes + 1)
         finally:
             body.close()
         if max_bytes is not None and len(data) > max_bytes:
@@ -326,7 +356,7 @@ class _BytesObject:
         pass
 
 
-def open_view(url: str, endpoint_url: str | None = None):
+def open_view(url: str, endpoint_url: str | None = None) -> FileStoreView | S3StoreView:
     if url.startswith("file://"):
         root = Path(url[len("file://"):])
         if not (root / "objects").is_dir():
@@ -353,7 +383,7 @@ def _legacy_key(raw: bytes, key: str) -> bool:
     return doc["version"] == 1 and isinstance(p, str) and key == f"manifests/{p}.json"
 
 
-def load_manifest(view, key: str, size: int | None = None) -> dict | None:
+def load_manifest(view: StoreView, key: str, size: int | None = None) -> Manifest | None:
     """The validated, normalised manifest at `key`; None if there is none; CorruptError if it
     is invalid or bigger than validate.MAX_DOCUMENT_BYTES (`size`: from the listing, so that
     such a one is not even read)."""
@@ -366,7 +396,7 @@ def load_manifest(view, key: str, size: int | None = None) -> dict | None:
     return parse_manifest(raw, key)
 
 
-def parse_manifest(raw: bytes, key: str) -> dict:
+def parse_manifest(raw: bytes, key: str) -> Manifest:
     """The manifest whose bytes `raw` were read from `key`, validated and normalised (a
     version-1 manifest at the key of its literal name included); CorruptError otherwise."""
     try:
@@ -380,7 +410,8 @@ def parse_manifest(raw: bytes, key: str) -> dict:
         raise CorruptError(f"{key}: invalid manifest: {e}") from None
 
 
-def manifests(view, on_error: Callable[[str], None] | None = None) -> dict[str, dict]:
+def manifests(view: StoreView, on_error: Callable[[str], None] | None = None
+              ) -> dict[str, Manifest]:
     """{set path (escaped form): manifest} of every published set, each validated and
     normalised by cachemgr.validate. An invalid manifest is passed to `on_error` (one line)
     if given, and left out."""
@@ -399,7 +430,7 @@ def manifests(view, on_error: Callable[[str], None] | None = None) -> dict[str, 
     return out
 
 
-def find_set(view, set_path: str) -> dict:
+def find_set(view: StoreView, set_path: str) -> Manifest:
     """The manifest of SET_PATH as `list` prints it (the escaped form), or as the real path
     (bytes from argv), or at the key a version-1 manifest of that literal name has (see
     _legacy_key). NoSuchSet, UsageError, or CorruptError for an invalid manifest."""
@@ -431,7 +462,7 @@ def find_set(view, set_path: str) -> dict:
     raise NoSuchSet(f"no set {set_path!r} in the store")
 
 
-def _checked(m) -> dict:
+def _checked(m: Any) -> Manifest:
     """A manifest given to restore()/restore_to() checked again (they are public: the caller's
     dict is not trusted either). A normalised manifest (from manifests(), load_manifest())
     passes unchanged: its names are in the escaped form whatever its version."""
@@ -454,7 +485,7 @@ class _Checker:
     """Counts the raw bytes of one object and checks its CRC32C and chunk CRC32Cs as they
     arrive; CorruptError at the first byte too many or the first bad chunk."""
 
-    def __init__(self, obj: dict) -> None:
+    def __init__(self, obj: Manifest) -> None:
         self.obj, self.key, self.size = obj, obj["key"], obj["size"]
         self.crcs = obj["chunk_crcs"]
         self.cs = obj["chunk_size"] if self.crcs is not None else 0
@@ -488,7 +519,8 @@ class _Checker:
             raise CorruptError(f"{self.key}: {self.ci} chunks, {len(self.crcs)} chunk CRCs")
 
 
-def _lz4_frame(src, off: int, n: int, raw_len: int, i: int, chk: _Checker, sink) -> None:
+def _lz4_frame(src: Reader, off: int, n: int, raw_len: int, i: int,
+               chk: _Checker | _UnitChecker, sink: Callable[[bytes], None]) -> None:
     """Frame `i` of an lz4 object: `n` stored bytes at `off`, exactly `raw_len` raw bytes,
     read and decompressed at most READ_BYTES at a time."""
     key = src.key
@@ -532,7 +564,7 @@ def _lz4_frame(src, off: int, n: int, raw_len: int, i: int, chk: _Checker, sink)
         raise CorruptError(f"{key}: frame {i} decompresses to {got} bytes, not {raw_len}")
 
 
-def _stream(src, obj: dict, sink) -> None:
+def _stream(src: Reader, obj: Manifest, sink: Callable[[bytes], None]) -> None:
     """Every raw byte of object `obj` (a validated description) from reader `src` to `sink`, a
     few MiB at a time, checked; CorruptError at the first problem."""
     key, stored = obj["key"], obj["stored_size"]
@@ -554,14 +586,14 @@ def _stream(src, obj: dict, sink) -> None:
     chk.finish()
 
 
-def _open(view, obj: dict):
+def _open(view: StoreView, obj: Manifest) -> Reader:
     src = view.open(obj["key"])
     if src is None:
         raise CorruptError(f"{obj['key']}: object missing from the store")
     return src
 
 
-def decode(obj: dict, stored: bytes) -> bytes:
+def decode(obj: Manifest, stored: bytes) -> bytes:
     """The raw content of object description `obj` (checked on its own, any key) whose stored
     bytes are `stored`: every size and CRC32C checked; CorruptError otherwise. Small objects
     only (tests): the CLI streams."""
@@ -579,7 +611,7 @@ def decode(obj: dict, stored: bytes) -> bytes:
     return bytes(out)
 
 
-def restore(view, m: dict) -> dict[str, bytes]:
+def restore(view: StoreView, m: Manifest) -> dict[str, bytes]:
     """{file path inside the set (escaped form): bytes}, every object checked end to end.
     Holds the whole set in memory: for tests and small sets; restore_to() streams."""
     m = _checked(m)
@@ -595,7 +627,7 @@ def restore(view, m: dict) -> dict[str, bytes]:
     return out
 
 
-def verify_object(view, obj: dict) -> None:
+def verify_object(view: StoreView, obj: Manifest) -> None:
     """Read object `obj` (a validated description) back from the store and check every byte
     as a restore would (stored size, lz4 frames, CRC32C, chunk CRC32Cs), a few MiB at a time,
     keeping nothing: CorruptError at the first problem (`ckptfs fsck --verify`)."""
@@ -684,7 +716,8 @@ def _split(path: str) -> tuple[tuple[bytes, ...], bytes]:
     return comps[:-1], comps[-1]
 
 
-def _write_file(view, obj: dict, dir_fd: int, name: bytes, mode: int, shown: str) -> None:
+def _write_file(view: StoreView, obj: Manifest, dir_fd: int, name: bytes, mode: int,
+                shown: str) -> None:
     """A new file `name` in `dir_fd` (O_EXCL|O_NOFOLLOW: never an existing one, never through a
     symlink) holding the checked content of `obj`, then `mode`. On error it is removed."""
     src = _open(view, obj)
@@ -718,7 +751,7 @@ def _write_file(view, obj: dict, dir_fd: int, name: bytes, mode: int, shown: str
         src.close()
 
 
-def _build_dir(view, m: dict, fd: int, shown: bytes) -> None:
+def _build_dir(view: StoreView, m: Manifest, fd: int, shown: bytes) -> None:
     """The entries of dir set `m` inside the new empty directory `fd`: directories, files,
     then symlinks, then the directories' modes (deepest first, so that a mode without write or
     search permission does not get in the way)."""
@@ -783,7 +816,7 @@ def _target_free(parent_fd: int, name: bytes, kind: str, shown: str) -> None:
                            "or restore elsewhere)")
 
 
-def restore_to(view, m: dict, dest: Path) -> Path:
+def restore_to(view: StoreView, m: Manifest, dest: Path) -> Path:
     """Materialise set `m` at DEST/<set path> (as a user restoring without ckptfs would), with
     the exact byte names of the manifest; returns that path. Every path is resolved inside
     DEST without following a symlink; the set is built under a temporary name beside its
@@ -912,7 +945,7 @@ class _Geometry:
     Its chunks when it has chunk CRCs (an lz4 chunk is its frame), else its lz4 frames (checked
     by length), else READ_BYTES pieces (checked by length); the whole CRC32C covers them all."""
 
-    def __init__(self, obj: dict) -> None:
+    def __init__(self, obj: Manifest) -> None:
         self.obj = obj
         size = obj["size"]
         self.offsets: list[int] | None = None
@@ -990,7 +1023,7 @@ def _scan(fd: int, geo: _Geometry, stop: threading.Event) -> tuple[list[int], bo
     return (list(range(geo.count)) if obj["chunk_crcs"] is None else bad), False
 
 
-def _fetch_unit(src, geo: _Geometry, i: int, fd: int, stop: threading.Event) -> int:
+def _fetch_unit(src: Reader, geo: _Geometry, i: int, fd: int, stop: threading.Event) -> int:
     """Fetch unit i of `geo`'s object from reader `src` into file `fd` at its raw offset,
     checked as it arrives; returns its raw length."""
     raw, n, s_off, s_len, want = geo.unit(i)
@@ -1023,7 +1056,8 @@ def _fetch_unit(src, geo: _Geometry, i: int, fd: int, stop: threading.Event) -> 
     return n
 
 
-def run_parallel(items, fn, workers: int, stop: threading.Event, tick) -> None:
+def run_parallel(items: Iterable[Any], fn: Callable[[Any], None], workers: int,
+                 stop: threading.Event, tick: Callable[[], None]) -> None:
     """fn(item) for every item, in `workers` threads taking the next item of one shared
     iterator (no queue of futures: memory does not grow with the number of items). The first
     error stops the others at their next piece and is raised once all have stopped; an
@@ -1077,7 +1111,7 @@ class _State:
     A state file that does not parse, or belongs to another set, is ignored (everything is
     then read back and checked instead)."""
 
-    def __init__(self, dir_fd: int, name: bytes, m: dict) -> None:
+    def __init__(self, dir_fd: int, name: bytes, m: Manifest) -> None:
         self.dir_fd, self.name, self.path = dir_fd, name, m["path"]
         self.manifest = hashlib.sha256(json.dumps(m, sort_keys=True).encode(
             "utf-8", "surrogatepass")).hexdigest()
@@ -1112,7 +1146,7 @@ class _State:
                 d.get("version") != 1 or d.get("set") != self.path:
             return
 
-        def records(v, n: int) -> dict[str, list[int]]:
+        def records(v: Any, n: int) -> dict[str, list[int]]:
             if not isinstance(v, dict):
                 return {}
             return {k: r for k, r in v.items() if isinstance(k, str) and isinstance(r, list)
@@ -1121,7 +1155,7 @@ class _State:
         self.files = records(d.get("files"), 5)
         self.links = records(d.get("links"), 2)
 
-    def file_ok(self, rel: str, st: os.stat_result, obj: dict) -> bool | None:
+    def file_ok(self, rel: str, st: os.stat_result, obj: Manifest) -> bool | None:
         """True: the file at `rel` is the one this restore verified with `obj`'s content;
         False: it is the one it verified, with other content (ours to replace); None: not
         known (another file, or none recorded)."""
@@ -1129,7 +1163,7 @@ class _State:
             r = self.files.get(rel)
         if r is None or r[:4] != _sig(st):
             return None
-        return r[0] == obj["size"] and r[4] == obj["crc32c"]
+        return bool(r[0] == obj["size"] and r[4] == obj["crc32c"])
 
     def link_ours(self, rel: str, st: os.stat_result) -> bool:
         with self.lock:
@@ -1183,15 +1217,16 @@ class _Job:
     __slots__ = ("comps", "entry", "geo", "name", "remaining", "replace", "shown", "src",
                  "todo", "work")
 
-    def __init__(self, entry: dict, comps: tuple[bytes, ...], name: bytes, shown: str) -> None:
+    def __init__(self, entry: Manifest, comps: tuple[bytes, ...], name: bytes,
+                 shown: str) -> None:
         self.entry, self.comps, self.name, self.shown = entry, comps, name, shown
         self.geo = _Geometry(entry["object"])
         self.work = hashlib.sha256(entry["path"].encode("utf-8", "surrogatepass")) \
             .hexdigest()[:32].encode()
         self.replace = False
-        self.todo: list[int] | range = range(0)
+        self.todo: list[int] | range | None = range(0)  # None: verified at its place
         self.remaining = 0
-        self.src = None
+        self.src: Reader | None = None
 
 
 def _walk(root_fd: int, comps: tuple[bytes, ...], shown: str) -> int:
@@ -1260,7 +1295,7 @@ def _open_work(wfd: int, name: bytes) -> tuple[int, bool]:
     raise DestinationError("the restore's work directory keeps changing")
 
 
-def _set_dirs(m: dict) -> dict[tuple[bytes, ...], int]:
+def _set_dirs(m: Manifest) -> dict[tuple[bytes, ...], int]:
     """{directory of a dir set (names): its mode}: the manifest's directories and those only
     implied by its entries (0o755), as restore_to makes them."""
     modes: dict[tuple[bytes, ...], int] = {}
@@ -1273,7 +1308,8 @@ def _set_dirs(m: dict) -> dict[tuple[bytes, ...], int]:
     return modes
 
 
-def _prune(fd: int, prefix: tuple[bytes, ...], dirs: dict, m: dict) -> None:
+def _prune(fd: int, prefix: tuple[bytes, ...], dirs: dict[tuple[bytes, ...], int],
+           m: Manifest) -> None:
     """In the restore's own staging directory: remove every entry the set does not have there
     (left by an earlier run of an older manifest of the set), never following a symlink."""
     files = {_comps(f["path"]) for f in m["files"]}
@@ -1298,7 +1334,7 @@ def _prune(fd: int, prefix: tuple[bytes, ...], dirs: dict, m: dict) -> None:
     walk(fd, prefix)
 
 
-def _make_dirs(root_fd: int, modes: dict, target: bytes, staged: bool,
+def _make_dirs(root_fd: int, modes: dict[tuple[bytes, ...], int], target: bytes, staged: bool,
                overwrite: bool) -> None:
     """Every directory of the set under `root_fd`, made or opened without following a symlink,
     u+rwx while the set is filled in. A file or symlink in the way is replaced only in the
@@ -1327,8 +1363,9 @@ def _make_dirs(root_fd: int, modes: dict, target: bytes, staged: bool,
         tree.close()
 
 
-def _classify(job: _Job, view, state: _State, root_fd: int, wfd: int, staged: bool,
-              overwrite: bool, stop: threading.Event, count) -> None:
+def _classify(job: _Job, view: StoreView, state: _State, root_fd: int, wfd: int, staged: bool,
+              overwrite: bool, stop: threading.Event,
+              count: Callable[..., None]) -> None:
     """What file `job` needs: nothing (its place already holds the set's content: job.todo is
     None), or its work file filled in (job.todo: the units still to fetch, job.src: its
     reader). Refuses (DestinationError) to replace what restore did not put there."""
@@ -1484,8 +1521,258 @@ def _put_symlink(state: _State, pfd: int, name: bytes, rel: str, target: bytes, 
     state.record_link(rel, st)
 
 
-def restore_resumable(view, m: dict, dest: Path, *, overwrite: bool = False,
-                      workers: int = DEFAULT_WORKERS, progress=None) -> dict:
+class _Progress:
+    """The numbers `progress` gets: counted by the workers under a lock, handed out as copies."""
+
+    def __init__(self, m: Manifest, progress: ProgressFn | None) -> None:
+        self.snap = {"bytes_total": m["total_bytes"], "bytes_done": 0, "bytes_fetched": 0,
+                     "files_total": len(m["files"]), "files_done": 0}
+        self._lock = threading.Lock()
+        self._progress = progress
+
+    def count(self, done: int = 0, fetched: int = 0, files: int = 0) -> None:
+        with self._lock:
+            self.snap["bytes_done"] += done
+            self.snap["bytes_fetched"] += fetched
+            self.snap["files_done"] += files
+
+    def tick(self) -> None:
+        if self._progress is not None:
+            with self._lock:
+                s = dict(self.snap)
+            self._progress(s)
+
+
+class _Resumable:
+    """One run of `restore_resumable`, in its steps: open DEST and the state (`open`), lay out
+    the target and plan its files (`plan`), check what is there and fetch the rest (`fetch`),
+    then symlinks, modes and the rename into place (`finish_dir`); `close` releases every
+    descriptor, reader and the lock whatever happened."""
+
+    def __init__(self, view: StoreView, m: Manifest, dest: Path, overwrite: bool,
+                 workers: int, progress: ProgressFn | None) -> None:
+        self.t0 = time.monotonic()
+        self.view, self.m, self.overwrite, self.workers = view, m, overwrite, workers
+        self.dest_b = os.fsencode(dest)
+        self.parents, self.name = _split(m["path"])
+        if (self.parents + (self.name,))[0] == STATE_DIR:
+            raise DestinationError(f"{m['path']!r}: restore keeps its state in "
+                                   f"DEST/{STATE_DIR.decode()}; restore this set with "
+                                   "scripts/ckpt_restore.py")
+        self.target = os.path.join(self.dest_b, *self.parents, self.name)
+        self.shown_t = _show(self.target)
+        self.h = hashlib.sha256(m["path"].encode("utf-8", "surrogatepass")).hexdigest()[:32] \
+            .encode()
+        self.stop = threading.Event()
+        self.progress = _Progress(m, progress)
+        self.fds: list[int] = []
+        self.lfd: int | None = None
+        self.jobs: list[_Job] = []
+        self.state: _State | None = None
+        self.staged = False
+        self.modes: dict[tuple[bytes, ...], int] = {}
+        # set by open() and plan(): DEST's parent of the target, the work directory, the root
+        # the set's paths are resolved in (the target, its staging directory, or for a file
+        # set the parent)
+        self.sfd = self.pfd = self.wfd = self.root_fd = -1
+
+    def result(self) -> dict[str, Any]:
+        self.progress.tick()
+        return {**self.progress.snap, "target": Path(os.fsdecode(self.target)),
+                "seconds": time.monotonic() - self.t0}
+
+    def open(self) -> _State:
+        """DEST, its state directory (private), the lock of this set's restore, the state
+        file, the target's parents (created) and the work directory."""
+        dest_b, h = self.dest_b, self.h
+        try:
+            os.makedirs(dest_b, exist_ok=True)
+            dfd = os.open(dest_b, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError as e:
+            raise DestinationError(f"{_show(dest_b)}: {e.strerror}") from None
+        self.fds.append(dfd)
+        self.sfd = sfd = _opendir(dfd, STATE_DIR, _show(os.path.join(dest_b, STATE_DIR)),
+                                  create=True)
+        self.fds.append(sfd)
+        os.fchmod(sfd, 0o700)  # private: it records what was verified
+        try:
+            self.lfd = os.open(h + b".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW
+                               | os.O_CLOEXEC, 0o600, dir_fd=sfd)
+            fcntl.flock(self.lfd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise DestinationError(f"another restore of {self.m['path']!r} into "
+                                   f"{_show(dest_b)} is running") from None
+        except OSError as e:
+            raise DestinationError(f"cannot lock the restore state: {e.strerror}") from None
+        self.state = state = _State(sfd, h + b".json", self.m)
+        pfd = dfd
+        for i, c in enumerate(self.parents):
+            pfd = _opendir(pfd, c, _show(os.path.join(dest_b, *self.parents[:i + 1])),
+                           create=True)
+            self.fds.append(pfd)
+        self.pfd = pfd
+        self.wfd = _opendir(sfd, h + b".tmp", "the restore's work directory", create=True)
+        self.fds.append(self.wfd)
+        _ensure_writable(self.wfd)
+        return state
+
+    def symlink_set(self, state: _State) -> None:
+        """A symlink set: the link itself, nothing to fetch."""
+        _put_symlink(state, self.pfd, self.name, "", unescape_path(self.m["target"]),
+                     self.shown_t, self.wfd, staged=False, overwrite=self.overwrite)
+        self.done(state)
+
+    def plan(self) -> None:
+        """Where the set's files go (`root_fd`, `staged`: built in <h>.partial, or repaired in
+        place), its directories made, one `_Job` per file."""
+        m, name, shown_t = self.m, self.name, self.shown_t
+        if m["kind"] == "file":
+            self.root_fd = self.pfd
+            self.jobs = [_Job(m["files"][0], (), name, shown_t)]
+            return
+        st_t = _lstat(self.pfd, name, shown_t)
+        if st_t is not None and not stat.S_ISDIR(st_t.st_mode):
+            raise DestinationError(f"{shown_t} exists and is not a directory (the set is "
+                                   "one): remove it or restore elsewhere")
+        empty = False
+        if st_t is not None:
+            tfd = _opendir(self.pfd, name, shown_t)
+            try:
+                empty = not os.listdir(tfd)
+            finally:
+                os.close(tfd)
+        self.staged = st_t is None or empty
+        if self.staged:
+            self.root_fd = _opendir(self.sfd, self.h + b".partial",
+                                    "the restore's staging directory", create=True)
+        else:
+            self.root_fd = _opendir(self.pfd, name, shown_t)
+        self.fds.append(self.root_fd)
+        _ensure_writable(self.root_fd)
+        self.modes = _set_dirs(m)
+        if self.staged:
+            _prune(self.root_fd, (), self.modes, m)
+        _make_dirs(self.root_fd, self.modes, self.target, self.staged, self.overwrite)
+        for f in m["files"]:
+            comps, nm = _split(f["path"])
+            self.jobs.append(_Job(f, comps, nm,
+                                  _show(b"/".join((self.target, *comps, nm)))))
+
+    def fetch(self, state: _State) -> None:
+        """Check what each file's place holds (in parallel), then fetch the missing units of
+        the rest, each file read back whole and put in place once its last unit is in."""
+        p = self.progress
+
+        def classify(job: _Job) -> None:
+            _classify(job, self.view, state, self.root_fd, self.wfd, self.staged,
+                      self.overwrite, self.stop, p.count)
+
+        run_parallel(self.jobs, classify, self.workers, self.stop, p.tick)
+        lock = threading.Lock()
+
+        def fetch(item: tuple[_Job, int | None]) -> None:
+            job, i = item
+            if i is not None:
+                n = self._fetch_unit(job, i)
+                p.count(done=n, fetched=n)
+                with lock:
+                    job.remaining -= 1
+                    if job.remaining:
+                        return
+            _finish(job, state, self.root_fd, self.wfd, self.stop)
+            p.count(files=1)
+
+        run_parallel(self._units(), fetch, self.workers, self.stop, p.tick)
+
+    def _units(self) -> Iterator[tuple[_Job, int | None]]:
+        """(job, unit) for every unit still to fetch; (job, None) for a file with none left
+        (its work file only needs checking and moving into place)."""
+        for job in self.jobs:
+            if job.todo is None:
+                continue  # already verified at its place
+            if not job.todo:
+                yield job, None
+            for i in job.todo:
+                yield job, i
+
+    def _fetch_unit(self, job: _Job, i: int) -> int:
+        n = 0
+        for attempt in (1, 2):  # a chunk mangled in transit: read it once more
+            try:
+                fd = os.open(job.work, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                             dir_fd=self.wfd)
+            except OSError as e:
+                raise DestinationError(f"{job.shown}: its work file: {e.strerror}") from None
+            try:
+                src = cast(Reader, job.src)  # set by _classify: the job has units to fetch
+                n = _fetch_unit(src, job.geo, i, fd, self.stop)
+                break
+            except CorruptError:
+                if attempt == 2:
+                    raise
+            finally:
+                os.close(fd)
+        return n
+
+    def finish_dir(self, state: _State) -> None:
+        """A directory set: its symlinks, the directories' modes (deepest first), then the
+        staged tree renamed into place."""
+        m, root_fd, shown_t, pfd = self.m, self.root_fd, self.shown_t, self.pfd
+        for s in m["symlinks"]:
+            comps, nm = _split(s["path"])
+            pfd2 = _walk(root_fd, comps, shown_t)
+            try:
+                _put_symlink(state, pfd2, nm, s["path"], unescape_path(s["target"]),
+                             _show(b"/".join((self.target, *comps, nm))), self.wfd,
+                             staged=self.staged, overwrite=self.overwrite)
+            finally:
+                os.close(pfd2)
+        for comps in sorted(self.modes, key=lambda c: (-len(c), c)):
+            dfd2 = _walk(root_fd, comps, shown_t)
+            try:
+                os.fchmod(dfd2, self.modes[comps])
+            finally:
+                os.close(dfd2)
+        os.fchmod(root_fd, m["mode"])
+        if self.staged:
+            state.flush(force=True)
+            _target_free(pfd, self.name, "dir", shown_t)
+            try:
+                os.rename(self.h + b".partial", self.name, src_dir_fd=self.sfd, dst_dir_fd=pfd)
+            except OSError as e:
+                raise DestinationError(f"cannot rename the restored set into {shown_t}: "
+                                       f"{e.strerror}") from None
+        with contextlib.suppress(OSError):
+            os.fsync(pfd)
+
+    def done(self, state: _State) -> None:
+        state.flush(done=True)
+        with contextlib.suppress(OSError):
+            os.rmdir(self.h + b".tmp", dir_fd=self.sfd)  # empty unless a file of the set failed
+
+    def failed(self, e: BaseException) -> None:
+        """Stop the workers, keep what was verified; an OSError becomes one line (raised)."""
+        self.stop.set()
+        if self.state is not None:
+            with contextlib.suppress(RestoreError):
+                self.state.flush(force=True)
+        if isinstance(e, OSError):
+            raise DestinationError(f"restoring into {_show(self.dest_b)}: {e.strerror or e}") \
+                from None
+
+    def close(self) -> None:
+        for job in self.jobs:
+            if job.src is not None:
+                job.src.close()
+        if self.lfd is not None:
+            os.close(self.lfd)
+        for fd in reversed(self.fds):
+            os.close(fd)
+
+
+def restore_resumable(view: StoreView, m: Manifest, dest: Path, *, overwrite: bool = False,
+                      workers: int = DEFAULT_WORKERS,
+                      progress: ProgressFn | None = None) -> dict[str, Any]:
     """Restore set `m` at DEST/<set path> with up to `workers` ranged reads in flight, resuming
     whatever an earlier run into the same DEST left, and repairing a target an earlier run
     restored (see the layout comment above). Every path is resolved inside DEST without
@@ -1500,198 +1787,23 @@ def restore_resumable(view, m: dict, dest: Path, *, overwrite: bool = False,
     bytes_fetched, files_total, files_done. Returns the final snapshot with `target` and
     `seconds`. RestoreError (one line) if anything is wrong; KeyboardInterrupt stops the
     workers at their next piece and keeps what they verified."""
-    t0 = time.monotonic()
     m = _checked(m)
     if workers < 1:
         raise UsageError("workers must be at least 1")
-    dest_b = os.fsencode(dest)
-    parents, name = _split(m["path"])
-    if (parents + (name,))[0] == STATE_DIR:
-        raise DestinationError(f"{m['path']!r}: restore keeps its state in "
-                               f"DEST/{STATE_DIR.decode()}; restore this set with "
-                               "scripts/ckpt_restore.py")
-    target = os.path.join(dest_b, *parents, name)
-    shown_t = _show(target)
-    h = hashlib.sha256(m["path"].encode("utf-8", "surrogatepass")).hexdigest()[:32].encode()
-    stop = threading.Event()
-    snap = {"bytes_total": m["total_bytes"], "bytes_done": 0, "bytes_fetched": 0,
-            "files_total": len(m["files"]), "files_done": 0}
-    snap_lock = threading.Lock()
-
-    def count(done: int = 0, fetched: int = 0, files: int = 0) -> None:
-        with snap_lock:
-            snap["bytes_done"] += done
-            snap["bytes_fetched"] += fetched
-            snap["files_done"] += files
-
-    def tick() -> None:
-        if progress is not None:
-            with snap_lock:
-                s = dict(snap)
-            progress(s)
-
+    r = _Resumable(view, m, dest, overwrite, workers, progress)
     try:
-        os.makedirs(dest_b, exist_ok=True)
-        dfd = os.open(dest_b, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    except OSError as e:
-        raise DestinationError(f"{_show(dest_b)}: {e.strerror}") from None
-    fds = [dfd]
-    lfd = None
-    jobs: list[_Job] = []
-    try:
-        sfd = _opendir(dfd, STATE_DIR, _show(os.path.join(dest_b, STATE_DIR)), create=True)
-        fds.append(sfd)
-        os.fchmod(sfd, 0o700)  # private: it records what was verified
-        try:
-            lfd = os.open(h + b".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
-                          0o600, dir_fd=sfd)
-            fcntl.flock(lfd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise DestinationError(f"another restore of {m['path']!r} into {_show(dest_b)} "
-                                   "is running") from None
-        except OSError as e:
-            raise DestinationError(f"cannot lock the restore state: {e.strerror}") from None
-        state = _State(sfd, h + b".json", m)
-        pfd = dfd
-        for i, c in enumerate(parents):
-            pfd = _opendir(pfd, c, _show(os.path.join(dest_b, *parents[:i + 1])), create=True)
-            fds.append(pfd)
-        wfd = _opendir(sfd, h + b".tmp", "the restore's work directory", create=True)
-        fds.append(wfd)
-        _ensure_writable(wfd)
-
+        state = r.open()
         if m["kind"] == "symlink":
-            _put_symlink(state, pfd, name, "", unescape_path(m["target"]), shown_t, wfd,
-                         staged=False, overwrite=overwrite)
-            state.flush(done=True)
-            with contextlib.suppress(OSError):
-                os.rmdir(h + b".tmp", dir_fd=sfd)
-            tick()
-            return {**snap, "target": Path(os.fsdecode(target)),
-                    "seconds": time.monotonic() - t0}
-
-        st_t = _lstat(pfd, name, shown_t)
-        staged = False
-        if m["kind"] == "file":
-            root_fd = pfd
-            jobs = [_Job(m["files"][0], (), name, shown_t)]
-        else:
-            if st_t is not None and not stat.S_ISDIR(st_t.st_mode):
-                raise DestinationError(f"{shown_t} exists and is not a directory (the set is "
-                                       "one): remove it or restore elsewhere")
-            empty = False
-            if st_t is not None:
-                tfd = _opendir(pfd, name, shown_t)
-                try:
-                    empty = not os.listdir(tfd)
-                finally:
-                    os.close(tfd)
-            staged = st_t is None or empty
-            if staged:
-                root_fd = _opendir(sfd, h + b".partial", "the restore's staging directory",
-                                   create=True)
-            else:
-                root_fd = _opendir(pfd, name, shown_t)
-            fds.append(root_fd)
-            _ensure_writable(root_fd)
-            modes = _set_dirs(m)
-            if staged:
-                _prune(root_fd, (), modes, m)
-            _make_dirs(root_fd, modes, target, staged, overwrite)
-            for f in m["files"]:
-                comps, nm = _split(f["path"])
-                jobs.append(_Job(f, comps, nm, _show(b"/".join((target,) + comps + (nm,)))))
-
-        def classify(job: _Job) -> None:
-            _classify(job, view, state, root_fd, wfd, staged, overwrite, stop, count)
-
-        run_parallel(jobs, classify, workers, stop, tick)
-
-        def items():
-            for job in jobs:
-                if job.todo is None:
-                    continue  # already verified at its place
-                if not job.todo:
-                    yield job, None
-                for i in job.todo:
-                    yield job, i
-
-        lock = threading.Lock()
-
-        def fetch(item) -> None:
-            job, i = item
-            if i is not None:
-                for attempt in (1, 2):  # a chunk mangled in transit: read it once more
-                    try:
-                        fd = os.open(job.work, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC,
-                                     dir_fd=wfd)
-                    except OSError as e:
-                        raise DestinationError(f"{job.shown}: its work file: "
-                                               f"{e.strerror}") from None
-                    try:
-                        n = _fetch_unit(job.src, job.geo, i, fd, stop)
-                        break
-                    except CorruptError:
-                        if attempt == 2:
-                            raise
-                    finally:
-                        os.close(fd)
-                count(done=n, fetched=n)
-                with lock:
-                    job.remaining -= 1
-                    if job.remaining:
-                        return
-            _finish(job, state, root_fd, wfd, stop)
-            count(files=1)
-
-        run_parallel(items(), fetch, workers, stop, tick)
-
+            r.symlink_set(state)
+            return r.result()
+        r.plan()
+        r.fetch(state)
         if m["kind"] == "dir":
-            for s in m["symlinks"]:
-                comps, nm = _split(s["path"])
-                pfd2 = _walk(root_fd, comps, shown_t)
-                try:
-                    _put_symlink(state, pfd2, nm, s["path"], unescape_path(s["target"]),
-                                 _show(b"/".join((target,) + comps + (nm,))), wfd,
-                                 staged=staged, overwrite=overwrite)
-                finally:
-                    os.close(pfd2)
-            for comps in sorted(modes, key=lambda c: (-len(c), c)):
-                dfd2 = _walk(root_fd, comps, shown_t)
-                try:
-                    os.fchmod(dfd2, modes[comps])
-                finally:
-                    os.close(dfd2)
-            os.fchmod(root_fd, m["mode"])
-            if staged:
-                state.flush(force=True)
-                _target_free(pfd, name, "dir", shown_t)
-                try:
-                    os.rename(h + b".partial", name, src_dir_fd=sfd, dst_dir_fd=pfd)
-                except OSError as e:
-                    raise DestinationError(f"cannot rename the restored set into {shown_t}: "
-                                           f"{e.strerror}") from None
-            with contextlib.suppress(OSError):
-                os.fsync(pfd)
-        state.flush(done=True)
-        with contextlib.suppress(OSError):
-            os.rmdir(h + b".tmp", dir_fd=sfd)  # empty unless a file of the set failed
-        tick()
-        return {**snap, "target": Path(os.fsdecode(target)), "seconds": time.monotonic() - t0}
+            r.finish_dir(state)
+        r.done(state)
+        return r.result()
     except BaseException as e:
-        stop.set()
-        if "state" in locals():
-            with contextlib.suppress(RestoreError):
-                state.flush(force=True)
-        if isinstance(e, OSError):
-            raise DestinationError(f"restoring into {_show(dest_b)}: {e.strerror or e}") \
-                from None
+        r.failed(e)
         raise
     finally:
-        for job in jobs:
-            if job.src is not None:
-                job.src.close()
-        if lfd is not None:
-            os.close(lfd)
-        for fd in reversed(fds):
-            os.close(fd)
+        r.close()

@@ -8,6 +8,11 @@ Every function takes a path inside a ckptfs mount and talks to that mount's daem
 control socket. Nothing here imports pyfuse3 or the cache manager. Any user may call them on a
 root daemon's mount: the daemon answers what the caller may read (status, wait_durable,
 prefetch) or write (commit), and refuses the rest with CkptfsError code 9 (EXIT_ACCESS).
+
+State: none in the caller's process. Each call finds the mount (mountinfo + the daemon's
+registration in the runtime dir), opens one control connection, and closes it; the daemon's
+state stays on its trio loop, which answers one request per connection (ckptfs/control.py).
+Safe to call from any thread.
 """
 
 from __future__ import annotations
@@ -80,8 +85,8 @@ def _request(mountpoint: Path, req: dict, timeout: float | None = 10.0) -> dict:
 
 def _failed(reply: dict) -> CkptfsError:
     """The exception for an error reply: its errno picks the exit code."""
-    code = {errno.ENOENT: EXIT_USAGE, errno.EACCES: EXIT_ACCESS}.get(reply.get("errno"),
-                                                                     EXIT_ERROR)
+    codes: dict[object, int] = {errno.ENOENT: EXIT_USAGE, errno.EACCES: EXIT_ACCESS}
+    code = codes.get(reply.get("errno"), EXIT_ERROR)
     return CkptfsError(reply["error"], code=code)
 
 

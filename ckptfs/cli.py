@@ -11,6 +11,7 @@ import json
 import math
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 from . import __version__, api, storetools
 from .config import (
@@ -22,6 +23,7 @@ from .config import (
     default_store_url,
     parse_size,
 )
+from .daemon import run_daemon
 from .mount import (
     EXIT_ERROR,
     EXIT_MOUNTPOINT,
@@ -35,7 +37,6 @@ from .mount import (
     check_overlap,
     check_runtime_dir,
     find_mount,
-    run_daemon,
     setup_logging,
     start,
     umount,
@@ -43,7 +44,7 @@ from .mount import (
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, documented code, no usage dump
+    def error(self, message: str) -> NoReturn:  # one line, documented code, no usage dump
         print(f"ckptfs: {message} (see ckptfs {self.prog.split()[-1]} --help)"
               if " " in self.prog else f"ckptfs: {message} (see ckptfs --help)", file=sys.stderr)
         raise SystemExit(EXIT_USAGE)
@@ -86,7 +87,21 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="ckptfs", description="FUSE checkpoint filesystem for ML training.")
     p.add_argument("--version", action="version", version=f"ckptfs {__version__}")
     sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
+    _add_mount(sub)
+    _add_umount(sub)
+    _add_commit(sub)
+    _add_prefetch(sub)
+    _add_wait(sub)
+    _add_status(sub)
+    storetools.add_parsers(sub)  # ls, restore, fsck: on a store, no mount (ckptfs/storetools.py)
+    return p
 
+
+# One function per subcommand (and per option group of `mount`); `sub` is build_parser's
+# subparsers action.
+
+
+def _add_mount(sub: argparse._SubParsersAction) -> None:
     m = sub.add_parser("mount", help="mount ckptfs at MOUNTPOINT",
                        description="Mount ckptfs. Returns once the mount answers (or fails "
                        "with a one-line reason and a documented exit code).")
@@ -104,6 +119,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve Prometheus metrics at http://ADDR:PORT/metrics (ADDR default "
                    "127.0.0.1; IPv6 as [ADDR]:PORT); off by default. A scrape costs the "
                    "daemon's loop about a millisecond")
+    _add_mount_tuning(m)
+    _add_mount_store(m)
+
+
+def _add_mount_tuning(m: argparse.ArgumentParser) -> None:
     t = m.add_argument_group("tuning (defaults chosen by measurement, docs/ARCHITECTURE.md)")
     t.add_argument("--attr-timeout", type=_nonneg_float, default=10.0,
                    help="seconds the kernel caches attributes and names (default 10)")
@@ -119,6 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="do data reads/writes in N worker threads (default 0: inline)")
     t.add_argument("--read-ahead-kb", type=int, default=1024,
                    help="kernel readahead for the mount in KiB (default 1024; 0 = kernel default)")
+
+
+def _add_mount_store(m: argparse.ArgumentParser) -> None:
     o = m.add_argument_group("object store and tiering")
     o.add_argument("--store", default=None,
                    help="s3://bucket[/prefix] or file:///dir (default: the embedded file store "
@@ -176,6 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep only the newest N durable sets' data in the cache (older ones "
                    "are read back from the store on open)")
 
+
+def _add_umount(sub: argparse._SubParsersAction) -> None:
     u = sub.add_parser("umount", help="unmount a ckptfs mount",
                        description="Wait until committed sets are durable in the store (with "
                        "a progress bar), then unmount and wait for the daemon to persist its "
@@ -187,19 +212,28 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds to wait for uploads (default: no limit); on timeout unmount "
                    "anyway and exit 7")
 
+
+def _add_commit(sub: argparse._SubParsersAction) -> None:
     c = sub.add_parser("commit", help="commit a file or directory as a shard set now")
     c.add_argument("path", type=Path)
 
+
+def _add_prefetch(sub: argparse._SubParsersAction) -> None:
     pf = sub.add_parser("prefetch", help="fetch the set holding PATH (or everything under "
                         "PATH) into the cache now, in parallel, with a progress bar")
     pf.add_argument("path", type=Path)
     pf.add_argument("--no-wait", action="store_true", help="start it and return")
 
+
+def _add_wait(sub: argparse._SubParsersAction) -> None:
     w = sub.add_parser("wait", help="wait until the set holding PATH is durable in the store; a "
                        "directory of several sets (one per file): every set under it")
     w.add_argument("path", type=Path)
     w.add_argument("--timeout", type=_nonneg_float, default=None,
                    help="seconds for the whole wait (default: no limit); exit 7 on timeout")
+
+
+def _add_status(sub: argparse._SubParsersAction) -> None:
     st = sub.add_parser("status", help="show what a mount's cache holds and its I/O counters",
                         usage="ckptfs status MOUNTPOINT [--json | --watch [SECONDS]]")
     # Optional here only so that `status --watch MOUNTPOINT` works (argparse gives --watch the
@@ -210,8 +244,6 @@ def build_parser() -> argparse.ArgumentParser:
     stv.add_argument("--watch", nargs="?", const=str(WATCH_DEFAULT), default=None,
                      metavar="SECONDS", help="redraw every SECONDS (default "
                      f"{WATCH_DEFAULT:g}) until Ctrl-C; one control-socket request each")
-    storetools.add_parsers(sub)  # ls, restore, fsck: on a store, no mount (ckptfs/storetools.py)
-    return p
 
 
 def mount_parser() -> argparse.ArgumentParser:
@@ -392,6 +424,6 @@ def main(argv: list[str] | None = None) -> int:
             return storetools.run(args)
     except KeyboardInterrupt:
         return _fail(EXIT_ERROR, "interrupted")
-    except Exception as e:  # never a traceback on the terminal
+    except Exception as e:  # noqa: BLE001 (never a traceback on the terminal)
         return _fail(EXIT_ERROR, f"unexpected error: {e.__class__.__name__}: {e}")
     return _fail(EXIT_USAGE, f"unknown command {args.cmd}")

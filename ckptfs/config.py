@@ -1,6 +1,10 @@
 """The mount configuration: one frozen, validated object built by the CLI (or by Python callers).
 
 Everything a daemon needs to know is here; nothing reads argv or the environment after this.
+
+State: none that changes. A `MountConfig` is frozen and validated in `__post_init__`, so it is
+shared freely (the daemon's main thread, the trio loop, worker threads) without a guard. The
+module-level functions read the environment (uid, XDG_*) each time they are called.
 """
 
 from __future__ import annotations

@@ -13,6 +13,11 @@ kernel attaches to the connection (SO_PEERCRED: pid, uid, gid; SO_PEERGROUPS: th
 groups), never by anything the client says about itself. The handler gets them as a `Peer`.
 The client, in turn, checks that the server is the uid it expects (SO_PEERCRED on its end), so a
 socket planted by another user is never believed.
+
+State: the server's only state is `per_uid` (open connections per uid, the bound on one
+user's descriptors), local to one `serve` call and touched only by its tasks on the trio loop:
+no lock. Handlers run on the loop too, so they may read the daemon's services directly. The
+permission check (`check_access`) reads the cache index on the loop, as a handler.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import json
 import logging
 import os
 import socket
+import stat
 import struct
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -97,10 +103,13 @@ async def serve(path: Path, handler: Handler, *, mode: int = 0o600,
     sock.listen(16)
     listener = trio.SocketListener(sock)
     per_uid: dict[int, int] = {}
+
+    async def on_connection(stream: trio.SocketStream) -> None:
+        await _handle(stream, handler, per_uid)
+
     task_status.started()
     try:
-        await trio.serve_listeners(lambda stream: _handle(stream, handler, per_uid),
-                                   [listener])
+        await trio.serve_listeners(on_connection, [listener])
     finally:
         try:
             path.unlink()
@@ -153,6 +162,67 @@ async def _answer(stream: trio.SocketStream, handler: Handler, peer: Peer,
         await stream.send_all(json.dumps(reply).encode() + b"\n")
     except (trio.BrokenResourceError, trio.ClosedResourceError):
         pass
+
+
+# ----------------------------------------------------------------------------------------------
+# the caller's permission on the path, checked by the daemon
+#
+# The kernel checks every file operation through the mount (default_permissions); control
+# requests do not go through the mount, so the daemon checks them itself, with the caller's
+# credentials from SO_PEERCRED, against the mode bits in its index, the way the kernel would:
+# search (x) on every directory on the way, then what the request needs on the path itself.
+# What each op needs is in the daemon's op table (ckptfs/daemon.py CONTROL_OPS).
+
+READ, WRITE, SEARCH = 4, 2, 1
+
+
+def may(mode: int, uid: int, gid: int, peer: Peer, want: int) -> bool:
+    """POSIX mode-bit check of `peer` on an inode: the owner class if the peer owns it, else
+    the group class if it is in the group, else other; root passes."""
+    if peer.uid == 0:
+        return True
+    if peer.uid == uid:
+        bits = mode >> 6
+    elif peer.in_group(gid):
+        bits = mode >> 3
+    else:
+        bits = mode
+    return bits & want == want
+
+
+def check_access(index, peer: Peer, rel: str, want: int) -> None:
+    """Raise FsError(EACCES) unless `peer` may `want` (READ or WRITE) the path `rel` (relative
+    to the mount root) in the cache `index`. A missing component ends the walk: the request then
+    answers for itself (ENOENT, "in no committed set"). A symlink is judged by its directory
+    (its own mode is always 0777)."""
+    from cachemgr.errors import FsError
+    from cachemgr.index import ROOT_INO
+
+    if peer.uid == 0:
+        return
+    parts = [p for p in rel.split("/") if p]
+    ino, row = ROOT_INO, index.get_inode(ROOT_INO)
+    where = "/"
+    for i, name in enumerate(parts):
+        if not stat.S_ISDIR(row[1]):
+            return  # ENOTDIR: the request reports it
+        if not may(row[1], row[2], row[3], peer, SEARCH):
+            raise FsError(errno.EACCES, f"permission denied: uid {peer.uid} may not search "
+                          f"{where} in the mount")
+        child = index.lookup(ino, name.encode("utf-8", "surrogateescape"))
+        if child is None:
+            return
+        crow = index.get_inode(child)
+        if crow is None:
+            return
+        if stat.S_ISLNK(crow[1]) and i == len(parts) - 1:
+            break  # judged by its directory: whoever may replace the link
+        ino, row = child, crow
+        where = "/" + "/".join(parts[:i + 1])
+    if not may(row[1], row[2], row[3], peer, want):
+        verb = "write" if want == WRITE else "read"
+        raise FsError(errno.EACCES, f"permission denied: uid {peer.uid} may not {verb} "
+                      f"{where} in the mount")
 
 
 class UntrustedServer(OSError):

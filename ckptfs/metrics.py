@@ -125,7 +125,7 @@ class LoopSnapshots:
                 return  # the scrape gave up waiting
             try:
                 fut.set_result(self.fn())
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 (handed to the scrape, never to trio)
                 fut.set_exception(e)
 
         try:
@@ -151,6 +151,7 @@ def _counter(name: str, doc: str, value: float | None = None,
 def families(s: dict, cache_dir: Path) -> Iterator[Metric]:
     """The metric families of snapshot `s` (see README "Metrics" for the list)."""
     fuse = s["fuse"]
+    m: CounterMetricFamily | GaugeMetricFamily
     m = _counter("ckptfs_fuse_requests_total", "FUSE requests the daemon answered, by "
                  "operation. With passthrough the kernel reads and writes files the cache holds"
                  " whole without the daemon: those reads and writes are not counted here.",
@@ -210,6 +211,7 @@ def families(s: dict, cache_dir: Path) -> Iterator[Metric]:
 
 def _tiering_families(t: dict, now_ns: int) -> Iterator[Metric]:
     sets = t["sets"]
+    m: CounterMetricFamily | GaugeMetricFamily
     m = GaugeMetricFamily("ckptfs_sets", "Shard sets by state (committed -> uploading -> "
                           "durable; failed, superseded, replaced, deleting, deleted)",
                           labels=("state",))
@@ -310,7 +312,7 @@ class CkptfsCollector:
         except ScrapeError as e:
             self._failed(str(e), exc_info=False)
             raise
-        except Exception as e:  # a bug: this scrape fails, the daemon goes on
+        except Exception as e:  # noqa: BLE001 (a bug: this scrape fails, the daemon goes on)
             self._failed(f"collecting metrics failed: {e!r}", exc_info=True)
             raise ScrapeError(f"collecting metrics failed: {e.__class__.__name__}") from None
         with self._lock:
@@ -337,7 +339,7 @@ class _Handler(BaseHTTPRequestHandler):
     timeout = REQUEST_TIMEOUT_S
     server: _Server
 
-    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+    def do_GET(self) -> None:
         if urlsplit(self.path).path != "/metrics":
             self._reply(404, "text/plain; charset=utf-8", b"ckptfs: only /metrics here\n")
             return
@@ -347,7 +349,7 @@ class _Handler(BaseHTTPRequestHandler):
         except ScrapeError as e:
             self._reply(503, "text/plain; charset=utf-8", f"ckptfs: {e}\n".encode())
             return
-        except Exception as e:  # encoding (not our collector: it raises ScrapeError)
+        except Exception as e:  # noqa: BLE001 (encoding; our collector raises ScrapeError)
             log.warning("metrics: encoding failed: %r", e)
             self._reply(500, "text/plain; charset=utf-8",
                         f"ckptfs: encoding failed: {e.__class__.__name__}\n".encode())
@@ -364,7 +366,7 @@ class _Handler(BaseHTTPRequestHandler):
         except OSError as e:  # the scraper went away
             log.debug("metrics: reply not sent: %s", e)
 
-    def log_message(self, format: str, *args) -> None:  # noqa: A002
+    def log_message(self, format: str, *args) -> None:
         log.debug("metrics: %s %s", self.address_string(), format % args)
 
 
@@ -373,7 +375,9 @@ class _Server(ThreadingHTTPServer):
     registry: CollectorRegistry
 
     def handle_error(self, request, client_address) -> None:
-        log.debug("metrics: request from %s failed", client_address, exc_info=True)
+        # called by socketserver inside its except clause: exc_info is the failure
+        log.debug("metrics: request from %s failed", client_address,
+                  exc_info=True)  # noqa: LOG014
 
 
 class _Server6(_Server):
@@ -400,6 +404,7 @@ class MetricsServer:
     @property
     def address(self) -> str:
         host, port = self.httpd.server_address[:2]
+        host = host.decode() if isinstance(host, bytes) else host  # AF_INET(6): a str
         return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
     def start(self, token, snapshot_fn: Callable[[], dict]) -> None:

@@ -1,22 +1,26 @@
-"""Mount lifecycle: preflight checks, the cache-dir lock, the daemon, readiness, unmount.
+"""Mount lifecycle: preflight checks, the cache-dir lock, spawning the daemon, readiness, unmount.
 
 Order at mount (each step undone in reverse at exit):
   1. preflight (in the CLI process, so errors print directly): FUSE present, cache dir and mount
      point do not overlap, mount point usable (a stale mount of a dead daemon is cleaned up),
      cache dir a ckptfs cache or empty (then claimed: layout.json), writable and not locked;
   2. fork (unless --foreground); the child starts a new session and logs to the log file;
-  3. take the cache-dir lock (fcntl.flock on <cache>/lock, held for the daemon's lifetime, so two
-     daemons can never share a cache dir; the kernel drops it if the daemon dies);
-  4. open the cache (index + crash recovery);
-  5. mount (pyfuse3.init) and start the FUSE loop;
-  6. readiness: stat the mount point through the kernel from a worker thread (proves the loop
+  3. the daemon (ckptfs/daemon.py, its docstring has the full start and teardown order) takes the
+     cache-dir lock (`CacheLock`: fcntl.flock on <cache>/lock, held for the daemon's lifetime, so
+     two daemons can never share a cache dir; the kernel drops it if the daemon dies), opens the
+     cache (index + crash recovery) and the store, builds the services, mounts (pyfuse3.init)
+     and starts the FUSE loop;
+  4. readiness: stat the mount point through the kernel from a worker thread (proves the loop
      answers), tune the backing device's readahead, register in the runtime dir (root's
-     /run/ckptfs or the user's private one, checked in the preflight too), tell the parent.
+     /run/ckptfs or the user's private one, checked in the preflight too), tell the parent
+     through the pipe `start` reads (`Notify`).
 At exit (unmounted by `ckptfs umount`/fusermount3, or SIGTERM/SIGINT): the loop ends, the session
 is closed (unmounting if still mounted), the cache persists its in-memory state, the registration
 and the lock go.
-"""
 
+State: none in memory; the registration files in the runtime dir and the lock file belong to the
+daemon that wrote them (`unregister` removes only its own).
+"""
 from __future__ import annotations
 
 import errno
@@ -25,14 +29,12 @@ import json
 import logging
 import os
 import select
-import signal
 import stat
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable
-from functools import partial
 from pathlib import Path
 
 from cachemgr.nodefiles import FILE_MODE, make_dirs, open_private
@@ -41,11 +43,13 @@ from . import logsafe
 from .config import (
     ROOT_RUNTIME_DIR,
     MountConfig,
-    default_store_note,
-    default_store_url,
     runtime_dir,
     user_runtime_dirs,
 )
+
+# Re-exported for the importers of the time before ckptfs/daemon.py (tests, scripts): the
+# control-request permission check lives in ckptfs/control.py, the daemon in ckptfs/daemon.py.
+from .control import check_access, may  # noqa: F401
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +131,7 @@ def _stat_state(path: Path) -> int:
 
 def _fusermount_unmount(path: Path, lazy: bool) -> subprocess.CompletedProcess:
     args = ["fusermount3", "-u"] + (["-z"] if lazy else []) + [str(path)]
-    return subprocess.run(args, capture_output=True, text=True)
+    return subprocess.run(args, check=False, capture_output=True, text=True)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -506,70 +510,7 @@ def unregister(mp: Path) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# control requests: the caller's permission on the path, checked by the daemon
-#
-# The kernel checks every file operation through the mount (default_permissions); control
-# requests do not go through the mount, so the daemon checks them itself, with the caller's
-# credentials from SO_PEERCRED, against the mode bits in its index, the way the kernel would:
-# search (x) on every directory on the way, then what the request needs on the path itself.
-
-_R, _W, _X = 4, 2, 1
-# status: read the mount root; wait and prefetch: read the path (opening a file for reading
-# already prefetches its whole set, so prefetch asks no more than that); commit: write it.
-OP_NEEDS = {"status": _R, "wait": _R, "prefetch": _R, "commit": _W}
-
-
-def may(mode: int, uid: int, gid: int, peer, want: int) -> bool:
-    """POSIX mode-bit check of `peer` (a control.Peer) on an inode: the owner class if the
-    peer owns it, else the group class if it is in the group, else other; root passes."""
-    if peer.uid == 0:
-        return True
-    if peer.uid == uid:
-        bits = mode >> 6
-    elif peer.in_group(gid):
-        bits = mode >> 3
-    else:
-        bits = mode
-    return bits & want == want
-
-
-def check_access(index, peer, rel: str, want: int) -> None:
-    """Raise FsError(EACCES) unless `peer` may `want` (_R or _W) the path `rel` (relative to
-    the mount root) in the cache `index`. A missing component ends the walk: the request then
-    answers for itself (ENOENT, "in no committed set"). A symlink is judged by its directory
-    (its own mode is always 0777)."""
-    from cachemgr.errors import FsError
-    from cachemgr.index import ROOT_INO
-
-    if peer.uid == 0:
-        return
-    parts = [p for p in rel.split("/") if p]
-    ino, row = ROOT_INO, index.get_inode(ROOT_INO)
-    where = "/"
-    for i, name in enumerate(parts):
-        if not stat.S_ISDIR(row[1]):
-            return  # ENOTDIR: the request reports it
-        if not may(row[1], row[2], row[3], peer, _X):
-            raise FsError(errno.EACCES, f"permission denied: uid {peer.uid} may not search "
-                          f"{where} in the mount")
-        child = index.lookup(ino, name.encode("utf-8", "surrogateescape"))
-        if child is None:
-            return
-        crow = index.get_inode(child)
-        if crow is None:
-            return
-        if stat.S_ISLNK(crow[1]) and i == len(parts) - 1:
-            break  # judged by its directory: whoever may replace the link
-        ino, row = child, crow
-        where = "/" + "/".join(parts[:i + 1])
-    if not may(row[1], row[2], row[3], peer, want):
-        verb = "write" if want == _W else "read"
-        raise FsError(errno.EACCES, f"permission denied: uid {peer.uid} may not {verb} "
-                      f"{where} in the mount")
-
-
-# ----------------------------------------------------------------------------------------------
-# the daemon
+# helpers of the daemon (ckptfs/daemon.py) and its spawning
 
 
 def setup_logging(cfg: MountConfig) -> None:
@@ -620,258 +561,6 @@ def tune_readahead(mp: Path, kb: int) -> None:
 Notify = Callable[[int, str], None]
 
 
-def _inject_faults(store, spec: str | None):
-    """Testing aid: CKPTFS_FAULTS="put=every:3,upload_part=next:5,get=every:4" wraps the store in
-    a FaultyStore that fails those calls with a transient 503/500 (every k-th call, or the next
-    n calls), below the retry layer, so tests can show that throttling loses nothing.
-    `put@data/=hold:/tmp/gate` makes puts of keys under data/ wait while /tmp/gate exists."""
-    if not spec:
-        return store
-    from cachemgr.store import FaultyStore
-
-    faulty = FaultyStore(store)
-    for item in spec.split(","):
-        op, _, rule = item.strip().partition("=")
-        op, _, prefix = op.partition("@")
-        kind, _, n = rule.partition(":")
-        if kind == "every":
-            faulty.fail_every(op, int(n))
-        elif kind == "next":
-            faulty.fail_next(op, int(n))
-        elif kind == "hold":
-            faulty.hold(op, n, prefix)
-        else:
-            raise ValueError(f"bad CKPTFS_FAULTS item {item!r}")
-    log.warning("fault injection active: %s", spec)
-    return faulty
-
-
-async def _probe_store(store) -> None:
-    """Fail the mount early on a store that cannot work at all (no such bucket, no access);
-    transient trouble only warns: writes land in the cache and uploads retry."""
-    import trio
-
-    from cachemgr.store import StoreError
-
-    with trio.move_on_after(30) as scope:
-        try:
-            await store.list("manifests/")
-        except StoreError as e:
-            if not e.transient:
-                raise
-            log.warning("object store not reachable yet (%s); uploads will retry", e)
-    if scope.cancelled_caught:
-        log.warning("object store did not answer within 30s; uploads will retry")
-
-
-def run_daemon(cfg: MountConfig, notify: Notify) -> int:
-    """Run one mount until it is unmounted. `notify(code, msg)` is called exactly once: with
-    EXIT_OK when the mount is ready, or with the error code before returning it."""
-    import trio
-
-    from cachemgr.core import CacheFs
-    from cachemgr.errors import FsError
-    from cachemgr.store import RetryingStore, StoreError, open_store
-    from cachemgr.tiering import Tiering, TieringConfig
-    from cachemgr.transfer import TransferConfig, set_foreground_probe
-
-    from . import control, fuse
-
-    notified = False
-
-    def tell(code: int, msg: str) -> None:
-        nonlocal notified
-        if not notified:
-            notified = True
-            notify(code, msg)
-
-    lock = CacheLock(cfg.cache_dir)
-    try:
-        lock.acquire()
-    except MountError as e:
-        log.error("%s", e.msg)
-        tell(e.code, e.msg)
-        return e.code
-    core = None
-    mounted = False
-    metrics_server = None
-    try:
-        if cfg.metrics_listen is not None:
-            # Bound before anything is mounted: a port that cannot be had fails the mount.
-            from . import __version__, metrics
-
-            try:
-                metrics_server = metrics.MetricsServer(*cfg.metrics_listen,
-                                                       cache_dir=cfg.cache_dir,
-                                                       version=__version__)
-            except metrics.MetricsBindError as e:
-                log.error("%s", e.strerror)
-                tell(EXIT_NOT_READY, e.strerror)
-                return EXIT_NOT_READY
-        try:
-            core = CacheFs.load(cfg.cache_dir, direct_io_writes=cfg.direct_io_writes
-                                and not cfg.writeback_cache, backings=fuse.backings(cfg))
-        except (FsError, OSError) as e:
-            msg = f"cannot open cache in {cfg.cache_dir}: {e}"
-            log.error("%s", msg)
-            tell(EXIT_CACHE_DIR, msg)
-            return EXIT_CACHE_DIR
-        store_url = cfg.store or default_store_url()
-        try:
-            inner = open_store(store_url, endpoint_url=cfg.s3_endpoint, region=cfg.s3_region,
-                               path_style=cfg.s3_path_style, profile=cfg.s3_profile) \
-                if store_url.startswith("s3://") else open_store(store_url)
-            store = RetryingStore(_inject_faults(inner, os.environ.get("CKPTFS_FAULTS")))
-            trio.run(_probe_store, store)
-        except (StoreError, OSError) as e:
-            msg = f"object store {store_url} is unusable: {e}"
-            log.error("%s", msg)
-            tell(EXIT_STORE, msg)
-            return EXIT_STORE
-        except Exception as e:  # botocore config/credential errors
-            msg = f"object store {store_url} is unusable: {e.__class__.__name__}: {e}"
-            log.error("%s", msg)
-            tell(EXIT_STORE, msg)
-            return EXIT_STORE
-        bound = core.index.meta("store_url")
-        if bound is not None and bound != store_url:
-            msg = (f"cache dir {cfg.cache_dir} holds data of store {bound}, not {store_url}; "
-                   "use that store or another --cache-dir")
-            log.error("%s", msg)
-            tell(EXIT_CACHE_DIR, msg)
-            return EXIT_CACHE_DIR
-        if bound is None:
-            with core.index.tx():
-                core.index.conn.execute("INSERT INTO meta VALUES ('store_url', ?)", (store_url,))
-        tiering = Tiering(core, store, TieringConfig(
-            transfer=TransferConfig(part_size=cfg.part_size, compress=cfg.compress,
-                                    max_parts_in_flight=cfg.parts_in_flight),
-            file_concurrency=cfg.upload_files, cache_size=cfg.cache_size,
-            keep_local=cfg.keep_local, prefetch=cfg.prefetch,
-            prefetch_concurrency=cfg.prefetch_concurrency, prefetch_range=cfg.prefetch_range,
-            refresh_interval=cfg.refresh_interval, commit_timeout=cfg.commit_timeout))
-        core.tiering = tiering
-        ops = fuse.FuseOps(core, attr_timeout=cfg.attr_timeout, io_threads=cfg.io_threads)
-        ops.enable_writeback_cache = cfg.writeback_cache
-        ops.enable_passthrough = core.backings.on  # the kernel's answer: FuseOps.init
-        # Uploads hold back while the trainer writes; passthrough writes are seen by fstat.
-        set_foreground_probe(core.backings.wrote_since_probe)
-        try:
-            main = fuse.mount_and_serve(ops, str(cfg.mountpoint),
-                                        fuse.fuse_options(allow_other=cfg.allow_other,
-                                                          fsname=mount_source(store_url)))
-        except RuntimeError as e:
-            msg = f"mount of {cfg.mountpoint} failed: {e}"
-            log.error("%s", msg)
-            tell(EXIT_NOT_READY, msg)
-            return EXIT_NOT_READY
-        mounted = True
-        default = "" if cfg.store else f" ({default_store_note()})"
-        log.info("mounted %s (cache %s, store %s%s, pid %d)", cfg.mountpoint, cfg.cache_dir,
-                 store_url, default, os.getpid())
-
-        async def ready() -> None:
-            await trio.to_thread.run_sync(os.stat, cfg.mountpoint)
-            await trio.to_thread.run_sync(tune_readahead, cfg.mountpoint, cfg.read_ahead_kb)
-            # The namespace is complete as of one listing of the store before the mount
-            # reports ready: a job resuming right after `ckptfs mount` must never see an older
-            # checkpoint, or none, because the listing was still being applied.
-            remote = tiering.remote
-            with trio.move_on_after(FIRST_LISTING_TIMEOUT_S):
-                await remote.first_listing.wait()
-            why = remote.first_error if remote.first_listing.is_set() else \
-                f"no answer within {FIRST_LISTING_TIMEOUT_S:.0f}s"
-            if why is not None:
-                if not cfg.allow_empty_namespace:
-                    msg = (f"cannot list the sets in store {store_url} ({why}): the namespace "
-                           "would be incomplete; retry when the store answers, or mount with "
-                           "--allow-empty-namespace to see only this cache's sets until a "
-                           "listing succeeds")
-                    log.error("%s", msg)
-                    tell(EXIT_STORE, msg)
-                    fuse.terminate()
-                    return
-                log.warning("mounting without the store's sets (--allow-empty-namespace): %s;"
-                            " they appear once a listing succeeds", why)
-            register(cfg)
-            tell(EXIT_OK, f"mounted {cfg.mountpoint} (cache {cfg.cache_dir}, store {store_url}"
-                 f"{default}, pid {os.getpid()})")
-
-        async def on_signals(cancel: trio.CancelScope) -> None:
-            with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as sigs:
-                async for sig in sigs:
-                    log.info("signal %s: unmounting", signal.Signals(sig).name)
-                    fuse.terminate()
-                    return
-
-        started = time.time()
-
-        async def on_control(req: dict, peer: control.Peer) -> dict:
-            op = req.get("op")
-            try:
-                if op in OP_NEEDS:  # the caller's permission (root passes)
-                    check_access(core.index, peer, str(req.get("path", "")), OP_NEEDS[op])
-                if op == "status":
-                    return {"pid": os.getpid(), "mountpoint": str(cfg.mountpoint),
-                            "cache_dir": str(cfg.cache_dir), "uptime_s": time.time() - started,
-                            **core.status()}
-                if op == "prefetch":
-                    return tiering.restorer.prefetch_path(str(req["path"]))
-                if op == "commit":
-                    return {"seq": tiering.commit_path(str(req["path"]))}
-                if op == "wait":
-                    timeout = req.get("timeout")
-                    return await tiering.wait(str(req["path"]),
-                                              None if timeout is None else float(timeout))
-            except FsError as e:
-                return {"error": e.msg, "errno": e.errno}
-            except (KeyError, TypeError, ValueError) as e:
-                return {"error": f"bad request: {e}"}
-            return {"error": f"unknown op {op!r}"}
-
-        async def serve() -> None:
-            async with trio.open_nursery() as nursery:
-                await nursery.start(partial(control.serve, mode=control_mode()),
-                                    control_path(cfg.mountpoint), on_control)
-                await nursery.start(tiering.run)
-                if metrics_server is not None:
-                    from . import metrics
-
-                    metrics_server.start(trio.lowlevel.current_trio_token(),
-                                         partial(metrics.snapshot, core, ops))
-                nursery.start_soon(ready)
-                nursery.start_soon(on_signals, nursery.cancel_scope)
-                await main()
-                nursery.cancel_scope.cancel()
-
-        trio.run(serve)
-        log.info("FUSE loop ended")
-        return EXIT_OK
-    except Exception as e:
-        log.exception("daemon failed")
-        tell(EXIT_ERROR, f"daemon failed: {e}")
-        return EXIT_ERROR
-    finally:
-        if metrics_server is not None:
-            try:
-                metrics_server.close()  # first: no scrape waits on a loop that has ended
-            except Exception:
-                log.exception("stopping the metrics server failed")
-        if mounted:
-            try:
-                fuse.close_session(unmount=True)
-            except Exception:
-                log.exception("closing the FUSE session failed")
-        if core is not None:
-            try:
-                core.close()
-            except Exception:
-                log.exception("closing the cache failed")
-        unregister(cfg.mountpoint)
-        lock.release()
-        log.info("daemon exiting")
-
-
 def start(cfg: MountConfig) -> tuple[int, str]:
     """Mount in the background: fork a daemon and return (code, message) once it is ready or
     has failed."""
@@ -893,6 +582,8 @@ def start(cfg: MountConfig) -> tuple[int, str]:
                     os.close(w)
                 except OSError:
                     pass
+
+            from .daemon import run_daemon
 
             code = run_daemon(cfg, notify)
         finally:
@@ -958,3 +649,13 @@ def umount(mp: Path, *, timeout: float = 300.0) -> tuple[int, str]:
         else:
             return EXIT_ERROR, f"unmounted {mp}, but daemon pid {pid} is still running"
     return EXIT_OK, f"unmounted {mp}"
+
+
+def __getattr__(name: str):
+    """`mount.run_daemon` for importers of the time before ckptfs/daemon.py (lazy: daemon.py
+    imports this module)."""
+    if name == "run_daemon":
+        from .daemon import run_daemon
+
+        return run_daemon
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

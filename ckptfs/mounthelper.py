@@ -19,6 +19,8 @@ Generic mount options that say nothing to ckptfs (`defaults`, `rw`, `_netdev`, `
 (with `-s`, mount(8)'s "sloppy", a warning). The helper never unmounts: plain `umount` unmounts
 without waiting for uploads (they resume at the next mount of the cache dir), `ckptfs umount`
 waits for them (README "fstab and systemd").
+
+State: none; it runs once per mount(8) call and hands over to `ckptfs.cli.main`.
 """
 
 from __future__ import annotations
@@ -65,7 +67,9 @@ def mount_options() -> dict[str, tuple[str, argparse.Action]]:
 def split_options(text: str) -> list[str]:
     """'a,b=1,c="x,y"' -> ['a', 'b=1', 'c=x,y']: comma-separated, a double-quoted value may hold
     commas (libmount's quoting)."""
-    items, cur, quoted = [], [], False
+    items: list[str] = []
+    cur: list[str] = []
+    quoted = False
     for ch in text:
         if ch == '"':
             quoted = not quoted
@@ -121,7 +125,8 @@ def translate(source: str, target: str, options: list[str], *,
 def usage() -> str:
     opts = []
     for name, (_, act) in sorted(mount_options().items()):
-        opts.append(name if act.nargs == 0 else f"{name}=" + (act.metavar or act.dest).upper())
+        meta = act.metavar if isinstance(act.metavar, str) and act.metavar else act.dest
+        opts.append(name if act.nargs == 0 else f"{name}=" + meta.upper())
     return (f"usage: {PROG} SOURCE DIR [-sfnv] [-o OPTIONS] [-t fuse.ckptfs]\n"
             "  (run by mount(8) for fstab type fuse.ckptfs and for mount -t fuse.ckptfs)\n"
             "SOURCE: s3://bucket[/prefix], file:///dir, or ckptfs / none (the default store)\n"

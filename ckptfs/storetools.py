@@ -10,6 +10,9 @@ document is read past validate.MAX_DOCUMENT_BYTES.
 Threads: the async store runs in a trio loop on a thread of its own (`_Bridge`); the tools are
 plain threads that call into it (trio.from_thread), so the caller's thread keeps Ctrl-C and
 the progress display, and cachemgr.storeread's worker threads read objects in parallel.
+State: a `Session` owns its `_Bridge` (the loop thread) and the store view over it; an `_Fsck`
+run's findings (`named`, `protected`, `damage`, counts) are filled by the document reader
+threads under `_Fsck.lock`, and read by the calling thread only after they have all finished.
 
 Exit codes (README "Exit codes"): 0 done; 1 unexpected error or interrupted; 2 bad command
 line; 7 the store is unusable (unreachable, no such bucket, access denied, a listing or read
@@ -34,12 +37,13 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Self
+from typing import Any, Self, cast
 
 from cachemgr import keys, names, storeread, validate
 from cachemgr import members as mem
 from cachemgr import parts as prt
 
+from .fmt import human
 from .mount import EXIT_ERROR, EXIT_NO_SET, EXIT_OK, EXIT_STORE, EXIT_USAGE
 
 EXIT_DAMAGE = 10   # the store holds damage: an invalid manifest, an object missing/wrong/bad CRC
@@ -202,8 +206,8 @@ class _Bridge:
 
         self._trio = trio
         self._ready = threading.Event()
-        self._token = None
-        self._done = None
+        self._token: Any = None  # trio.lowlevel.TrioToken, once the loop runs
+        self._done: Any = None   # trio.Event: set to end the loop
         self._thread = threading.Thread(target=trio.run, args=(self._main,),
                                         name="ckptfs-store", daemon=True)
         self._thread.start()
@@ -362,14 +366,6 @@ class Session:
 
 # -- helpers ------------------------------------------------------------------------------------
 
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
-
-
 def _age(s: float) -> str:
     if s < 120:
         return f"{s:.0f} s"
@@ -464,7 +460,8 @@ class _Progress:
     def __init__(self, label: str) -> None:
         self.label = label
         self.tty = sys.stderr.isatty()
-        self.bar = self.task = None
+        self.bar: Any = None   # rich.progress.Progress on a terminal
+        self.task: Any = None  # its TaskID
         self.t0 = self.last = time.monotonic()
         if self.tty:
             from rich.console import Console
@@ -495,8 +492,8 @@ class _Progress:
             self.last = now
             pct = s["bytes_done"] / s["bytes_total"] if s["bytes_total"] else 1.0
             rate = s["bytes_fetched"] / max(now - self.t0, 1e-3)
-            print(f"ckptfs: {self.label} {pct:4.0%}: {_human(s['bytes_done'])} of "
-                  f"{_human(s['bytes_total'])}, {files}, {_human(rate)}/s", file=sys.stderr,
+            print(f"ckptfs: {self.label} {pct:4.0%}: {human(s['bytes_done'])} of "
+                  f"{human(s['bytes_total'])}, {files}, {human(rate)}/s", file=sys.stderr,
                   flush=True)
 
     def close(self) -> None:
@@ -564,7 +561,7 @@ def cmd_ls(a: argparse.Namespace) -> int:
                 others = len(r["nodes"]) - 1
                 node = r["node"] + (f" (+{others} nodes)" if others else "")
                 print(f"{r['path']:<{w}}  {r['kind']:<7} {r['files']:>6} "
-                      f"{_human(r['bytes']):>10} {_human(r['stored_bytes']):>10} {ratio:>6}  "
+                      f"{human(r['bytes']):>10} {human(r['stored_bytes']):>10} {ratio:>6}  "
                       f"{r['committed']:<19}  {node}")
         for b in bad:
             print(f"INVALID  {b['reason']}")
@@ -590,8 +587,8 @@ def cmd_restore(a: argparse.Namespace) -> int:
             bar.close()
     already = r["bytes_done"] - r["bytes_fetched"]
     print(f"ckptfs: restored {m['path']} to {os.fsdecode(r['target'])!r}: {r['files_total']} "
-          f"file(s), {_human(r['bytes_total'])} ({_human(r['bytes_fetched'])} fetched, "
-          f"{_human(already)} already there and verified) in {r['seconds']:.1f}s, every "
+          f"file(s), {human(r['bytes_total'])} ({human(r['bytes_fetched'])} fetched, "
+          f"{human(already)} already there and verified) in {r['seconds']:.1f}s, every "
           "CRC32C checked")
     return EXIT_OK
 
@@ -769,7 +766,7 @@ class _Fsck:
                 kept_parts.append(i)
 
         def part(info, raw) -> None:  # a kept record's objects are not garbage
-            node = _record_node(info.key)[1]
+            node = cast(tuple[str, str], _record_node(info.key))[1]  # a kept part record
             try:
                 if not raw:
                     raise validate.PartError("too big or gone")
@@ -790,14 +787,14 @@ class _Fsck:
         for key, info in sorted(data.items()):
             if key in self.named or key in self.protected:
                 continue
-            node = _node_of_data(key)
+            dnode = _node_of_data(key)
             age = self.now - info.mtime
-            if age < self.older or node in live or node in self.protected_nodes:
+            if age < self.older or dnode in live or dnode in self.protected_nodes:
                 kept += 1
                 continue
             out.append((key, info.size, "data object",
                         f"data object, {_age(age)} old: no manifest names it"
-                        + (f"; node {node} not seen for {_age(self.older)}" if node else "")))
+                        + (f"; node {dnode} not seen for {_age(self.older)}" if dnode else "")))
         return out, kept, live
 
     def protect(self, info, raw) -> None:
@@ -871,7 +868,7 @@ def cmd_fsck(a: argparse.Namespace) -> int:
         for line in sorted(f.damage):
             f.out(line)
         for key, size, _kind, why in garbage:
-            f.out(f"GARBAGE {key} ({_human(size)}): {why}")
+            f.out(f"GARBAGE {key} ({human(size)}): {why}")
         deleted = freed = 0
         errors: list[str] = []
         if a.repair and garbage:
@@ -885,14 +882,14 @@ def cmd_fsck(a: argparse.Namespace) -> int:
           + (f", {verified} read and CRC32C-checked" if a.verify else "")
           + f"; {listed} objects under data/; {len(f.damage)} problems")
     kinds = ", ".join(f"{n} {k}s" for k, n in sorted(by_kind.items())) or "none"
-    print(f"garbage: {kinds} ({_human(gbytes)}), older than {_age(a.older_than)} and of nodes "
+    print(f"garbage: {kinds} ({human(gbytes)}), older than {_age(a.older_than)} and of nodes "
           f"not seen for as long; {kept} unreferenced objects kept (younger, or of "
           f"{len(live)} live nodes)")
     if f.unknown and any(g[2] == "data object" for g in garbage):
         print(f"note: {len(f.unknown)} manifest(s) could not be read at all (e.g. "
               f"{f.unknown[0]}): data objects are not deleted while they are there")
     if a.repair:
-        print(f"repair: deleted {deleted} ({_human(freed)})"
+        print(f"repair: deleted {deleted} ({human(freed)})"
               + (f", {len(errors)} deletions failed" if errors else ""))
     elif garbage:
         print("not repaired: rerun with --repair to delete the garbage")

@@ -20,6 +20,11 @@ either), and a stderr that cannot be written any more turns the progress display
 work (an unmount) goes on. Text that came from elsewhere (set paths, which other nodes and the
 store name; errors; invalid manifest keys) is shown with its control characters escaped, so a
 file name cannot move the cursor or split a line.
+
+State: only the display's own, in the one thread that draws: a `Meter` (or the `Live` of
+`watch_status`) holds its rich objects and the last plain line, and is used by the thread that
+created it, never shared. Nothing of the daemon's is held: every number comes from a fresh
+control-socket reply. Number formatting without rich is in ckptfs/fmt.py.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import sys
 import time
 from datetime import datetime
 from pathlib import Path
+from typing import Any, cast
 
 from rich import box
 from rich.console import Console, Group, RenderableType
@@ -38,6 +44,7 @@ from rich.progress import (
     BarColumn,
     DownloadColumn,
     Progress,
+    TaskID,
     TaskProgressColumn,
     TextColumn,
     TimeRemainingColumn,
@@ -47,6 +54,7 @@ from rich.table import Table
 from rich.text import Text
 
 from . import api
+from .fmt import duration, human
 from .mount import EXIT_OK
 
 # A plain progress line every 5 s: often enough to see a drain move in a CI log, rare enough
@@ -71,26 +79,6 @@ HEALTH_STYLE = {"normal": "green", "unstable": "yellow", "down": "bold red"}
 
 # ----------------------------------------------------------------------------------------------
 # words
-
-
-def human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
-
-
-def duration(s: float) -> str:
-    """12s, 3m05s, 2h03m, 4d02h."""
-    s = max(0, int(s))
-    if s < 60:
-        return f"{s}s"
-    if s < 3600:
-        return f"{s // 60}m{s % 60:02d}s"
-    if s < 86400:
-        return f"{s // 3600}h{s % 3600 // 60:02d}m"
-    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
 
 
 def _plural(n: int, word: str) -> str:
@@ -326,7 +314,7 @@ def _jobs(t: dict, fancy: bool, narrow: bool) -> list[RenderableType]:
     jobs = t.get("restore", {}).get("jobs", [])[-5:]
     if not jobs:
         return []
-    rows = []
+    rows: list[tuple[list[RenderableType], Text, list[Text]]] = []
     for j in jobs:
         state = "done" if j["finished"] and not j.get("error") else \
             "stopped" if j["finished"] else "running"
@@ -427,7 +415,7 @@ class Meter:
         self.tty = fancy(sys.stderr)
         self.off = False
         self.progress: Progress | None = None
-        self.task = None
+        self.task: TaskID | None = None
         self.t0 = time.monotonic()
         self.last_line = -PLAIN_EVERY
         self.line = ""      # the latest plain line
@@ -444,7 +432,8 @@ class Meter:
         self.progress = Progress(*cols, console=_tty_console(sys.stderr), auto_refresh=False,
                                  transient=False, redirect_stdout=False, redirect_stderr=False)
         # The task before the display starts: its first frame has the numbers, not a pulse.
-        self.task = self.progress.add_task(self.label, total=total, completed=done, **fields)
+        extra: dict[str, Any] = fields  # rich: task fields are Any
+        self.task = self.progress.add_task(self.label, total=total, completed=done, **extra)
         self.progress.start()
 
     def update(self, done: int, total: int, plain_line: str, **fields: str) -> None:
@@ -456,7 +445,9 @@ class Meter:
                 if self.progress is None:
                     self._start(done, total, fields)
                 else:
-                    self.progress.update(self.task, completed=done, total=total, **fields)
+                    extra: dict[str, Any] = fields
+                    self.progress.update(cast(TaskID, self.task), completed=done, total=total,
+                                         **extra)
                     self.progress.refresh()
             elif time.monotonic() - self.last_line >= PLAIN_EVERY:
                 self._print(plain_line)

@@ -1,0 +1,436 @@
+"""The daemon: the composition root of one mount. Builds every service once, runs them in one
+nursery, and tears them down in the reverse order. `ckptfs.mount` decides *whether* to run it
+(preflight, fork, readiness pipe); this module is what runs.
+
+Start order (`run_daemon`, one step per `_Daemon` method, each step may fail the mount with a
+documented exit code before the next one starts):
+  1. lock       take the cache-dir lock (`mount.CacheLock`; fails: EXIT_CACHE_DIR). Nothing
+                below runs, and nothing is torn down, without it.
+  2. metrics    bind the --metrics port (`metrics.MetricsServer`; fails: EXIT_NOT_READY), before
+                anything is mounted: a port that cannot be had fails the mount.
+  3. cache      open the cache: `CacheFs.load` (index + crash recovery; fails: EXIT_CACHE_DIR).
+  4. store      open the object store (fault injection for tests, `RetryingStore`), probe it
+                (fails: EXIT_STORE), bind the cache dir to the store URL (another URL:
+                EXIT_CACHE_DIR).
+  5. services   build `Tiering` (which builds its own services) and `FuseOps` over the core.
+  6. mount      open the FUSE session (`fuse.mount_and_serve`; fails: EXIT_NOT_READY).
+  7. serve      `trio.run`: one nursery holds, started in this order, the control socket, the
+                tiering services, the metrics scrape hook (the loop's token), readiness (stat
+                through the kernel, readahead, first store listing, registration, notify) and the
+                signal handler; then the FUSE main loop runs until unmounted or signalled, and the
+                nursery is cancelled.
+Teardown order (`_Daemon.teardown`, reverse, each step guarded so one failure skips nothing):
+  metrics server closed first (no scrape waits on a loop that has ended); FUSE session closed
+  (unmounting if still mounted); cache closed (persists its in-memory state); registration
+  removed; lock released.
+
+State: everything here is built and owned by the daemon's main thread before `trio.run`, then
+by the trio loop thread. Other threads (the metrics HTTP thread) reach it only through the
+snapshot the loop publishes (`metrics.LoopSnapshots`).
+
+Control ops (`CONTROL_OPS`): op name -> (the permission the caller needs on `req["path"]`, the
+handler). The protocol and every reply are those of ckptfs/control.py and README "Control socket".
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+from .config import MountConfig, default_store_note, default_store_url
+from .control import READ, WRITE, Peer, check_access
+from .mount import (
+    EXIT_CACHE_DIR,
+    EXIT_ERROR,
+    EXIT_NOT_READY,
+    EXIT_OK,
+    EXIT_STORE,
+    FIRST_LISTING_TIMEOUT_S,
+    CacheLock,
+    MountError,
+    Notify,
+    control_mode,
+    control_path,
+    mount_source,
+    register,
+    tune_readahead,
+    unregister,
+)
+
+log = logging.getLogger(__name__)
+
+
+def _inject_faults(store, spec: str | None):
+    """Testing aid: CKPTFS_FAULTS="put=every:3,upload_part=next:5,get=every:4" wraps the store in
+    a FaultyStore that fails those calls with a transient 503/500 (every k-th call, or the next
+    n calls), below the retry layer, so tests can show that throttling loses nothing.
+    `put@data/=hold:/tmp/gate` makes puts of keys under data/ wait while /tmp/gate exists."""
+    if not spec:
+        return store
+    from cachemgr.store import FaultyStore
+
+    faulty = FaultyStore(store)
+    for item in spec.split(","):
+        op, _, rule = item.strip().partition("=")
+        op, _, prefix = op.partition("@")
+        kind, _, n = rule.partition(":")
+        if kind == "every":
+            faulty.fail_every(op, int(n))
+        elif kind == "next":
+            faulty.fail_next(op, int(n))
+        elif kind == "hold":
+            faulty.hold(op, n, prefix)
+        else:
+            raise ValueError(f"bad CKPTFS_FAULTS item {item!r}")
+    log.warning("fault injection active: %s", spec)
+    return faulty
+
+
+async def _probe_store(store) -> None:
+    """Fail the mount early on a store that cannot work at all (no such bucket, no access);
+    transient trouble only warns: writes land in the cache and uploads retry."""
+    import trio
+
+    from cachemgr.store import StoreError
+
+    with trio.move_on_after(30) as scope:
+        try:
+            await store.list("manifests/")
+        except StoreError as e:
+            if not e.transient:
+                raise
+            log.warning("object store not reachable yet (%s); uploads will retry", e)
+    if scope.cancelled_caught:
+        log.warning("object store did not answer within 30s; uploads will retry")
+
+
+# ----------------------------------------------------------------------------------------------
+# the control-op table
+
+
+@dataclass
+class Services:
+    """What the control handlers reach: built once by `_Daemon`, read on the trio loop only."""
+
+    cfg: MountConfig
+    core: Any     # cachemgr.core.CacheFs
+    tiering: Any  # cachemgr.tiering.Tiering
+    started: float  # time.time() when the services started (status: uptime_s)
+
+
+async def op_status(svc: Services, req: dict) -> dict:
+    return {"pid": os.getpid(), "mountpoint": str(svc.cfg.mountpoint),
+            "cache_dir": str(svc.cfg.cache_dir), "uptime_s": time.time() - svc.started,
+            **svc.core.status()}
+
+
+async def op_prefetch(svc: Services, req: dict) -> dict:
+    return svc.tiering.restorer.prefetch_path(str(req["path"]))
+
+
+async def op_commit(svc: Services, req: dict) -> dict:
+    return {"seq": svc.tiering.commit_path(str(req["path"]))}
+
+
+async def op_wait(svc: Services, req: dict) -> dict:
+    timeout = req.get("timeout")
+    return await svc.tiering.wait(str(req["path"]), None if timeout is None else float(timeout))
+
+
+@dataclass(frozen=True)
+class ControlOp:
+    needs: int  # what the caller needs on req["path"] (control.READ / WRITE); root passes
+    handler: Callable[[Services, dict], Awaitable[dict]]
+
+
+# status: read the mount root; wait and prefetch: read the path (opening a file for reading
+# already prefetches its whole set, so prefetch asks no more than that); commit: write it.
+CONTROL_OPS: dict[str, ControlOp] = {
+    "status": ControlOp(READ, op_status),
+    "prefetch": ControlOp(READ, op_prefetch),
+    "commit": ControlOp(WRITE, op_commit),
+    "wait": ControlOp(READ, op_wait),
+}
+
+
+async def dispatch(svc: Services, req: dict, peer: Peer) -> dict:
+    """Answer one control request: the caller's permission first, then the op's handler. Every
+    failure is a reply (`{"error": ...}`, with `errno` for a filesystem refusal)."""
+    from cachemgr.errors import FsError
+
+    op: Any = req.get("op")
+    try:
+        entry = CONTROL_OPS.get(op)  # an unhashable op: TypeError, a bad request
+        if entry is not None:
+            check_access(svc.core.index, peer, str(req.get("path", "")), entry.needs)
+            return await entry.handler(svc, req)
+    except FsError as e:
+        return {"error": e.msg, "errno": e.errno}
+    except (KeyError, TypeError, ValueError) as e:
+        return {"error": f"bad request: {e}"}
+    return {"error": f"unknown op {op!r}"}
+
+
+# ----------------------------------------------------------------------------------------------
+# the daemon
+
+
+class _StartFailed(Exception):
+    """A start step failed: the mount ends with `code`, the parent is told `msg`."""
+
+    def __init__(self, code: int, msg: str) -> None:
+        super().__init__(msg)
+        self.code, self.msg = code, msg
+
+
+class _Daemon:
+    """One mount's services, built by the start steps in order and torn down in reverse."""
+
+    def __init__(self, cfg: MountConfig, notify: Notify) -> None:
+        self.cfg = cfg
+        self._notify = notify
+        self._notified = False
+        self.store_url = cfg.store or default_store_url()
+        self.lock = CacheLock(cfg.cache_dir)
+        self.locked = False
+        self.metrics_server: Any = None
+        self.core: Any = None
+        self.store: Any = None
+        self.tiering: Any = None
+        self.ops: Any = None
+        self.main: Callable[[], Awaitable[None]] | None = None  # the FUSE loop, once mounted
+        self.mounted = False
+
+    def tell(self, code: int, msg: str) -> None:
+        """Tell the parent how the mount went: once, the first answer wins."""
+        if not self._notified:
+            self._notified = True
+            self._notify(code, msg)
+
+    # -- start steps ---------------------------------------------------------------------------
+
+    def take_lock(self) -> None:  # step 1
+        try:
+            self.lock.acquire()
+        except MountError as e:
+            raise _StartFailed(e.code, e.msg) from e
+        self.locked = True
+
+    def bind_metrics(self) -> None:  # step 2
+        if self.cfg.metrics_listen is None:
+            return
+        from . import __version__, metrics
+
+        try:
+            self.metrics_server = metrics.MetricsServer(*self.cfg.metrics_listen,
+                                                        cache_dir=self.cfg.cache_dir,
+                                                        version=__version__)
+        except metrics.MetricsBindError as e:
+            raise _StartFailed(EXIT_NOT_READY, str(e.strerror)) from e
+
+    def open_cache(self) -> None:  # step 3
+        from cachemgr.core import CacheFs
+        from cachemgr.errors import FsError
+
+        from . import fuse
+
+        cfg = self.cfg
+        try:
+            self.core = CacheFs.load(cfg.cache_dir, direct_io_writes=cfg.direct_io_writes
+                                     and not cfg.writeback_cache, backings=fuse.backings(cfg))
+        except (FsError, OSError) as e:
+            raise _StartFailed(EXIT_CACHE_DIR, f"cannot open cache in {cfg.cache_dir}: {e}") \
+                from e
+
+    def open_store(self) -> None:  # step 4
+        import trio
+
+        from cachemgr.store import RetryingStore, StoreError, open_store
+
+        cfg, store_url = self.cfg, self.store_url
+        try:
+            inner = open_store(store_url, endpoint_url=cfg.s3_endpoint, region=cfg.s3_region,
+                               path_style=cfg.s3_path_style, profile=cfg.s3_profile) \
+                if store_url.startswith("s3://") else open_store(store_url)
+            self.store = RetryingStore(_inject_faults(inner, os.environ.get("CKPTFS_FAULTS")))
+            trio.run(_probe_store, self.store)
+        except (StoreError, OSError) as e:
+            raise _StartFailed(EXIT_STORE, f"object store {store_url} is unusable: {e}") from e
+        except Exception as e:  # botocore config/credential errors
+            raise _StartFailed(EXIT_STORE, f"object store {store_url} is unusable: "
+                               f"{e.__class__.__name__}: {e}") from e
+        index = self.core.index
+        bound = index.meta("store_url")
+        if bound is not None and bound != store_url:
+            raise _StartFailed(EXIT_CACHE_DIR, f"cache dir {cfg.cache_dir} holds data of store "
+                               f"{bound}, not {store_url}; use that store or another --cache-dir")
+        if bound is None:
+            with index.tx():
+                index.conn.execute("INSERT INTO meta VALUES ('store_url', ?)", (store_url,))
+
+    def build_services(self) -> None:  # step 5
+        from cachemgr.tiering import Tiering, TieringConfig
+        from cachemgr.transfer import TransferConfig, set_foreground_probe
+
+        from . import fuse
+
+        cfg, core, store = self.cfg, self.core, self.store
+        # -- the core/tiering wiring: one block, kept as it was in mount.run_daemon -----------
+        tiering = Tiering(core, store, TieringConfig(
+            transfer=TransferConfig(part_size=cfg.part_size, compress=cfg.compress,
+                                    max_parts_in_flight=cfg.parts_in_flight),
+            file_concurrency=cfg.upload_files, cache_size=cfg.cache_size,
+            keep_local=cfg.keep_local, prefetch=cfg.prefetch,
+            prefetch_concurrency=cfg.prefetch_concurrency, prefetch_range=cfg.prefetch_range,
+            refresh_interval=cfg.refresh_interval, commit_timeout=cfg.commit_timeout))
+        core.tiering = tiering
+        ops = fuse.FuseOps(core, attr_timeout=cfg.attr_timeout, io_threads=cfg.io_threads)
+        ops.enable_writeback_cache = cfg.writeback_cache
+        ops.enable_passthrough = core.backings.on  # the kernel's answer: FuseOps.init
+        # Uploads hold back while the trainer writes; passthrough writes are seen by fstat.
+        set_foreground_probe(core.backings.wrote_since_probe)
+        # -- end of the wiring block ----------------------------------------------------------
+        self.tiering, self.ops = tiering, ops
+
+    def mount(self) -> None:  # step 6
+        from . import fuse
+
+        cfg = self.cfg
+        try:
+            self.main = fuse.mount_and_serve(self.ops, str(cfg.mountpoint),
+                                             fuse.fuse_options(allow_other=cfg.allow_other,
+                                                               fsname=mount_source(self.store_url)))
+        except RuntimeError as e:
+            raise _StartFailed(EXIT_NOT_READY, f"mount of {cfg.mountpoint} failed: {e}") from e
+        self.mounted = True
+        log.info("mounted %s (cache %s, store %s%s, pid %d)", cfg.mountpoint, cfg.cache_dir,
+                 self.store_url, self._default_note(), os.getpid())
+
+    async def serve(self) -> None:  # step 7, on the trio loop
+        import trio
+
+        from . import control
+
+        svc = Services(self.cfg, self.core, self.tiering, started=time.time())
+        assert self.main is not None
+        async with trio.open_nursery() as nursery:
+            await nursery.start(partial(control.serve, mode=control_mode()),
+                                control_path(self.cfg.mountpoint), partial(dispatch, svc))
+            await nursery.start(self.tiering.run)
+            if self.metrics_server is not None:
+                from . import metrics
+
+                self.metrics_server.start(trio.lowlevel.current_trio_token(),
+                                          partial(metrics.snapshot, self.core, self.ops))
+            nursery.start_soon(self._ready)
+            nursery.start_soon(self._on_signals)
+            await self.main()
+            nursery.cancel_scope.cancel()
+
+    # -- tasks of the nursery --------------------------------------------------------------------
+
+    def _default_note(self) -> str:
+        return "" if self.cfg.store else f" ({default_store_note()})"
+
+    async def _ready(self) -> None:
+        import trio
+
+        from . import fuse
+
+        cfg = self.cfg
+        await trio.to_thread.run_sync(os.stat, cfg.mountpoint)
+        await trio.to_thread.run_sync(tune_readahead, cfg.mountpoint, cfg.read_ahead_kb)
+        # The namespace is complete as of one listing of the store before the mount reports
+        # ready: a job resuming right after `ckptfs mount` must never see an older checkpoint,
+        # or none, because the listing was still being applied.
+        remote = self.tiering.remote
+        with trio.move_on_after(FIRST_LISTING_TIMEOUT_S):
+            await remote.first_listing.wait()
+        why = remote.first_error if remote.first_listing.is_set() else \
+            f"no answer within {FIRST_LISTING_TIMEOUT_S:.0f}s"
+        if why is not None:
+            if not cfg.allow_empty_namespace:
+                msg = (f"cannot list the sets in store {self.store_url} ({why}): the namespace "
+                       "would be incomplete; retry when the store answers, or mount with "
+                       "--allow-empty-namespace to see only this cache's sets until a "
+                       "listing succeeds")
+                log.error("%s", msg)
+                self.tell(EXIT_STORE, msg)
+                fuse.terminate()
+                return
+            log.warning("mounting without the store's sets (--allow-empty-namespace): %s;"
+                        " they appear once a listing succeeds", why)
+        register(cfg)
+        self.tell(EXIT_OK, f"mounted {cfg.mountpoint} (cache {cfg.cache_dir}, store "
+                  f"{self.store_url}{self._default_note()}, pid {os.getpid()})")
+
+    async def _on_signals(self) -> None:
+        import trio
+
+        from . import fuse
+
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as sigs:
+            async for sig in sigs:
+                log.info("signal %s: unmounting", signal.Signals(sig).name)
+                fuse.terminate()
+                return
+
+    # -- teardown --------------------------------------------------------------------------------
+
+    def teardown(self) -> None:
+        """Undo the start steps that ran, in reverse; a failing step is logged, the rest run."""
+        from . import fuse
+
+        if self.metrics_server is not None:
+            try:
+                self.metrics_server.close()  # first: no scrape waits on a loop that has ended
+            except Exception:
+                log.exception("stopping the metrics server failed")
+        if self.mounted:
+            try:
+                fuse.close_session(unmount=True)
+            except Exception:
+                log.exception("closing the FUSE session failed")
+        if self.core is not None:
+            try:
+                self.core.close()
+            except Exception:
+                log.exception("closing the cache failed")
+        unregister(self.cfg.mountpoint)
+        self.lock.release()
+        log.info("daemon exiting")
+
+
+def run_daemon(cfg: MountConfig, notify: Notify) -> int:
+    """Run one mount until it is unmounted. `notify(code, msg)` is called exactly once: with
+    EXIT_OK when the mount is ready, or with the error code before returning it."""
+    import trio
+
+    d = _Daemon(cfg, notify)
+    try:
+        d.take_lock()        # 1
+        d.bind_metrics()     # 2
+        d.open_cache()       # 3
+        d.open_store()       # 4
+        d.build_services()   # 5
+        d.mount()            # 6
+        trio.run(d.serve)    # 7: until unmounted or signalled
+        log.info("FUSE loop ended")
+        return EXIT_OK
+    except _StartFailed as e:
+        log.error("%s", e.msg)
+        d.tell(e.code, e.msg)
+        return e.code
+    except Exception as e:
+        log.exception("daemon failed")
+        d.tell(EXIT_ERROR, f"daemon failed: {e}")
+        return EXIT_ERROR
+    finally:
+        if d.locked:
+            d.teardown()
