@@ -747,10 +747,10 @@ class Bench:
             return
         if "daemon_cpu_s" in r:
             job = (r.get("job") or {}).get("seconds")
-            extra = (f", daemon job {job:.2f}s" if job else "") + \
-                f", daemon CPU {r['daemon_cpu_s']:.1f}s, moto busy {r['moto_busy']:.2f}, " \
-                f"machine busy {r['machine_busy']:.2f} (other {r.get('other_busy')}), " \
-                f"peak RSS {r.get('peak_rss_mib')} MiB"
+            extra = (f", daemon job {job:.2f}s" if job else "") + (
+                f", daemon CPU {r['daemon_cpu_s']:.1f}s, moto busy {r['moto_busy']:.2f}, "
+                f"machine busy {r['machine_busy']:.2f} (other {r.get('other_busy')}), "
+                f"peak RSS {r.get('peak_rss_mib')} MiB")
         else:
             extra = (f", moto busy {r['moto_busy']:.2f}, machine busy {r['machine_busy']:.2f} "
                      f"(other {r.get('other_busy')})")
