@@ -43,7 +43,7 @@ here) and on the same data:
 Method: repeats (quick 1, full 3) with the target order rotated per repeat; medians with
 min/max; ratios are computed per repeat from back-to-back runs, then the median taken.
 os.getloadavg() is recorded at the start and end of every measurement. Before every timed
-run: sync, then touch+free some anonymous memory (shared/ANCHORS.md "Benchmark hygiene").
+run: sync, then touch+free some anonymous memory (see scripts/bench_fio.py for why).
 Reads that compare restores drop the page cache (sync; echo 3 > /proc/sys/vm/drop_caches).
 
 Output: --out (default bench-results/perf): results.json, results.md, profiles; and unless

@@ -31,7 +31,7 @@ What it measures
     `moto busy` near 1.0 core means the store is the bottleneck) and the daemon's peak RSS
     (VmHWM from /proc/<pid>/status, read just before unmounting) are recorded.
 
-    Hygiene (shared/ANCHORS.md): right before every timed run the script waits (up to
+    Hygiene (as in scripts/bench_fio.py): right before every timed run the script waits (up to
     --idle-wait s) until no more than --max-other-busy CPUs are busy with anything but its own
     processes, syncs, and touches then frees --touch-gib GiB of anonymous memory (this VM returns
     freed memory to the host after ~2 s, and first touches are then several times slower).
