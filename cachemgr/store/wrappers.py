@@ -1,10 +1,11 @@
 """Stores that wrap stores: retries with backoff, and fault injection for tests.
 
 `RetryingStore` retries transient failures (throttling, 5xx, timeouts, resets, read-back
-integrity mismatches) with exponential backoff and full jitter, up to a deadline; it counts every
-retry in `statistics()`. `FaultyStore` injects failures deterministically (every Nth call of an
-operation, or the next K calls) so tests can provoke them on purpose; it is a real store in
-between, never a mock.
+integrity mismatches) with exponential backoff and full jitter, up to `RetryPolicy.attempts`
+tries per call (8 by default: at most 6.35 s of backoff); it counts every retry in
+`statistics()`, which only the trio tasks calling it touch (one loop, no lock). `FaultyStore`
+injects failures deterministically (every Nth call of an operation, or the next K calls) so
+tests can provoke them on purpose; it is a real store in between, never a mock.
 """
 
 from __future__ import annotations
