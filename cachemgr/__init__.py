@@ -1,7 +1,12 @@
 """cachemgr: the cache manager behind ckptfs.
 
-Owns the durable local state of a mount: the cache index (tree and per-file metadata, SQLite),
-the cache files holding file data, and the filesystem semantics built on them (`core.CacheFs`).
-Later layers (upload, commit, eviction, prefetch, object-store backends) live here too; the FUSE
-layer in `ckptfs/` only translates kernel requests into calls on this package.
+Everything below the FUSE adapter: the durable local state of a mount (the cache index in
+SQLite and the cache files holding file data), the filesystem semantics built on them, and the
+tiering of committed sets to an object store (commit, upload, publish, restore). `ckptfs/` only
+translates kernel requests into calls on this package; docs/ARCHITECTURE.md draws the modules
+and the data flow between them.
+
+The leaves import nothing above them: `store/` (the object-store seam and its backends),
+`objects` (what a stored object is), `transfer` (moving one file to or from one object),
+`compress`, `names`, `keys`, `validate`, `manifest`, `dcp`, `nodefiles`.
 """

@@ -29,7 +29,7 @@ Frame parameters (measured on this 2-core VM, 4 MiB frames, best of 30):
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import lz4.block
 import lz4.frame
@@ -46,11 +46,12 @@ SAMPLE_WINDOWS = 8
 SAMPLE_WINDOW = 64 << 10
 
 # Compress only if the sampled ratio is at least 1.1 (saves >= 9% of the bytes sent and stored).
-# Why not lower: trained fp32/bf16 weights and Adam moments give 1.00x with plain lz4 (ANCHORS),
+# Why not lower: trained fp32/bf16 weights and Adam moments give 1.00x with plain lz4 (measured
+# early in development; the notes are not in the repository),
 # and the framing overhead alone keeps random data at ~0.9999x, so the incompressible cluster
 # sits at or just below 1.0; a threshold just above it would flip on sampling noise (we look at
 # 512 KiB of a file that may be GBs). Below ~1.1 the saving also does not pay for what
-# compression costs: CPU on the daemon's 2 cores (which ANCHORS measures as the bottleneck),
+# compression costs: CPU on the daemon's 2 cores (the bottleneck in those measurements),
 # a whole 4 MiB frame decompressed for every small ranged read, and a frame index per object.
 # Why not higher: at 1.1-1.5x (e.g. 50% zeros gives 1.46x) the store, not lz4, is the bottleneck
 # (moto ~120 MB/s, S3 ~1 GB/s per stream vs lz4 at GB/s per core), so the saving is real time.
@@ -65,8 +66,9 @@ class FrameError(ValueError):
 
 def compress_frame(raw: bytes | memoryview) -> bytes:
     """One independent lz4 frame holding `raw` (fast mode, raw size stored in the header)."""
-    return lz4.frame.compress(raw, block_size=_BLOCK_SIZE, content_checksum=False,
-                              store_size=True, return_bytearray=False)
+    out: bytes = lz4.frame.compress(raw, block_size=_BLOCK_SIZE, content_checksum=False,
+                                    store_size=True, return_bytearray=False)
+    return out
 
 
 def frame_offsets(stored_lengths: Sequence[int]) -> list[int]:
@@ -113,7 +115,7 @@ def decompress_frame(stored: bytes | memoryview, raw_len: int, *, index: int = 0
         raise FrameError(f"frame {index}: negative raw length {raw_len}")
     d = lz4.frame.LZ4FrameDecompressor()
     try:
-        raw = d.decompress(stored, max_length=raw_len + 1)
+        raw: bytes = d.decompress(stored, max_length=raw_len + 1)
     except RuntimeError as e:  # lz4 reports corrupt input as RuntimeError
         raise FrameError(f"frame {index}: {e}") from None
     if len(raw) > raw_len:
@@ -139,7 +141,7 @@ def decompress_frames(blob: bytes | memoryview, lengths: Sequence[int], *,
 
 
 def iter_decompress(blob: bytes | memoryview, lengths: Sequence[int], *,
-                    raw_lengths: Sequence[int], first: int = 0):
+                    raw_lengths: Sequence[int], first: int = 0) -> Iterator[bytes]:
     """Like `decompress_frames`, one raw frame at a time (lets a caller write each frame out
     without joining them first). `first` is the object-wide number of the first frame, for
     error messages only."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 import io
 import logging
 import pickle
+from typing import IO, Any
 
 log = logging.getLogger(__name__)
 
@@ -25,15 +26,15 @@ class _Stub:
 
     _name = "?"
 
-    def __new__(cls, *args, **kwargs):
+    def __new__(cls, *args: Any, **kwargs: Any) -> _Stub:
         obj = object.__new__(cls)
         obj.__dict__["_args"] = args
         return obj
 
-    def __init__(self, *args, **kwargs) -> None:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         pass
 
-    def __setstate__(self, state) -> None:
+    def __setstate__(self, state: object) -> None:
         # dataclasses with slots pickle as (None | dict, {slot: value}); plain ones as a dict.
         if isinstance(state, tuple) and len(state) == 2:
             for part in state:
@@ -42,23 +43,24 @@ class _Stub:
         elif isinstance(state, dict):
             self.__dict__.update(state)
 
-    def __call__(self, *args, **kwargs):  # a stub "function" (e.g. torch.serialization helpers)
+    def __call__(self, *args: Any, **kwargs: Any) -> _Stub:
+        # a stub "function" (e.g. torch.serialization helpers)
         return _Stub()
 
 
 class _StubUnpickler(pickle.Unpickler):
-    def __init__(self, f) -> None:
+    def __init__(self, f: IO[bytes]) -> None:
         super().__init__(f)
         self._classes: dict[tuple[str, str], type] = {}
 
-    def find_class(self, module: str, name: str):
+    def find_class(self, module: str, name: str) -> type:
         key = (module, name)
         cls = self._classes.get(key)
         if cls is None:
             cls = self._classes[key] = type(name, (_Stub,), {"_name": f"{module}.{name}"})
         return cls
 
-    def persistent_load(self, pid):
+    def persistent_load(self, pid: object) -> _Stub:
         return _Stub()
 
 

@@ -2,15 +2,15 @@
 one key that every store can hold.
 
 A key is *storable* when it is at most 1,024 bytes (S3's limit), has at most 200
-'/'-separated components and none over 255 bytes (a file:// store's file names and depth). `manifests/<path>.json` and
-`parts/<dir>/@<node>.json` are used as they are when storable; otherwise (a 251-255 byte name,
-whose `<name>.json` is too long; an escaped name of up to 765 characters; a very deep path)
-the path is replaced by the sha256 of its escaped form under the component `LONG_KEY_DIR`:
-`manifests/%25/<sha256>.json`, `parts/%25/<sha256>/@<node>.json`. "%25" is never a component
-of an escaped path (cachemgr.names: the escaped form of the name "%" is "%", of "%25" is
-"%2525"), so a hashed key is never the key of another path. A hashed key does not say its
-path: readers take it from the document, and check that the document's path maps back to the
-key it was read from.
+'/'-separated components and none over 255 bytes (a file:// store's file names and depth).
+`manifests/<path>.json` and `parts/<dir>/@<node>.json` are used as they are when storable;
+otherwise (a 251-255 byte name, whose `<name>.json` is too long; an escaped name of up to 765
+characters; a very deep path) the path is replaced by the sha256 of its escaped form under the
+component `LONG_KEY_DIR`: `manifests/%25/<sha256>.json`, `parts/%25/<sha256>/@<node>.json`.
+"%25" is never a component of an escaped path (cachemgr.names: the escaped form of the name
+"%" is "%", of "%25" is "%2525"), so a hashed key is never the key of another path. A hashed
+key does not say its path: readers take it from the document, and check that the document's
+path maps back to the key it was read from.
 
 Only the standard library: scripts/ckpt_restore.py uses it without ckptfs installed.
 """

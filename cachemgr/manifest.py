@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator
+from typing import Any
 
 from . import validate
 
@@ -51,7 +53,7 @@ def _legacy(s: str) -> str:
     return from_str(s) if _surrogates(s) else s
 
 
-def _path_fields(m: dict):
+def _path_fields(m: dict[str, Any]) -> Iterator[tuple[dict[str, Any], str]]:
     """(container, field) of every name-bearing string of a manifest."""
     yield m, "path"
     if "from" in m["commit"]:
@@ -68,11 +70,11 @@ def _path_fields(m: dict):
 
 
 def build(*, path: str, kind: str, seq: int, node: str, reason: str, committed_ns: int,
-          layout: dict, files: list[dict]) -> dict:
+          layout: dict[str, Any], files: list[dict[str, Any]]) -> dict[str, Any]:
     """`files`: dicts with path, size, mode, mtime_ns and object (StoredObject.to_json()).
     Paths and targets are in the escaped form (cachemgr.names); the version says whether any of
     them holds an escape."""
-    m = {
+    m: dict[str, Any] = {
         "format": FORMAT,
         "version": FORMAT_VERSION,
         "path": path,
@@ -101,7 +103,7 @@ def build(*, path: str, kind: str, seq: int, node: str, reason: str, committed_n
     return m
 
 
-def _strings(x):
+def _strings(x: object) -> Iterator[str]:
     if isinstance(x, str):
         yield x
     elif isinstance(x, dict):
@@ -113,7 +115,7 @@ def _strings(x):
             yield from _strings(v)
 
 
-def dumps_checked(doc: dict, what: str, **kw) -> bytes:
+def dumps_checked(doc: dict[str, Any], what: str, **kw: Any) -> bytes:
     """JSON of a store document; UnrepresentableError if a string in it holds a lone surrogate
     (json.dumps would write it as a \\udcXX escape, which strict JSON parsers refuse)."""
     for s in _strings(doc):
@@ -122,11 +124,11 @@ def dumps_checked(doc: dict, what: str, **kw) -> bytes:
     return json.dumps(doc, **kw).encode()
 
 
-def dumps(m: dict) -> bytes:
+def dumps(m: dict[str, Any]) -> bytes:
     return dumps_checked(m, f"the manifest of {m.get('path')!r}", indent=1, sort_keys=True)
 
 
-def loads(data: bytes, key: str | None = None) -> dict:
+def loads(data: bytes, key: str | None = None) -> dict[str, Any]:
     """A manifest read from the store (from `key`, which must be its own path's key),
     validated and normalised by cachemgr.validate: every path and target in the escaped form
     whatever its version, optional fields present, modes masked. ManifestError if it must not

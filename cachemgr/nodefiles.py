@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import stat
+from collections.abc import Callable
 from pathlib import Path
 
 FILE_MODE = 0o600
@@ -38,7 +39,7 @@ def make_dirs(path: Path) -> None:
         os.chmod(d, DIR_MODE)
 
 
-def open_private(path: Path | str, flags: int) -> int:
+def open_private(path: str | os.PathLike[str], flags: int) -> int:
     """os.open with O_CREAT and FILE_MODE, and FILE_MODE forced on the open file (fchmod), for
     a file created now (whatever the umask) or one an older ckptfs made group/world-readable
     (only a regular file this process owns: a --log-file of /dev/stderr keeps its mode)."""
@@ -61,7 +62,7 @@ def restrict(path: Path | str, mode: int) -> None:
     _force(st, lambda m: os.chmod(path, m), mode)
 
 
-def _force(st: os.stat_result, chmod, mode: int) -> None:
+def _force(st: os.stat_result, chmod: Callable[[int], None], mode: int) -> None:
     if (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)) and \
             st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) != mode:
         chmod(mode)

@@ -3,7 +3,22 @@ framed), ranged reads, and parallel verified downloads.
 
 This module owns the byte movement of one file and its integrity checks; it does not decide
 *what* to upload or when (the scheduler does), and it does not retry (the caller wraps the store
-in `RetryingStore`, and retries a whole transfer on `IntegrityError`).
+in `RetryingStore`, and retries a whole transfer on `IntegrityError`). What an object is
+(`StoredObject`, chunk geometry, `crc32c_combine`) lives in `cachemgr.objects`; the names are
+re-exported here for the modules that import them from this one.
+
+Threads and state
+    Everything here runs on the caller's trio loop except the byte work, which goes to
+    `trio.to_thread` workers: an upload's `_Producer.next_part` (pread, CRC, lz4; one call at a
+    time per upload, the upload awaits each, so the producer's fields have one user at a time),
+    `should_compress` sampling, and a download's `_write_range` / chunk decoding (each worker
+    thread gets its own range and writes only that range's bytes of the destination file; the
+    per-range CRCs are stored by the loop, after the thread returns). `UploadStats` and an
+    upload's part table are touched only by the loop. The foreground signal
+    (`note_foreground`) is set by the FUSE handlers on the same loop. Nothing here is durable:
+    a crash mid-upload leaves at most an incomplete multipart upload (the bucket lifecycle rule
+    removes it) and mid-download a partial destination file, which the caller wrote to a temp
+    name it discards.
 
 Upload (`Uploader.upload_file`)
     A producer reads the cache file in order (`os.pread` in a worker thread), computes the raw
@@ -37,50 +52,43 @@ Memory bound
     complaint).
 
 Defaults and why
-    - part_size 64 MiB: ANCHORS measures moto at ~120 MB/s up and ~100 MB/s down with 64 MiB
-      parts and 8 threads, against ~24 MB/s down with 16 MiB parts: per-request cost (~5 ms per
-      small request on moto, plus boto3's per-call CPU on a 2-core VM) must be amortised over
-      big requests. S3 itself accepts 5 MiB..5 GiB parts.
+    - part_size 64 MiB: measured early in development (notes not kept in the repository) at
+      ~120 MB/s up and ~100 MB/s down on moto with 64 MiB parts and 8 threads, against ~24 MB/s
+      down with 16 MiB parts; docs/PERFORMANCE.md still shows the effect (a moto ceiling of
+      302 MB/s with 32 MiB parts, 403 MB/s with 64 MiB): per-request cost (~5 ms per small
+      request on moto, plus boto3's per-call CPU on a 2-core VM) must be amortised over big
+      requests. S3 itself accepts 5 MiB..5 GiB parts.
     - max_parts_in_flight 8: the 8 threads of that measurement; S3Store's default 16 connections
       leave room for concurrent downloads, heads and lists. 512 MiB of buffers per upload.
     - single_put_max = part_size: an object that fits in one part gains nothing from multipart
       (three requests instead of one) and PUT is atomic on every store.
-    - download range_size 64 MiB, concurrency 8: the same ANCHORS measurement, downstream.
+    - download range_size 64 MiB, concurrency 8: the same measurement, downstream.
     - frame_size 4 MiB and the `auto` threshold: see `cachemgr.compress`.
 
 Integrity
-    `StoredObject.crc32c` is the CRC32C of the RAW content, checked end to end by
-    `download_file` after decompression: ranges are fetched and written in any order, each
-    range's raw CRC32C is computed in the worker thread that decodes it, and the per-range
-    values are folded in order with `crc32c_combine` (GF(2) arithmetic, ~10 us per fold), so
-    the file is never re-read. `read_range` checks lengths and frame structure only (a ranged
-    GET carries no checksum of its own); `download_file` and `fetch_chunk` are verified paths.
-
-Chunks
-    Every object is also cut into raw chunks of `chunk_size` bytes (the frame size, 4 MiB by
-    default, whether compressed or not; for lz4 a chunk is exactly one frame), and
-    `chunk_crcs[i]` is the CRC32C of raw chunk i, [i*chunk_size, min((i+1)*chunk_size, size)).
-    So any chunk can be checked on its own: `fetch_chunk` fetches one chunk with one ranged GET
-    and verifies it (serving a read as soon as its range is in), `verify_chunk` checks a chunk
-    read back from a local cache file, and `download_file` checks every chunk it writes. The
-    uploader computes the chunk CRCs on the way (memoryview slices of each part, ~0.5 ms per
-    4 MiB) and derives the whole-file CRC32C from them with `crc32c_combine`, so the raw bytes
-    are still checksummed once. Objects from before chunk CRCs (`chunk_crcs` None) still read:
-    their chunks are the lz4 frames, or DEFAULT_FRAME_SIZE slices of an uncompressed object,
-    checked by length only (and by the whole-file CRC32C in `download_file`).
+    `StoredObject.crc32c` (the raw content's CRC32C) is checked end to end by `download_file`
+    after decompression: ranges are fetched and written in any order, each range's raw CRC32C
+    is computed in the worker thread that decodes it, and the per-range values are folded in
+    order with `crc32c_combine`, so the file is never re-read. `read_range` checks lengths and
+    frame structure only (a ranged GET carries no checksum of its own); `download_file`,
+    `fetch_chunk` and `fetch_chunks` are verified paths: `fetch_chunk` fetches one chunk (see
+    `cachemgr.objects` "Chunks") with one ranged GET and checks it against `chunk_crcs`, so a
+    read is served as soon as its range is in, and `download_file` checks every chunk it
+    writes. The uploader computes the chunk CRCs on the way (memoryview slices of each part,
+    ~0.5 ms per 4 MiB) and derives the whole-file CRC32C from them, so the raw bytes are
+    checksummed once.
 """
 
 from __future__ import annotations
 
 import errno
-import functools
-import json
 import logging
 import math
 import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import trio
 
@@ -89,14 +97,42 @@ from .compress import (
     MODES,
     FrameError,
     compress_frame,
-    frame_offsets,
     frames_for_range,
     iter_decompress,
     should_compress,
 )
 from .nodefiles import open_private
+from .objects import (
+    StoredObject,
+    chunk_count,
+    chunk_size_of,
+    chunk_span,
+    crc32c_combine,
+    crc_mismatch,
+    frames_of,
+    stored_span,
+    verify_chunk,
+)
 from .store.base import IntegrityError, NotFound, ObjectInfo, ObjectStore, Part, crc32c
-from .validate import object_geometry
+
+# Imported from here by tiering, remote, restore and the tests (cachemgr.objects owns them).
+__all__ = [
+    "StoredObject",
+    "Superseded",
+    "TransferConfig",
+    "Uploader",
+    "chunk_count",
+    "chunk_span",
+    "crc32c_combine",
+    "download_file",
+    "fetch_chunk",
+    "fetch_chunks",
+    "note_foreground",
+    "read_range",
+    "set_foreground_probe",
+    "verify_chunk",
+    "yield_to_foreground",
+]
 
 log = logging.getLogger(__name__)
 
@@ -129,29 +165,36 @@ _LZ4_FRAME_SLACK = 64
 # Writes the daemon never sees (FUSE passthrough: the kernel writes the cache file) are found
 # by a probe the composition root installs (`set_foreground_probe`: Backings.wrote_since_probe,
 # an fstat per file open for writing in passthrough): True means "written since last asked".
+# One process-wide signal (one daemon per process), read and written on the trio loop only.
 FOREGROUND_QUIET_S = 0.1
 FOREGROUND_MAX_DEFER_S = 2.0
-_last_foreground = 0.0
-_foreground_probe: Callable[[], bool] | None = None
+
+
+@dataclass
+class _Foreground:
+    last: float = 0.0                           # monotonic time of the trainer's last write
+    probe: Callable[[], bool] | None = None     # set by the composition root (passthrough)
+
+
+_FOREGROUND = _Foreground()
 
 
 def note_foreground() -> None:
-    global _last_foreground
-    _last_foreground = time.monotonic()
+    _FOREGROUND.last = time.monotonic()
 
 
 def set_foreground_probe(probe: Callable[[], bool] | None) -> None:
-    global _foreground_probe
-    _foreground_probe = probe
+    _FOREGROUND.probe = probe
 
 
 async def yield_to_foreground() -> None:
     start = time.monotonic()
     while True:
-        if _foreground_probe is not None and _foreground_probe():
+        probe = _FOREGROUND.probe
+        if probe is not None and probe():
             note_foreground()
         now = time.monotonic()
-        idle = now - _last_foreground
+        idle = now - _FOREGROUND.last
         if idle >= FOREGROUND_QUIET_S or now - start >= FOREGROUND_MAX_DEFER_S:
             return
         await trio.sleep(FOREGROUND_QUIET_S - idle)
@@ -198,125 +241,6 @@ class TransferConfig:
                              f"got {self.single_put_max}")
 
 
-@dataclass(frozen=True)
-class StoredObject:
-    """Where and how one file's bytes are stored; serialised into the set manifest.
-
-    `size` and `crc32c` describe the RAW content; `stored_size` the object's bytes. For
-    compression "lz4", `frames` is the tuple of stored frame lengths and raw frame i covers
-    [i*frame_size, ...); for "none", frames is None and frame_size 0.
-
-    `chunk_crcs[i]` is the CRC32C of raw chunk i, [i*chunk_size, min((i+1)*chunk_size, size))
-    (for lz4, chunk_size == frame_size: chunks are frames). Objects written before chunk CRCs
-    existed have chunk_size 0 and chunk_crcs None (see `chunk_span` for their chunks)."""
-
-    key: str
-    size: int
-    stored_size: int
-    crc32c: int
-    compression: str = "none"              # "none" | "lz4"
-    frame_size: int = 0
-    frames: tuple[int, ...] | None = None
-    chunk_size: int = 0
-    chunk_crcs: tuple[int, ...] | None = None
-    # Prefix sums of `frames` (not serialised, not compared): O(1) frame -> stored offset.
-    offsets: list[int] | None = field(default=None, init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        # The one statement of these invariants (cachemgr.validate, also used for objects
-        # read from the store and by scripts/ckpt_restore.py).
-        for f in ("frames", "chunk_crcs"):
-            if getattr(self, f) is not None:
-                object.__setattr__(self, f, tuple(getattr(self, f)))
-        try:
-            object_geometry(self.size, self.stored_size, self.crc32c, self.compression,
-                            self.frame_size, self.frames, self.chunk_size, self.chunk_crcs)
-        except ValueError as e:
-            raise ValueError(f"bad StoredObject {self.key!r}: {e}") from None
-        if self.frames is not None:
-            object.__setattr__(self, "offsets", frame_offsets(self.frames))
-
-    def raw_frame_len(self, i: int) -> int:
-        return min(self.frame_size, self.size - i * self.frame_size)
-
-    def to_json(self) -> dict:
-        """A dict of JSON types (the manifest embeds it; `json.dumps` it for a string)."""
-        return {"key": self.key, "size": self.size, "stored_size": self.stored_size,
-                "crc32c": self.crc32c, "compression": self.compression,
-                "frame_size": self.frame_size,
-                "frames": list(self.frames) if self.frames is not None else None,
-                "chunk_size": self.chunk_size,
-                "chunk_crcs": list(self.chunk_crcs) if self.chunk_crcs is not None else None}
-
-    @classmethod
-    def from_json(cls, d: dict | str) -> StoredObject:
-        """Inverse of `to_json` (also accepts its `json.dumps` string); validates the index.
-        Dicts written before chunk CRCs (no chunk_size/chunk_crcs) load with 0/None."""
-        if isinstance(d, str | bytes):
-            d = json.loads(d)
-        frames = d["frames"]
-        crcs = d.get("chunk_crcs")
-        return cls(key=d["key"], size=int(d["size"]), stored_size=int(d["stored_size"]),
-                   crc32c=int(d["crc32c"]), compression=d["compression"],
-                   frame_size=int(d["frame_size"]),
-                   frames=tuple(int(n) for n in frames) if frames is not None else None,
-                   chunk_size=int(d.get("chunk_size") or 0),
-                   chunk_crcs=tuple(int(c) for c in crcs) if crcs is not None else None)
-
-
-# ----------------------------------------------------------------------------------------------
-# CRC32C combine: crc(A || B) from crc(A), crc(B) and len(B). zlib's crc32_combine (1.2.12+
-# algorithm: multiply by x^(8*len2) modulo the polynomial) with the Castagnoli polynomial;
-# CRC32C has the same reflected form and all-ones pre/post conditioning as CRC-32.
-
-_POLY = 0x82F63B78  # CRC32C, reflected
-
-
-def _multmodp(a: int, b: int) -> int:
-    m = 1 << 31
-    p = 0
-    while True:
-        if a & m:
-            p ^= b
-            if (a & (m - 1)) == 0:
-                break
-        m >>= 1
-        b = (b >> 1) ^ _POLY if b & 1 else b >> 1
-    return p
-
-
-def _make_x2n() -> list[int]:
-    table = [0] * 32
-    p = 1 << 30  # x^1
-    table[0] = p
-    for n in range(1, 32):
-        p = table[n] = _multmodp(p, p)
-    return table
-
-
-_X2N = _make_x2n()  # x^(2^n) mod P
-
-
-def _x2nmodp(n: int, k: int) -> int:
-    p = 1 << 31  # x^0 == 1
-    while n:
-        if n & 1:
-            p = _multmodp(_X2N[k & 31], p)
-        n >>= 1
-        k += 1
-    return p
-
-
-@functools.lru_cache(maxsize=64)
-def _shift_for(len2: int) -> int:
-    return _x2nmodp(len2, 3)  # x^(8*len2) mod P: the same few lengths (chunks, ranges) recur
-
-
-def crc32c_combine(crc1: int, crc2: int, len2: int) -> int:
-    """CRC32C of A||B given crc1 = crc32c(A), crc2 = crc32c(B), len2 = len(B)."""
-    return _multmodp(_shift_for(len2), crc1) ^ crc2
-
-
 # ----------------------------------------------------------------------------------------------
 # upload
 
@@ -342,11 +266,24 @@ def _pread_sample(fd: int, off: int, n: int) -> bytes:
     return os.pread(fd, n, off)
 
 
+# bytes in, bytes out; a memoryview in (a slice of one fetched buffer), a view or bytes out
+_Blob = TypeVar("_Blob", bytes, memoryview)
+
+
 @dataclass(slots=True)
 class _Chunk:
     data: bytes | None
     raw_len: int
     last: bool
+
+
+def _take(chunk: _Chunk) -> bytes:
+    """The part's buffer, which from now on only the caller holds (so it is freed as soon as
+    the caller drops it, before the part's token goes back)."""
+    data = chunk.data
+    assert data is not None, "a part's buffer is sent once"
+    chunk.data = None
+    return data
 
 
 class _Producer:
@@ -441,6 +378,21 @@ class UploadStats:
     peak_parts_in_flight: int = 0
 
 
+@dataclass
+class _Job:
+    """One upload in progress. Owned by the task running `Uploader._upload`; its part senders
+    (tasks of the same loop) add to `parts`. `upload_id` is set while a multipart upload exists
+    that must be aborted if the upload fails."""
+
+    key: str
+    prod: _Producer
+    sem: trio.Semaphore
+    still_valid: Callable[[], bool]
+    progress: Callable[[int], None] | None
+    upload_id: str | None = None
+    parts: dict[int, Part] = field(default_factory=dict)
+
+
 def _always() -> bool:
     return True
 
@@ -518,7 +470,7 @@ class Uploader:
         if not still_valid():
             raise Superseded(key)
 
-    async def upload_file(self, path: str | os.PathLike, key: str, *, size: int,
+    async def upload_file(self, path: str | os.PathLike[str], key: str, *, size: int,
                           still_valid: Callable[[], bool] = _always,
                           progress: Callable[[int], None] | None = None) -> StoredObject:
         """Upload the first `size` bytes of the cache file at `path` to `key`. Raises Superseded
@@ -550,96 +502,112 @@ class Uploader:
         return await trio.to_thread.run_sync(
             should_compress, lambda off, n: _pread_sample(fd, off, n), size)
 
-    async def _upload(self, fd: int, key: str, size: int, still_valid, progress) -> StoredObject:
+    async def _upload(self, fd: int, key: str, size: int, still_valid: Callable[[], bool],
+                      progress: Callable[[int], None] | None) -> StoredObject:
         cfg = self.cfg
         st = self.stats
         st.uploads += 1
         compressed = await self._decide(fd, size)
-        target = (math.inf if size <= cfg.single_put_max
-                  else self.part_size_for(size, compressed))
-        prod = _Producer(fd, size, compressed, cfg.frame_size, target)
-        sem = trio.Semaphore(cfg.max_parts_in_flight)
-        upload_id: str | None = None
-        parts: dict[int, Part] = {}
-
-        async def send(number: int, chunk: _Chunk, token: object) -> None:
-            data, raw_len = chunk.data, chunk.raw_len
-            chunk.data = None
-            try:
-                part = await self.store.upload_part(key, upload_id, number, data)
-            finally:
-                del data  # drop the buffer before its token goes back
-                self._release(sem, token)
-            parts[number] = part
-            st.parts += 1
-            if progress is not None:
-                progress(raw_len)
-
+        put_max = cfg.single_put_max
+        assert put_max is not None  # TransferConfig.__post_init__ sets it
+        target = math.inf if size <= put_max else self.part_size_for(size, compressed)
+        job = _Job(key, _Producer(fd, size, compressed, cfg.frame_size, target),
+                   trio.Semaphore(cfg.max_parts_in_flight), still_valid, progress)
         try:
-            await yield_to_foreground()
-            token = await self._acquire(sem)
-            try:
-                chunk = await trio.to_thread.run_sync(prod.next_part)
-                self._check(still_valid, key)
-                if chunk.last:
-                    info = await self.store.put(key, chunk.data)
-                    chunk.data = None
-                    st.single_puts += 1
-                    if progress is not None:
-                        progress(chunk.raw_len)
-                else:
-                    upload_id = await self.store.create_multipart(key)
-            except BaseException:
-                self._release(sem, token)
-                raise
-            if upload_id is None:
-                self._release(sem, token)
-            else:
-                st.multipart += 1
-                try:
-                    async with trio.open_nursery() as nursery:
-                        number = 1
-                        nursery.start_soon(send, number, chunk, token)
-                        last = chunk.last
-                        chunk = None
-                        while not last:
-                            await yield_to_foreground()
-                            token = await self._acquire(sem)
-                            try:
-                                chunk = await trio.to_thread.run_sync(prod.next_part)
-                                self._check(still_valid, key)
-                            except BaseException:
-                                self._release(sem, token)
-                                raise
-                            number += 1
-                            nursery.start_soon(send, number, chunk, token)
-                            last = chunk.last
-                            chunk = None
-                except BaseExceptionGroup as eg:
-                    e = _unwrap(eg)
-                    if e is None:
-                        raise
-                    raise e from None
-                self._check(still_valid, key)
-                ordered = [parts[n] for n in sorted(parts)]
-                try:
-                    info = await self.store.complete_multipart(key, upload_id, ordered,
-                                                               prod.crc_stored)
-                except NotFound:
-                    # A retried complete whose first attempt succeeded but whose answer was
-                    # lost finds the upload gone: accept the object if it is the one we sent.
-                    info = await self.store.head(key)
-                    if info.size != sum(p.size for p in ordered):
-                        raise
-                    log.info("complete of %s answered NoSuchUpload; the object is there", key)
-                upload_id = None  # published: nothing to abort any more
+            info = await self._put_or_parts(job)
         except BaseException as e:
             if isinstance(e, Superseded):
                 st.superseded += 1
-            if upload_id is not None:
-                await self._abort(key, upload_id)
+            if job.upload_id is not None:
+                await self._abort(key, job.upload_id)
             raise
+        return await self._finish(job, size, compressed, info)
 
+    async def _next_chunk(self, job: _Job) -> tuple[_Chunk, object]:
+        """Once the trainer pauses (or waited long enough) and a part token is free, read the
+        next part in a worker thread and ask `still_valid`. The token is the caller's to give
+        back, after the part's buffer is dropped."""
+        await yield_to_foreground()
+        token = await self._acquire(job.sem)
+        try:
+            chunk = await trio.to_thread.run_sync(job.prod.next_part)
+            self._check(job.still_valid, job.key)
+        except BaseException:
+            self._release(job.sem, token)
+            raise
+        return chunk, token
+
+    async def _put_or_parts(self, job: _Job) -> ObjectInfo:
+        """Send the file: one PUT when the first part is the last, else a multipart upload
+        (created only now that a second part is certain), completed in part order."""
+        chunk, token = await self._next_chunk(job)
+        if chunk.last:
+            try:
+                info = await self.store.put(job.key, _take(chunk))
+                self.stats.single_puts += 1
+                if job.progress is not None:
+                    job.progress(chunk.raw_len)
+            finally:
+                self._release(job.sem, token)
+            return info
+        try:
+            upload_id = job.upload_id = await self.store.create_multipart(job.key)
+        except BaseException:
+            self._release(job.sem, token)
+            raise
+        self.stats.multipart += 1
+        try:
+            async with trio.open_nursery() as nursery:
+                number = 1
+                nursery.start_soon(self._send, job, upload_id, number, chunk, token)
+                last: bool = chunk.last
+                while not last:
+                    chunk, token = await self._next_chunk(job)
+                    number += 1
+                    nursery.start_soon(self._send, job, upload_id, number, chunk, token)
+                    last = chunk.last
+        except BaseExceptionGroup as eg:
+            e = _unwrap(eg)
+            if e is None:
+                raise
+            raise e from None
+        return await self._complete(job, upload_id)
+
+    async def _send(self, job: _Job, upload_id: str, number: int, chunk: _Chunk,
+                    token: object) -> None:
+        raw_len = chunk.raw_len
+        data = _take(chunk)
+        try:
+            part = await self.store.upload_part(job.key, upload_id, number, data)
+        finally:
+            del data  # drop the buffer before its token goes back
+            self._release(job.sem, token)
+        job.parts[number] = part
+        self.stats.parts += 1
+        if job.progress is not None:
+            job.progress(raw_len)
+
+    async def _complete(self, job: _Job, upload_id: str) -> ObjectInfo:
+        key = job.key
+        self._check(job.still_valid, key)
+        ordered = [job.parts[n] for n in sorted(job.parts)]
+        try:
+            info = await self.store.complete_multipart(key, upload_id, ordered,
+                                                       job.prod.crc_stored)
+        except NotFound:
+            # A retried complete whose first attempt succeeded but whose answer was
+            # lost finds the upload gone: accept the object if it is the one we sent.
+            info = await self.store.head(key)
+            if info.size != sum(p.size for p in ordered):
+                raise
+            log.info("complete of %s answered NoSuchUpload; the object is there", key)
+        job.upload_id = None  # published: nothing to abort any more
+        return info
+
+    async def _finish(self, job: _Job, size: int, compressed: bool,
+                      info: ObjectInfo) -> StoredObject:
+        """Check what the store says it holds, count the upload, describe the object."""
+        key, prod, st, cfg = job.key, job.prod, self.stats, self.cfg
         head = await self.store.head(key)
         self._verify(key, head, prod)
         st.raw_bytes += size
@@ -684,64 +652,13 @@ class Uploader:
 # chunks
 
 
-def _chunk_size(obj: StoredObject) -> int:
-    if obj.compression == "lz4":
-        return obj.frame_size
-    # An uncompressed object from before chunk CRCs: the default frame size is as good a cut
-    # as any (there is nothing to check but lengths).
-    return obj.chunk_size or DEFAULT_FRAME_SIZE
-
-
-def chunk_count(obj: StoredObject) -> int:
-    """How many raw chunks `obj` has (0 for an empty object)."""
-    return math.ceil(obj.size / _chunk_size(obj))
-
-
-def chunk_span(obj: StoredObject, index: int) -> tuple[int, int]:
-    """(raw_offset, raw_len) of raw chunk `index`. Raises IndexError outside [0, count)."""
-    cs = _chunk_size(obj)
-    if not 0 <= index < math.ceil(obj.size / cs):
-        raise IndexError(f"{obj.key}: no chunk {index} in {chunk_count(obj)}")
-    off = index * cs
-    return off, min(cs, obj.size - off)
-
-
-def _stored_span(obj: StoredObject, first: int, last: int) -> tuple[int, int]:
-    """(stored_offset, stored_len) of chunks [first, last]."""
-    if obj.compression == "lz4":
-        s = obj.offsets[first]
-        return s, obj.offsets[last + 1] - s
-    cs = _chunk_size(obj)
-    s = first * cs
-    return s, min((last + 1) * cs, obj.size) - s
-
-
-def _crc_mismatch(obj: StoredObject, index: int, got: int) -> IntegrityError:
-    off, n = chunk_span(obj, index)
-    return IntegrityError(f"{obj.key}: chunk {index} (raw bytes [{off}, {off + n})) has CRC32C "
-                          f"{got:08x}, manifest says {obj.chunk_crcs[index]:08x}", key=obj.key)
-
-
-def verify_chunk(obj: StoredObject, index: int, raw: bytes | memoryview) -> bool:
-    """Whether `raw` can be raw chunk `index` of `obj` (e.g. read back from a local cache file):
-    its length must be the chunk's, and its CRC32C `obj.chunk_crcs[index]` when the object has
-    chunk CRCs (True on length alone when it has none)."""
-    _, n = chunk_span(obj, index)
-    if len(raw) != n:
-        return False
-    return obj.chunk_crcs is None or crc32c(raw) == obj.chunk_crcs[index]
-
-
-def _decode_chunk(obj: StoredObject, index: int,
-                  blob: bytes | memoryview) -> bytes | memoryview:
-    if obj.compression == "lz4":
-        raw = _decode(obj, blob, index, index)  # checks the raw length too
-    else:
-        raw = blob
+def _decode_chunk(obj: StoredObject, index: int, blob: _Blob) -> _Blob | bytes:
+    # _decode checks the raw length too
+    raw = _decode(obj, blob, index, index) if obj.compression == "lz4" else blob
     if obj.chunk_crcs is not None:
         c = crc32c(raw)
         if c != obj.chunk_crcs[index]:
-            raise _crc_mismatch(obj, index, c)
+            raise crc_mismatch(obj, index, c)
     return raw
 
 
@@ -752,7 +669,7 @@ async def fetch_chunk(store: ObjectStore, obj: StoredObject, index: int) -> byte
     has no chunk CRCs). Raises IntegrityError on any mismatch, IndexError for a chunk that does
     not exist."""
     chunk_span(obj, index)  # range check
-    s, n = _stored_span(obj, index, index)
+    s, n = stored_span(obj, index, index)
     blob = await store.get(obj.key, s, n)
     if len(blob) != n:
         raise IntegrityError(f"{obj.key}: got {len(blob)} stored bytes of chunk {index} at {s}, "
@@ -771,7 +688,7 @@ async def fetch_chunks(store: ObjectStore, obj: StoredObject, first: int,
     (no copy); lz4 chunks are bytes."""
     chunk_span(obj, first)
     chunk_span(obj, last)
-    s, n = _stored_span(obj, first, last)
+    s, n = stored_span(obj, first, last)
     blob = await store.get(obj.key, s, n)
     if len(blob) != n:
         raise IntegrityError(f"{obj.key}: got {len(blob)} stored bytes of chunks {first}.."
@@ -781,7 +698,7 @@ async def fetch_chunks(store: ObjectStore, obj: StoredObject, first: int,
         out: list[bytes | memoryview] = []
         view = memoryview(blob).toreadonly()
         for i in range(first, last + 1):
-            cs, cn = _stored_span(obj, i, i)
+            cs, cn = stored_span(obj, i, i)
             # a view, not a copy: _decode_chunk checks its CRC32C (lz4 decodes it into bytes)
             out.append(_decode_chunk(obj, i, view[cs - s:cs - s + cn]))
         return out
@@ -793,10 +710,10 @@ async def fetch_chunks(store: ObjectStore, obj: StoredObject, first: int,
 # reads
 
 
-def _decode(obj: StoredObject, blob: bytes, first: int, last: int) -> bytes:
+def _decode(obj: StoredObject, blob: bytes | memoryview, first: int, last: int) -> bytes:
     try:
         return b"".join(iter_decompress(
-            blob, obj.frames[first:last + 1],
+            blob, frames_of(obj)[first:last + 1],
             raw_lengths=[obj.raw_frame_len(i) for i in range(first, last + 1)], first=first))
     except FrameError as e:
         raise IntegrityError(f"{obj.key}: {e}", key=obj.key) from None
@@ -816,7 +733,7 @@ async def read_range(store: ObjectStore, obj: StoredObject, offset: int, length:
             raise IntegrityError(f"{obj.key}: got {len(data)} bytes at {offset}, expected "
                                  f"{end - offset}", key=obj.key)
         return data
-    first, last, s, e = frames_for_range(obj.frame_size, obj.frames, offset, end - offset,
+    first, last, s, e = frames_for_range(obj.frame_size, frames_of(obj), offset, end - offset,
                                          offsets=obj.offsets)
     blob = await store.get(obj.key, s, e - s)
     if len(blob) != e - s:
@@ -843,7 +760,7 @@ def _plan_ranges(obj: StoredObject, range_size: int) -> list[_Range]:
     # Whole chunks per range (so each chunk's CRC can be checked), as many as fit in range_size
     # raw bytes (at least one): bounded by raw size, so a range of highly compressible frames
     # stays a bounded write too.
-    cs = _chunk_size(obj)
+    cs = chunk_size_of(obj)
     per = max(1, range_size // cs)
     n = chunk_count(obj)
     out = []
@@ -851,7 +768,7 @@ def _plan_ranges(obj: StoredObject, range_size: int) -> list[_Range]:
         last = min(first + per, n) - 1
         raw_off = first * cs
         raw_end = min((last + 1) * cs, obj.size)
-        s, sn = _stored_span(obj, first, last)
+        s, sn = stored_span(obj, first, last)
         out.append(_Range(raw_off, raw_end - raw_off, s, sn, first, last))
     return out
 
@@ -881,7 +798,7 @@ def _write_range(fd: int, obj: StoredObject, r: _Range, blob: bytes) -> int:
             _, n = chunk_span(obj, i)
             c = crc32c(mv[pos:pos + n])
             if c != crcs[i]:
-                raise _crc_mismatch(obj, i, c)
+                raise crc_mismatch(obj, i, c)
             crc = crc32c_combine(crc, c, n)
             pos += n
         _pwrite_all(fd, blob, r.raw_off)  # checked before a byte of it lands
@@ -890,14 +807,14 @@ def _write_range(fd: int, obj: StoredObject, r: _Range, blob: bytes) -> int:
     pos = r.raw_off
     try:
         for i, raw in enumerate(
-                iter_decompress(blob, obj.frames[r.first:r.last + 1],
+                iter_decompress(blob, frames_of(obj)[r.first:r.last + 1],
                                 raw_lengths=[obj.raw_frame_len(i)
                                              for i in range(r.first, r.last + 1)],
                                 first=r.first),
                 start=r.first):
             c = crc32c(raw)
             if crcs is not None and c != crcs[i]:
-                raise _crc_mismatch(obj, i, c)
+                raise crc_mismatch(obj, i, c)
             crc = crc32c_combine(crc, c, len(raw))
             _pwrite_all(fd, raw, pos)
             pos += len(raw)
@@ -906,7 +823,7 @@ def _write_range(fd: int, obj: StoredObject, r: _Range, blob: bytes) -> int:
     return crc
 
 
-def _open_dest(path: str | os.PathLike, size: int) -> int:
+def _open_dest(path: str | os.PathLike[str], size: int) -> int:
     fd = open_private(path, os.O_WRONLY | os.O_TRUNC)  # a cache file: 0600 (cachemgr.nodefiles)
     try:
         os.ftruncate(fd, size)  # sparse: ranges land in any order
@@ -916,7 +833,7 @@ def _open_dest(path: str | os.PathLike, size: int) -> int:
     return fd
 
 
-async def download_file(store: ObjectStore, obj: StoredObject, dest_path: str | os.PathLike, *,
+async def download_file(store: ObjectStore, obj: StoredObject, dest_path: str | os.PathLike[str], *,
                         range_size: int = DEFAULT_RANGE_SIZE,
                         concurrency: int = DEFAULT_DOWNLOAD_CONCURRENCY,
                         limiter: trio.CapacityLimiter | None = None,
@@ -965,6 +882,7 @@ async def download_file(store: ObjectStore, obj: StoredObject, dest_path: str | 
         os.close(fd)
     total = 0
     for r, c in zip(ranges, crcs, strict=True):
+        assert c is not None  # every worker stored its range's CRC, or the nursery raised
         total = crc32c_combine(total, c, r.raw_len)
     if total != obj.crc32c:
         raise IntegrityError(f"{obj.key}: downloaded content has CRC32C {total:08x}, manifest "

@@ -6,9 +6,11 @@ Nothing read from the store is used before it passed through this module:
 
   * `manifest(data, key)` — a set manifest, from the bytes of the object at `key`;
   * `part_record(data, key)` — a node's part record (cachemgr.parts);
+  * `protocol_doc(data, kind)` — a member, intent or ack document (cachemgr.members);
   * `stored_object(d, writers)` — one file's object description (also checks the geometry a
-    `cachemgr.transfer.StoredObject` needs, via `object_geometry`);
-  * `node_id(s)`, `rel_path(s)`, `set_path(s)` — the pieces.
+    `cachemgr.objects.StoredObject` needs, via `object_geometry`);
+  * `node_id(v)`, `path(v, version)`, `symlink_target(v, version)`, `object_key(v, writers)`
+    — the pieces.
 
 A document that fails raises `DocumentError` (`ManifestError`, `PartError`) with a one-line
 reason; callers skip that one document, log it once and go on. A document that passes is
@@ -25,6 +27,8 @@ from __future__ import annotations
 import json
 import re
 import time
+from collections.abc import Sequence
+from typing import Any
 
 from .keys import MAX_KEY_BYTES, manifest_key, part_key
 from .names import from_str, is_canonical_path, unescape_name, unescape_path
@@ -64,30 +68,30 @@ class PartError(DocumentError):
 
 # -- scalars -----------------------------------------------------------------------------------
 
-def _int(v, what: str, lo: int, hi: int, error: type[DocumentError]) -> int:
+def _int(v: object, what: str, lo: int, hi: int, error: type[DocumentError]) -> int:
     if type(v) is not int or not lo <= v <= hi:  # bool is not an int here
         raise error(f"{what} must be an integer in [{lo}, {hi}], not {_short(v)}")
     return v
 
 
-def _str(v, what: str, error: type[DocumentError]) -> str:
+def _str(v: object, what: str, error: type[DocumentError]) -> str:
     if not isinstance(v, str):
         raise error(f"{what} must be a string, not {_short(v)}")
     return v
 
 
-def _short(v) -> str:
+def _short(v: object) -> str:
     r = repr(v)
     return r if len(r) <= 60 else r[:57] + "..."
 
 
-def _mode(v, what: str, error: type[DocumentError], default: int) -> int:
+def _mode(v: object, what: str, error: type[DocumentError], default: int) -> int:
     if v is None:
         return default & MODE_MASK
     return _int(v, what, 0, 0o7777, error) & MODE_MASK
 
 
-def node_id(v, what: str = "node id", error: type[DocumentError] = DocumentError) -> str:
+def node_id(v: object, what: str = "node id", error: type[DocumentError] = DocumentError) -> str:
     s = _str(v, what, error)
     if not _NODE_RE.fullmatch(s) or s in RESERVED_NODE_IDS:
         raise error(f"{what} {_short(s)} is not a node id")
@@ -106,7 +110,7 @@ def _component(c: str, what: str, error: type[DocumentError]) -> None:
         raise error(f"{what}: a name is {len(b)} bytes (at most {MAX_NAME_BYTES})")
 
 
-def _normal(v, version: int, what: str, error: type[DocumentError]) -> str:
+def _normal(v: object, version: int, what: str, error: type[DocumentError]) -> str:
     """A name-bearing field in the escaped form: version 1 holds names as they are (older
     writers put undecodable bytes as \\udcXX), version 2 in the escaped form, canonical."""
     s = _str(v, what, error)
@@ -120,7 +124,7 @@ def _normal(v, version: int, what: str, error: type[DocumentError]) -> str:
     return s
 
 
-def path(v, version: int, what: str, error: type[DocumentError] = DocumentError, *,
+def path(v: object, version: int, what: str, error: type[DocumentError] = DocumentError, *,
          empty_ok: bool = False) -> str:
     """A relative '/'-separated path of single valid names (no '', '.', '..', NUL, no leading
     or trailing '/'), at most MAX_PATH_BYTES; in the escaped form."""
@@ -134,7 +138,7 @@ def path(v, version: int, what: str, error: type[DocumentError] = DocumentError,
     return s
 
 
-def symlink_target(v, version: int, what: str, error: type[DocumentError]) -> str:
+def symlink_target(v: object, version: int, what: str, error: type[DocumentError]) -> str:
     """A symlink target: any bytes but NUL, 1..MAX_PATH_BYTES (it may be absolute or hold '..':
     it is only ever stored as a link, never followed by ckptfs)."""
     s = _normal(v, version, what, error)
@@ -144,7 +148,7 @@ def symlink_target(v, version: int, what: str, error: type[DocumentError]) -> st
     return s
 
 
-def object_key(v, writers: frozenset[str], what: str, error: type[DocumentError]) -> str:
+def object_key(v: object, writers: frozenset[str], what: str, error: type[DocumentError]) -> str:
     """An object key under `data/<writer>/` for one of `writers`, with no empty, '.' or '..'
     component, valid text, at most MAX_KEY_BYTES."""
     s = _str(v, what, error)
@@ -168,8 +172,9 @@ def lz4_frame_bound(frame_size: int) -> int:
 
 
 def object_geometry(size: int, stored_size: int, crc: int, compression: str, frame_size: int,
-                    frames, chunk_size: int, chunk_crcs) -> None:
-    """The invariants of a stored object's description (cachemgr.transfer.StoredObject):
+                    frames: Sequence[int] | None, chunk_size: int,
+                    chunk_crcs: Sequence[int] | None) -> None:
+    """The invariants of a stored object's description (cachemgr.objects.StoredObject):
     ValueError if they do not hold."""
     if not 0 <= size <= MAX_FILE_SIZE or not 0 <= stored_size <= MAX_FILE_SIZE or \
             not 0 <= crc < 1 << 32:
@@ -204,14 +209,15 @@ def object_geometry(size: int, stored_size: int, crc: int, compression: str, fra
             raise ValueError("a chunk CRC is out of range")
 
 
-def _int_list(v, what: str, error: type[DocumentError]) -> list[int]:
+def _int_list(v: object, what: str, error: type[DocumentError]) -> list[int]:
     if not isinstance(v, list) or not all(type(x) is int for x in v):
         raise error(f"{what} must be a list of integers")
     return v
 
 
-def stored_object(d, writers: frozenset[str], size: int | None = None, *,
-                  what: str = "object", error: type[DocumentError] = DocumentError) -> dict:
+def stored_object(d: object, writers: frozenset[str], size: int | None = None, *,
+                  what: str = "object",
+                  error: type[DocumentError] = DocumentError) -> dict[str, Any]:
     """One file's object description (docs/FORMAT.md "Manifest"), normalised: every field
     present with its type, geometry checked, key under `data/<writer>/`; `size`, if given, is
     the file's size the object must hold."""
@@ -245,7 +251,7 @@ def stored_object(d, writers: frozenset[str], size: int | None = None, *,
 
 # -- documents ---------------------------------------------------------------------------------
 
-def parse(data: bytes, kind: str, error: type[DocumentError]) -> dict:
+def parse(data: bytes, kind: str, error: type[DocumentError]) -> dict[str, Any]:
     """The JSON object of a store document of `kind` ("manifest", "part"), format and version
     checked; bounded in size and nesting."""
     if len(data) > MAX_DOCUMENT_BYTES:
@@ -261,7 +267,8 @@ def parse(data: bytes, kind: str, error: type[DocumentError]) -> dict:
     return doc
 
 
-def _list(v, what: str, error: type[DocumentError], limit: int = MAX_ENTRIES) -> list:
+def _list(v: object, what: str, error: type[DocumentError],
+          limit: int = MAX_ENTRIES) -> list[dict[str, Any]]:
     if v is None:
         return []
     if not isinstance(v, list) or len(v) > limit:
@@ -271,12 +278,12 @@ def _list(v, what: str, error: type[DocumentError], limit: int = MAX_ENTRIES) ->
     return v
 
 
-def _commit(c, version: int, now_ns: int) -> dict:
+def _commit(c: object, version: int, now_ns: int) -> dict[str, Any]:
     E = ManifestError
     if not isinstance(c, dict):
         raise E("commit is not an object")
     node = node_id(c.get("node"), "commit.node", E)
-    out = {"node": node,
+    out: dict[str, Any] = {"node": node,
            "seq": _int(c.get("seq"), "commit.seq", 0, _INT64 - 1, E),
            "reason": _str(c.get("reason", "?"), "commit.reason", E),
            "committed_ns": _int(c.get("committed_ns"), "commit.committed_ns", 0,
@@ -298,7 +305,8 @@ def _commit(c, version: int, now_ns: int) -> dict:
     return out
 
 
-def _check_tree(kind: str, files: list[dict], dirs: list[dict], links: list[dict]) -> None:
+def _check_tree(kind: str, files: list[dict[str, Any]], dirs: list[dict[str, Any]],
+                links: list[dict[str, Any]]) -> None:
     """Every entry once; nothing under a file or a symlink."""
     E = ManifestError
     if kind == "file":
@@ -327,7 +335,8 @@ def _check_tree(kind: str, files: list[dict], dirs: list[dict], links: list[dict
                 raise E(f"{_short(p)} is under a file or a symlink")
 
 
-def manifest(data: bytes, key: str | None = None, *, now_ns: int | None = None) -> dict:
+def manifest(data: bytes, key: str | None = None, *,
+             now_ns: int | None = None) -> dict[str, Any]:
     """A manifest (docs/FORMAT.md "Manifest"), validated and normalised. `key`: the key it was
     read from, which must be the key of its own `path` (cachemgr.keys.manifest_key): the key
     is how every node finds, replaces and deletes a set, so a manifest naming another path is
@@ -336,7 +345,7 @@ def manifest(data: bytes, key: str | None = None, *, now_ns: int | None = None) 
     m = parse(data, "manifest", E)
     v = m["version"]
     now_ns = time.time_ns() if now_ns is None else now_ns
-    out: dict = {"format": m["format"], "version": v,
+    out: dict[str, Any] = {"format": m["format"], "version": v,
                  "path": path(m.get("path"), v, "path", E)}
     if key is not None and manifest_key(out["path"]) != key:
         raise E(f"its path {_short(out['path'])} is not the set of its key")
@@ -355,7 +364,7 @@ def manifest(data: bytes, key: str | None = None, *, now_ns: int | None = None) 
     raw_links = _list(m.get("symlinks"), "symlinks", E)
     if len(raw_files) + len(raw_dirs) + len(raw_links) > MAX_ENTRIES:
         raise E(f"more than {MAX_ENTRIES} entries")
-    files = []
+    files: list[dict[str, Any]] = []
     for f in raw_files:
         size = _int(f.get("size"), "file size", 0, MAX_FILE_SIZE, E)
         files.append({
@@ -365,7 +374,7 @@ def manifest(data: bytes, key: str | None = None, *, now_ns: int | None = None) 
             "mtime_ns": _int(f.get("mtime_ns", 0), "file mtime_ns", -_INT64, _INT64 - 1, E),
             "object": stored_object(f.get("object"), writers, size, what="file object",
                                     error=E)})
-    dirs = []
+    dirs: list[dict[str, Any]] = []
     for d in raw_dirs:
         mt = d.get("mtime_ns")
         dirs.append({"path": path(d.get("path"), v, "dir path", E),
@@ -383,7 +392,7 @@ def manifest(data: bytes, key: str | None = None, *, now_ns: int | None = None) 
     return out
 
 
-def part_record(data: bytes, key: str | None = None) -> dict:
+def part_record(data: bytes, key: str | None = None) -> dict[str, Any]:
     """A part record (docs/FORMAT.md "Part records"), validated and normalised. `key`: the key
     it was read from, which must be the key of its own directory and node."""
     E = PartError
@@ -393,7 +402,7 @@ def part_record(data: bytes, key: str | None = None) -> dict:
     d = path(r.get("dir"), v, "dir", E)
     if key is not None and part_key(d, node) != key:
         raise E(f"it names directory {_short(d)} of node {node}, not the ones of its key")
-    files = []
+    files: list[dict[str, Any]] = []
     names: set[str] = set()
     for f in _list(r.get("files"), "files", E):
         name = path(f.get("name"), v, "file name", E)
@@ -418,7 +427,7 @@ MAX_PROTOCOL_BYTES = 1 << 20
 MAX_LEASE_S = 3600.0  # a member claiming a longer lease is taken at this one
 
 
-def protocol_doc(data: bytes, kind: str) -> dict:
+def protocol_doc(data: bytes, kind: str) -> dict[str, Any]:
     """A member, intent or ack document (docs/FORMAT.md "Members, intents,
     acknowledgements"), validated: DocumentError if it must not be used. Returns the fields a
     reader uses: member {node, lease_s}; intent {node, path, roots, nodes}; ack {node}."""
@@ -432,7 +441,7 @@ def protocol_doc(data: bytes, kind: str) -> dict:
     if not isinstance(d, dict) or d.get("format") != f"ckptfs-{kind}" or \
             d.get("version") != 1 or type(d.get("version")) is not int:
         raise E(f"not a ckptfs {kind}")
-    out: dict = {"node": node_id(d.get("node"), f"{kind} node", E)}
+    out: dict[str, Any] = {"node": node_id(d.get("node"), f"{kind} node", E)}
     if kind == "member":
         lease = d.get("lease_s", 0)
         if type(lease) not in (int, float) or not 0 <= lease < float("inf"):

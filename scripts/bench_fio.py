@@ -22,7 +22,7 @@ How
     and the mount is unmounted in a `finally` (`ckptfs umount`, falling back to
     `fusermount3 -u -z`). Variants are rotated between repeats.
 
-    Hygiene (docs: shared/ANCHORS.md "Benchmark hygiene on this VM"): right before every timed
+    Hygiene (measured on the development VM): right before every timed
     fio run the script syncs and touches then frees a few GiB of anonymous memory, because this
     VM returns freed memory to the host after ~2 s and the next first touch is then 3-30x slower;
     the touch rate is recorded with every sample. Cold reads drop the page cache first.

@@ -43,7 +43,7 @@ here) and on the same data:
 Method: repeats (quick 1, full 3) with the target order rotated per repeat; medians with
 min/max; ratios are computed per repeat from back-to-back runs, then the median taken.
 os.getloadavg() is recorded at the start and end of every measurement. Before every timed
-run: sync, then touch+free some anonymous memory (shared/ANCHORS.md "Benchmark hygiene").
+run: sync, then touch+free some anonymous memory (see scripts/bench_fio.py for why).
 Reads that compare restores drop the page cache (sync; echo 3 > /proc/sys/vm/drop_caches).
 
 Output: --out (default bench-results/perf): results.json, results.md, profiles; and unless
@@ -410,7 +410,8 @@ class Perf:
             meta["s3torchconnector"] = version("s3torchconnector")
         except Exception:  # noqa: BLE001
             meta["s3torchconnector"] = None
-        meta["moto"] = subprocess.run([sys.executable, "-c", "import moto; print(moto.__version__)"],
+        probe = "import moto; print(moto.__version__)"
+        meta["moto"] = subprocess.run([sys.executable, "-c", probe],
                                       capture_output=True, text=True, check=False).stdout.strip()
         self.res["meta"] = meta
         self.res["config"] = {
@@ -499,7 +500,7 @@ class Perf:
         k = 0
         for rep in range(a.repeats):
             mounts: dict = {}
-            through = {t: 0 for t in cts}
+            through = dict.fromkeys(cts, 0)
             try:
                 for t in cts:
                     mounts[t] = self.new_ckptfs(f"fio{rep}{tsfx(t)}", f"fio{rep}{tsfx(t)}", t)
@@ -660,7 +661,7 @@ class Perf:
             cts = a.ckptfs_targets
             targets = (["raw", *cts, "s3fs", "rclone"] + (["s3torch"] if wl == "dcp" else []))
             mas: dict = {}
-            through = {t: 0 for t in cts}
+            through = dict.fromkeys(cts, 0)
             try:
                 for t in cts:  # one node per ckptfs target takes every checkpoint in turn
                     mas[t] = self.new_ckptfs(f"{wl}{tsfx(t)}-A", f"{wl}{tsfx(t)}", t)
@@ -996,8 +997,9 @@ class Perf:
             import torch.distributed.checkpoint as dcp
             from s3torchconnector._s3client import S3Client, S3ClientConfig
             from s3torchconnector.dcp import S3StorageReader, S3StorageWriter
-        except Exception as e:  # noqa: BLE001
-            raise BenchError(f"cannot import s3torchconnector: {e.__class__.__name__}: {e}")
+        except Exception as e:
+            raise BenchError(
+                f"cannot import s3torchconnector: {e.__class__.__name__}: {e}") from e
         prefix = f"s3torch/{wl}/{rep}"
         path = f"s3://{BUCKET}/{prefix}"
         cfg = S3ClientConfig(force_path_style=True)

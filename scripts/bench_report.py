@@ -761,7 +761,8 @@ def markdown(res: dict, s: dict, pngs: list[str], docs: bool) -> str:
            "GiB restored 3.66-4.46 s -> 2.32-2.92 s, sequential cold read 169/189 -> 214/243 "
            "MB/s, daemon peak RSS 250-373 -> 145-186 MiB."),
           ("- **GET size of a prefetch** (`--prefetch-range`, default 64 MiB since this "
-           "measurement, set in ckptfs/config.py): moto reads the whole object for every ranged GET, so its "
+           "measurement, set in ckptfs/config.py): moto reads the whole object for every "
+           "ranged GET, so its "
            "ceiling grows with the GET size (boto3 with 32 MiB parts 302 MB/s, 64 MiB parts "
            "403 MB/s in the same run). With this change, `scripts/bench_restore.py --size 512M "
            "--concurrency 8 --prefetch-range 32M,64M --repeats 2` gave a sequential cold read "

@@ -31,7 +31,7 @@ What it measures
     `moto busy` near 1.0 core means the store is the bottleneck) and the daemon's peak RSS
     (VmHWM from /proc/<pid>/status, read just before unmounting) are recorded.
 
-    Hygiene (shared/ANCHORS.md): right before every timed run the script waits (up to
+    Hygiene (as in scripts/bench_fio.py): right before every timed run the script waits (up to
     --idle-wait s) until no more than --max-other-busy CPUs are busy with anything but its own
     processes, syncs, and touches then frees --touch-gib GiB of anonymous memory (this VM returns
     freed memory to the host after ~2 s, and first touches are then several times slower).
@@ -747,10 +747,10 @@ class Bench:
             return
         if "daemon_cpu_s" in r:
             job = (r.get("job") or {}).get("seconds")
-            extra = (f", daemon job {job:.2f}s" if job else "") + \
-                f", daemon CPU {r['daemon_cpu_s']:.1f}s, moto busy {r['moto_busy']:.2f}, " \
-                f"machine busy {r['machine_busy']:.2f} (other {r.get('other_busy')}), " \
-                f"peak RSS {r.get('peak_rss_mib')} MiB"
+            extra = (f", daemon job {job:.2f}s" if job else "") + (
+                f", daemon CPU {r['daemon_cpu_s']:.1f}s, moto busy {r['moto_busy']:.2f}, "
+                f"machine busy {r['machine_busy']:.2f} (other {r.get('other_busy')}), "
+                f"peak RSS {r.get('peak_rss_mib')} MiB")
         else:
             extra = (f", moto busy {r['moto_busy']:.2f}, machine busy {r['machine_busy']:.2f} "
                      f"(other {r.get('other_busy')})")

@@ -3,11 +3,11 @@
 run: the raw cache disk, a ckptfs mount with FUSE passthrough (the default) and one with
 --no-passthrough, rounds alternating in order.
 
-Each round: R rank processes (forked, torch already imported) each `torch.save` a dict of fp32 tensors (--mib MiB) to
-`step_N.tmp/rankR.pt` by path, then open it read-only and fsync it (as MLPerf-Storage does);
-the directory is renamed to `step_N` when all are done (the commit). Between rounds: `sync`,
-and for the mounts `ckptfs wait` until the step is durable, so no upload overlaps the next
-round. Prints per target the median and every sample (seconds).
+Each round: R rank processes (forked, torch already imported) each `torch.save` a dict of fp32
+tensors (--mib MiB) to `step_N.tmp/rankR.pt` by path, then open it read-only and fsync it (as
+MLPerf-Storage does); the directory is renamed to `step_N` when all are done (the commit).
+Between rounds: `sync`, and for the mounts `ckptfs wait` until the step is durable, so no
+upload overlaps the next round. Prints per target the median and every sample (seconds).
 
 Run (root, after scripts/setup.sh):
     .venv/bin/python scripts/bench_save_ab.py --rounds 8 --ranks 4 --mib 96

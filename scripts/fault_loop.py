@@ -300,7 +300,7 @@ def trainer_main(rank: int, world: int, init: str, mount: str, seed: int) -> Non
     if world > 1:
         try:
             dist.destroy_process_group()
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001, S110 - the trainer is exiting; nothing to tell
             pass
 
 
@@ -438,7 +438,7 @@ class Trainer:
         self.stop()
         self.starts += 1
         init = self.work / f"pg-{self.starts}"
-        errlog = open(self.work / "trainer.log", "ab")
+        errlog = open(self.work / "trainer.log", "ab")  # noqa: SIM115 - the trainers' stderr
         for rank, node in enumerate((self.a, self.b)):
             p = subprocess.Popen(
                 [sys.executable, str(Path(__file__).resolve()), "trainer", str(rank), "2",
@@ -615,7 +615,7 @@ class LatestPoller(threading.Thread):
                                            "checkpoint it names)")
                                 if msg not in self.violations:
                                     self.violations.append(msg)
-            except Exception:  # noqa: BLE001 - a moto hiccup: next poll
+            except Exception:  # noqa: BLE001, S110 - a moto hiccup: next poll
                 pass
             self.stop_ev.wait(0.05)
 
@@ -665,7 +665,7 @@ class Loop:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        mlog = open(self.work / "moto.log", "w")
+        mlog = open(self.work / "moto.log", "w")  # noqa: SIM115 - closed by the cleanup below
         self.moto = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1",
                                       "-p", str(port)], stdout=mlog, stderr=subprocess.STDOUT)
         self.cleanups.append(lambda: (self.moto.terminate(), self.moto.wait(timeout=20),
@@ -931,7 +931,7 @@ class Loop:
                 res = self.run_cmd(i, cmd, ranks, on_event=on_event)
                 save_times += res["T"]
                 errs += res["err"]
-                if res["stopped"] or state["fired"] and fault.startswith("kill_trainer"):
+                if res["stopped"] or (state["fired"] and fault.startswith("kill_trainer")):
                     break
                 if state["fired"] and fault.startswith("kill_daemon"):
                     break
@@ -1193,13 +1193,13 @@ class Loop:
         if isinstance(got, str):
             rec["read_under_fault"] = f"{path}: {got}"
             if "timed out" in got:
-                return [f"read_under_fault: reading {path} through node b did not return "
-                        f"within 90s under {rec['fault']}"]
+                return [(f"read_under_fault: reading {path} through node b did not return "
+                         f"within 90s under {rec['fault']}")]
             return []   # an error is allowed; wrong bytes are not
         rec["read_under_fault"] = f"{path}: ok"
         if sha256(got) != self.ref.sets[path]["sha"]:
-            return [f"read_under_fault: node b read {path} under {rec['fault']} and got "
-                    f"{len(got)} bytes that differ from what the trainer saved"]
+            return [(f"read_under_fault: node b read {path} under {rec['fault']} and got "
+                     f"{len(got)} bytes that differ from what the trainer saved")]
         return []
 
     def fresh_mount_check(self, i: int) -> float:
@@ -1227,8 +1227,9 @@ class Loop:
                         p = node.path / path / f if f else node.path / path
                         got = read_file_bounded(p, 60)
                         if got != data:
+                            why = got if isinstance(got, str) else "bytes differ"
                             raise Violation(f"a fresh mount reads {p.relative_to(node.path)} "
-                                            f"wrong: {got if isinstance(got, str) else 'bytes differ'}")
+                                            f"wrong: {why}")
                 return round(took, 3)
             finally:
                 node.cleanup()
@@ -1251,7 +1252,7 @@ class Loop:
             s = self.ref.sets[path]
             res: dict = {}
 
-            def on_event(r, line, path=path):
+            def on_event(r, line, path=path, res=res):
                 if line.startswith("LOAD "):
                     res["r"] = line.split(" ", 2)[2]
             out = self.run_cmd(i, {"op": "load_dcp", "path": path, "step": s["step"],
@@ -1442,8 +1443,8 @@ def read_file_bounded(p: Path, timeout: float):
 
 def parse_list(value: str, universe, groups=None) -> list[str]:
     out: list[str] = []
-    for item in value.split(","):
-        item = item.strip()
+    for raw in value.split(","):
+        item = raw.strip()
         if not item:
             continue
         if groups and item in groups:

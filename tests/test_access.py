@@ -61,7 +61,8 @@ def _user_python() -> str | None:
            "HOME": "/"}
     for py in (sys.executable, os.path.realpath(sys.executable), "/usr/bin/python3"):
         try:
-            res = subprocess.run([py, "-c", "import sys, ckptfs, trio; print(sys.version_info[:2])"],
+            probe = "import sys, ckptfs, trio; print(sys.version_info[:2])"
+            res = subprocess.run([py, "-c", probe],
                                  capture_output=True, text=True, timeout=60, cwd=REPO, env=env,
                                  user=NOBODY, group=NOBODY, extra_groups=[], check=False)
         except OSError:

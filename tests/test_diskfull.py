@@ -82,20 +82,19 @@ def memory_matches_index(fs: CacheFs) -> list[str]:
         if row is None:
             problems.append(f"inode {ino} in memory, not in the index")
             continue
-        for col, value in zip(INODE_COLUMNS, row):
-            if col == "target" and value is not None:
-                value = bytes(value)
+        for col, raw in zip(INODE_COLUMNS, row):
+            value = bytes(raw) if col == "target" and raw is not None else raw
             if node.dirty and col in ("size", "mtime_ns", "ctime_ns"):
                 continue
             if getattr(node, col) != value:
                 problems.append(f"inode {ino} {col}: memory {getattr(node, col)!r} != index"
                                 f" {value!r}")
     want = 0
-    for ino, mode, size, cached in fs.index.conn.execute(
+    for ino, mode, row_size, cached in fs.index.conn.execute(
             "SELECT ino, mode, size, cached FROM inodes"):
         if stat.S_ISREG(mode) and cached:
             node = fs._inodes.get(ino)
-            size = node.size if node is not None else size
+            size = node.size if node is not None else row_size
             # --cache-size counts blocks: a hole a file was grown over does not count.
             hole = fs._holes.get(ino, 0)
             if not 0 <= hole <= size:

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -263,7 +264,7 @@ def test_schedule_covers_every_fault_and_replays():
     assert [_loop(8).schedule(i)[:2] for i in range(15)] != first
     sub = _loop(7, faults="store,disk_full")
     assert {sub.schedule(i)[0] for i in range(7)} == set(fl.FAULT_GROUPS["store"]) | {"disk_full"}
-    with pytest.raises(Exception):
+    with pytest.raises(argparse.ArgumentTypeError):
         fl.parse_list("kill,nonsense", fl.FAULTS, fl.FAULT_GROUPS)
 
 
@@ -301,8 +302,8 @@ def test_log_scan_and_exception_lines(tmp_path):
                    "sqlite3.OperationalError: database or disk is full\n"
                    "2026-01-01 10:00:02,000 42 INFO x: later\n")
     assert fl.log_tracebacks(log) == [
-        "ERROR ckptfs.fuse: flush(1,) failed: unexpected | "
-        "sqlite3.OperationalError: database or disk is full"]
+        ("ERROR ckptfs.fuse: flush(1,) failed: unexpected | "
+         "sqlite3.OperationalError: database or disk is full")]
     assert fl.log_tracebacks(tmp_path / "none.log") == []
     e = RuntimeError("rank 0:\nTraceback ...\nFileNotFoundError: [Errno 2] gone: 'x'\n")
     assert fl.short_exc(e) == "RuntimeError: FileNotFoundError: [Errno 2] gone: 'x'"

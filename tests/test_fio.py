@@ -40,7 +40,8 @@ def run_fio(fio: str, directory: Path, out_dir: Path, *args: str, check: bool = 
     out = out_dir / f"fio-{len(list(out_dir.glob('fio-*.json')))}.json"
     cmd = [fio, "--output-format=json", f"--output={out}", f"--directory={directory}",
            "--ioengine=psync", "--verify_state_save=0", "--verify_fatal=1", *args]
-    res = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=timeout, cwd=out_dir)
+    res = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=timeout,
+                         cwd=out_dir)
     data = None
     if out.exists() and out.stat().st_size:
         text = out.read_text()

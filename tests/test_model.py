@@ -339,7 +339,8 @@ class FsModel(RuleBasedStateMachine):
     @rule(d=st.data())
     def rename_dir(self, d: st.DataObject) -> None:
         """A directory onto a directory (empty or not, possibly its own relative) or a name."""
-        is_dir = lambda v: v is DIR
+        def is_dir(v: object) -> bool:
+            return v is DIR
         self._rename(self.draw_path(d, is_dir), self.draw_path(d, is_dir))
 
     @rule(d=st.data())

@@ -697,7 +697,7 @@ def test_fetch_chunk_detects_flipped_byte(env, tmp_path, mode):
         bad = bytearray(stored)
         bad[pos] ^= 0x10
         await env.store.put("k", bytes(bad))
-        with pytest.raises(IntegrityError, match="chunk 2 .*CRC32C"):
+        with pytest.raises(IntegrityError, match=r"chunk 2 .*CRC32C"):
             await fetch_chunk(env.store, obj, bad_chunk)
         for j in range(chunk_count(obj)):
             if j != bad_chunk:

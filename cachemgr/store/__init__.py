@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from .base import (
     IntegrityError,
@@ -25,7 +26,7 @@ __all__ = [
 ]
 
 
-def open_store(url: str, **s3_opts) -> ObjectStore:
+def open_store(url: str, **s3_opts: Any) -> ObjectStore:
     """`file:///abs/dir` or `s3://bucket[/prefix]` (options: endpoint_url, region, path_style,
     profile, max_connections). Raises StoreError for anything else."""
     if url.startswith("file://"):

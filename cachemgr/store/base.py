@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import abc
 import base64
+import builtins
 import errno
 from dataclasses import dataclass
 
@@ -126,7 +127,7 @@ class ObjectStore(abc.ABC):
         """Upload part `number` (1-based); parts may be uploaded in any order, concurrently."""
 
     @abc.abstractmethod
-    async def complete_multipart(self, key: str, upload_id: str, parts: list[Part],
+    async def complete_multipart(self, key: str, upload_id: str, parts: builtins.list[Part],
                                  crc32c: int) -> ObjectInfo:
         """Assemble `parts` (sorted by number) into the object; `crc32c` is the whole object's
         checksum, recorded with it. The object appears atomically."""

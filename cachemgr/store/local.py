@@ -36,20 +36,41 @@ trusted:
   and directories it creates 0700, whatever the process umask (fchmod after creating).
 
 A key deeper than `MAX_DEPTH` components is refused (a listing descends at most that deep, one
-open descriptor per level).
+open descriptor per level). The no-follow walking and the private-file helpers live in
+`cachemgr.store.localfs` (`RootTree`); this module is the object-store semantics on top.
+
+State and threads: the store's state is the directory itself; a LocalStore holds no mutable
+state of its own (root, url, a `trio.CapacityLimiter` of `threads` workers). Every operation
+runs in a worker thread (`_run`) and opens and closes its own descriptors, so any number may
+run at once, in this process or in others sharing the directory. What keeps them apart: the
+atomicity of rename/link within one directory, O_EXCL temp names (`.tmp-<uuid>`), and for
+If-Match the flock on `.lock` (held from the etag check to the rename).
+
+Crash states (a writer killed at any instruction; nothing is repaired at start-up):
+- a put/complete: the temp file (`objects/.../.tmp-<uuid>`, fsync'd or partial) is left; it is
+  never listed nor read as an object, and the old object (or none) stays visible. Killed after
+  the rename/link but before the sidecar: the new object has a stale sidecar (etag of the old
+  version) or none, which reads as "CRC unknown" (None), never as a wrong CRC.
+- a sidecar write: a `<name>.<uuid>.tmp` beside it; the old sidecar stays until the rename.
+- a multipart upload: `multipart/<upload_id>/` with its parts and temp files, until aborted
+  (the caller's abort, or an operator's cleanup; S3's lifecycle rule has no equivalent here).
+- complete: after the object is published, the leftover parts are garbage, not a failure.
+Objects are fsync'd before they are renamed into place; the directory entries themselves are not
+fsync'd, so a power loss (not a process crash) may forget the most recent puts, and sidecars
+are not fsync'd at all (one read back empty after a power loss counts as absent: CRC None).
 """
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import errno
-import fcntl
-import hashlib
-import json
 import os
 import stat
 import uuid
+from collections.abc import Callable
 from pathlib import Path
+from typing import IO, Any, TypeVar
 
 import trio
 
@@ -61,25 +82,23 @@ from .base import (
     PreconditionFailed,
     StoreError,
     TransientStoreError,
-    check_key,
     crc32c,
 )
+from .localfs import (
+    DIR_FLAGS,
+    DIR_MODE,
+    MAX_DEPTH,
+    READ_FLAGS,
+    RootTree,
+    etag_of,
+    fill_tmp,
+    symlink_error,
+    valid_upload_id,
+)
 
-MAX_DEPTH = 256          # components of a key
-SIDECAR_MAX = 4096       # bytes of a sidecar read at most; a longer one counts as absent
-FILE_MODE = 0o600
-DIR_MODE = 0o700
-
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-# O_NONBLOCK: a FIFO planted where a file should be must not block the opener.
-_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-_CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-
-
-def _symlink_error(key: str | None, where: str) -> StoreError:
-    what = f" key {key!r}" if key is not None else ""
-    return StoreError(f"file store refuses{what}: a symlink is in the way at {where} (symlinks"
-                      f" under the store root are never followed)", key=key)
+_T = TypeVar("_T")
+# the directories a listing has open: (fd, key prefix of its entries, subdirectories to visit)
+_Stack = list[tuple[int, str, list[str]]]
 
 
 class LocalStore(ObjectStore):
@@ -88,18 +107,19 @@ class LocalStore(ObjectStore):
     def __init__(self, root: Path, *, threads: int = 8) -> None:
         self.root = root
         self.url = f"file://{root}"
+        self._tree = RootTree(root)
         if not root.is_dir():
             root.mkdir(parents=True, exist_ok=True)
             with contextlib.suppress(OSError):
                 os.chmod(root, DIR_MODE)  # created here: the store's own directory
         for top in ("objects", "meta", "multipart"):
             try:
-                os.close(self._open_dir([top], create=True, key=None))
+                os.close(self._tree.open_dir([top], create=True, key=None))
             except OSError as e:
                 raise StoreError(f"file store {root}: cannot open {top}/: {e}") from None
         self._limiter = trio.CapacityLimiter(threads)
 
-    async def _run(self, fn, *args):
+    async def _run(self, fn: Callable[..., _T], *args: Any) -> _T:
         try:
             return await trio.to_thread.run_sync(fn, *args, limiter=self._limiter)
         except OSError as e:
@@ -114,164 +134,28 @@ class LocalStore(ObjectStore):
 
     # -- walking without following symlinks ----------------------------------------------------
 
-    @staticmethod
-    def _split(key: str) -> tuple[list[str], str]:
-        parts = check_key(key).split("/")
-        if len(parts) > MAX_DEPTH:
-            raise StoreError(f"file store cannot hold this key: more than {MAX_DEPTH}"
-                             f" components", key=key)
-        return parts[:-1], parts[-1]
-
-    @staticmethod
-    def _meta_name(key: str) -> tuple[list[str], str]:
-        # Named by a hash of the key: a sidecar must not make a 255-byte key component longer.
-        h = hashlib.sha1(check_key(key).encode()).hexdigest()
-        return ["meta", h[:2]], f"{h}.json"
-
-    def _open_dir(self, parts: list[str], *, create: bool, key: str | None) -> int:
-        """A descriptor of root/<parts...>, walked without following any symlink. Missing
-        directories are created (0700) if `create`, else FileNotFoundError. A symlink in the
-        way: StoreError; a non-directory: NotADirectoryError."""
-        fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            for i, name in enumerate(parts):
-                nfd = self._open_child_dir(fd, name, create, key, "/".join(parts[:i + 1]))
-                os.close(fd)
-                fd = nfd
-            return fd
-        except BaseException:
-            os.close(fd)
-            raise
-
-    @staticmethod
-    def _open_child_dir(fd: int, name: str, create: bool, key: str | None, where: str) -> int:
-        try:
-            return os.open(name, _DIR_FLAGS, dir_fd=fd)
-        except FileNotFoundError:
-            if not create:
-                raise
-        except NotADirectoryError:
-            _refuse_symlink(fd, name, key, where)
-            raise
-        created = False
-        try:
-            os.mkdir(name, DIR_MODE, dir_fd=fd)
-            created = True
-        except FileExistsError:
-            pass  # made meanwhile by another writer
-        try:
-            nfd = os.open(name, _DIR_FLAGS, dir_fd=fd)
-        except NotADirectoryError:
-            _refuse_symlink(fd, name, key, where)
-            raise
-        if created:
-            try:
-                os.fchmod(nfd, DIR_MODE)  # the umask may have taken bits off
-            except BaseException:
-                os.close(nfd)
-                raise
-        return nfd
-
-    def _lstat_object(self, dfd: int, name: str, key: str) -> os.stat_result:
-        """lstat of the object `name` in directory `dfd`: NotFound unless a regular file,
-        StoreError if a symlink."""
-        try:
-            st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
-        except FileNotFoundError:
-            raise NotFound(f"no object {key}", key=key) from None
-        if stat.S_ISLNK(st.st_mode):
-            raise _symlink_error(key, f"objects/{key}")
-        if not stat.S_ISREG(st.st_mode):
-            raise NotFound(f"no object {key} (not a regular file)", key=key)
-        return st
-
-    def _object_dir(self, key: str, *, create: bool) -> tuple[int, str]:
-        """(descriptor of the object's directory, its name in it). Without `create`, NotFound
-        when a directory on the way is missing or is not one."""
-        dirs, name = self._split(key)
-        try:
-            return self._open_dir(["objects", *dirs], create=create, key=key), name
-        except (FileNotFoundError, NotADirectoryError):
-            if create:
-                raise
-            raise NotFound(f"no object {key}", key=key) from None
-
-    @contextlib.contextmanager
-    def _locked(self):
-        rfd = self._open_dir([], create=False, key=None)
-        try:
-            fd = _create_or_open(rfd, ".lock")
-        except OSError as e:
-            if e.errno == errno.ELOOP:
-                raise _symlink_error(None, ".lock") from None
-            raise
-        finally:
-            os.close(rfd)
-        try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise StoreError("file store: .lock is not a regular file")
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            yield
-        finally:
-            os.close(fd)
-
     # -- reading --------------------------------------------------------------------------------
 
-    def _crc(self, key: str, st: os.stat_result, meta_fd: int | None = None) -> int | None:
-        """The CRC32C the sidecar records for this version of the object, or None: sidecars
-        are untrusted, and anything but a well-formed one for this etag counts as absent."""
-        dirs, name = self._meta_name(key)
-        try:
-            if meta_fd is None:
-                dfd = self._open_dir(dirs, create=False, key=key)
-            else:
-                dfd = self._open_child_dir(meta_fd, dirs[1], False, key, "/".join(dirs))
-            try:
-                fd = os.open(name, _READ_FLAGS, dir_fd=dfd)
-            finally:
-                os.close(dfd)
-            try:
-                if not stat.S_ISREG(os.fstat(fd).st_mode):
-                    return None
-                raw = b""
-                while len(raw) <= SIDECAR_MAX:
-                    chunk = os.read(fd, SIDECAR_MAX + 1 - len(raw))
-                    if not chunk:
-                        break
-                    raw += chunk
-            finally:
-                os.close(fd)
-            if len(raw) > SIDECAR_MAX:
-                return None
-            meta = json.loads(raw)
-        except (OSError, StoreError, ValueError, RecursionError):
-            return None
-        if not isinstance(meta, dict):
-            return None
-        crc, etag = meta.get("crc32c"), meta.get("etag")
-        if type(crc) is not int or not 0 <= crc < 1 << 32 or not isinstance(etag, str):
-            return None
-        return crc if etag == _etag(st) else None
-
     def _info(self, key: str) -> ObjectInfo:
-        dfd, name = self._object_dir(key, create=False)
+        dfd, name = self._tree.object_dir(key, create=False)
         try:
-            st = self._lstat_object(dfd, name, key)
+            st = self._tree.lstat_object(dfd, name, key)
         finally:
             os.close(dfd)
-        return ObjectInfo(key, st.st_size, _etag(st), self._crc(key, st), st.st_mtime)
+        return ObjectInfo(key, st.st_size, etag_of(st), self._tree.sidecar_crc(key, st),
+                          st.st_mtime)
 
     def _get(self, key: str, start: int, length: int | None) -> bytes:
-        dfd, name = self._object_dir(key, create=False)
+        dfd, name = self._tree.object_dir(key, create=False)
         try:
-            self._lstat_object(dfd, name, key)
+            self._tree.lstat_object(dfd, name, key)
             try:
-                fd = os.open(name, _READ_FLAGS, dir_fd=dfd)
+                fd = os.open(name, READ_FLAGS, dir_fd=dfd)
             except FileNotFoundError:
                 raise NotFound(f"no object {key}", key=key) from None
             except OSError as e:
                 if e.errno == errno.ELOOP:
-                    raise _symlink_error(key, f"objects/{key}") from None
+                    raise symlink_error(key, f"objects/{key}") from None
                 raise
         finally:
             os.close(dfd)
@@ -283,13 +167,13 @@ class LocalStore(ObjectStore):
                 return f.read()
             return os.pread(fd, length, start)
 
-    async def get(self, key, start=0, length=None) -> bytes:
+    async def get(self, key: str, start: int = 0, length: int | None = None) -> bytes:
         return await self._run(self._get, key, start, length)
 
-    async def head(self, key) -> ObjectInfo:
+    async def head(self, key: str) -> ObjectInfo:
         return await self._run(self._info, key)
 
-    def _list(self, prefix: str) -> list[ObjectInfo]:
+    def _list(self, prefix: str) -> builtins.list[ObjectInfo]:
         # Start at the deepest directory the prefix names whole (keys never hold "", "." or
         # ".." components, so a prefix that does matches nothing).
         base = prefix.rpartition("/")[0]
@@ -298,7 +182,7 @@ class LocalStore(ObjectStore):
                 "\0" in base:
             return []
         try:
-            top = self._open_dir(["objects", *base_parts], create=False, key=None)
+            top = self._tree.open_dir(["objects", *base_parts], create=False, key=None)
         except (FileNotFoundError, NotADirectoryError, StoreError):
             return []  # nothing there, or a symlink: never descended into
         except OSError as e:
@@ -306,13 +190,13 @@ class LocalStore(ObjectStore):
                 return []  # a component no key can have
             raise
         try:
-            meta_fd = self._open_dir(["meta"], create=False, key=None)
+            meta_fd = self._tree.open_dir(["meta"], create=False, key=None)
         except (OSError, StoreError):
             meta_fd = None  # no CRCs known
-        out = []
+        out: builtins.list[ObjectInfo] = []
         # Depth-first, one open descriptor per level: (fd, key prefix of its entries, names
         # of its subdirectories still to visit).
-        stack: list[tuple[int, str, list[str]]] = []
+        stack: _Stack = []
         try:
             self._scan(top, base + "/" if base else "", prefix, stack, out, meta_fd)
             while stack:
@@ -323,7 +207,7 @@ class LocalStore(ObjectStore):
                     continue
                 name = subdirs.pop()
                 try:
-                    child = os.open(name, _DIR_FLAGS, dir_fd=fd)
+                    child = os.open(name, DIR_FLAGS, dir_fd=fd)
                 except OSError:
                     continue  # deleted meanwhile, or replaced by a symlink: not descended into
                 self._scan(child, f"{rel}{name}/", prefix, stack, out, meta_fd)
@@ -334,7 +218,8 @@ class LocalStore(ObjectStore):
                 os.close(meta_fd)
         return sorted(out, key=lambda i: i.key)
 
-    def _scan(self, fd: int, rel: str, prefix: str, stack: list, out: list,
+    def _scan(self, fd: int, rel: str, prefix: str, stack: _Stack,
+              out: builtins.list[ObjectInfo],
               meta_fd: int | None) -> None:
         """Report the regular files in directory `fd` whose key starts with `prefix` and push
         it with the subdirectories worth visiting (symlinks are neither)."""
@@ -358,27 +243,22 @@ class LocalStore(ObjectStore):
                     except FileNotFoundError:
                         continue  # deleted while listing
                     if stat.S_ISREG(st.st_mode):
-                        out.append(ObjectInfo(key, st.st_size, _etag(st),
-                                              self._crc(key, st, meta_fd), st.st_mtime))
+                        crc = self._tree.sidecar_crc(key, st, meta_fd)
+                        out.append(ObjectInfo(key, st.st_size, etag_of(st), crc, st.st_mtime))
         except BaseException:
             os.close(fd)
             raise
         stack.append((fd, rel, subdirs))
 
-    async def list(self, prefix="") -> list[ObjectInfo]:
+    async def list(self, prefix: str = "") -> builtins.list[ObjectInfo]:
         return await self._run(self._list, prefix)
 
     # -- writing --------------------------------------------------------------------------------
 
     @staticmethod
-    def _write_tmp(dfd: int, data) -> tuple[str, os.stat_result]:
+    def _write_tmp(dfd: int, data: bytes | memoryview) -> tuple[str, os.stat_result]:
         """A new fsync'd temp file in directory `dfd` holding `data`: (name, its stat)."""
-        return _fill_tmp(dfd, lambda f: f.write(data))
-
-    def _refuse_object_symlink(self, dfd: int, name: str, key: str) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            if stat.S_ISLNK(os.stat(name, dir_fd=dfd, follow_symlinks=False).st_mode):
-                raise _symlink_error(key, f"objects/{key}")
+        return fill_tmp(dfd, lambda f: f.write(data))
 
     def _publish(self, key: str, dfd: int, name: str, tmp: str, st: os.stat_result,
                  crc: int, if_none_match: bool, if_match: str | None) -> ObjectInfo:
@@ -389,20 +269,20 @@ class LocalStore(ObjectStore):
                     # atomic create-if-absent; linkat never follows a symlink at either name
                     os.link(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd, follow_symlinks=False)
                 except FileExistsError:
-                    self._refuse_object_symlink(dfd, name, key)
+                    self._tree.refuse_object_symlink(dfd, name, key)
                     raise PreconditionFailed(f"{key} exists", key=key) from None
                 os.unlink(tmp, dir_fd=dfd)
             elif if_match is not None:
-                with self._locked():
+                with self._tree.locked():
                     try:
-                        cur = _etag(self._lstat_object(dfd, name, key))
+                        cur = etag_of(self._tree.lstat_object(dfd, name, key))
                     except NotFound:
                         cur = None
                     if cur != if_match:
                         raise PreconditionFailed(f"{key} changed ({cur} != {if_match})", key=key)
                     os.rename(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
             else:
-                self._refuse_object_symlink(dfd, name, key)
+                self._tree.refuse_object_symlink(dfd, name, key)
                 os.rename(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
         except BaseException:
             with contextlib.suppress(OSError):
@@ -410,51 +290,39 @@ class LocalStore(ObjectStore):
             raise
         # The etag of the file this call wrote (link and rename change neither its inode nor
         # its mtime), not of whatever another writer may have put there since.
-        return ObjectInfo(key, st.st_size, _etag(st), crc, st.st_mtime)
+        return ObjectInfo(key, st.st_size, etag_of(st), crc, st.st_mtime)
 
-    def _write_sidecar(self, mfd: int, key: str, info: ObjectInfo) -> None:
-        _dirs, name = self._meta_name(key)
-        mtmp = f"{name}.{uuid.uuid4().hex}.tmp"
-        fd = _create(mfd, mtmp)
-        try:
-            with open(fd, "wb") as f:
-                f.write(json.dumps({"etag": info.etag, "crc32c": info.crc32c}).encode())
-            # rename replaces whatever has the name (a planted symlink included), never
-            # following it
-            os.rename(mtmp, name, src_dir_fd=mfd, dst_dir_fd=mfd)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(mtmp, dir_fd=mfd)
-            raise
-
-    def _store(self, key: str, fill, crc: int, if_none_match: bool,
+    def _store(self, key: str, fill: Callable[[int], tuple[str, os.stat_result]], crc: int,
+               if_none_match: bool,
                if_match: str | None) -> ObjectInfo:
         """Write a temp file next to the object (`fill(dfd)` -> (tmp, stat)), publish it, then
         its sidecar. The sidecar's directory is opened first: a symlink in its way fails the
         put before the object appears."""
-        dfd, name = self._object_dir(key, create=True)
+        dfd, name = self._tree.object_dir(key, create=True)
         try:
-            mfd = self._open_dir(self._meta_name(key)[0], create=True, key=key)
+            mfd = self._tree.open_dir(self._tree.meta_name(key)[0], create=True, key=key)
             try:
                 tmp, st = fill(dfd)
                 info = self._publish(key, dfd, name, tmp, st, crc, if_none_match, if_match)
-                self._write_sidecar(mfd, key, info)
+                self._tree.write_sidecar(mfd, key, info)
                 return info
             finally:
                 os.close(mfd)
         finally:
             os.close(dfd)
 
-    def _put(self, key, data, if_none_match, if_match) -> ObjectInfo:
+    def _put(self, key: str, data: bytes | memoryview, if_none_match: bool,
+             if_match: str | None) -> ObjectInfo:
         return self._store(key, lambda dfd: self._write_tmp(dfd, data), crc32c(data),
                            if_none_match, if_match)
 
-    async def put(self, key, data, *, if_none_match=False, if_match=None) -> ObjectInfo:
+    async def put(self, key: str, data: bytes | memoryview, *, if_none_match: bool = False,
+                  if_match: str | None = None) -> ObjectInfo:
         return await self._run(self._put, key, data, if_none_match, if_match)
 
     def _delete(self, key: str) -> None:
         try:
-            dfd, name = self._object_dir(key, create=False)
+            dfd, name = self._tree.object_dir(key, create=False)
         except NotFound:
             pass
         else:
@@ -464,15 +332,15 @@ class LocalStore(ObjectStore):
                 except FileNotFoundError:
                     st = None
                 if st is not None and stat.S_ISLNK(st.st_mode):
-                    raise _symlink_error(key, f"objects/{key}")
+                    raise symlink_error(key, f"objects/{key}")
                 if st is not None and not stat.S_ISDIR(st.st_mode):  # a directory: no object
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(name, dir_fd=dfd)
             finally:
                 os.close(dfd)
-        dirs, mname = self._meta_name(key)
+        dirs, mname = self._tree.meta_name(key)
         try:
-            mfd = self._open_dir(dirs, create=False, key=key)
+            mfd = self._tree.open_dir(dirs, create=False, key=key)
         except (FileNotFoundError, NotADirectoryError):
             return
         try:
@@ -481,34 +349,35 @@ class LocalStore(ObjectStore):
         finally:
             os.close(mfd)
 
-    async def delete(self, key) -> None:
+    async def delete(self, key: str) -> None:
         await self._run(self._delete, key)
 
     # -- multipart ------------------------------------------------------------------------------
 
     def _create_mp(self, key: str, upload_id: str) -> None:
-        mfd = self._open_dir(["multipart"], create=True, key=key)
+        mfd = self._tree.open_dir(["multipart"], create=True, key=key)
         try:
-            os.close(self._open_child_dir(mfd, upload_id, True, key, f"multipart/{upload_id}"))
+            os.close(self._tree.open_child_dir(mfd, upload_id, True, key, f"multipart/{upload_id}"))
         finally:
             os.close(mfd)
 
-    async def create_multipart(self, key) -> str:
-        self._split(key)
+    async def create_multipart(self, key: str) -> str:
+        self._tree.split(key)
         upload_id = uuid.uuid4().hex
         await self._run(self._create_mp, key, upload_id)
         return upload_id
 
     def _part_dir(self, key: str, upload_id: str) -> int:
-        if not _valid_upload_id(upload_id):
+        if not valid_upload_id(upload_id):
             raise NotFound(f"no multipart upload {upload_id}", key=key)
         try:
-            return self._open_dir(["multipart", upload_id], create=False, key=key)
+            return self._tree.open_dir(["multipart", upload_id], create=False, key=key)
         except (FileNotFoundError, NotADirectoryError):
             raise NotFound(f"no multipart upload {upload_id}", key=key) from None
 
-    def _upload_part(self, key, upload_id, number, data) -> Part:
-        self._split(key)
+    def _upload_part(self, key: str, upload_id: str, number: int,
+                     data: bytes | memoryview) -> Part:
+        self._tree.split(key)
         number = int(number)
         d = self._part_dir(key, upload_id)
         try:
@@ -517,7 +386,7 @@ class LocalStore(ObjectStore):
                 with contextlib.suppress(FileNotFoundError):
                     if stat.S_ISLNK(os.stat(str(number), dir_fd=d,
                                             follow_symlinks=False).st_mode):
-                        raise _symlink_error(key, f"multipart/{upload_id}/{number}")
+                        raise symlink_error(key, f"multipart/{upload_id}/{number}")
                 os.rename(tmp, str(number), src_dir_fd=d, dst_dir_fd=d)
             except BaseException:
                 with contextlib.suppress(OSError):
@@ -527,18 +396,20 @@ class LocalStore(ObjectStore):
             os.close(d)
         return Part(number, f"{number}-{len(data)}", crc32c(data), len(data))
 
-    async def upload_part(self, key, upload_id, number, data) -> Part:
+    async def upload_part(self, key: str, upload_id: str, number: int,
+                          data: bytes | memoryview) -> Part:
         return await self._run(self._upload_part, key, upload_id, number, data)
 
-    def _complete(self, key, upload_id, parts, crc) -> ObjectInfo:
-        self._split(key)
+    def _complete(self, key: str, upload_id: str, parts: builtins.list[Part],
+                  crc: int) -> ObjectInfo:
+        self._tree.split(key)
         d = self._part_dir(key, upload_id)
         try:
             def assemble(dfd: int) -> tuple[str, os.stat_result]:
-                def fill(out) -> None:
+                def fill(out: IO[bytes]) -> None:
                     for p in sorted(parts, key=lambda p: p.number):
                         self._copy_part(d, key, upload_id, p, out)
-                return _fill_tmp(dfd, fill)
+                return fill_tmp(dfd, fill)
 
             info = self._store(key, assemble, crc, False, None)
         finally:
@@ -549,15 +420,15 @@ class LocalStore(ObjectStore):
         return info
 
     @staticmethod
-    def _copy_part(d: int, key: str, upload_id: str, p: Part, out) -> None:
+    def _copy_part(d: int, key: str, upload_id: str, p: Part, out: IO[bytes]) -> None:
         bad = StoreError(f"part {p.number} of {key} missing or wrong size", key=key)
         try:
-            fd = os.open(str(int(p.number)), _READ_FLAGS, dir_fd=d)
+            fd = os.open(str(int(p.number)), READ_FLAGS, dir_fd=d)
         except FileNotFoundError:
             raise bad from None
         except OSError as e:
             if e.errno == errno.ELOOP:
-                raise _symlink_error(key, f"multipart/{upload_id}/{p.number}") from None
+                raise symlink_error(key, f"multipart/{upload_id}/{p.number}") from None
             raise
         with open(fd, "rb") as f:
             st = os.fstat(fd)
@@ -566,19 +437,20 @@ class LocalStore(ObjectStore):
             while chunk := f.read(1 << 20):
                 out.write(chunk)
 
-    async def complete_multipart(self, key, upload_id, parts, crc32c) -> ObjectInfo:
+    async def complete_multipart(self, key: str, upload_id: str, parts: builtins.list[Part],
+                                 crc32c: int) -> ObjectInfo:
         return await self._run(self._complete, key, upload_id, parts, crc32c)
 
     def _abort(self, key: str, upload_id: str) -> None:
-        if not _valid_upload_id(upload_id):
+        if not valid_upload_id(upload_id):
             return
         try:
-            mfd = self._open_dir(["multipart"], create=False, key=key)
+            mfd = self._tree.open_dir(["multipart"], create=False, key=key)
         except (FileNotFoundError, NotADirectoryError):
             return
         try:
             try:
-                d = self._open_child_dir(mfd, upload_id, False, key, f"multipart/{upload_id}")
+                d = self._tree.open_child_dir(mfd, upload_id, False, key, f"multipart/{upload_id}")
             except (FileNotFoundError, NotADirectoryError):
                 return
             try:
@@ -598,68 +470,7 @@ class LocalStore(ObjectStore):
         finally:
             os.close(mfd)
 
-    async def abort_multipart(self, key, upload_id) -> None:
+    async def abort_multipart(self, key: str, upload_id: str) -> None:
         await self._run(self._abort, key, upload_id)
 
 
-def _refuse_symlink(dfd: int, name: str, key: str | None, where: str) -> None:
-    """Raise the symlink StoreError if `name` in `dfd` is a symlink (an open with O_NOFOLLOW |
-    O_DIRECTORY says only ENOTDIR)."""
-    try:
-        st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
-    except OSError:
-        return
-    if stat.S_ISLNK(st.st_mode):
-        raise _symlink_error(key, where)
-
-
-def _create(dfd: int, name: str) -> int:
-    """A new file `name` in `dfd`, mode 0600 whatever the umask; never through a symlink."""
-    return _private(os.open(name, _CREATE_FLAGS, FILE_MODE, dir_fd=dfd))
-
-
-def _create_or_open(dfd: int, name: str) -> int:
-    """`name` in `dfd` opened read-write, created 0600 if absent; never through a symlink."""
-    try:
-        fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                     FILE_MODE, dir_fd=dfd)
-    except FileExistsError:
-        return os.open(name, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
-                       dir_fd=dfd)
-    return _private(fd)
-
-
-def _private(fd: int) -> int:
-    """`fd`, a file just created, given FILE_MODE exactly (the umask may have narrowed it)."""
-    try:
-        os.fchmod(fd, FILE_MODE)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-def _valid_upload_id(upload_id) -> bool:
-    return (isinstance(upload_id, str) and upload_id not in ("", ".", "..")
-            and "/" not in upload_id and "\0" not in upload_id)
-
-
-def _etag(st: os.stat_result) -> str:
-    return f"{st.st_ino:x}-{st.st_mtime_ns:x}-{st.st_size:x}"
-
-
-def _fill_tmp(dfd: int, fill) -> tuple[str, os.stat_result]:
-    """A new temp file in directory `dfd`, written by `fill(file)` and fsync'd: (name, its
-    stat). Removed again if anything fails."""
-    tmp = f".tmp-{uuid.uuid4().hex}"
-    fd = _create(dfd, tmp)
-    try:
-        with open(fd, "wb") as f:
-            fill(f)
-            f.flush()
-            os.fsync(fd)
-            return tmp, os.fstat(fd)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp, dir_fd=dfd)
-        raise

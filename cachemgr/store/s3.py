@@ -16,8 +16,11 @@ checksums, not of the content.
 
 from __future__ import annotations
 
+import builtins
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import boto3
 import botocore.config
@@ -91,8 +94,9 @@ class S3Store(ObjectStore):
     def _k(self, key: str) -> str:
         return self.prefix + check_key(key)
 
-    async def _call(self, key: str | None, fn, **kw):
-        def run():
+    async def _call(self, key: str | None, fn: Callable[..., Any], **kw: Any) -> Any:
+        """`fn(**kw)` (a boto3 client method) in a worker thread, its errors translated."""
+        def run() -> Any:
             try:
                 return fn(**kw)
             except botocore.exceptions.ClientError as e:
@@ -103,10 +107,11 @@ class S3Store(ObjectStore):
                 raise TransientStoreError(f"{fn.__name__} {key}: {e}", key=key) from None
         return await trio.to_thread.run_sync(run, limiter=self._limiter)
 
-    async def put(self, key, data, *, if_none_match=False, if_match=None) -> ObjectInfo:
+    async def put(self, key: str, data: bytes | memoryview, *, if_none_match: bool = False,
+                  if_match: str | None = None) -> ObjectInfo:
         crc = crc32c(data)
-        kw = dict(Bucket=self.bucket, Key=self._k(key), Body=bytes(data),
-                  ChecksumCRC32C=crc32c_b64(crc), Metadata={META_CRC: str(crc)})
+        kw: dict[str, Any] = {"Bucket": self.bucket, "Key": self._k(key), "Body": bytes(data),
+                              "ChecksumCRC32C": crc32c_b64(crc), "Metadata": {META_CRC: str(crc)}}
         if if_none_match:
             kw["IfNoneMatch"] = "*"
         if if_match is not None:
@@ -114,18 +119,19 @@ class S3Store(ObjectStore):
         r = await self._call(key, self.client.put_object, **kw)
         return ObjectInfo(key, len(data), r["ETag"], crc)
 
-    async def get(self, key, start=0, length=None) -> bytes:
-        kw = dict(Bucket=self.bucket, Key=self._k(key))
+    async def get(self, key: str, start: int = 0, length: int | None = None) -> bytes:
+        kw: dict[str, Any] = {"Bucket": self.bucket, "Key": self._k(key)}
         if start or length is not None:
             if length == 0:
                 return b""
             end = "" if length is None else str(start + length - 1)
             kw["Range"] = f"bytes={start}-{end}"
 
-        def fetch():
+        def fetch() -> bytes:
             try:
                 r = self.client.get_object(**kw)
-                return r["Body"].read()
+                body: bytes = r["Body"].read()
+                return body
             except botocore.exceptions.ClientError as e:
                 if e.response.get("Error", {}).get("Code") == "InvalidRange":
                     return b""
@@ -135,14 +141,14 @@ class S3Store(ObjectStore):
                 raise TransientStoreError(f"get {key}: {e}", key=key) from None
         return await trio.to_thread.run_sync(fetch, limiter=self._limiter)
 
-    async def head(self, key) -> ObjectInfo:
+    async def head(self, key: str) -> ObjectInfo:
         r = await self._call(key, self.client.head_object, Bucket=self.bucket, Key=self._k(key))
         crc = _crc_meta(r.get("Metadata", {}).get(META_CRC))
         return ObjectInfo(key, r["ContentLength"], r["ETag"], crc,
                           r["LastModified"].timestamp())
 
-    async def list(self, prefix="") -> list[ObjectInfo]:
-        def run():
+    async def list(self, prefix: str = "") -> builtins.list[ObjectInfo]:
+        def run() -> builtins.list[ObjectInfo]:
             out = []
             pages = self.client.get_paginator("list_objects_v2").paginate(
                 Bucket=self.bucket, Prefix=self.prefix + prefix)
@@ -160,22 +166,25 @@ class S3Store(ObjectStore):
         return sorted(await trio.to_thread.run_sync(run, limiter=self._limiter),
                       key=lambda i: i.key)
 
-    async def delete(self, key) -> None:
+    async def delete(self, key: str) -> None:
         await self._call(key, self.client.delete_object, Bucket=self.bucket, Key=self._k(key))
 
-    async def create_multipart(self, key) -> str:
+    async def create_multipart(self, key: str) -> str:
         r = await self._call(key, self.client.create_multipart_upload, Bucket=self.bucket,
                              Key=self._k(key), ChecksumAlgorithm="CRC32C")
-        return r["UploadId"]
+        upload_id: str = r["UploadId"]
+        return upload_id
 
-    async def upload_part(self, key, upload_id, number, data) -> Part:
+    async def upload_part(self, key: str, upload_id: str, number: int,
+                          data: bytes | memoryview) -> Part:
         crc = crc32c(data)
         r = await self._call(key, self.client.upload_part, Bucket=self.bucket, Key=self._k(key),
                              UploadId=upload_id, PartNumber=number, Body=bytes(data),
                              ChecksumCRC32C=crc32c_b64(crc))
         return Part(number, r["ETag"], crc, len(data))
 
-    async def complete_multipart(self, key, upload_id, parts, crc32c) -> ObjectInfo:
+    async def complete_multipart(self, key: str, upload_id: str, parts: builtins.list[Part],
+                                 crc32c: int) -> ObjectInfo:
         ordered = sorted(parts, key=lambda p: p.number)
         r = await self._call(
             key, self.client.complete_multipart_upload, Bucket=self.bucket, Key=self._k(key),
@@ -189,7 +198,7 @@ class S3Store(ObjectStore):
         # their manifest, and head() of a multipart object reports crc32c=None.
         return ObjectInfo(key, sum(p.size for p in ordered), r["ETag"], crc32c)
 
-    async def abort_multipart(self, key, upload_id) -> None:
+    async def abort_multipart(self, key: str, upload_id: str) -> None:
         try:
             await self._call(key, self.client.abort_multipart_upload, Bucket=self.bucket,
                              Key=self._k(key), UploadId=upload_id)
@@ -211,7 +220,7 @@ def _translate(e: botocore.exceptions.ClientError, key: str | None) -> StoreErro
     return StoreError(msg, key=key)
 
 
-def _crc_meta(v) -> int | None:
+def _crc_meta(v: object) -> int | None:
     """The CRC32C of an object's user metadata, or None (absent, or not one: metadata is
     anyone's to write, and a bad value must not stop a reader; it is then not checked)."""
     if isinstance(v, str) and v.isdigit() and len(v) <= 10 and int(v) < 1 << 32:

@@ -1,18 +1,21 @@
 """Stores that wrap stores: retries with backoff, and fault injection for tests.
 
 `RetryingStore` retries transient failures (throttling, 5xx, timeouts, resets, read-back
-integrity mismatches) with exponential backoff and full jitter, up to a deadline; it counts every
-retry in `statistics()`. `FaultyStore` injects failures deterministically (every Nth call of an
-operation, or the next K calls) so tests can provoke them on purpose; it is a real store in
-between, never a mock.
+integrity mismatches) with exponential backoff and full jitter, up to `RetryPolicy.attempts`
+tries per call (8 by default: at most 6.35 s of backoff); it counts every retry in
+`statistics()`, which only the trio tasks calling it touch (one loop, no lock). `FaultyStore`
+injects failures deterministically (every Nth call of an operation, or the next K calls) so
+tests can provoke them on purpose; it is a real store in between, never a mock.
 """
 
 from __future__ import annotations
 
+import builtins
 import logging
 import os
 import random
 from dataclasses import dataclass, field
+from typing import Any
 
 import trio
 
@@ -47,35 +50,48 @@ class _Wrapper(ObjectStore):
         self.url = inner.url
         self.supports_conditional_put = inner.supports_conditional_put
 
-    async def _do(self, op: str, *args, **kw):
+    async def _do(self, op: str, *args: Any, **kw: Any) -> Any:
+        """Call `op` of the inner store (what each wrapper changes); the typed methods below
+        give the result its type back."""
         return await getattr(self.inner, op)(*args, **kw)
 
-    async def put(self, key, data, *, if_none_match=False, if_match=None) -> ObjectInfo:
-        return await self._do("put", key, data, if_none_match=if_none_match, if_match=if_match)
+    async def put(self, key: str, data: bytes | memoryview, *, if_none_match: bool = False,
+                  if_match: str | None = None) -> ObjectInfo:
+        info: ObjectInfo = await self._do("put", key, data, if_none_match=if_none_match,
+                                          if_match=if_match)
+        return info
 
-    async def get(self, key, start=0, length=None) -> bytes:
-        return await self._do("get", key, start, length)
+    async def get(self, key: str, start: int = 0, length: int | None = None) -> bytes:
+        data: bytes = await self._do("get", key, start, length)
+        return data
 
-    async def head(self, key) -> ObjectInfo:
-        return await self._do("head", key)
+    async def head(self, key: str) -> ObjectInfo:
+        info: ObjectInfo = await self._do("head", key)
+        return info
 
-    async def list(self, prefix="") -> list[ObjectInfo]:
-        return await self._do("list", prefix)
+    async def list(self, prefix: str = "") -> builtins.list[ObjectInfo]:
+        infos: builtins.list[ObjectInfo] = await self._do("list", prefix)
+        return infos
 
-    async def delete(self, key) -> None:
-        return await self._do("delete", key)
+    async def delete(self, key: str) -> None:
+        await self._do("delete", key)
 
-    async def create_multipart(self, key) -> str:
-        return await self._do("create_multipart", key)
+    async def create_multipart(self, key: str) -> str:
+        upload_id: str = await self._do("create_multipart", key)
+        return upload_id
 
-    async def upload_part(self, key, upload_id, number, data) -> Part:
-        return await self._do("upload_part", key, upload_id, number, data)
+    async def upload_part(self, key: str, upload_id: str, number: int,
+                          data: bytes | memoryview) -> Part:
+        part: Part = await self._do("upload_part", key, upload_id, number, data)
+        return part
 
-    async def complete_multipart(self, key, upload_id, parts, crc32c) -> ObjectInfo:
-        return await self._do("complete_multipart", key, upload_id, parts, crc32c)
+    async def complete_multipart(self, key: str, upload_id: str, parts: builtins.list[Part],
+                                 crc32c: int) -> ObjectInfo:
+        info: ObjectInfo = await self._do("complete_multipart", key, upload_id, parts, crc32c)
+        return info
 
-    async def abort_multipart(self, key, upload_id) -> None:
-        return await self._do("abort_multipart", key, upload_id)
+    async def abort_multipart(self, key: str, upload_id: str) -> None:
+        await self._do("abort_multipart", key, upload_id)
 
     async def aclose(self) -> None:
         await self.inner.aclose()
@@ -92,7 +108,7 @@ class RetryingStore(_Wrapper):
     def statistics(self) -> RetryStats:
         return self.stats
 
-    async def _do(self, op: str, *args, **kw):
+    async def _do(self, op: str, *args: Any, **kw: Any) -> Any:
         p = self.policy
         st = self.stats
         st.calls += 1
@@ -143,7 +159,7 @@ class FaultyStore(_Wrapper):
         test opens the gate by deleting it): a store that is slow for one node, on demand."""
         self._holds.setdefault(op, []).append((prefix, gate))
 
-    async def _do(self, op: str, *args, **kw):
+    async def _do(self, op: str, *args: Any, **kw: Any) -> Any:
         for prefix, gate in self._holds.get(op, ()):
             key = args[0] if args else ""
             if isinstance(key, str) and key.startswith(prefix) and os.path.exists(gate):
