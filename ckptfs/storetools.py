@@ -50,7 +50,8 @@ EXIT_DAMAGE = 10   # the store holds damage: an invalid manifest, an object miss
 EXIT_DEST = 11     # restore: the destination refused (an unrelated file in the way, ...)
 
 COMMANDS = ("ls", "restore", "fsck")
-DEFAULT_OLDER_THAN = 86400.0   # docs/FORMAT.md: lifecycle rules may delete protocol keys after a day
+# docs/FORMAT.md: lifecycle rules may delete protocol keys after a day
+DEFAULT_OLDER_THAN = 86400.0
 # Manifest bytes held at once while reading many (each at most MAX_DOCUMENT_BYTES): what bounds
 # the memory of `ls` and `fsck`, whatever the store holds (as cachemgr.remote's _HOLD_BYTES).
 _HOLD_BYTES = validate.MAX_DOCUMENT_BYTES

@@ -847,8 +847,8 @@ def test_the_script_needs_only_the_stdlib_modules_of_cachemgr(tmp_path):
                        capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert "ok" in r.stdout and f"cachemgr {copy / 'cachemgr' / '__init__.py'}" in r.stdout
-    assert "loaded ['cachemgr', 'cachemgr.keys', 'cachemgr.names', 'cachemgr.storeread', " \
-        "'cachemgr.validate']" in r.stdout
+    assert ("loaded ['cachemgr', 'cachemgr.keys', 'cachemgr.names', 'cachemgr.storeread', "
+            "'cachemgr.validate']") in r.stdout
     assert one_line(r.stderr) and "manifests/bad.json" in r.stderr, r.stderr
     r = subprocess.run([sys.executable, "-c", probe, "restore", s.url, "bad",
                         str(tmp_path / "d")], check=False, capture_output=True, text=True,

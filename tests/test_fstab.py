@@ -20,6 +20,9 @@ import tomllib
 from pathlib import Path
 
 import pytest
+from ckpt_restore import FileStoreView, manifests, restore
+from conftest import IN_CI, REPO, is_mounted, require_fuse, run_cli, wait_for
+from procwait import Events
 
 import ckptfs
 from ckptfs.cli import mount_parser
@@ -27,10 +30,6 @@ from ckptfs.config import default_store_url
 from ckptfs.mount import EXIT_USAGE, READY_TIMEOUT_S, find_mount
 from ckptfs.mount import pid_running as _alive
 from ckptfs.mounthelper import IGNORED, mount_options, translate
-from conftest import IN_CI, REPO, is_mounted, require_fuse, run_cli, wait_for
-
-from ckpt_restore import FileStoreView, manifests, restore  # noqa: I001 (scripts/, conftest)
-from procwait import Events
 
 VENV_BIN = Path(sys.executable).parent
 HELPER = Path("/sbin/mount.fuse.ckptfs")
@@ -130,7 +129,7 @@ def test_every_mount_option_has_an_o_spelling():
     assert not set(known) & IGNORED  # no ckptfs option is swallowed as a generic one
     p = mount_parser()
     defaults = vars(p.parse_args(["/mnt/x"]))
-    for name, (opt, act) in known.items():
+    for name, (_opt, act) in known.items():
         if act.nargs == 0:
             item = name
         elif act.choices:
@@ -465,8 +464,8 @@ def test_version_is_the_installed_distributions(tmp_path):
     directory: a stale ckptfs.egg-info in the checkout must not answer for the install."""
     res = run([str(VENV_BIN / "ckptfs"), "--version"], cwd=tmp_path)
     assert res.returncode == 0, res.stderr
-    meta = subprocess.run([sys.executable, "-c", "import importlib.metadata as m; "
-                           "print(m.version('ckptfs'))"], capture_output=True, text=True,
+    probe = "import importlib.metadata as m; print(m.version('ckptfs'))"
+    meta = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                           cwd=tmp_path, timeout=60)
     assert meta.returncode == 0, meta.stderr
     assert res.stdout.strip() == f"ckptfs {meta.stdout.strip()}"

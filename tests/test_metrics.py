@@ -11,6 +11,7 @@ logged once), never the loop.
 from __future__ import annotations
 
 import errno
+import itertools
 import logging
 import os
 import socket
@@ -194,7 +195,7 @@ def test_metrics_follow_a_checkpoint_until_durable(mount_factory, monkeypatch, t
         "ckptfs_store_requests_total", op="put")
     assert after("ckptfs_store_health", state="normal") == 1
     for seq in ([base, *scrapes], [base, during, after]):  # each in the order taken
-        for a, b in zip(seq, seq[1:]):
+        for a, b in itertools.pairwise(seq):
             for key, v in a.counters().items():
                 assert b.samples.get(key, v) >= v, key
 
