@@ -173,7 +173,7 @@ def test_crash_while_writing_supersedes_commits_of_old_content(tmp_path):
     again = CacheFs.load(tmp_path / "cache")
     t = Tiering(again, LocalStore(tmp_path / "store"), TieringConfig())
     again.tiering = t
-    t._recover()
+    t.commits.recover()
     row = again.index.conn.execute(
         "SELECT version, writing FROM inodes WHERE ino=?", (ino,)).fetchone()
     assert row == (version + 1, 0)
