@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import json
 import re
+import sqlite3
 import stat
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from .index import ROOT_INO, Index
 from .names import escape_name, escape_path
@@ -40,6 +42,13 @@ _TEMP_RE = re.compile(
 DCP_METADATA = ".metadata"
 LIVE_STATES = ("committed", "uploading")
 KEPT_STATES = ("committed", "uploading", "durable")
+
+
+def _rowid(cur: sqlite3.Cursor) -> int:
+    """The seq an INSERT into `sets` just made."""
+    if cur.lastrowid is None:  # never after an INSERT
+        raise RuntimeError("INSERT INTO sets made no row")
+    return cur.lastrowid
 
 
 def is_temp_name(name: str) -> bool:
@@ -112,12 +121,12 @@ class SetRegistry:
 
     # -- commits -----------------------------------------------------------------------------
 
-    def snapshot(self, root_ino: int) -> tuple[list[tuple], dict]:
+    def snapshot(self, root_ino: int) -> tuple[list[tuple[Any, ...]], dict[str, Any]]:
         """Files (rel, ino, version, size, mode, mtime_ns) and layout {dirs, symlinks} of the
         subtree at `root_ino` as it is now."""
-        files: list[tuple] = []
-        dirs: list[dict] = []
-        links: list[dict] = []
+        files: list[tuple[Any, ...]] = []
+        dirs: list[dict[str, Any]] = []
+        links: list[dict[str, Any]] = []
         stack = [(root_ino, "")]
         while stack:
             d, prefix = stack.pop()
@@ -147,7 +156,7 @@ class SetRegistry:
         assert row is not None
         mode = row[1]
         now = time.time_ns()
-        layout: dict = {"dirs": [], "symlinks": []}
+        layout: dict[str, Any] = {"dirs": [], "symlinks": []}
         if stat.S_ISDIR(mode):
             kind = "dir"
             files, layout = self.snapshot(root_ino)
@@ -169,7 +178,7 @@ class SetRegistry:
             " VALUES (?, ?, ?, 'committed', ?, ?, ?)",
             (path, kind, root_ino, reason, now, json.dumps(layout)),
         )
-        seq = int(cur.lastrowid)
+        seq = _rowid(cur)
         for rel, ino, version, size, fmode, mtime_ns in files:
             obj = self.conn.execute(
                 "SELECT obj FROM inodes WHERE ino=? AND obj_version=?", (ino, version)
@@ -181,7 +190,8 @@ class SetRegistry:
             )
         return seq
 
-    def record_remote(self, m: dict, root_ino: int, etag: str, files: list[tuple]) -> int:
+    def record_remote(self, m: dict[str, Any], root_ino: int, etag: str,
+                      files: list[tuple[Any, ...]]) -> int:
         """A set materialised from another node's manifest `m`: durable from the start.
         `files`: (rel, ino, version, size, mode, mtime_ns, obj_json); version 0 for files
         created from the manifest, the inode's own for files this node wrote (adopted)."""
@@ -197,7 +207,7 @@ class SetRegistry:
             (m["path"], m["kind"], root_ino, "store:" + m["commit"].get("reason", "?"),
              m["commit"].get("committed_ns", now), now, json.dumps(layout),
              m["commit"].get("node", "?"), etag))
-        seq = int(cur.lastrowid)
+        seq = _rowid(cur)
         for rel, ino, version, size, mode, mtime_ns, obj_json in files:
             self.conn.execute(
                 "INSERT INTO set_files (seq, rel, ino, version, size, mode, mtime_ns, obj)"
@@ -205,7 +215,7 @@ class SetRegistry:
                 (seq, rel, ino, version, size, mode, mtime_ns, obj_json))
         return seq
 
-    def add_file(self, seq: int, row: tuple) -> None:
+    def add_file(self, seq: int, row: tuple[Any, ...]) -> None:
         """Add (rel, ino, version, size, mode, mtime_ns, obj_json) to set `seq`: a file another
         node wrote, shown on the node that published the set (cachemgr.remote)."""
         self.conn.execute(
@@ -267,7 +277,7 @@ class SetRegistry:
         return [SetRow(*r) for r in self.conn.execute(
             f"SELECT {_SET_COLS} FROM sets WHERE state IN ({q}) ORDER BY seq", states)]
 
-    def statistics(self) -> dict:
+    def statistics(self) -> dict[str, Any]:
         """Totals over every set (metrics): sets by state; the files and bytes of live sets not
         uploaded yet (each content once, however many live sets hold it); and when the oldest
         live set was committed (None when none is live)."""
@@ -302,7 +312,7 @@ class SetRegistry:
             cands).fetchone()
         return SetRow(*r) if r else None
 
-    def files(self, seq: int) -> list[tuple]:
+    def files(self, seq: int) -> list[tuple[Any, ...]]:
         """(rel, ino, version, size, mode, mtime_ns, obj_json) of a set."""
         return self.conn.execute(
             "SELECT rel, ino, version, size, mode, mtime_ns, obj FROM set_files WHERE seq=?"
@@ -336,7 +346,7 @@ class SetRegistry:
 
     def max_seq(self) -> int:
         """The newest commit's seq (0 when none)."""
-        return self.conn.execute("SELECT COALESCE(MAX(seq), 0) FROM sets").fetchone()[0]
+        return int(self.conn.execute("SELECT COALESCE(MAX(seq), 0) FROM sets").fetchone()[0])
 
     def earlier_live(self, seq: int) -> int | None:
         """The newest live set committed before `seq` (publication waits for it), or None."""

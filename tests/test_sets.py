@@ -1,6 +1,8 @@
 """Commit rules, in-process: the core with tiering hooks attached but the upload service not
 running, so every set stays exactly where the hooks put it (deterministic, no FUSE, no store
-traffic). What each rule means is in docs/SEMANTICS.md "When a set is committed"."""
+traffic). What each rule means is in docs/SEMANTICS.md "When a set is committed". At the end,
+the tiering services themselves in-process (cachemgr.uploads, cachemgr.publish): their workers
+driven against a file:// store, without FUSE."""
 
 import os
 
@@ -173,7 +175,7 @@ def test_crash_while_writing_supersedes_commits_of_old_content(tmp_path):
     again = CacheFs.load(tmp_path / "cache")
     t = Tiering(again, LocalStore(tmp_path / "store"), TieringConfig())
     again.tiering = t
-    t._recover()
+    t.commits.recover()
     row = again.index.conn.execute(
         "SELECT version, writing FROM inodes WHERE ino=?", (ino,)).fetchone()
     assert row == (version + 1, 0)
@@ -182,3 +184,70 @@ def test_crash_while_writing_supersedes_commits_of_old_content(tmp_path):
     reg = SetRegistry(again.index)
     assert [s.state for s in reg.recent(10)] == ["superseded"]
     assert again.check_consistency() == []
+
+
+# -- the tiering services in-process (no FUSE): uploads and publication in commit order --------
+
+def _drive(t: Tiering, until, limit: float = 30.0) -> None:
+    """Run the upload workers and the namespace worker until `until()` holds (checked each
+    time every task is blocked: on the store, or idle), then stop them."""
+    import trio
+    import trio.testing
+
+    async def main() -> None:
+        with trio.fail_after(limit):
+            async with trio.open_nursery() as n:
+                n.start_soon(t.uploads.worker)
+                n.start_soon(t.publisher.worker)
+                while not until():
+                    await trio.testing.wait_all_tasks_blocked(0.01)
+                n.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def _has_manifest(store: LocalStore, path: str) -> bool:
+    import trio
+
+    from cachemgr.manifest import manifest_key
+    from cachemgr.store import NotFound
+
+    async def head() -> bool:
+        try:
+            await store.head(manifest_key(path))
+        except NotFound:
+            return False
+        return True
+
+    return trio.run(head)
+
+
+def test_publication_waits_for_the_set_committed_before_it(tmp_path):
+    core = CacheFs.load(tmp_path / "cache")
+    store = LocalStore(tmp_path / "store")
+    t = Tiering(core, store, TieringConfig(file_concurrency=1))
+    core.tiering = t
+    a = write_file(core, ROOT, b"a.pt", b"A" * 1000)
+    write_file(core, ROOT, b"b.pt", b"B" * 1000)
+    seq_a, seq_b = (s.seq for s in t.sets.recent(10))
+    # a.pt's upload is held back: b.pt is uploaded first, and is not published before a.pt.
+    t.uploads.drop(a, core.inode(a).version)
+    # (b.pt's upload done and its publish event taken: both happen without an await between
+    # them and the decision to hold it back.)
+    _drive(t, lambda: t.uploads.statistics()["done"] == 1 and
+           t.publisher.statistics()["events"] == 0)
+    assert t.publisher.blocked_by(seq_b) == seq_a
+    assert sets(core) == {"a.pt": "committed", "b.pt": "uploading"}
+    assert not _has_manifest(store, "a.pt") and not _has_manifest(store, "b.pt")
+    # a.pt uploads and publishes; its state change releases b.pt, published after it.
+    t.uploads.enqueue(a, core.inode(a).version)
+    _drive(t, lambda: sets(core) == {"a.pt": "durable", "b.pt": "durable"})
+    assert t.publisher.blocked_by(seq_b) is None
+    assert _has_manifest(store, "a.pt") and _has_manifest(store, "b.pt")
+    assert t.publisher.statistics()["published"] == 2
+    durable = {s.seq: s.durable_ns for s in t.sets.recent(10)}
+    assert durable[seq_a] <= durable[seq_b]
+    st = t.status()
+    assert st["uploads"]["done"] == 2 and st["pending_sets"] == 0
+    assert st["services"]["commit"]["commits"] == 2
+    assert core.check_consistency() == []

@@ -1,0 +1,312 @@
+"""Progress: "is it durable yet?" — `ckptfs wait`, and the per-set rows of `ckptfs status`.
+
+`Progress` answers questions about the sets and never changes them: `wait(path)` follows the
+set holding a path (through supersession to the newest set of that path) until it is durable
+or ends; a directory that is not (inside) one set is waited for as a whole (`_wait_dir`,
+docs/SEMANTICS.md "Waiting for a directory"); `set_rows` gives status its recent sets with
+their progress, what each waits for (cachemgr.gather) and which earlier set it is published
+after (cachemgr.publish).
+
+Waiting: every wait request sleeps on `Signals.changed` (woken at every set state change, and
+at closes and removals, `Signals.wake_waiters`) and re-reads what it waits for from the index
+at each wake (one query for all the sets of a directory wait). State: only each request's own
+locals; trio thread only; nothing durable (a wait in flight at a crash is the client's to
+repeat).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import fields
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from . import names
+from .errors import FsError
+from .sets import KEPT_STATES, LIVE_STATES, SetRegistry, SetRow
+
+if TYPE_CHECKING:
+    from .core import CacheFs
+    from .index import Index
+    from .signals import Signals
+
+log = logging.getLogger("cachemgr.tiering")  # the log lines as they were before the split
+
+Reply = dict[str, Any]
+
+# Set states in which a set no longer holds its path's content: a directory that held one
+# of these and was written file by file since is waited for as a directory (`Progress.wait`).
+_ENDED = ("superseded", "failed", "deleting", "deleted")
+_SETROW_COLS = ", ".join(f.name for f in fields(SetRow))  # the columns, in SetRow's order
+_ALL_STATES = ("committed", "uploading", "durable", "failed", "superseded", "replaced",
+               "deleting", "deleted")
+
+
+class Progress:
+    """Waits and per-set progress (see the module docstring)."""
+
+    def __init__(self, *, core: CacheFs, index: Index, sets: SetRegistry, signals: Signals,
+                 waiting_for: Callable[[int], dict[str, Any] | None],
+                 blocked_by: Callable[[int], int | None]) -> None:
+        self.core = core
+        self.index = index
+        self.sets = sets
+        self.signals = signals
+        self._waiting_for = waiting_for  # cachemgr.gather: what a set waits for
+        self._blocked_by = blocked_by    # cachemgr.publish: the set it is published after
+        self.waits = 0
+
+    # -- status -------------------------------------------------------------------------------
+
+    def set_rows(self, limit: int) -> tuple[list[dict[str, Any]], int]:
+        """The `limit` most recent sets as status shows them, and the bytes of live sets not
+        uploaded yet."""
+        sets = []
+        pending = 0
+        for s in self.sets.recent(limit):
+            files = self.sets.files(s.seq)
+            total = sum(f[3] for f in files)
+            done = sum(json.loads(f[6])["size"] for f in files if f[6])
+            if s.state in LIVE_STATES:
+                pending += total - done
+            row = {"seq": s.seq, "path": s.path, "kind": s.kind, "state": s.state,
+                   "reason": s.reason, "files": len(files), "bytes": total,
+                   "bytes_uploaded": done, "committed_ns": s.committed_ns,
+                   "durable_ns": s.durable_ns, "error": s.error, "origin": s.origin}
+            waiting = self._waiting_for(s.seq)
+            if waiting is not None:
+                # waited_s as of now, not as of the gather loop's last look
+                row["waiting_for"] = dict(waiting, waited_s=round(
+                    (time.time_ns() - s.committed_ns) / 1e9, 1))
+            after = self._blocked_by(s.seq)
+            if after is not None and s.state in LIVE_STATES:
+                row["after_set"] = after  # published once that one is
+            sets.append(row)
+        return sets, pending
+
+    def statistics(self) -> dict[str, int]:
+        return {"waits": self.waits}
+
+    # -- waiting for one set ------------------------------------------------------------------
+
+    async def wait(self, path: str, timeout: float | None) -> Reply:
+        """Wait until the set holding `path` is durable (following supersession to the newest
+        set of that path). Returns {"state", "seq", "path", "error"}. `path` as os functions
+        give it (`ckptfs wait PATH`). A directory that is not (inside) one set is waited for
+        as a whole (`_wait_dir`)."""
+        self.waits += 1
+        path = names.from_str(path.strip("/"))
+        s = self.sets.holding(path) if path else None
+        if s is None or s.state in _ENDED:
+            # Not in one set, or the set that held it ended and the directory has been written
+            # file by file since (a set below it committed later): the sets under it.
+            under = self._newest_under(path)
+            if s is None or any(r.seq > s.seq and r.path != path for r in under.values()):
+                ino = self._dir_ino(path)
+                if ino is not None:
+                    return await self._wait_dir(path, ino, under, timeout)
+        with trio.move_on_after(math.inf if timeout is None else timeout):
+            while True:
+                s = self.sets.holding(path)
+                if s is None:
+                    return {"state": "none", "error": f"{path or '/'} is not in any committed"
+                            " set"}
+                if s.state in ("durable", "failed", "deleted", "deleting", "replaced"):
+                    return {"state": s.state, "seq": s.seq, "path": s.path, "error": s.error}
+                await self.signals.wait_changed()
+        s = self.sets.holding(path)
+        return {"state": "timeout", "seq": s.seq if s else None, "path": s.path if s else None,
+                "error": f"not durable after {timeout}s (state {s.state if s else '?'})"}
+
+    # -- waiting for a directory of many sets (docs/SEMANTICS.md "Waiting for a directory") ----
+    #
+    # What is waited for is fixed at the call: the newest commit of each path at or under the
+    # directory, if it is committed, uploading or durable, and every file under it that is
+    # open for writing (it commits at its last close, or the wait says why not). A set that
+    # ended (failed, deleted) or a file in no set ends the wait with the reason. One request,
+    # woken by `Signals.changed` (every set state change, and closes and removals); each wake
+    # re-reads the pending sets in one query.
+
+    def _newest_under(self, path: str) -> dict[str, SetRow]:
+        """The newest set (any state) of each path at or under `path` ("" = the mount root)."""
+        rows = (self.sets.at_or_under(path, _ALL_STATES) if path
+                else self.sets.by_states(_ALL_STATES))
+        return {r.path: r for r in rows}  # ordered by seq: the newest of each path wins
+
+    def _dir_ino(self, path: str) -> int | None:
+        ino = self._at_path(path) if path else 1
+        if ino is None:
+            return None
+        try:
+            return ino if self.core.inode(ino).is_dir else None
+        except FsError:
+            return None
+
+    def _at_path(self, path: str) -> int | None:
+        """The inode at `path` now, None if there is none."""
+        return self.index.resolve(path)
+
+    def _first_failed(self, newest: dict[str, SetRow]) -> Reply | None:
+        """A failed set still there and not written anew below: the directory cannot be
+        durable."""
+        for p, r in newest.items():
+            if r.state == "failed" and self._at_path(p) == r.root_ino and not any(
+                    q.startswith(p + "/") and x.seq > r.seq for q, x in newest.items()):
+                return {"state": "failed", "seq": r.seq, "path": r.path, "error": r.error}
+        return None
+
+    def _dir_contents(self, path: str, dir_ino: int, newest: dict[str, SetRow],
+                      pending: set[int]) -> tuple[dict[int, str], list[str]]:
+        """Files under the directory open for writing (waited for), and files in no set."""
+        prefix = path + "/" if path else ""
+        # Every file under the directory must be in one of those sets (its current content),
+        # or be open for writing (waited for): anything else is in no set, and nothing will
+        # commit it on its own (a temporary name, a directory that is not committed yet).
+        contents = {(ino, version) for (ino, version) in self.index.conn.execute(
+            "SELECT ino, version FROM set_files WHERE seq IN (SELECT value FROM json_each(?))",
+            (json.dumps(sorted(pending)),))}
+        set_paths = {newest_path for newest_path, r in newest.items() if r.seq in pending}
+        files, layout = self.sets.snapshot(dir_ino)
+        writing: dict[int, str] = {}  # ino -> path of files open for writing, waited for
+        loose: list[str] = []
+        for rel, ino, version, *_ in files:
+            if (ino, version) not in contents:
+                if self.core.inode(ino).writers:
+                    writing[ino] = prefix + rel
+                else:
+                    loose.append(prefix + rel)
+        for link in layout["symlinks"]:
+            p = prefix + link["path"]
+            parts = p.split("/")
+            if not any("/".join(parts[:i]) in set_paths for i in range(len(parts), 0, -1)):
+                loose.append(p)
+        return writing, loose
+
+    async def _wait_dir(self, path: str, dir_ino: int, newest: dict[str, SetRow],
+                        timeout: float | None) -> Reply:
+        where = path or "/"
+        failed = self._first_failed(newest)
+        if failed is not None:
+            return failed
+        pending = {r.seq for r in newest.values() if r.state in KEPT_STATES}
+        writing, loose = self._dir_contents(path, dir_ino, newest, pending)
+        if loose:
+            return _uncommitted(where, sorted(loose))
+        if not pending and not writing:
+            return {"state": "none", "path": path,
+                    "error": f"{where} holds no committed set"}
+        log.info("wait %s: %d set(s) committed under it, %d file(s) open for writing", where,
+                 len(pending), len(writing))
+        durable: set[int] = set()
+        with trio.move_on_after(math.inf if timeout is None else timeout):
+            while True:
+                ended = self._dir_step(pending, durable, writing)
+                if ended is not None:
+                    return ended
+                if not pending and not writing:
+                    log.info("wait %s: %d sets durable", where, len(durable))
+                    return {"state": "durable", "path": path, "sets": len(durable)}
+                await self.signals.wait_changed()
+        n = len(pending) + len(durable)
+        names_ = sorted(r.path for r in self._rows(pending))
+        msg = (f"{where}: not durable after {timeout}s: {len(pending)} of {n} set(s) still"
+               f" pending"
+               + (f" ({_some(names_)})" if names_ else ""))
+        if writing:
+            msg += (f"; {len(writing)} file(s) still open for writing"
+                    f" ({_some(sorted(writing.values()))})")
+        return {"state": "timeout", "path": path, "sets": n, "pending": len(pending),
+                "open": len(writing), "error": msg}
+
+    def _rows(self, seqs: set[int]) -> list[SetRow]:
+        """The sets `seqs`, in one query (a directory wait looks at all of them at each wake)."""
+        return [SetRow(*r) for r in self.index.conn.execute(
+            f"SELECT {_SETROW_COLS} FROM sets WHERE seq IN (SELECT value FROM json_each(?))",
+            (json.dumps(sorted(seqs)),))]
+
+    def _closed_files(self, pending: set[int], durable: set[int],
+                      writing: dict[int, str]) -> Reply | None:
+        """Files waited for that were closed since: their sets are waited for instead."""
+        for ino, p in list(writing.items()):
+            try:
+                node = self.core.inode(ino)
+            except FsError:
+                node = None
+            if node is None or not node.nlink:
+                return {"state": "deleted", "path": p, "error": f"{p} was removed while open for"
+                        " writing, before any commit of it"}
+            if node.writers:
+                continue
+            del writing[ino]
+            s = self.sets.set_of_file(ino)  # committed at its close (or a rename since)
+            if s is None:
+                return _uncommitted(p, [p], closed=True)
+            if s.seq not in durable:
+                pending.add(s.seq)
+        return None
+
+    def _dir_step(self, pending: set[int], durable: set[int],
+                  writing: dict[int, str]) -> Reply | None:
+        """One look at what a directory wait waits for: moves durable sets out of `pending`,
+        follows sets replaced by a newer commit, turns closed files into their sets. Returns
+        the reply that ends the wait, or None to go on waiting."""
+        ended = self._closed_files(pending, durable, writing)
+        if ended is not None:
+            return ended
+        todo = self._rows(pending)
+        while todo:
+            r = todo.pop()
+            if r.state == "durable":
+                pending.discard(r.seq)
+                durable.add(r.seq)
+                continue
+            if r.state in LIVE_STATES:
+                continue
+            newer = self.sets.holding(r.path)
+            if newer is not None and newer.seq > r.seq:
+                # A later commit of its path, or of a directory above it (absorbed), took its
+                # place: that one is waited for instead (as `wait` follows one set).
+                pending.discard(r.seq)
+                if newer.seq not in durable and newer.seq not in pending:
+                    pending.add(newer.seq)
+                    todo.append(newer)
+                continue
+            if r.state in ("failed", "deleting", "deleted"):
+                return {"state": "deleted" if r.state != "failed" else "failed", "seq": r.seq,
+                        "path": r.path, "error": r.error}
+            if r.state == "replaced":  # was durable; its successor is (not reached: newer)
+                pending.discard(r.seq)
+                durable.add(r.seq)
+                continue
+            # superseded, no later commit yet: its content changed (a rewrite) or went away.
+            ino = self._at_path(r.path)
+            if ino is None:  # removed, or renamed away, before its upload
+                return {"state": "deleted", "seq": r.seq, "path": r.path,
+                        "error": f"{r.path} is no longer in the mount ({r.error})"}
+            if r.kind == "file" and self.core.inode(ino).is_reg:
+                pending.discard(r.seq)  # the file is waited for: its next commit, at its close
+                writing[ino] = r.path
+                return self._dir_step(pending, durable, writing)
+            # A directory set one of whose files was rewritten: waits for its next commit.
+        return None
+
+
+def _some(paths: list[str], n: int = 5) -> str:
+    """The first `n` of `paths`, and how many more."""
+    more = f" and {len(paths) - n} more" if len(paths) > n else ""
+    return ", ".join(paths[:n]) + more
+
+
+def _uncommitted(where: str, paths: list[str], closed: bool = False) -> Reply:
+    """The reply of a directory wait that found files in no committed set (`closed`: a file it
+    waited for was closed and nothing committed it)."""
+    what = (f"{where} was closed but is in no committed set" if closed else
+            f"{where} holds {len(paths)} file(s) in no committed set: {_some(paths)}")
+    return {"state": "uncommitted", "path": where, "files": paths[:50], "count": len(paths),
+            "error": f"{what}; not durable (a temporary name, or in a directory not committed"
+                     " yet: nothing commits it on its own; `ckptfs commit` it, or remove it)"}
