@@ -112,12 +112,25 @@ class Tiering:
         from .remote import RemoteSync
         from .restore import Restorer
 
-        self.restorer = Restorer(self, concurrency=cfg.prefetch_concurrency,
-                                 mode=cfg.prefetch, range_size=cfg.prefetch_range)
-        self.remote = RemoteSync(self, cfg.refresh_interval)
-        self.parts = PartPublisher(self)
-        self.members = Members(self, cfg.lease, cfg.refresh_interval if cfg.refresh_interval > 0
-                               else 10.0, cfg.register_timeout)
+        def report_error(msg: str) -> None:  # the store's last error in `ckptfs status`
+            self.last_error = msg
+
+        self.parts = PartPublisher(index=self.index, store=store, node=self.node,
+                                   inode_if_loaded=core.inode_if_loaded,
+                                   retry_pause=cfg.retry_pause, report_error=report_error)
+        self.members = Members(store=store, node=self.node, index=self.index, sets=self.sets,
+                               parts=self.parts, lease=cfg.lease,
+                               poll=cfg.refresh_interval if cfg.refresh_interval > 0 else 10.0,
+                               register_timeout=cfg.register_timeout)
+        self.restorer = Restorer(core=core, index=self.index, sets=self.sets, store=store,
+                                 cache_size=cfg.cache_size, make_room=self.make_room,
+                                 space_freed=self.on_space_freed, fetch_whole=self.fetch,
+                                 live_members=self.members.live,
+                                 concurrency=cfg.prefetch_concurrency, mode=cfg.prefetch,
+                                 range_size=cfg.prefetch_range)
+        self.remote = RemoteSync(core=core, index=self.index, sets=self.sets, store=store,
+                                 node=self.node, interval=cfg.refresh_interval,
+                                 mark_parts=self.parts.mark_all, changed=self._changed_now)
         # Multi-node commits (see `_gather`): other nodes' durable files of a set, ready for its
         # manifest, and what a set still waits for (status). In memory: recomputed after a
         # restart from `.metadata` and the part records.

@@ -3,11 +3,11 @@
 store").
 
 `Harness` is a real `CacheFs` (built as tests/test_core.py builds it), a real `SetRegistry` on
-its index and a real `LocalStore` in a temporary directory, with `StandIn` in place of the
-`cachemgr.tiering.Tiering` that RemoteSync takes (it uses core, index, store, sets, node,
-parts.mark_all() and _changed_now() of it); the stand-in is also the core's `tiering`, for the
-hooks the core calls while RemoteSync changes the tree (a purge, freed space), with a real
-`cachemgr.restore.Restorer` behind them. Sets are published as another node would publish
+its index and a real `LocalStore` in a temporary directory, and a RemoteSync built on them as
+`cachemgr.tiering.Tiering` builds it, with `StandIn` giving the interfaces Tiering gives
+(`mark_parts`: PartPublisher.mark_all, `changed`: Tiering._changed_now); the stand-in is also
+the core's `tiering`, for the hooks the core calls while RemoteSync changes the tree (a purge,
+freed space), with a real `cachemgr.restore.Restorer` behind them. Sets are published as another node would publish
 them: objects and manifests written with the store's API (manifests built with
 `cachemgr.manifest.build`), and `RemoteSync.sync_once()` is run with trio.run.
 
@@ -37,7 +37,6 @@ import sqlite3
 import stat
 import tempfile
 import time
-import types
 from pathlib import Path
 
 import pytest
@@ -91,8 +90,9 @@ class _Parts:
 
 
 class StandIn:
-    """What RemoteSync uses of cachemgr.tiering.Tiering, and the core's hooks that the changes
-    RemoteSync makes call (a purge, freed space), with a real Restorer behind them."""
+    """The interfaces cachemgr.tiering.Tiering gives RemoteSync and the Restorer, and the core's
+    hooks that the changes RemoteSync makes call (a purge, freed space), with a real Restorer
+    behind them."""
 
     def __init__(self, core: CacheFs, store: LocalStore) -> None:
         self.core = core
@@ -102,9 +102,20 @@ class StandIn:
         self.node = core.index.meta("node_id")
         self.parts = _Parts()
         self.changes = 0
-        self.cfg = types.SimpleNamespace(cache_size=None)
-        self.restorer = Restorer(self, mode="none")
+        self.restorer = Restorer(core=core, index=core.index, sets=self.sets, store=store,
+                                 cache_size=None, make_room=self._make_room,
+                                 space_freed=self.on_space_freed, fetch_whole=self._fetch,
+                                 live_members=self._live, mode="none")
         core.tiering = self
+
+    def _make_room(self, need: int, protect: set[int]) -> bool:
+        return True  # no --cache-size
+
+    async def _fetch(self, ino: int) -> None:
+        raise AssertionError("these tests store objects with chunk checksums")
+
+    async def _live(self) -> dict[str, float]:
+        return {}
 
     def _changed_now(self) -> None:
         self.changes += 1
@@ -126,7 +137,9 @@ class Harness:
         self.store = store if store is not None else LocalStore(root / "store")
         self.t = StandIn(self.core, self.store)
         self.sets = self.t.sets
-        self.remote = RemoteSync(self.t, 0)
+        self.remote = RemoteSync(core=self.core, index=self.core.index, sets=self.sets,
+                                 store=self.store, node=self.t.node, interval=0,
+                                 mark_parts=self.t.parts.mark_all, changed=self.t._changed_now)
         self._objects = 0
         self._seq = 0
 
@@ -1266,7 +1279,7 @@ def test_failed_apply_over_a_new_path_leaves_nothing(h):
 
 
 def test_failed_apply_keeps_a_partly_restored_file(h):
-    """Chunks of a file being restored count in cached_bytes (Restorer._partial); an apply that
+    """Chunks of a file being restored count in cached_bytes (ChunkFetcher.partial); an apply that
     removes the file and then fails must leave that count as it was, so the file, restored to
     the end afterwards, counts its size once."""
     big = bytes(range(40))
@@ -1276,14 +1289,14 @@ def test_failed_apply_keeps_a_partly_restored_file(h):
     ino = resolve(h.core, "ckpt/step/big")
     r = h.t.restorer
     trio.run(r.ensure_range, ino, 0, 8)  # chunk 0 only
-    assert r._partial == {ino: 8} and h.core.cached_bytes == 8
+    assert r.chunks.partial == {ino: 8} and h.core.cached_bytes == 8
     h.publish(h.manifest("ckpt/step", {"big": b"z", "c": b"w"}))
     fault = Fault(h.core, 2, FsError(errno.ENOSPC))  # big, b removed; big made; c refused
     h.sync()
     assert fault.raised == 1 and resolve(h.core, "ckpt/step/big") == ino
-    assert r._partial == {ino: 8} and h.core.cached_bytes == 8
+    assert r.chunks.partial == {ino: 8} and h.core.cached_bytes == 8
     trio.run(r.ensure_range, ino, 0, 40)  # the rest
-    assert h.core.inode(ino).cached and r._partial == {}
+    assert h.core.inode(ino).cached and r.chunks.partial == {}
     assert h.core.cached_bytes == 40
     with open(h.core.data_path(ino), "rb") as f:
         assert f.read() == big
@@ -1291,7 +1304,7 @@ def test_failed_apply_keeps_a_partly_restored_file(h):
 
 
 def test_restorer_state_does_not_shadow_its_whole_object_fetch(h):
-    """A prefetch of an object stored before chunk CRCs runs `Restorer._whole` (the whole
+    """A prefetch of an object stored before chunk CRCs runs `Prefetcher._whole` (the whole
     object at once); the restorer's per-file state must not hide that method under the same
     name (it did: the prefetch then failed with "'set' object is not callable")."""
-    assert inspect.iscoroutinefunction(h.t.restorer._whole)
+    assert inspect.iscoroutinefunction(h.t.restorer.prefetch._whole)
