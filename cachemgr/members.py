@@ -53,7 +53,6 @@ intent until the set's commit asks again or the set leaves the live states (`clo
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import os
@@ -64,7 +63,6 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from . import validate
-from .errors import FsError
 from .sets import LIVE_STATES
 from .store import NotFound, ObjectStore, StoreError
 
@@ -267,21 +265,13 @@ class Members:
         except StoreError as e:
             log.warning("cannot delete stale intent %s: %s", iid, e)
 
-    def _resolve(self, path: str) -> int:
-        """The inode at `path` (escaped form, cachemgr.names); FsError(ENOENT) if none."""
-        ino = self.index.resolve(path)
-        if ino is None:
-            raise FsError(errno.ENOENT, f"no such file: {path}")
-        return ino
-
     def _dirs_under(self, roots: list[str]) -> list[int]:
         """Directories at or below `roots` here whose records a committer may need: those in an
         open set, and those with a record in the store."""
         out = []
         for root in roots:
-            try:
-                ino = self._resolve(root)
-            except FsError:
+            ino = self.index.resolve(root)
+            if ino is None:
                 continue  # no such directory here: nothing of this node's under it
             stack = [ino]
             while stack:

@@ -60,7 +60,8 @@ from cachemgr.names import (
 from cachemgr.remote import RemoteSync
 from cachemgr.restore import Restorer
 from cachemgr.sets import SetRegistry
-from cachemgr.store import LocalStore, crc32c
+from cachemgr.store import LocalStore, StoreError, crc32c
+from cachemgr.store.wrappers import FaultyStore
 from cachemgr.transfer import StoredObject
 from tests.test_diskfull import memory_matches_index
 
@@ -1308,3 +1309,39 @@ def test_restorer_state_does_not_shadow_its_whole_object_fetch(h):
     object at once); the restorer's per-file state must not hide that method under the same
     name (it did: the prefetch then failed with "'set' object is not callable")."""
     assert inspect.iscoroutinefunction(h.t.restorer.prefetch._whole)
+
+
+def test_part_publisher_keeps_its_last_error_and_reports_it(h):
+    """PartPublisher, built as Tiering builds it (no Tiering behind it), on a store that refuses
+    once: the failed pass releases `sync` with StoreError, keeps its error in statistics() and
+    tells `report_error` (the store's last error in `ckptfs status`); the retry (after
+    retry_pause) deletes the record of a directory that is gone, and its index row."""
+    node = h.t.node
+    rec = {"path": "gone/dir", "digest": "x"}
+    with h.core.index.tx():
+        h.core.index.conn.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)",
+                                  ("part:999", json.dumps(rec)))
+    h.put(part_key("gone/dir", node), b"{}")
+    store = FaultyStore(h.store)
+    store.fail_next("delete", 1, StoreError("injected refusal"))
+    reported: list[str] = []
+    pp = parts.PartPublisher(index=h.core.index, store=store, node=node,
+                             inode_if_loaded=h.core.inode_if_loaded, retry_pause=0,
+                             report_error=reported.append)
+    assert pp.published == {999: rec} and pp.statistics()["last_error"] is None
+
+    async def main() -> None:
+        async with trio.open_nursery() as n:
+            n.start_soon(pp.run)
+            with pytest.raises(StoreError):
+                await pp.sync([999])  # the first pass: its delete is refused
+            err = pp.statistics()["last_error"]
+            assert err is not None and err.endswith("part record: injected refusal")
+            assert reported == [err] and pp.statistics()["failed_passes"] == 1
+            await pp.sync([999])  # a pass after the retry
+            n.cancel_scope.cancel()
+
+    trio.run(main)
+    assert pp.published == {} and pp.statistics()["deletes"] == 1
+    assert h.core.index.meta("part:999") is None
+    assert part_key("gone/dir", node) not in [i.key for i in trio.run(h.store.list, "parts/")]
