@@ -33,9 +33,22 @@ not waited for (a node that never comes back does not block commits after its le
 was live then and dies is waited for until it comes back (same cache dir: it acknowledges) or
 the commit times out, because it may have died between a close and that close's record.
 
-Concurrency: one trio task (`run`) renews and polls; each intent is acknowledged in a task of
-its own (a slow store for the records never delays the renewals). `CommitAcks` runs inside the
-committer's `_gather` task.
+State, its owner and its guards: `Members` owns this node's member record (`registered`,
+renewed by `run` every lease/4), the intents it has acknowledged (`_acked`: (key, etag), so each
+version of an intent is acknowledged once; `_acking`: those being acknowledged now, so one
+intent has one acknowledging task) and the ids of this node's own intents in use (`mine`, so a
+poll deletes only intents left over by an earlier daemon). `CommitAcks` owns one commit's list
+of nodes to wait for, persisted in the index (`meta` row `intent:<seq>`) before the intent is
+written, so a restarted committer asks the same nodes again. Everything runs on the daemon's
+trio thread: one task (`run`) renews and polls; each intent is acknowledged in a task of its
+own (a slow store for the records never delays the renewals); `CommitAcks` runs inside the
+committer's gathering task. Invariant: an ack is PUT only after `PartPublisher.sync` returned
+for every directory under the intent's roots here (the records it needs are in the store).
+
+Crash states: a member record whose node died stays until its lease expires (committers that
+listed it while live wait for it, or time out); an intent of this node left by a crash is
+deleted by the next daemon's first poll (not in `mine`); an `intent:<seq>` row outlives its
+intent until the set's commit asks again or the set leaves the live states (`close`).
 """
 
 from __future__ import annotations
@@ -45,13 +58,18 @@ import logging
 import os
 import stat
 import time
+from typing import TYPE_CHECKING, Any
 
 import trio
 
 from . import validate
-from .errors import FsError
 from .sets import LIVE_STATES
-from .store import NotFound, StoreError
+from .store import NotFound, ObjectStore, StoreError
+
+if TYPE_CHECKING:
+    from .index import Index
+    from .parts import PartPublisher
+    from .sets import SetRegistry
 
 log = logging.getLogger(__name__)
 
@@ -102,12 +120,12 @@ def parse_ack_key(key: str) -> tuple[str, str] | None:
     return iid, last[1:-len(".json")]
 
 
-def _doc(kind: str, **fields) -> bytes:
+def _doc(kind: str, **fields: Any) -> bytes:
     return json.dumps({"format": f"ckptfs-{kind}", "version": 1, **fields},
                       sort_keys=True).encode()
 
 
-def _load(data: bytes, kind: str) -> dict | None:
+def _load(data: bytes, kind: str) -> dict[str, Any] | None:
     """A member or intent document, validated (cachemgr.validate.protocol_doc), or None."""
     try:
         return validate.protocol_doc(data, kind)
@@ -119,10 +137,14 @@ def _load(data: bytes, kind: str) -> dict | None:
 class Members:
     """This node's membership, and its acknowledgements of other nodes' commit intents."""
 
-    def __init__(self, tiering, lease: float, poll: float, register_timeout: float) -> None:
-        self.t = tiering
-        self.store = tiering.store
-        self.node = tiering.node
+    def __init__(self, *, store: ObjectStore, node: str, index: Index, sets: SetRegistry,
+                 parts: PartPublisher, lease: float, poll: float,
+                 register_timeout: float) -> None:
+        self.store = store
+        self.node = node
+        self.index = index
+        self.sets = sets
+        self.parts = parts
         self.lease = lease
         self.poll = poll
         self.register_timeout = register_timeout
@@ -131,7 +153,6 @@ class Members:
         self._acked: set[tuple[str, str]] = set()    # (intent key, etag) acknowledged
         self._acking: set[str] = set()    # intent keys being acknowledged now
         self.mine: set[str] = set()       # ids of this node's intents in use now
-        self._nursery: trio.Nursery | None = None
         # statistics
         self.renewals = 0
         self.acks_sent = 0
@@ -172,8 +193,8 @@ class Members:
             return
         with trio.move_on_after(max(1.0, min(10.0, self.register_timeout))) as scope:
             try:
-                for d in sorted(self.t.parts.pending()):
-                    await self.t.parts._sync_dir(d)
+                for d in sorted(self.parts.pending()):
+                    await self.parts.sync_dir(d)
                 await self.store.delete(member_key(self.node))
                 self.registered = False
                 log.info("left the store's members (node %s)", self.node)
@@ -210,18 +231,17 @@ class Members:
 
     async def run(self) -> None:
         async with trio.open_nursery() as nursery:
-            self._nursery = nursery
             while True:
                 try:
                     if not self.registered or \
                             time.monotonic() - self._renewed >= self.lease / 4:
                         await self._put_member()
-                    await self._poll()
+                    await self._poll(nursery)
                 except StoreError as e:
                     log.warning("members: %s; retrying", e)
                 await trio.sleep(min(self.poll, self.lease / 4))
 
-    async def _poll(self) -> None:
+    async def _poll(self, nursery: trio.Nursery) -> None:
         listed = set()
         for info in await self.store.list(INTENTS):
             iid = parse_intent_key(info.key)
@@ -230,13 +250,13 @@ class Members:
             listed.add(info.key)
             if iid.split("-", 1)[0] == self.node:
                 if iid not in self.mine:  # left over by a commit before a restart
-                    self._nursery.start_soon(self._drop_intent, iid)
+                    nursery.start_soon(self._drop_intent, iid)
                 continue
             mark = (info.key, info.etag)
             if mark in self._acked or info.key in self._acking:
                 continue
             self._acking.add(info.key)
-            self._nursery.start_soon(self._ack, info.key, info.etag)
+            nursery.start_soon(self._ack, info.key, info.etag)
         self._acked = {a for a in self._acked if a[0] in listed}
 
     async def _drop_intent(self, iid: str) -> None:
@@ -250,19 +270,18 @@ class Members:
         open set, and those with a record in the store."""
         out = []
         for root in roots:
-            try:
-                ino = self.t._resolve(root)
-            except FsError:
+            ino = self.index.resolve(root)
+            if ino is None:
                 continue  # no such directory here: nothing of this node's under it
             stack = [ino]
             while stack:
                 d = stack.pop()
-                row = self.t.index.get_inode(d)
+                row = self.index.get_inode(d)
                 if row is None or not stat.S_ISDIR(row[1]):
                     continue
-                if d in self.t.parts.published or self.t.sets.in_open_set(d):
+                if d in self.parts.published or self.sets.in_open_set(d):
                     out.append(d)
-                for _id, _name, child in self.t.index.list_dentries(d, 0, 1 << 30):
+                for _id, _name, child in self.index.list_dentries(d, 0, 1 << 30):
                     stack.append(child)
         return out
 
@@ -279,7 +298,7 @@ class Members:
                 return
             roots = doc["roots"]
             dirs = self._dirs_under(roots)
-            await self.t.parts.sync(dirs)
+            await self.parts.sync(dirs)
             await self.store.put(ack_key(iid, self.node), _doc(
                 "ack", node=self.node, intent=iid, acked_ns=time.time_ns(), dirs=len(dirs)))
             self.acks_sent += 1
@@ -296,13 +315,17 @@ class Members:
     def commit_acks(self, seq: int, path: str, roots: list[str]) -> CommitAcks:
         return CommitAcks(self, seq, path, roots)
 
-    def status(self) -> dict:
+    def status(self) -> dict[str, Any]:
+        """`ckptfs status`'s "members" (statistics())."""
+        return self.statistics()
+
+    def statistics(self) -> dict[str, Any]:
         return {"registered": self.registered, "lease_s": self.lease,
                 "renewals": self.renewals, "acks_sent": self.acks_sent,
                 "intents_written": self.intents_written, "intents_open": len(self.mine)}
 
 
-async def drop_intent(store, iid: str) -> None:
+async def drop_intent(store: ObjectStore, iid: str) -> None:
     await store.delete(intent_key(iid))
     for info in await store.list(acks_prefix(iid)):
         await store.delete(info.key)
@@ -328,7 +351,7 @@ class CommitAcks:
         store = self.m.store
         if self.done:
             return []
-        index = self.m.t.index
+        index = self.m.index
         if self.nodes is None:
             # Nodes an earlier attempt asked (before a restart of this daemon) are asked again
             # even if their lease ran out since: they may have died between a close and its
@@ -375,8 +398,8 @@ class CommitAcks:
 
     async def close(self) -> None:
         """Delete the intent and its acks (the commit no longer waits for them)."""
-        index = self.m.t.index
-        s = self.m.t.sets.get(self.seq)
+        index = self.m.index
+        s = self.m.sets.get(self.seq)
         if self.done or s is None or s.state not in LIVE_STATES:  # else: asked again later
             with index.tx():
                 index.conn.execute("DELETE FROM meta WHERE key=?", (self._meta,))

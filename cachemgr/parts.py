@@ -27,11 +27,26 @@ was renamed from), reads the other nodes' records, and waits until every file it
 is durable (cachemgr.tiering). Records are never read to serve data: a manifest is still the
 only thing that makes a set visible.
 
-Concurrency: `PartPublisher.run` is one trio task; hooks (`mark`, `mark_all`) are synchronous,
-called from FUSE handlers and tiering on the same thread. Which records this node has in the
-store is persisted in the index (`meta` rows `part:<dir ino>` = {"path", "digest"}) so a record
-is updated or deleted after a restart too. Crash state: a record may be stale (a file deleted
-just before the crash); recovery marks every recorded directory and rewrites or deletes it.
+State, its owner and its guards: `PartPublisher` owns which records this node has in the
+store (`published`: dir ino -> {"path", "digest"}), persisted in the index (`meta` rows
+`part:<dir ino>`) so a record is updated or deleted after a restart too; and which directories
+must be looked at again (`_dirty`, with the waiters of `sync`). Everything runs on the daemon's
+trio thread: `run` is one task and the only writer of records while it runs (`sync_dir` is
+also called by cachemgr.members at unmount, once `run` is gone); the hooks (`mark`, `mark_all`)
+are synchronous, called from FUSE handlers, tiering and remote sync on the same thread.
+Invariants: a directory's `meta` row is written only after its record's PUT (and the DELETE of
+the record under the directory's old path) and removed only after its DELETE; a directory
+marked before a pass starts is written by that pass or the next, so `sync` returns only once
+its directories' records were written after the call (or raises).
+
+Crash states: a record may be stale (a file deleted, or its upload finished, just before the
+crash): recovery (`run` starts with `mark_all`) rewrites or deletes every record that has a
+`meta` row. A crash between a record's PUT and its `meta` row leaves a record the index does
+not know: if the row named the directory's old path, recovery writes the new one and deletes
+the old; if there was no row, the record is brought up to date the next time its directory is
+marked (a file in it closes, moves or goes). A failed pass is retried after `retry_pause`; its
+error is kept in `statistics()["last_error"]` and told to `report_error` (the store's last
+error in `ckptfs status`).
 """
 
 from __future__ import annotations
@@ -40,6 +55,8 @@ import hashlib
 import json
 import logging
 import time
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 import trio
 
@@ -47,7 +64,11 @@ from . import validate
 from .keys import LONG_PARTS_PREFIX, PARTS_PREFIX, part_key
 from .manifest import ESCAPED_VERSION, dumps_checked
 from .names import escape_name, is_escaped
-from .store import NotFound, StoreError
+from .store import NotFound, ObjectStore, StoreError
+
+if TYPE_CHECKING:
+    from .core import Inode
+    from .index import Index
 
 log = logging.getLogger(__name__)
 
@@ -79,18 +100,18 @@ def parse_key(key: str) -> tuple[str, str] | None:
     return head, last[1:-len(".json")]
 
 
-def build(node: str, dir_path: str, files: list[dict]) -> dict:
+def build(node: str, dir_path: str, files: list[dict[str, Any]]) -> dict[str, Any]:
     """`dir_path` and the files' names in the escaped form (cachemgr.names)."""
     escaped = is_escaped(dir_path) or any(is_escaped(f["name"]) for f in files)
     return {"format": FORMAT, "version": ESCAPED_VERSION if escaped else FORMAT_VERSION,
             "node": node, "dir": dir_path, "updated_ns": time.time_ns(), "files": files}
 
 
-def dumps(rec: dict) -> bytes:
+def dumps(rec: dict[str, Any]) -> bytes:
     return dumps_checked(rec, f"the part record of {rec.get('dir')!r}", sort_keys=True)
 
 
-def loads(data: bytes, key: str | None = None) -> dict:
+def loads(data: bytes, key: str | None = None) -> dict[str, Any]:
     """A part record read from the store (from `key`, which must be the key of its own
     directory and node), validated and normalised by cachemgr.validate: `dir` and every file's
     `name` in the escaped form, every field present, objects under data/<its node>/."""
@@ -111,14 +132,22 @@ class _Waiter:
 class PartPublisher:
     """Keeps this node's part records in the store in step with its files."""
 
-    def __init__(self, tiering) -> None:
-        self.t = tiering
-        self.index = tiering.index
-        self.node = tiering.node
+    def __init__(self, *, index: Index, store: ObjectStore, node: str,
+                 inode_if_loaded: Callable[[int], Inode | None], retry_pause: float,
+                 report_error: Callable[[str], None] | None = None) -> None:
+        """`inode_if_loaded`: the in-memory inode of a file if the core has it loaded (sizes
+        of open files live there: CacheFs.inode_if_loaded). `report_error`: told the text of
+        each failed pass (the store's last error in `ckptfs status`)."""
+        self.index = index
+        self.store = store
+        self.node = node
+        self._inode_if_loaded = inode_if_loaded
+        self.retry_pause = retry_pause
+        self._report_error = report_error
         self._dirty: dict[int, list[_Waiter]] = {}
         self._inflight: set[int] = set()  # directories of the pass running now
         self._wake = trio.Event()
-        self.published: dict[int, dict] = {}
+        self.published: dict[int, dict[str, str]] = {}
         for key, value in self.index.conn.execute(
                 "SELECT key, value FROM meta WHERE key LIKE 'part:%'").fetchall():
             self.published[int(key[len(_META):])] = json.loads(value)
@@ -126,6 +155,7 @@ class PartPublisher:
         self.puts = 0
         self.deletes = 0
         self.syncs_failed = 0
+        self.last_error: str | None = None
 
     # -- hooks (synchronous) -----------------------------------------------------------------
 
@@ -142,7 +172,7 @@ class PartPublisher:
         for ino in list(self.published):
             self.mark(ino)
 
-    async def sync(self, dir_inos) -> None:
+    async def sync(self, dir_inos: Iterable[int]) -> None:
         """Bring these directories' records up to date in the store: returns once a pass that
         started after this call has written each of them; StoreError if one failed (another
         node's commit waits for this: cachemgr.members acknowledges only after it)."""
@@ -158,17 +188,17 @@ class PartPublisher:
 
     # -- the record of one directory ---------------------------------------------------------
 
-    def files_of(self, dir_ino: int) -> list[dict]:
+    def files_of(self, dir_ino: int) -> list[dict[str, Any]]:
         """This node's own files directly in `dir_ino` (not those materialised from another
         node's manifest: version 0), with their object when their current content is in."""
-        out = []
+        out: list[dict[str, Any]] = []
         for name, ino, mode, size, mtime_ns, version, writing, obj, obj_version in \
                 self.index.conn.execute(
                     "SELECT d.name, i.ino, i.mode, i.size, i.mtime_ns, i.version, i.writing,"
                     " i.obj, i.obj_version FROM dentries d JOIN inodes i ON i.ino = d.ino"
                     " WHERE d.parent=? AND (i.mode & 61440) = 32768 AND i.version > 0",
                     (dir_ino,)):
-            node = self.t.core.inode_if_loaded(ino)
+            node = self._inode_if_loaded(ino)
             if node is not None:  # sizes of open files live in memory
                 size, mtime_ns, writing = node.size, node.mtime_ns, node.writing
             durable = obj is not None and obj_version == version and not writing
@@ -178,7 +208,10 @@ class PartPublisher:
         out.sort(key=lambda f: f["name"])
         return out
 
-    async def _sync_dir(self, dir_ino: int) -> None:
+    async def sync_dir(self, dir_ino: int) -> None:
+        """Write (or delete) directory `dir_ino`'s record now, in the caller's task; StoreError
+        if the store refused. `run` does this for marked directories; cachemgr.members calls
+        it at unmount for every pending one (the publisher task is gone by then)."""
         path = self.index.path_of(dir_ino)
         files = self.files_of(dir_ino) if path else []
         old = self.published.get(dir_ino)
@@ -190,10 +223,10 @@ class PartPublisher:
                 sort_keys=True).encode()).hexdigest()
             if old is None or old["path"] != path or old["digest"] != digest:
                 body = dumps(build(self.node, path, files))
-                await self.t.store.put(part_key(path, self.node), body)
+                await self.store.put(part_key(path, self.node), body)
                 self.puts += 1
                 if old is not None and old["path"] != path:
-                    await self.t.store.delete(part_key(old["path"], self.node))
+                    await self.store.delete(part_key(old["path"], self.node))
                     self.deletes += 1
                 rec = {"path": path, "digest": digest}
                 self.published[dir_ino] = rec
@@ -201,7 +234,7 @@ class PartPublisher:
                     self.index.conn.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)",
                                             (f"{_META}{dir_ino}", json.dumps(rec)))
         elif old is not None:
-            await self.t.store.delete(part_key(old["path"], self.node))
+            await self.store.delete(part_key(old["path"], self.node))
             self.deletes += 1
             del self.published[dir_ino]
             with self.index.tx():
@@ -218,17 +251,19 @@ class PartPublisher:
             self._inflight = set(dirty)
             for dir_ino, waiters in dirty.items():
                 try:
-                    await self._sync_dir(dir_ino)
+                    await self.sync_dir(dir_ino)
                 except StoreError as e:
                     log.warning("part record of directory %d: %s; retrying", dir_ino, e)
-                    self.t.last_error = f"{time.strftime('%H:%M:%S')} part record: {e}"
+                    self.last_error = f"{time.strftime('%H:%M:%S')} part record: {e}"
+                    if self._report_error is not None:
+                        self._report_error(self.last_error)
                     self.syncs_failed += 1
                     # Waiters are released (not ok); the record is retried after a pause.
                     self._dirty.setdefault(dir_ino, [])
                     for w in waiters:
                         w.ev.set()
                     self._inflight.discard(dir_ino)
-                    await trio.sleep(self.t.cfg.retry_pause)
+                    await trio.sleep(self.retry_pause)
                     continue
                 self._inflight.discard(dir_ino)
                 for w in waiters:
@@ -236,13 +271,19 @@ class PartPublisher:
                     w.ev.set()
             self._inflight = set()
 
-    def status(self) -> dict:
+    def statistics(self) -> dict[str, Any]:
         return {"records": len(self.published), "puts": self.puts, "deletes": self.deletes,
-                "dirty": len(self.pending()), "failed_passes": self.syncs_failed}
+                "dirty": len(self.pending()), "failed_passes": self.syncs_failed,
+                "last_error": self.last_error}
+
+    def status(self) -> dict[str, Any]:
+        """`ckptfs status`'s "parts" (statistics())."""
+        return self.statistics()
 
 
-async def read_records(store, path: str, self_node: str, cache: dict,
-                       bad: dict[str, str]) -> list[dict]:
+async def read_records(store: ObjectStore, path: str, self_node: str,
+                       cache: dict[str, tuple[str, dict[str, Any]]],
+                       bad: dict[str, str]) -> list[dict[str, Any]]:
     """Every other node's part record at or below `path`. `cache` ({key: (etag, record)}) is
     reused across calls so that only changed records are read again. A record that fails
     validation is left out and put in `bad` ({key: why}) when it is a record of a directory

@@ -22,26 +22,47 @@ What happens to a listed manifest at path P (docs/SEMANTICS.md "Many nodes"):
 
 A restored set whose manifest left the store is removed here.
 
-Concurrency: runs on the daemon's trio thread; each apply is one index transaction (an apply
-refused half-way by a name conflict rolls back whole).
+The tree changes of an apply (what is created, moved, adopted or removed, and what refuses it)
+are `cachemgr.materialise.Materialiser`'s; this module decides what is listed, read, validated
+and applied, and when.
+
+State, its owner and its guards: `RemoteSync` owns what it learned from the listings: manifests
+refused (`_invalid`, until their etag changes), paths of hashed manifest keys (`_long`), object
+keys other nodes' manifests name (`_named`, so deleting a set here never deletes an object a
+manifest still names), sets not applied and why (`_blocked`), and `first_listing` (the mount is
+ready once it is set). The sets it applies are recorded in the set registry (cachemgr.sets,
+origin "remote"). Everything runs on the daemon's trio thread: a listing reads the changed
+manifests first (concurrent GETs), then applies them with no await in between, so a FUSE
+request (same thread) never sees half a listing; each apply is one transaction of the index and
+the in-memory inodes (`CacheFs.transaction`: an apply refused half-way by a name conflict rolls
+back whole). After a change it marks every part record for a rewrite (`mark_parts`: paths may
+have moved) and tells waiters the namespace changed (`changed`).
+
+Crash states: none of its own beyond the index: an apply is committed whole or not at all; what
+is in memory is rebuilt by the first listing after a restart.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import stat
 import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import trio
 
 from . import manifest as mf
 from . import validate
 from .errors import FsError
-from .names import escape_name, escape_path, to_str, unescape_name, unescape_path
-from .sets import KEPT_STATES
-from .store import NotFound, StoreError
-from .transfer import StoredObject
+from .materialise import InTheWay, Manifest, Materialiser
+from .names import to_str, unescape_name
+from .sets import KEPT_STATES, SetRow
+from .store import NotFound, ObjectInfo, ObjectStore, StoreError
+
+if TYPE_CHECKING:
+    from .core import CacheFs
+    from .index import Index
+    from .sets import SetRegistry
 
 log = logging.getLogger(__name__)
 
@@ -53,23 +74,31 @@ _GET_CONCURRENCY = 16
 _HOLD_BYTES = 64 << 20
 
 
-class _InTheWay(Exception):
-    pass
+_InTheWay = InTheWay  # the name this module used before cachemgr.materialise
 
 
 def _b(s: str) -> bytes:
-    """The name (bytes) of one component of a set path. Paths in the index and in manifests
-    (as mf.loads returns them) are in the escaped form of cachemgr.names."""
+    """The name (bytes) of one component of a set path (escaped form, cachemgr.names)."""
     return unescape_name(s)
 
 
 class RemoteSync:
     """Materialise the store's sets in the local namespace; see the module docstring."""
 
-    def __init__(self, tiering, interval: float) -> None:
-        self.t = tiering
-        self.core = tiering.core
-        self.index = tiering.index
+    def __init__(self, *, core: CacheFs, index: Index, sets: SetRegistry, store: ObjectStore,
+                 node: str, interval: float, mark_parts: Callable[[], None],
+                 changed: Callable[[], None]) -> None:
+        """`mark_parts`: every part record must be looked at again (PartPublisher.mark_all: a
+        subtree moved or went). `changed`: the namespace changed (wakes waiters on sets and
+        space: Tiering's `_changed_now`)."""
+        self.core = core
+        self.index = index
+        self.sets = sets
+        self.store = store
+        self.node = node
+        self.mark_parts = mark_parts
+        self.changed = changed
+        self.mat = Materialiser(core=core, index=index, sets=sets, node=node)
         self.interval = interval
         self.syncs = 0
         self.last_sync: float | None = None
@@ -122,16 +151,19 @@ class RemoteSync:
         bounded: a manifest over MAX_DOCUMENT_BYTES is not read, and the changed manifests of
         one listing are read and applied in steps of at most _HOLD_BYTES of JSON (a listing
         of more than that applies in several steps, each in commit order)."""
-        listed: dict[str, object] = {}  # manifest key -> ObjectInfo
-        for info in await self.t.store.list(mf.MANIFEST_PREFIX):
+        listed: dict[str, ObjectInfo] = {}  # manifest key -> ObjectInfo
+        for info in await self.store.list(mf.MANIFEST_PREFIX):
             if mf.is_manifest_key(info.key):
                 listed[info.key] = info
         # Forget what no longer is: bad documents replaced or gone, paths of hashed keys.
-        for d in (self._invalid, self._long, self._named):
-            for key in [k for k in d if k not in listed or (
-                    d is self._invalid and d[k][0] != listed[k].etag)]:
-                del d[key]
-        todo = []
+        for key in [k for k, (etag, _why) in self._invalid.items()
+                    if k not in listed or etag != listed[k].etag]:
+            del self._invalid[key]
+        for key in [k for k in self._long if k not in listed]:
+            del self._long[key]
+        for key in [k for k in self._named if k not in listed]:
+            del self._named[key]
+        todo: list[tuple[str, ObjectInfo]] = []
         for key, info in sorted(listed.items()):
             if key in self._invalid:
                 continue  # reported once; read again when its etag changes
@@ -139,13 +171,14 @@ class RemoteSync:
             if path is None or self._wanted(path, info.etag):
                 todo.append((key, info))
         while todo:
-            batch, size = [], 0
+            batch: list[tuple[str, ObjectInfo]] = []
+            size = 0
             while todo and (not batch or size + todo[0][1].size <= _HOLD_BYTES):
                 key, info = todo.pop(0)
                 batch.append((key, info))
                 size += info.size
             await self._sync_batch(batch)
-        for s in self.t.sets.by_states(("durable",)):
+        for s in self.sets.by_states(("durable",)):
             if s.origin != "local" and mf.manifest_key(s.path) not in listed:
                 try:
                     self._remove(s)
@@ -159,19 +192,19 @@ class RemoteSync:
         self.syncs += 1
         self.last_sync = time.time()
 
-    async def _sync_batch(self, batch: list) -> None:
+    async def _sync_batch(self, batch: list[tuple[str, ObjectInfo]]) -> None:
         """Read the manifests of `batch` ([(key, info)]), then apply them in one step."""
-        got: dict[str, dict] = {}
+        got: dict[str, Manifest] = {}
         limiter = trio.CapacityLimiter(_GET_CONCURRENCY)
 
-        async def get_one(key: str, info) -> None:
+        async def get_one(key: str, info: ObjectInfo) -> None:
             if info.size > validate.MAX_DOCUMENT_BYTES:
                 self._reject(key, info.etag, f"it is {info.size} bytes, more than the"
                              f" {validate.MAX_DOCUMENT_BYTES} a manifest may have")
                 return
             async with limiter:
                 try:
-                    data = await self.t.store.get(key)
+                    data = await self.store.get(key)
                 except NotFound:
                     return  # deleted between the listing and the GET: a set being deleted
             try:
@@ -190,13 +223,13 @@ class RemoteSync:
             path = m["path"]
             if mf.path_of_manifest_key(key) is None:
                 self._long[key] = path
-            if m["commit"]["node"] == self.t.node:
+            if m["commit"]["node"] == self.node:
                 continue  # published by this cache
             # Remembered until the set is applied here (the index knows its objects then).
             self._named[key] = frozenset(f["object"]["key"] for f in m["files"])
             if self._wanted(path, info.etag):  # again: a local commit may have come meanwhile
                 try:
-                    if self._apply(m, info.etag, self.t.sets.newest_at(path)):
+                    if self._apply(m, info.etag, self.sets.newest_at(path)):
                         self._named.pop(key, None)
                 except Exception as e:  # one set must not stop the others
                     # A bug, not bad input (that is refused above): the set's transaction
@@ -223,7 +256,7 @@ class RemoteSync:
 
     def _wanted(self, path: str, etag: str) -> bool:
         """Should the listed manifest of `path` (with `etag`) be applied here?"""
-        cur = self.t.sets.newest_at(path)
+        cur = self.sets.newest_at(path)
         if cur is not None and cur.etag == etag:
             return False
         # Ours and pending (its conditional PUT settles the race), being deleted, or
@@ -234,7 +267,7 @@ class RemoteSync:
 
     # -- applying one manifest ---------------------------------------------------------------
 
-    def _apply(self, m: dict, etag: str, cur) -> bool:
+    def _apply(self, m: Manifest, etag: str, cur: SetRow | None) -> bool:
         """Make the manifest's set the one at its path here; False if it was not applied."""
         path = m["path"]
         parts = path.split("/")
@@ -247,11 +280,11 @@ class RemoteSync:
             with self.core.transaction():
                 # ensure_dirs takes names as os functions do (undecodable bytes as surrogates).
                 parent = self.core.ensure_dirs([to_str(p) for p in parts[:-1]])
-                root, files, moved, adopted = self._install(m, parent, name, cur)
+                root, files, moved, adopted = self.mat.install(m, parent, name, cur)
                 if cur is not None and cur.state in KEPT_STATES:
-                    self.t.sets.set_state(cur.seq, "replaced", "a newer manifest in the store")
-                self.t.sets.record_remote(m, root, etag, files)
-        except _InTheWay as e:
+                    self.sets.set_state(cur.seq, "replaced", "a newer manifest in the store")
+                self.sets.record_remote(m, root, etag, files)
+        except InTheWay as e:
             if self._blocked.get(path) != str(e):
                 log.info("store set %s not restored here: %s", path, e)
                 self._blocked[path] = str(e)
@@ -268,312 +301,48 @@ class RemoteSync:
                  " committed by node %s)", path, len(m["files"]), adopted,
                  m.get("total_bytes", 0), m["commit"].get("node"))
         for d, n in moved:
-            self.core.invalidate_entry(d, n)
-        self.core.invalidate_entry(parent, name)
-        self.t.parts.mark_all()
-        self.t._changed_now()
+            self.mat.invalidate(d, n)
+        self.mat.invalidate(parent, name)
+        self.mark_parts()
+        self.changed()
         return True
-
-    def _own(self, m: dict) -> dict[str, int]:
-        """{rel: ino} of the manifest's files whose object is this node's upload of a content
-        its inode still has (closed, not open for writing), and whose inode is where the set
-        says it was: at the same `rel` under the set's path or under the path the set was
-        renamed from (`commit.from`). A manifest can move nothing else of this node's: not a
-        file elsewhere, not a file of a set this node committed at another path."""
-        out = {}
-        roots = [m["path"]] + ([m["commit"]["from"]] if "from" in m["commit"] else [])
-        for f in m["files"]:
-            key = f["object"]["key"]
-            if not validate.is_own_object(key, self.t.node):
-                continue
-            r = self.index.conn.execute(
-                "SELECT o.ino FROM objects o JOIN inodes i ON i.ino = o.ino WHERE o.key=? AND"
-                " i.version = o.version AND i.obj_version = o.version AND i.nlink > 0 AND"
-                " i.writing = 0", (key,)).fetchone()
-            if r is None or self.core.inode(r[0]).writers:
-                continue
-            where = self.index.path_of(r[0])
-            at = [root for root in roots
-                  if where == (f"{root}/{f['path']}" if f["path"] else root)]
-            if not at:
-                log.warning("set %s names this node's object %s, whose file is at %s: not"
-                            " moved", m["path"], key, where)
-                continue
-            owner = self.t.sets.set_of_file(r[0])
-            if owner is not None and owner.origin == "local" and not (
-                    owner.path == m["path"] or owner.path.startswith(m["path"] + "/")):
-                # Part of a set this node committed elsewhere, `commit.from` included: a
-                # manifest claiming a rename of this node's own set must not take its files.
-                continue
-            out[f["path"]] = r[0]
-        return out
-
-    def _tree(self, root: int) -> dict[str, tuple[int, int, int, bytes]]:
-        """{rel: (ino, mode, parent, name)} of everything under directory `root`."""
-        out = {}
-        stack = [(root, "")]
-        while stack:
-            d, prefix = stack.pop()
-            for _id, name, ino in self.index.list_dentries(d, 0, 1 << 30):
-                name = bytes(name)
-                rel = prefix + escape_name(name)
-                mode = self.core.inode(ino).mode
-                out[rel] = (ino, mode, d, name)
-                if stat.S_ISDIR(mode):
-                    stack.append((ino, rel + "/"))
-        return out
-
-    def _install(self, m: dict, parent: int, name: bytes, cur):
-        """Make the entry `name` in `parent` the manifest's set. Returns (root ino, set files,
-        moved entries, adopted count); raises _InTheWay (nothing changed: the caller's
-        transaction rolls back) when local data not in the manifest is there."""
-        own = self._own(m)
-        restored = cur is not None and (cur.origin != "local" or cur.state not in KEPT_STATES)
-        # Files of the set the manifest replaces (restored from an older manifest, or this
-        # node's own commit of the path that lost to a later one) may go; nothing else may.
-        replaceable = {r[1] for r in self.t.sets.files(cur.seq)} if restored else set()
-        existing = self.index.lookup(parent, name)
-        if existing is not None:
-            node = self.core.inode(existing)
-            kind = "dir" if node.is_dir else "symlink" if stat.S_ISLNK(node.mode) else "file"
-            if kind != m["kind"] or m["kind"] == "symlink" or (
-                    m["kind"] == "file" and own.get("") != existing):
-                if not (restored and cur.root_ino == existing) or self._busy(existing):
-                    raise _InTheWay(f"a local {kind} is at {m['path']}")
-                self.core.remove_tree(parent, name)
-                existing = None
-        keep: dict[str, int] = {}
-        if existing is not None and m["kind"] == "dir":
-            want_files = {f["path"]: f for f in m["files"]}
-            want_links = {s["path"]: s["target"] for s in m.get("symlinks", [])}
-            want_dirs = {d["path"] for d in m.get("dirs", [])}
-            for rel in list(want_files) + list(want_links):
-                p = rel.rsplit("/", 1)[0] if "/" in rel else ""
-                while p:
-                    want_dirs.add(p)
-                    p = p.rsplit("/", 1)[0] if "/" in p else ""
-            tree = self._tree(existing)
-            remove = []
-            for rel, (ino, mode, d, n) in sorted(tree.items()):
-                if stat.S_ISDIR(mode):
-                    if rel not in want_dirs:
-                        remove.append((rel, d, n))
-                elif stat.S_ISREG(mode):
-                    if own.get(rel) == ino:
-                        keep[rel] = ino
-                    elif (self.core.inode(ino).version == 0 or ino in replaceable) and \
-                            restored and not self.core.inode(ino).opens:
-                        remove.append((rel, d, n))
-                    else:
-                        raise _InTheWay(f"{m['path']}/{rel} holds data this node has and the"
-                                        " manifest does not name")
-                elif stat.S_ISLNK(mode):
-                    target = self.core.inode(ino).target or b""
-                    if want_links.get(rel) == escape_path(target):
-                        keep[rel] = ino
-                    elif restored:
-                        remove.append((rel, d, n))
-                    else:
-                        raise _InTheWay(f"a local symlink is at {m['path']}/{rel}")
-                else:
-                    raise _InTheWay(f"a local special file is at {m['path']}/{rel}")
-            # A directory to remove must hold nothing this node keeps.
-            for rel, _d, _n in remove:
-                if any(k.startswith(rel + "/") for k in keep):
-                    raise _InTheWay(f"{m['path']}/{rel} holds files this node wrote")
-            for rel, d, n in sorted(remove, key=lambda x: x[0].count("/")):
-                if self.index.lookup(d, n) is not None:
-                    self.core.remove_tree(d, n)
-        elif existing is not None:  # a file set: this node's own file, already in place
-            keep[""] = existing
-        return self._materialise(m, parent, name, existing, keep, own)
-
-    def _busy(self, ino: int) -> bool:
-        """Is a file at or under `ino` open? (An explicit stack: trees may be deep.)"""
-        stack = [ino]
-        while stack:
-            node = self.core.inode(stack.pop())
-            if node.is_reg:
-                if node.opens > 0:
-                    return True
-            elif node.is_dir:
-                stack.extend(c for _i, _n, c in self.index.list_dentries(node.ino, 0, 1 << 30))
-        return False
-
-    def _materialise(self, m: dict, parent: int, name: bytes, existing: int | None,
-                     keep: dict[str, int], own: dict[str, int]):
-        raw = self.core.raw_create
-        files: list[tuple] = []
-        moved: list[tuple[int, bytes]] = []
-        emptied: set[int] = set()
-        adopted = 0
-
-        def place(d: int, fname: bytes, f: dict, rel: str) -> None:
-            nonlocal adopted
-            obj = StoredObject.from_json(f["object"])  # validates
-            obj_json = json.dumps(obj.to_json())
-            mode = stat.S_IMODE(f.get("mode", 0o644))
-            ino = keep.get(rel)
-            if ino is None and rel in own:
-                # This node's own copy, elsewhere in the tree: move it into place.
-                ino = own[rel]
-                row = self.index.conn.execute(
-                    "SELECT parent, name FROM dentries WHERE ino=? LIMIT 1", (ino,)).fetchone()
-                if row is None:
-                    ino = None
-                else:
-                    self.core.raw_move(row[0], bytes(row[1]), d, fname)
-                    moved.append((row[0], bytes(row[1])))
-                    emptied.add(row[0])
-            if ino is not None:
-                node = self.core.inode(ino)
-                files.append((rel, ino, node.version, f["size"], mode, f.get("mtime_ns", 0),
-                              obj_json))
-                adopted += 1
-                return
-            ino = raw(d, fname, stat.S_IFREG | mode, size=f["size"], mtime_ns=f.get("mtime_ns"),
-                      obj=obj_json)
-            files.append((rel, ino, 0, f["size"], mode, f.get("mtime_ns", 0), obj_json))
-
-        if m["kind"] == "file":
-            (f,) = m["files"]
-            place(parent, name, f, "")
-            self._drop_emptied(emptied, parent)
-            return files[0][1], files, moved, adopted
-        if m["kind"] == "symlink":
-            root = raw(parent, name, stat.S_IFLNK | 0o777, target=unescape_path(m["target"]))
-            return root, files, moved, adopted
-        root = existing if existing is not None else \
-            raw(parent, name, stat.S_IFDIR | stat.S_IMODE(m.get("mode", 0o755)))
-
-        def under(rel: str) -> tuple[int, bytes]:
-            parts = rel.split("/")
-            d = root
-            for p in parts[:-1]:
-                child = self.index.lookup(d, _b(p))
-                d = child if child is not None else raw(d, _b(p), stat.S_IFDIR | 0o755)
-            return d, _b(parts[-1])
-
-        for d in sorted(m.get("dirs", []), key=lambda x: x["path"]):
-            pd, dn = under(d["path"])
-            if self.index.lookup(pd, dn) is None:
-                raw(pd, dn, stat.S_IFDIR | stat.S_IMODE(d.get("mode", 0o755)),
-                    mtime_ns=d.get("mtime_ns"))
-        for f in m["files"]:
-            pd, fn = under(f["path"])
-            if f["path"] in keep:
-                place(pd, fn, f, f["path"])
-                continue
-            if self.index.lookup(pd, fn) is not None:
-                raise _InTheWay(f"{m['path']}/{f['path']} exists here")
-            place(pd, fn, f, f["path"])
-        for s in m.get("symlinks", []):
-            if s["path"] in keep:
-                continue
-            pd, sn = under(s["path"])
-            raw(pd, sn, stat.S_IFLNK | 0o777, target=unescape_path(s["target"]))
-        # Creating entries touched their directories: put the manifest's mtimes back last.
-        for d in m.get("dirs", []):
-            if d.get("mtime_ns") is None:
-                continue
-            pd, dn = under(d["path"])
-            ino = self.index.lookup(pd, dn)
-            if ino is not None:
-                self.core.raw_set_mtime(ino, d["mtime_ns"])
-        self._drop_emptied(emptied, root)
-        return root, files, moved, adopted
-
-    def _drop_emptied(self, dirs: set[int], keep_ino: int) -> None:
-        """Directories this node's files were moved out of, now empty (its own copy of a
-        directory another node renamed): removed, and their parents likewise, up to the first
-        one that is not empty, is a set, or is an ancestor of the new set."""
-        for d in dirs:
-            cur = d
-            while cur != 1 and cur != keep_ino and not self.index.has_children(cur) and \
-                    not self.t.sets.is_dir_set_root(cur) and not self._is_ancestor(cur, keep_ino):
-                row = self.index.conn.execute(
-                    "SELECT parent, name FROM dentries WHERE ino=? LIMIT 1", (cur,)).fetchone()
-                if row is None:
-                    break
-                self.core.remove_tree(row[0], bytes(row[1]))
-                self.core.invalidate_entry(row[0], bytes(row[1]))
-                cur = row[0]
-
-    def _is_ancestor(self, a: int, b: int) -> bool:
-        cur = b
-        while cur != 1:
-            if cur == a:
-                return True
-            row = self.index.conn.execute(
-                "SELECT parent FROM dentries WHERE ino=? LIMIT 1", (cur,)).fetchone()
-            if row is None:
-                return False
-            cur = row[0]
-        return a == 1
 
     # -- the committing node's own multi-node set ------------------------------------------
 
-    def complete_local(self, seq: int, root: int, foreign: list[dict]) -> int:
-        """Set `seq`, committed here and just published with files other nodes wrote
-        (`foreign`: manifest file entries), shows them too: each becomes an evicted file under
-        the set's root whose data the Restorer serves, and a file of the set. Runs inside the
-        publish's transaction. An entry in the way (created here after the commit) is left
-        alone and logged. Returns the number of files added."""
-        added: list[tuple[int, bytes]] = []
-        for f in sorted(foreign, key=lambda x: x["path"]):
-            parts = f["path"].split("/")
-            d: int | None = root
-            for p in parts[:-1]:
-                child = self.index.lookup(d, _b(p))
-                if child is None:
-                    child = self.core.raw_create(d, _b(p), stat.S_IFDIR | 0o755)
-                    added.append((d, _b(p)))
-                elif not self.core.inode(child).is_dir:
-                    d = None
-                    break
-                d = child
-            name = _b(parts[-1])
-            if d is None or self.index.lookup(d, name) is not None:
-                log.warning("set %d: %s from node %s not shown here: a local entry is in the"
-                            " way", seq, f["path"], f.get("node", "?"))
-                continue
-            obj = StoredObject.from_json(f["object"])  # validates
-            obj_json = json.dumps(obj.to_json())
-            mode = stat.S_IMODE(f.get("mode", 0o644))
-            ino = self.core.raw_create(d, name, stat.S_IFREG | mode, size=f["size"],
-                                       mtime_ns=f.get("mtime_ns"), obj=obj_json)
-            self.t.sets.add_file(seq, (f["path"], ino, 0, f["size"], mode,
-                                       f.get("mtime_ns", 0), obj_json))
-            added.append((d, name))
-        for d, name in added:
-            self.core.invalidate_entry(d, name)
-        return len(added)
+    def complete_local(self, seq: int, root: int, foreign: list[dict[str, Any]]) -> int:
+        """Show the files other nodes wrote in set `seq`, committed here (Materialiser)."""
+        return self.mat.complete_local(seq, root, foreign)
 
     # -- a set that left the store -----------------------------------------------------------
 
-    def _remove(self, s) -> None:
+    def _remove(self, s: SetRow) -> None:
         parts = s.path.split("/")
-        parent = 1
+        d, found = 1, True
         for p in parts[:-1]:
-            child = self.index.lookup(parent, _b(p))
+            child = self.index.lookup(d, _b(p))
             if child is None:
-                parent = None
+                found = False
                 break
-            parent = child
+            d = child
+        parent = d if found else None
         name = _b(parts[-1])
         with self.index.tx():
             if parent is not None and self.index.lookup(parent, name) == s.root_ino and \
-                    not self._busy(s.root_ino):
+                    not self.mat.busy(s.root_ino):
                 self.core.remove_tree(parent, name)
-            self.t.sets.set_state(s.seq, "deleted", "its manifest left the store")
+            self.sets.set_state(s.seq, "deleted", "its manifest left the store")
         self.removed += 1
         log.info("set %s left the store; removed it here", s.path)
         if parent is not None:
-            self.core.invalidate_entry(parent, name)
-        self.t.parts.mark_all()
-        self.t._changed_now()
+            self.mat.invalidate(parent, name)
+        self.mark_parts()
+        self.changed()
 
-    def status(self) -> dict:
+    def status(self) -> dict[str, Any]:
+        """`ckptfs status`'s "remote" (statistics())."""
+        return self.statistics()
+
+    def statistics(self) -> dict[str, Any]:
         return {"interval_s": self.interval, "syncs": self.syncs, "last_sync": self.last_sync,
                 "restored_sets": self.applied, "adopted_files": self.adopted_files,
                 "removed_sets": self.removed, "not_restored": dict(self._blocked),

@@ -106,6 +106,11 @@ class StoreHealth:
         """Record `what` as the last error without counting a failure."""
         self.last_error = f"{time.strftime('%H:%M:%S')} {what}"
 
+    def record(self, text: str) -> None:
+        """Record `text`, already stamped with its time by the caller, as the last error
+        (cachemgr.parts reports the part records it could not write)."""
+        self.last_error = text
+
     def succeeded(self) -> None:
         self.consecutive_failures = 0
 

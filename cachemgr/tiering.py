@@ -95,12 +95,26 @@ class Tiering:
         from .remote import RemoteSync
         from .restore import Restorer
 
-        self.restorer = Restorer(self, concurrency=cfg.prefetch_concurrency,
-                                 mode=cfg.prefetch, range_size=cfg.prefetch_range)
-        self.remote = RemoteSync(self, cfg.refresh_interval)
-        self.parts = PartPublisher(self)
-        self.members = Members(self, cfg.lease, cfg.refresh_interval if cfg.refresh_interval > 0
-                               else 10.0, cfg.register_timeout)
+        # The services tiering's own services are given as collaborators. The room and fetch
+        # calls go through this object's delegations because Space and Fetcher are built after
+        # the restorer (they take its `forget`): a cycle broken at composition time only.
+        self.parts = PartPublisher(index=self.index, store=store, node=self.node,
+                                   inode_if_loaded=core.inode_if_loaded,
+                                   retry_pause=cfg.retry_pause,
+                                   report_error=self.store_health.record)
+        self.members = Members(store=store, node=self.node, index=self.index, sets=self.sets,
+                               parts=self.parts, lease=cfg.lease,
+                               poll=cfg.refresh_interval if cfg.refresh_interval > 0 else 10.0,
+                               register_timeout=cfg.register_timeout)
+        self.restorer = Restorer(core=core, index=self.index, sets=self.sets, store=store,
+                                 cache_size=cfg.cache_size, make_room=self.make_room,
+                                 space_freed=self.on_space_freed, fetch_whole=self.fetch,
+                                 live_members=self.members.live,
+                                 concurrency=cfg.prefetch_concurrency, mode=cfg.prefetch,
+                                 range_size=cfg.prefetch_range)
+        self.remote = RemoteSync(core=core, index=self.index, sets=self.sets, store=store,
+                                 node=self.node, interval=cfg.refresh_interval,
+                                 mark_parts=self.parts.mark_all, changed=self.signals.changed_now)
         self._build_services()
         self.running = False
 
@@ -205,22 +219,6 @@ class Tiering:
     def commit_path(self, path: str) -> int:
         return self.commits.commit_path(path)
 
-    # -- what restore / remote / members call (until they take their collaborators) ------------
-
-    def _resolve(self, path: str) -> int:
-        return self.commits.resolve(path)
-
-    def _changed_now(self) -> None:
-        self.signals.changed_now()
-
-    @property
-    def last_error(self) -> str | None:
-        return self.store_health.last_error
-
-    @last_error.setter
-    def last_error(self, value: str | None) -> None:  # cachemgr.parts records its failures
-        self.store_health.last_error = value
-
     @property
     def consecutive_failures(self) -> int:
         return self.store_health.consecutive_failures
@@ -288,7 +286,7 @@ class Tiering:
         instead of the recent ones, and without per-set detail. Plain data, copied: the caller
         may keep it after the loop has moved on."""
         retry = getattr(self.store, "stats", None)  # RetryingStore; absent: a bare store
-        r = self.restorer
+        r = self.restorer.statistics()
         return {
             "sets": self.sets.statistics(),
             "store": {"health": self.store_health.health(),
@@ -297,9 +295,9 @@ class Tiering:
                       "retries": dict(getattr(retry, "by_error", {})),
                       "errors": dict(getattr(retry, "errors", {}))},
             "uploads": self.uploads.statistics(),
-            "restore": {"bytes": r.bytes_fetched, "chunks": r.chunks_fetched,
-                        "integrity_errors": r.integrity_errors,
-                        "damaged_cache_chunks": r.damaged_chunks},
+            "restore": {"bytes": r["bytes_fetched"], "chunks": r["chunks_fetched"],
+                        "integrity_errors": r["integrity_errors"],
+                        "damaged_cache_chunks": r["damaged_cache_chunks"]},
             "cache_size": self.cfg.cache_size,
             "services": self.services(),
         }

@@ -3,11 +3,11 @@
 store").
 
 `Harness` is a real `CacheFs` (built as tests/test_core.py builds it), a real `SetRegistry` on
-its index and a real `LocalStore` in a temporary directory, with `StandIn` in place of the
-`cachemgr.tiering.Tiering` that RemoteSync takes (it uses core, index, store, sets, node,
-parts.mark_all() and _changed_now() of it); the stand-in is also the core's `tiering`, for the
-hooks the core calls while RemoteSync changes the tree (a purge, freed space), with a real
-`cachemgr.restore.Restorer` behind them. Sets are published as another node would publish
+its index and a real `LocalStore` in a temporary directory, and a RemoteSync built on them as
+`cachemgr.tiering.Tiering` builds it, with `StandIn` giving the interfaces Tiering gives
+(`mark_parts`: PartPublisher.mark_all, `changed`: Tiering._changed_now); the stand-in is also
+the core's `tiering`, for the hooks the core calls while RemoteSync changes the tree (a purge,
+freed space), with a real `cachemgr.restore.Restorer` behind them. Sets are published as another node would publish
 them: objects and manifests written with the store's API (manifests built with
 `cachemgr.manifest.build`), and `RemoteSync.sync_once()` is run with trio.run.
 
@@ -37,7 +37,6 @@ import sqlite3
 import stat
 import tempfile
 import time
-import types
 from pathlib import Path
 
 import pytest
@@ -61,7 +60,8 @@ from cachemgr.names import (
 from cachemgr.remote import RemoteSync
 from cachemgr.restore import Restorer
 from cachemgr.sets import SetRegistry
-from cachemgr.store import LocalStore, crc32c
+from cachemgr.store import LocalStore, StoreError, crc32c
+from cachemgr.store.wrappers import FaultyStore
 from cachemgr.transfer import StoredObject
 from tests.test_diskfull import memory_matches_index
 
@@ -91,8 +91,9 @@ class _Parts:
 
 
 class StandIn:
-    """What RemoteSync uses of cachemgr.tiering.Tiering, and the core's hooks that the changes
-    RemoteSync makes call (a purge, freed space), with a real Restorer behind them."""
+    """The interfaces cachemgr.tiering.Tiering gives RemoteSync and the Restorer, and the core's
+    hooks that the changes RemoteSync makes call (a purge, freed space), with a real Restorer
+    behind them."""
 
     def __init__(self, core: CacheFs, store: LocalStore) -> None:
         self.core = core
@@ -102,9 +103,20 @@ class StandIn:
         self.node = core.index.meta("node_id")
         self.parts = _Parts()
         self.changes = 0
-        self.cfg = types.SimpleNamespace(cache_size=None)
-        self.restorer = Restorer(self, mode="none")
+        self.restorer = Restorer(core=core, index=core.index, sets=self.sets, store=store,
+                                 cache_size=None, make_room=self._make_room,
+                                 space_freed=self.on_space_freed, fetch_whole=self._fetch,
+                                 live_members=self._live, mode="none")
         core.tiering = self
+
+    def _make_room(self, need: int, protect: set[int]) -> bool:
+        return True  # no --cache-size
+
+    async def _fetch(self, ino: int) -> None:
+        raise AssertionError("these tests store objects with chunk checksums")
+
+    async def _live(self) -> dict[str, float]:
+        return {}
 
     def _changed_now(self) -> None:
         self.changes += 1
@@ -126,7 +138,9 @@ class Harness:
         self.store = store if store is not None else LocalStore(root / "store")
         self.t = StandIn(self.core, self.store)
         self.sets = self.t.sets
-        self.remote = RemoteSync(self.t, 0)
+        self.remote = RemoteSync(core=self.core, index=self.core.index, sets=self.sets,
+                                 store=self.store, node=self.t.node, interval=0,
+                                 mark_parts=self.t.parts.mark_all, changed=self.t._changed_now)
         self._objects = 0
         self._seq = 0
 
@@ -1266,7 +1280,7 @@ def test_failed_apply_over_a_new_path_leaves_nothing(h):
 
 
 def test_failed_apply_keeps_a_partly_restored_file(h):
-    """Chunks of a file being restored count in cached_bytes (Restorer._partial); an apply that
+    """Chunks of a file being restored count in cached_bytes (ChunkFetcher.partial); an apply that
     removes the file and then fails must leave that count as it was, so the file, restored to
     the end afterwards, counts its size once."""
     big = bytes(range(40))
@@ -1276,14 +1290,14 @@ def test_failed_apply_keeps_a_partly_restored_file(h):
     ino = resolve(h.core, "ckpt/step/big")
     r = h.t.restorer
     trio.run(r.ensure_range, ino, 0, 8)  # chunk 0 only
-    assert r._partial == {ino: 8} and h.core.cached_bytes == 8
+    assert r.chunks.partial == {ino: 8} and h.core.cached_bytes == 8
     h.publish(h.manifest("ckpt/step", {"big": b"z", "c": b"w"}))
     fault = Fault(h.core, 2, FsError(errno.ENOSPC))  # big, b removed; big made; c refused
     h.sync()
     assert fault.raised == 1 and resolve(h.core, "ckpt/step/big") == ino
-    assert r._partial == {ino: 8} and h.core.cached_bytes == 8
+    assert r.chunks.partial == {ino: 8} and h.core.cached_bytes == 8
     trio.run(r.ensure_range, ino, 0, 40)  # the rest
-    assert h.core.inode(ino).cached and r._partial == {}
+    assert h.core.inode(ino).cached and r.chunks.partial == {}
     assert h.core.cached_bytes == 40
     with open(h.core.data_path(ino), "rb") as f:
         assert f.read() == big
@@ -1291,7 +1305,43 @@ def test_failed_apply_keeps_a_partly_restored_file(h):
 
 
 def test_restorer_state_does_not_shadow_its_whole_object_fetch(h):
-    """A prefetch of an object stored before chunk CRCs runs `Restorer._whole` (the whole
+    """A prefetch of an object stored before chunk CRCs runs `Prefetcher._whole` (the whole
     object at once); the restorer's per-file state must not hide that method under the same
     name (it did: the prefetch then failed with "'set' object is not callable")."""
-    assert inspect.iscoroutinefunction(h.t.restorer._whole)
+    assert inspect.iscoroutinefunction(h.t.restorer.prefetch._whole)
+
+
+def test_part_publisher_keeps_its_last_error_and_reports_it(h):
+    """PartPublisher, built as Tiering builds it (no Tiering behind it), on a store that refuses
+    once: the failed pass releases `sync` with StoreError, keeps its error in statistics() and
+    tells `report_error` (the store's last error in `ckptfs status`); the retry (after
+    retry_pause) deletes the record of a directory that is gone, and its index row."""
+    node = h.t.node
+    rec = {"path": "gone/dir", "digest": "x"}
+    with h.core.index.tx():
+        h.core.index.conn.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)",
+                                  ("part:999", json.dumps(rec)))
+    h.put(part_key("gone/dir", node), b"{}")
+    store = FaultyStore(h.store)
+    store.fail_next("delete", 1, StoreError("injected refusal"))
+    reported: list[str] = []
+    pp = parts.PartPublisher(index=h.core.index, store=store, node=node,
+                             inode_if_loaded=h.core.inode_if_loaded, retry_pause=0,
+                             report_error=reported.append)
+    assert pp.published == {999: rec} and pp.statistics()["last_error"] is None
+
+    async def main() -> None:
+        async with trio.open_nursery() as n:
+            n.start_soon(pp.run)
+            with pytest.raises(StoreError):
+                await pp.sync([999])  # the first pass: its delete is refused
+            err = pp.statistics()["last_error"]
+            assert err is not None and err.endswith("part record: injected refusal")
+            assert reported == [err] and pp.statistics()["failed_passes"] == 1
+            await pp.sync([999])  # a pass after the retry
+            n.cancel_scope.cancel()
+
+    trio.run(main)
+    assert pp.published == {} and pp.statistics()["deletes"] == 1
+    assert h.core.index.meta("part:999") is None
+    assert part_key("gone/dir", node) not in [i.key for i in trio.run(h.store.list, "parts/")]
