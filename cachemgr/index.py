@@ -29,6 +29,7 @@ import os
 import sqlite3
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 from importlib import resources
 from pathlib import Path
 
@@ -349,6 +350,36 @@ class Index:
             "SELECT COALESCE(SUM(size), 0) FROM inodes WHERE (mode & 61440) = 32768 AND"
             " cached = 1 AND nlink > 0").fetchone()[0]
 
+    def all_inode_rows(self) -> dict[int, tuple[Any, ...]]:
+        """Every inode row (INODE_COLUMNS), by ino (consistency checks)."""
+        return {r[0]: r for r in self.conn.execute(_INODE_SELECT)}
+
+    def evictable_files(self) -> list[tuple[int, int, int]]:
+        """(ino, version, mtime_ns) of cached regular files whose current content is uploaded
+        (obj_version = version), linked, closed and not empty: what eviction may drop."""
+        return self.conn.execute(
+            "SELECT ino, version, mtime_ns FROM inodes WHERE (mode & 61440) = 32768 AND"
+            " cached = 1 AND writing = 0 AND nlink > 0 AND obj_version = version AND size > 0"
+        ).fetchall()
+
+    def uploaded_version(self, ino: int) -> int | None:
+        """The content version of `ino` whose object is in the store (obj_version), or None."""
+        row = self.conn.execute("SELECT obj_version FROM inodes WHERE ino=?", (ino,)).fetchone()
+        return row[0] if row else None
+
+    def set_cached(self, ino: int, cached: int) -> None:
+        """Mark the cache file whole (1) or evicted (0); either way no chunk bitmap applies."""
+        self.conn.execute("UPDATE inodes SET cached=?, present=NULL WHERE ino=?", (cached, ino))
+
+    def clear_present(self, ino: int) -> None:
+        """Forget the chunk bitmap of a partly restored file (its chunks were dropped)."""
+        self.conn.execute("UPDATE inodes SET present=NULL WHERE ino=?", (ino,))
+
+    def set_restored_object(self, ino: int, obj: str | None) -> None:
+        """A file restored from the store: its data is object `obj`, not yet fetched."""
+        self.conn.execute("UPDATE inodes SET obj=?, obj_version=0, cached=0 WHERE ino=?",
+                          (obj, ino))
+
     def all_inos(self) -> set[int]:
         return {r[0] for r in self.conn.execute("SELECT ino FROM inodes")}
 
@@ -407,6 +438,42 @@ class Index:
             "SELECT parent FROM dentries WHERE ino=? LIMIT 1", (ino,)
         ).fetchone()
         return row[0] if row else None
+
+    def dentry_of(self, ino: int) -> tuple[int, bytes] | None:
+        """(parent, name) of an entry naming `ino` (directories have exactly one), or None."""
+        row = self.conn.execute(
+            "SELECT parent, name FROM dentries WHERE ino=? LIMIT 1", (ino,)
+        ).fetchone()
+        return (row[0], bytes(row[1])) if row else None
+
+    def is_ancestor(self, maybe_ancestor: int, ino: int) -> bool:
+        """True if directory `maybe_ancestor` is `ino` or contains it."""
+        cur: int | None = ino
+        while cur is not None and cur != ROOT_INO:
+            if cur == maybe_ancestor:
+                return True
+            cur = self.parent_of(cur)
+        return maybe_ancestor == ROOT_INO
+
+    def children(self, parent: int) -> list[tuple[bytes, int]]:
+        """(name, ino) of every entry of `parent`, in readdir order."""
+        return [(bytes(name), ino)
+                for _id, name, ino in self.list_dentries(parent, 0, 1 << 62)]
+
+    def walk(self, top: int) -> Iterator[tuple[int, bytes, int]]:
+        """(parent, name, ino) of every entry below directory `top`, parents before their
+        children (iterative: a tree of any depth is fine). Reads as it goes: a caller that
+        changes the tree meanwhile sees each directory as it is when it is reached."""
+        stack = [top]
+        while stack:
+            d = stack.pop()
+            for name, ino in self.children(d):
+                yield d, name, ino
+                stack.append(ino)
+
+    def all_dentries(self) -> list[tuple[int, int]]:
+        """(parent, ino) of every directory entry (consistency checks)."""
+        return self.conn.execute("SELECT parent, ino FROM dentries").fetchall()
 
     def totals(self) -> dict[str, int]:
         """Counts and bytes by file type (S_IFREG = 32768, S_IFDIR = 16384, S_IFLNK = 40960)."""
