@@ -92,8 +92,6 @@ class FileCache:
         self.fills_skipped = 0    # the content changed before the fill could write
         self.lock_waits = 0       # FUSE operations that waited for a fill in flight
         self.waiting = 0          # ... waiting now
-        self.evictions = 0        # cached files whose data was dropped (it is in the store)
-        self.evicted_bytes = 0    # their cache bytes freed
 
     def connect(self, on_space_freed: Callable[[], None]) -> None:
         """Who hears that cached bytes went down (the --cache-size waiters). Called once by
@@ -198,12 +196,11 @@ class FileCache:
         self._freed()
         return freed
 
-    def evicted(self, ino: int, size: int) -> None:
-        """Eviction emptied `ino`'s cache file (its data is in the store)."""
+    def evicted(self, ino: int, size: int) -> int:
+        """Empty `ino`'s cache file for eviction (its data is in the store). Returns the bytes
+        freed."""
         os.truncate(self.path(ino), 0)
-        freed = self.dropped(ino, size)
-        self.evictions += 1
-        self.evicted_bytes += freed
+        return self.dropped(ino, size)
 
     def refilled(self, ino: int, size: int) -> None:
         """An evicted file's cache file holds all its `size` bytes again."""
@@ -299,8 +296,7 @@ class FileCache:
         return {"fills": self.fills, "fills_skipped": self.fills_skipped,
                 "fills_in_flight": sum(1 for lk in self._locks.values() if lk.locked()),
                 "lock_waits": self.lock_waits, "waiting": self.waiting,
-                "cached_bytes": self.cached_bytes, "holes": len(self._holes),
-                "evictions": self.evictions, "evicted_bytes": self.evicted_bytes}
+                "cached_bytes": self.cached_bytes, "holes": len(self._holes)}
 
 
 def _nothing() -> None:

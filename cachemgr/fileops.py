@@ -36,21 +36,23 @@ from .filecache import FileCache
 from .handles import Handle, Handles, OpenResult
 from .hooks import Wiring
 from .index import Index
-from .inodes import SETID, Caller, Inode, InodeTable, kill_setid, now_ns, retry_when_full, \
-    retrying
+from .inodes import SETID, Caller, Inode, InodeTable, kill_setid, now_ns, retry_when_full, retrying
 from .namespace import Namespace
 
 
 @dataclass(slots=True)
 class CoreStats:
+    """The data path's counters: I/O (FileOps) and evictions (rawtree.Residency); loop thread
+    only, read by metrics and status."""
+
     writes: int = 0
     bytes_written: int = 0
     reads: int = 0
     bytes_read: int = 0
     fsyncs: int = 0
     errors: dict[str, int] = field(default_factory=dict)
-    evictions: int = 0        # kept for readers of this record; FileCache owns the count
-    evicted_bytes: int = 0
+    evictions: int = 0        # cached files whose data was dropped (it is in the store)
+    evicted_bytes: int = 0    # their cache bytes freed
 
 
 class FileOps:

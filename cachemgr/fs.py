@@ -110,7 +110,7 @@ class CacheFs:
         self.fileops = FileOps(index, self.table, self.files, self.handles, self.namespace,
                                self.wiring, self.stats, str(cache_dir))
         self.tree = RawTree(index, self.table, self.files, self.namespace)
-        self.residency = Residency(index, self.table, self.files)
+        self.residency = Residency(index, self.table, self.files, self.stats)
 
     def _purged(self, ino: int) -> None:
         self.wiring.purged(ino)
@@ -239,15 +239,15 @@ class CacheFs:
     # tables. Nothing in the daemon uses them.
     @property
     def _inodes(self) -> dict[int, Inode]:
-        return self.table._inodes  # noqa: SLF001 - test view
+        return self.table._inodes
 
     @property
     def _handles(self) -> dict[int, Handle]:
-        return self.handles._handles  # noqa: SLF001 - test view
+        return self.handles._handles
 
     @property
     def _holes(self) -> dict[int, int]:
-        return self.files._holes  # noqa: SLF001 - test view
+        return self.files._holes
 
     # -- namespace (cachemgr.namespace) --------------------------------------------------------
 
@@ -402,12 +402,13 @@ class CacheFs:
         out: dict[str, Any] = {
             "cache": {**totals, "open_handles": len(self.handles),
                       "cached_bytes": self.files.cached_bytes,
-                      "evictions": self.files.evictions,
-                      "evicted_bytes": self.files.evicted_bytes,
+                      "evictions": self.stats.evictions,
+                      "evicted_bytes": self.stats.evicted_bytes,
                       "disk_free_bytes": st.f_bavail * st.f_frsize,
                       "disk_total_bytes": st.f_blocks * st.f_frsize},
             "io": self.fileops.statistics(),
             "data_path": self.backings.statistics(),
+            "core": self.statistics(),
         }
         if self.wiring.status is not None:
             out["tiering"] = self.wiring.status()

@@ -23,7 +23,7 @@ the core. Nothing here holds state of its own; all of it is used on the trio loo
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
@@ -95,7 +95,7 @@ class Wiring:
     reads: ReadThrough | None = None
     room: Room | None = None
     cache_size: int | None = None          # --cache-size: writes wait for room above it
-    kernel: KernelNotifier = _NoKernel()
+    kernel: KernelNotifier = field(default_factory=_NoKernel)
     status: Callable[[], dict[str, Any]] | None = None   # the tiering part of `status()`
     source: Any = None   # the object connected through `CacheFs.tiering` (compat, metrics)
 

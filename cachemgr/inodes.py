@@ -85,7 +85,7 @@ class Inode:
 
 
 # Every field of an Inode: what `InodeTable.tx` saves and restores.
-INODE_FIELDS: tuple[str, ...] = tuple(Inode.__slots__)  # type: ignore[attr-defined]
+INODE_FIELDS: tuple[str, ...] = tuple(Inode.__slots__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,7 +201,10 @@ class InodeTable:
 
     def unload_on_rollback(self, ino: int) -> None:
         """`ino` was loaded from an uncommitted row: gone again if the transaction rolls back."""
-        self.index.on_rollback(lambda: self._inodes.pop(ino, None))
+        def unload() -> None:
+            self._inodes.pop(ino, None)
+
+        self.index.on_rollback(unload)
 
     # -- transactions ------------------------------------------------------------------------
 

@@ -25,6 +25,7 @@ import stat
 
 from .errors import FsError
 from .filecache import FileCache
+from .fileops import CoreStats
 from .index import ROOT_INO, Index
 from .inodes import InodeTable, now_ns, retry_when_full
 from .namespace import Namespace, check_name
@@ -153,10 +154,12 @@ class RawTree:
 class Residency:
     """Eviction and refill of cache files (the data stays in the store)."""
 
-    def __init__(self, index: Index, table: InodeTable, files: FileCache) -> None:
+    def __init__(self, index: Index, table: InodeTable, files: FileCache,
+                 stats: CoreStats) -> None:
         self.index = index
         self.table = table
         self.files = files
+        self.stats = stats  # evictions and evicted_bytes are counted here
 
     def needs_fetch(self, ino: int) -> bool:
         return not self.table.get(ino).cached
@@ -185,7 +188,9 @@ class Residency:
         with self.index.tx():
             node.cached = 0
             self.index.set_cached(ino, 0)
-        self.files.evicted(ino, node.size)
+        freed = self.files.evicted(ino, node.size)
+        self.stats.evictions += 1
+        self.stats.evicted_bytes += freed
         log.debug("evicted inode %d (%d bytes)", ino, node.size)
         return True
 

@@ -669,7 +669,7 @@ def run_daemon(cfg: MountConfig, notify: Notify) -> int:
     EXIT_OK when the mount is ready, or with the error code before returning it."""
     import trio
 
-    from cachemgr.core import CacheFs
+    from cachemgr.fs import CacheFs, Filesystem
     from cachemgr.errors import FsError
     from cachemgr.store import RetryingStore, StoreError, open_store
     from cachemgr.tiering import Tiering, TieringConfig
@@ -750,8 +750,11 @@ def run_daemon(cfg: MountConfig, notify: Notify) -> int:
             keep_local=cfg.keep_local, prefetch=cfg.prefetch,
             prefetch_concurrency=cfg.prefetch_concurrency, prefetch_range=cfg.prefetch_range,
             refresh_interval=cfg.refresh_interval, commit_timeout=cfg.commit_timeout))
-        core.tiering = tiering
-        ops = fuse.FuseOps(core, attr_timeout=cfg.attr_timeout, io_threads=cfg.io_threads)
+        core.connect(hooks=tiering, reads=tiering.restorer, room=tiering,
+                     cache_size=cfg.cache_size, kernel=fuse.KERNEL, status=tiering.status,
+                     source=tiering)
+        ops = fuse.FuseOps(Filesystem(core, io_threads=cfg.io_threads),
+                           attr_timeout=cfg.attr_timeout)
         ops.enable_writeback_cache = cfg.writeback_cache
         ops.enable_passthrough = core.backings.on  # the kernel's answer: FuseOps.init
         # Uploads hold back while the trainer writes; passthrough writes are seen by fstat.
