@@ -6,10 +6,11 @@ times eviction orders by, and every write into a cache file made off the event l
 fills), with the per-file locks that keep those writes from racing the FUSE data path.
 
 A cache file is written by two kinds of code: the FUSE data path on the daemon's trio thread
-(write, truncate, a truncating open: synchronous, never interrupted by another task; the
-handle's own fd, cachemgr.files), and restore, which fills files from the store in worker
-threads (`trio.to_thread`): restored chunks, a damaged chunk fetched again, a whole-file
-download. A worker thread runs while the event loop goes on, so without an owner an
+(write, truncate, a truncating open: synchronous, never interrupted by another task; through the
+handle's own fd, cachemgr.handles; with --io-threads the pwrite itself runs in a worker thread
+while the request waits, cachemgr.fs.Filesystem), and restore, which fills files from the store
+in worker threads (`trio.to_thread`): restored chunks, a damaged chunk fetched again, a
+whole-file download. A worker thread runs while the event loop goes on, so without an owner an
 `open(O_TRUNC)` + write + close could land while a thread is about to truncate the file to the
 old size and write an old chunk: the trainer would read old bytes and the next upload would
 publish them.

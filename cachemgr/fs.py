@@ -418,7 +418,7 @@ class CacheFs:
         """Counters of every owner in the core (loop thread)."""
         return {"inodes": self.table.statistics(), "handles": self.handles.statistics(),
                 "files": self.files.statistics(), "xattrs": self.xattrs.statistics(),
-                "io": self.fileops.statistics()}
+                "io": self.fileops.statistics(), "residency": self.residency.statistics()}
 
     def check_consistency(self) -> list[str]:
         """Invariants of index and cache files, for tests and `ckptfs fsck`-style checks."""

@@ -194,6 +194,9 @@ class Residency:
         log.debug("evicted inode %d (%d bytes)", ino, node.size)
         return True
 
+    def statistics(self) -> dict[str, int]:
+        return {"evictions": self.stats.evictions, "evicted_bytes": self.stats.evicted_bytes}
+
     def fetched(self, ino: int, size: int) -> None:
         """The cache file of an evicted inode was refilled from the store."""
         node = self.table.get(ino)
