@@ -669,8 +669,8 @@ def run_daemon(cfg: MountConfig, notify: Notify) -> int:
     EXIT_OK when the mount is ready, or with the error code before returning it."""
     import trio
 
-    from cachemgr.fs import CacheFs, Filesystem
     from cachemgr.errors import FsError
+    from cachemgr.fs import CacheFs, Filesystem
     from cachemgr.store import RetryingStore, StoreError, open_store
     from cachemgr.tiering import Tiering, TieringConfig
     from cachemgr.transfer import TransferConfig, set_foreground_probe
