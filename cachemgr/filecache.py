@@ -1,12 +1,19 @@
-"""FileCache: the one owner of cache-file data that is written off the event loop.
+"""FileCache: the one owner of the cache files (`data/<ino>`) and of what they hold.
 
-A cache file (`data/<ino>`) is written by two kinds of code: the FUSE data path on the daemon's
-trio thread (write, truncate, a truncating open: synchronous, never interrupted by another task),
-and restore, which fills files from the store in worker threads (`trio.to_thread`): restored
-chunks, a damaged chunk fetched again, a whole-file download. A worker thread runs while the
-event loop goes on, so without an owner an `open(O_TRUNC)` + write + close could land while a
-thread is about to truncate the file to the old size and write an old chunk: the trainer would
-read old bytes and the next upload would publish them.
+It owns: creating and deleting cache files, the accounting of the bytes they hold
+(`cached_bytes`, what --cache-size limits, and the holes files were grown over), the last-use
+times eviction orders by, and every write into a cache file made off the event loop (restore's
+fills), with the per-file locks that keep those writes from racing the FUSE data path.
+
+A cache file is written by two kinds of code: the FUSE data path on the daemon's trio thread
+(write, truncate, a truncating open: synchronous, never interrupted by another task; through the
+handle's own fd, cachemgr.handles; with --io-threads the pwrite itself runs in a worker thread
+while the request waits, cachemgr.fs.Filesystem), and restore, which fills files from the store
+in worker threads (`trio.to_thread`): restored chunks, a damaged chunk fetched again, a
+whole-file download. A worker thread runs while the event loop goes on, so without an owner an
+`open(O_TRUNC)` + write + close could land while a thread is about to truncate the file to the
+old size and write an old chunk: the trainer would read old bytes and the next upload would
+publish them.
 
 The contract (S3QL's block cache does the same with its per-block lock):
 
@@ -20,11 +27,22 @@ The contract (S3QL's block cache does the same with its per-block lock):
   * eviction and dropping restored chunks (`os.truncate` to 0, on the event loop) skip a file
     whose lock is held (`busy`).
 
-Guards: the per-inode `trio.Lock`s in `_locks`, created on demand and dropped once free; only
-trio tasks touch `_locks` (one thread). The worker thread only writes the file it was given.
+Accounting invariant: `cached_bytes` = sum over linked regular files whose data is cached of
+(size - hole) + the chunks restore holds of partly restored files (cachemgr.restore adds and
+removes those itself, for now through `CacheFs.cached_bytes`). Every change of a file's size or
+residency goes through a method here (`resized`, `grew`, `dropped`, `refilled`, `hole_settled`),
+inside the caller's `InodeTable.tx`, whose rollback restores the accounting (`savepoint`). Every
+decrease tells the space listener (`on_space_freed`, given at `connect`), so writers waiting for
+room under --cache-size look again and no wakeup is lost.
+
+Guards: only trio tasks on the loop thread touch the accounting and `_locks` (one thread); the
+per-inode `trio.Lock`s in `_locks` are created on demand and dropped once free. A worker thread
+only writes the file it was given, and reads nothing here.
 
 Crash states: a fill interrupted by a crash leaves bytes in the cache file that no bitmap
-records (`inodes.present` is written after the fill returns): they are fetched again.
+records (`inodes.present` is written after the fill returns): they are fetched again. A cache
+file created in a transaction that never committed is a stray file: `CacheFs.recover()` deletes
+it, and recomputes the holes from st_blocks.
 
 Testing aid: with CKPTFS_TEST_HOLD_FILL=<gate path> in the daemon's environment, a fill's worker
 thread waits while the gate file exists (after creating `<gate>.held`), so a test can run FUSE
@@ -36,10 +54,12 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
 
 import trio
+
+from .nodefiles import open_private
 
 log = logging.getLogger(__name__)
 
@@ -47,20 +67,159 @@ _HOLD_ENV = "CKPTFS_TEST_HOLD_FILL"
 
 
 class FileCache:
-    """Owner of the locks on cache files and of the writes into them from worker threads."""
+    """Owner of the cache files, their accounting, and the writes into them from worker
+    threads."""
 
-    def __init__(self, data_dir: str) -> None:
+    # A file counts as having a hole only when its blocks cover less than its length by more
+    # than this: block rounding and filesystem preallocation stay out of the accounting.
+    HOLE_MIN = 1 << 20
+
+    def __init__(self, data_dir: str, cached_bytes: int = 0) -> None:
         self.data_dir = str(data_dir)
         self._locks: dict[int, trio.Lock] = {}
         self._hold = os.environ.get(_HOLD_ENV) or None
+        # Bytes of file data held in cache files (evicted files excluded): what --cache-size
+        # limits (see the module docstring).
+        self.cached_bytes = cached_bytes
+        # Bytes of a cached file's length that are a hole the file was grown over (truncate
+        # up), by ino: --cache-size counts the blocks a file holds, not its length, so
+        # `truncate -s 100T` costs nothing. Recomputed from st_blocks at recovery and whenever
+        # the last writer of a file with a hole closes it.
+        self._holes: dict[int, int] = {}
+        self._last_used: dict[int, float] = {}
+        self._on_freed: Callable[[], None] = _nothing
         # statistics
         self.fills = 0
         self.fills_skipped = 0    # the content changed before the fill could write
         self.lock_waits = 0       # FUSE operations that waited for a fill in flight
         self.waiting = 0          # ... waiting now
 
+    def connect(self, on_space_freed: Callable[[], None]) -> None:
+        """Who hears that cached bytes went down (the --cache-size waiters). Called once by
+        `CacheFs.connect`, before serving."""
+        self._on_freed = on_space_freed
+
     def path(self, ino: int) -> str:
         return f"{self.data_dir}/{ino}"
+
+    # -- files ---------------------------------------------------------------------------------
+
+    def create(self, ino: int) -> None:
+        """An empty, private cache file for `ino` (truncated if it exists)."""
+        os.close(open_private(self.path(ino), os.O_WRONLY | os.O_TRUNC))
+
+    def unlink(self, ino: int) -> None:
+        try:
+            os.unlink(self.path(ino))
+        except FileNotFoundError:
+            pass
+
+    def remove(self, ino: int) -> None:
+        """`ino` is gone for good: its cache file and what is known of it."""
+        self.unlink(ino)
+        self._last_used.pop(ino, None)
+
+    def used(self, ino: int) -> None:
+        """`ino` was opened now (eviction drops the least recently used first)."""
+        self._last_used[ino] = time.monotonic()
+
+    def last_used(self, ino: int, default: float) -> float:
+        return self._last_used.get(ino, default)
+
+    # -- accounting ----------------------------------------------------------------------------
+
+    def savepoint(self, inos: Iterable[int]) -> Callable[[], None]:
+        """An undo for the accounting of `inos` and `cached_bytes` as they are now
+        (`InodeTable.tx` runs it when its transaction rolls back)."""
+        cached = self.cached_bytes
+        holes = [(ino, self._holes.get(ino)) for ino in inos]
+
+        def undo() -> None:
+            self.cached_bytes = cached
+            for ino, h in holes:
+                if h is None:
+                    self._holes.pop(ino, None)
+                else:
+                    self._holes[ino] = h
+
+        return undo
+
+    def hole(self, ino: int) -> int:
+        return self._holes.get(ino, 0)
+
+    def has_hole(self, ino: int) -> bool:
+        return ino in self._holes
+
+    def holes_total(self) -> int:
+        return sum(self._holes.values())
+
+    def note_hole(self, ino: int, st: os.stat_result, size: int | None = None) -> None:
+        """Record the hole of cache file `ino` from its stat (the caller adjusts
+        cached_bytes)."""
+        length = st.st_size if size is None else size
+        hole = length - st.st_blocks * 512
+        if hole > self.HOLE_MIN:
+            self._holes[ino] = hole
+        else:
+            self._holes.pop(ino, None)
+
+    def _freed(self) -> None:
+        self._on_freed()
+
+    def grew(self, delta: int) -> None:
+        """Written data changed the files' total by `delta` bytes (a write past the end, a
+        passthrough writer's size taken in)."""
+        self.cached_bytes += delta
+        if delta < 0:
+            self._freed()
+
+    def resized(self, ino: int, old: int, size: int) -> None:
+        """A cached file was truncated from `old` to `size`: growing adds a hole (no block is
+        written), shrinking cuts the hole first (it is at the end)."""
+        hole = self._holes.get(ino, 0)
+        if size > old:
+            new_hole = hole + size - old
+        else:
+            new_hole = max(0, min(hole - (old - size), size))
+        self.cached_bytes += (size - new_hole) - (old - hole)
+        if new_hole:
+            self._holes[ino] = new_hole
+        else:
+            self._holes.pop(ino, None)
+        if size < old:
+            self._freed()
+
+    def dropped(self, ino: int, size: int) -> int:
+        """The cached data of a file of `size` bytes no longer counts (truncated to 0, evicted,
+        purged). Returns the bytes freed."""
+        freed = size - self._holes.pop(ino, 0)
+        self.cached_bytes -= freed
+        self._freed()
+        return freed
+
+    def evicted(self, ino: int, size: int) -> int:
+        """Empty `ino`'s cache file for eviction (its data is in the store). Returns the bytes
+        freed."""
+        os.truncate(self.path(ino), 0)
+        return self.dropped(ino, size)
+
+    def refilled(self, ino: int, size: int) -> None:
+        """An evicted file's cache file holds all its `size` bytes again."""
+        self._holes.pop(ino, None)  # restored: every chunk written
+        self.cached_bytes += size
+
+    def hole_settled(self, ino: int, size: int) -> None:
+        """The last writer of `ino` closed: bytes written into its hole count from now on, so
+        the hole is taken from the blocks again (a passthrough writer may also have written
+        sparsely: the daemon saw no offsets)."""
+        old_hole = self._holes.pop(ino, 0)
+        try:
+            self.note_hole(ino, os.stat(self.path(ino)), size=size)
+        except OSError:
+            self._holes[ino] = old_hole
+        self.cached_bytes += old_hole - self._holes.get(ino, 0)
+
+    # -- fills from the store ------------------------------------------------------------------
 
     def busy(self, ino: int) -> bool:
         """A fill of `ino` is in flight (its cache file must not be truncated now)."""
@@ -68,7 +227,7 @@ class FileCache:
         return lock is not None and lock.locked()
 
     @asynccontextmanager
-    async def exclusive(self, ino: int):
+    async def exclusive(self, ino: int) -> AsyncIterator[None]:
         """Hold `ino`'s lock: no fill writes its cache file meanwhile."""
         lock = self._locks.setdefault(ino, trio.Lock())
         if lock.locked():
@@ -134,10 +293,15 @@ class FileCache:
 
         return await trio.to_thread.run_sync(read)
 
-    def statistics(self) -> dict:
+    def statistics(self) -> dict[str, int]:
         return {"fills": self.fills, "fills_skipped": self.fills_skipped,
                 "fills_in_flight": sum(1 for lk in self._locks.values() if lk.locked()),
-                "lock_waits": self.lock_waits, "waiting": self.waiting}
+                "lock_waits": self.lock_waits, "waiting": self.waiting,
+                "cached_bytes": self.cached_bytes, "holes": len(self._holes)}
+
+
+def _nothing() -> None:
+    return None
 
 
 def _wait_gate(gate: str) -> None:

@@ -10,7 +10,7 @@ Crash contract: every public mutating method runs inside `tx()`, which commits o
 SQLite's WAL makes each transaction all-or-nothing across a crash of the daemon. `sync()` makes
 every committed transaction durable across a crash of the machine. Callers tie their in-memory
 state to a transaction with `on_rollback()` (undo, run exactly when it rolls back) and
-`after_commit()` (run once it committed), see `cachemgr.core.CacheFs._tx`.
+`after_commit()` (run once it committed), see `cachemgr.inodes.InodeTable.tx`.
 
 A full cache disk: the index owns `index.reserve` beside `index.sqlite`, a preallocated file of
 `RESERVE_BYTES` (created at open). When SQLite reports SQLITE_FULL ("database or disk is full"),
@@ -31,6 +31,7 @@ import time
 from collections.abc import Callable, Iterator
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 from .errors import IndexError_, IndexFull
 from .names import escape_name, unescape_name
@@ -61,7 +62,135 @@ INODE_COLUMNS = (
 _INODE_SELECT = "SELECT " + ", ".join(INODE_COLUMNS) + " FROM inodes"
 
 
-class Index:
+class TreeQueries:
+    """The directory-entry half of `Index` (a mixin without state of its own: the connection
+    and its transactions are Index's). Every question about the tree is answered here, once:
+    lookup, resolve, path_of, parent_of, dentry_of, is_ancestor, children, walk."""
+
+    conn: sqlite3.Connection
+
+    def lookup(self, parent: int, name: bytes) -> int | None:
+        row = self.conn.execute(
+            "SELECT ino FROM dentries WHERE parent=? AND name=?", (parent, name)
+        ).fetchone()
+        return row[0] if row else None
+
+    def resolve(self, path: str) -> int | None:
+        """The inode at `path` (escaped form, cachemgr.names; "" is the root), or None."""
+        ino = ROOT_INO
+        for part in path.split("/") if path else ():
+            child = self.lookup(ino, unescape_name(part))
+            if child is None:
+                return None
+            ino = child
+        return ino
+
+    def add_dentry(self, parent: int, name: bytes, ino: int) -> None:
+        self.conn.execute(
+            "INSERT INTO dentries (parent, name, ino) VALUES (?, ?, ?)", (parent, name, ino)
+        )
+
+    def remove_dentry(self, parent: int, name: bytes) -> None:
+        self.conn.execute("DELETE FROM dentries WHERE parent=? AND name=?", (parent, name))
+
+    def move_dentry(self, parent: int, name: bytes, new_parent: int, new_name: bytes) -> None:
+        self.conn.execute(
+            "UPDATE dentries SET parent=?, name=? WHERE parent=? AND name=?",
+            (new_parent, new_name, parent, name),
+        )
+
+    def set_dentry_ino(self, parent: int, name: bytes, ino: int) -> None:
+        self.conn.execute(
+            "UPDATE dentries SET ino=? WHERE parent=? AND name=?", (ino, parent, name)
+        )
+
+    def list_dentries(self, parent: int, after_id: int, limit: int) -> list[tuple[int, bytes, int]]:
+        return self.conn.execute(
+            "SELECT id, name, ino FROM dentries WHERE parent=? AND id>? ORDER BY id LIMIT ?",
+            (parent, after_id, limit),
+        ).fetchall()
+
+    def has_children(self, parent: int) -> bool:
+        return (
+            self.conn.execute("SELECT 1 FROM dentries WHERE parent=? LIMIT 1", (parent,))
+            .fetchone() is not None
+        )
+
+    def parent_of(self, ino: int) -> int | None:
+        """The directory holding `ino` (directories have exactly one entry)."""
+        row = self.conn.execute(
+            "SELECT parent FROM dentries WHERE ino=? LIMIT 1", (ino,)
+        ).fetchone()
+        return row[0] if row else None
+
+    def dentry_of(self, ino: int) -> tuple[int, bytes] | None:
+        """(parent, name) of an entry naming `ino` (directories have exactly one), or None."""
+        row = self.conn.execute(
+            "SELECT parent, name FROM dentries WHERE ino=? LIMIT 1", (ino,)
+        ).fetchone()
+        return (row[0], bytes(row[1])) if row else None
+
+    def is_ancestor(self, maybe_ancestor: int, ino: int) -> bool:
+        """True if directory `maybe_ancestor` is `ino` or contains it."""
+        cur: int | None = ino
+        while cur is not None and cur != ROOT_INO:
+            if cur == maybe_ancestor:
+                return True
+            cur = self.parent_of(cur)
+        return maybe_ancestor == ROOT_INO
+
+    def children(self, parent: int) -> list[tuple[bytes, int]]:
+        """(name, ino) of every entry of `parent`, in readdir order."""
+        return [(bytes(name), ino)
+                for _id, name, ino in self.list_dentries(parent, 0, 1 << 62)]
+
+    def walk(self, top: int) -> Iterator[tuple[int, bytes, int, str]]:
+        """(parent, name, ino, rel) of every entry below directory `top`, parents before their
+        children; `rel` is the entry's path below `top` in escaped form (cachemgr.names).
+        Iterative: a tree of any depth is fine. Reads as it goes: a caller that changes the
+        tree meanwhile sees each directory as it is when it is reached."""
+        stack: list[tuple[int, str]] = [(top, "")]
+        while stack:
+            d, prefix = stack.pop()
+            for name, ino in self.children(d):
+                rel = prefix + escape_name(name)
+                yield d, name, ino, rel
+                stack.append((ino, rel + "/"))
+
+    def children_with_inodes(self, parent: int) -> list[tuple[Any, ...]]:
+        """(name, ino, mode, size, mtime_ns, version, writing, target, obj, obj_version) of
+        every entry of `parent`: a directory listing with its inodes' index rows (the sizes
+        of files open for writing are newer in memory: CacheFs.inode_if_loaded)."""
+        return [(bytes(r[0]), *r[1:]) for r in self.conn.execute(
+            "SELECT d.name, i.ino, i.mode, i.size, i.mtime_ns, i.version, i.writing, i.target,"
+            " i.obj, i.obj_version FROM dentries d JOIN inodes i ON i.ino = d.ino"
+            " WHERE d.parent=? ORDER BY d.id", (parent,))]
+
+    def all_dentries(self) -> list[tuple[int, int]]:
+        """(parent, ino) of every directory entry (consistency checks)."""
+        return self.conn.execute("SELECT parent, ino FROM dentries").fetchall()
+
+    def path_of(self, ino: int) -> str | None:
+        """The path of `ino` relative to the root ('' for the root), or None if unlinked, in the
+        escaped form of cachemgr.names (valid UTF-8 whatever the names' bytes: it is the set
+        path in the index and in the store's keys)."""
+        parts: list[str] = []
+        cur = ino
+        while cur != ROOT_INO:
+            row = self.conn.execute(
+                "SELECT parent, name FROM dentries WHERE ino=? LIMIT 1", (cur,)
+            ).fetchone()
+            if row is None:
+                return None
+            parts.append(escape_name(bytes(row[1])))
+            cur = row[0]
+        return "/".join(reversed(parts))
+
+    def count_dentries(self) -> int:
+        return int(self.conn.execute("SELECT COUNT(*) FROM dentries").fetchone()[0])
+
+
+class Index(TreeQueries):
     """SQLite-backed inode and directory-entry store of one cache directory."""
 
     def __init__(self, conn: sqlite3.Connection, path: Path, *,
@@ -148,7 +277,7 @@ class Index:
 
     @staticmethod
     def _sidecars(path: Path) -> tuple[Path, Path, Path]:
-        return tuple(Path(f"{path}{s}") for s in ("-wal", "-shm", "-journal"))
+        return Path(f"{path}-wal"), Path(f"{path}-shm"), Path(f"{path}-journal")
 
     @classmethod
     def _create(cls, path: Path, uid: int, gid: int, root_mode: int) -> None:
@@ -188,23 +317,19 @@ class Index:
 
     def meta(self, key: str) -> str | None:
         row = self.conn.execute("SELECT value FROM meta WHERE key=?", (key,)).fetchone()
-        return row[0] if row else None
+        return str(row[0]) if row else None
 
-    def path_of(self, ino: int) -> str | None:
-        """The path of `ino` relative to the root ('' for the root), or None if unlinked, in the
-        escaped form of cachemgr.names (valid UTF-8 whatever the names' bytes: it is the set
-        path in the index and in the store's keys)."""
-        parts: list[str] = []
-        cur = ino
-        while cur != ROOT_INO:
-            row = self.conn.execute(
-                "SELECT parent, name FROM dentries WHERE ino=? LIMIT 1", (cur,)
-            ).fetchone()
-            if row is None:
-                return None
-            parts.append(escape_name(bytes(row[1])))
-            cur = row[0]
-        return "/".join(reversed(parts))
+    def set_meta(self, key: str, value: str) -> None:
+        self.conn.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (key, value))
+
+    def delete_meta(self, key: str) -> None:
+        self.conn.execute("DELETE FROM meta WHERE key=?", (key,))
+
+    def meta_with_prefix(self, prefix: str) -> list[tuple[str, str]]:
+        """(key, value) of every meta row whose key starts with `prefix` (no LIKE wildcards in
+        it: the prefix is matched literally)."""
+        return [(str(k), str(v)) for k, v in self.conn.execute(
+            "SELECT key, value FROM meta WHERE substr(key, 1, ?) = ?", (len(prefix), prefix))]
 
     def close(self) -> None:
         try:
@@ -295,8 +420,10 @@ class Index:
 
     # -- inodes ------------------------------------------------------------------------------
 
-    def get_inode(self, ino: int) -> tuple | None:
-        return self.conn.execute(_INODE_SELECT + " WHERE ino=?", (ino,)).fetchone()
+    def get_inode(self, ino: int) -> tuple[Any, ...] | None:
+        row: tuple[Any, ...] | None = self.conn.execute(
+            _INODE_SELECT + " WHERE ino=?", (ino,)).fetchone()
+        return row
 
     def insert_inode(
         self, *, mode: int, uid: int, gid: int, now: int, nlink: int, size: int = 0,
@@ -345,68 +472,42 @@ class Index:
             "SELECT ino FROM inodes WHERE (mode & 61440) = 32768 AND cached = 0")}
 
     def cached_bytes(self) -> int:
-        return self.conn.execute(
+        return int(self.conn.execute(
             "SELECT COALESCE(SUM(size), 0) FROM inodes WHERE (mode & 61440) = 32768 AND"
-            " cached = 1 AND nlink > 0").fetchone()[0]
+            " cached = 1 AND nlink > 0").fetchone()[0])
+
+    def all_inode_rows(self) -> dict[int, tuple[Any, ...]]:
+        """Every inode row (INODE_COLUMNS), by ino (consistency checks)."""
+        return {r[0]: r for r in self.conn.execute(_INODE_SELECT)}
+
+    def evictable_files(self) -> list[tuple[int, int, int]]:
+        """(ino, version, mtime_ns) of cached regular files whose current content is uploaded
+        (obj_version = version), linked, closed and not empty: what eviction may drop."""
+        return self.conn.execute(
+            "SELECT ino, version, mtime_ns FROM inodes WHERE (mode & 61440) = 32768 AND"
+            " cached = 1 AND writing = 0 AND nlink > 0 AND obj_version = version AND size > 0"
+        ).fetchall()
+
+    def uploaded_version(self, ino: int) -> int | None:
+        """The content version of `ino` whose object is in the store (obj_version), or None."""
+        row = self.conn.execute("SELECT obj_version FROM inodes WHERE ino=?", (ino,)).fetchone()
+        return row[0] if row else None
+
+    def set_cached(self, ino: int, cached: int) -> None:
+        """Mark the cache file whole (1) or evicted (0); either way no chunk bitmap applies."""
+        self.conn.execute("UPDATE inodes SET cached=?, present=NULL WHERE ino=?", (cached, ino))
+
+    def clear_present(self, ino: int) -> None:
+        """Forget the chunk bitmap of a partly restored file (its chunks were dropped)."""
+        self.conn.execute("UPDATE inodes SET present=NULL WHERE ino=?", (ino,))
+
+    def set_restored_object(self, ino: int, obj: str | None) -> None:
+        """A file restored from the store: its data is object `obj`, not yet fetched."""
+        self.conn.execute("UPDATE inodes SET obj=?, obj_version=0, cached=0 WHERE ino=?",
+                          (obj, ino))
 
     def all_inos(self) -> set[int]:
         return {r[0] for r in self.conn.execute("SELECT ino FROM inodes")}
-
-    # -- directory entries -------------------------------------------------------------------
-
-    def lookup(self, parent: int, name: bytes) -> int | None:
-        row = self.conn.execute(
-            "SELECT ino FROM dentries WHERE parent=? AND name=?", (parent, name)
-        ).fetchone()
-        return row[0] if row else None
-
-    def resolve(self, path: str) -> int | None:
-        """The inode at `path` (escaped form, cachemgr.names; "" is the root), or None."""
-        ino = ROOT_INO
-        for part in path.split("/") if path else ():
-            child = self.lookup(ino, unescape_name(part))
-            if child is None:
-                return None
-            ino = child
-        return ino
-
-    def add_dentry(self, parent: int, name: bytes, ino: int) -> None:
-        self.conn.execute(
-            "INSERT INTO dentries (parent, name, ino) VALUES (?, ?, ?)", (parent, name, ino)
-        )
-
-    def remove_dentry(self, parent: int, name: bytes) -> None:
-        self.conn.execute("DELETE FROM dentries WHERE parent=? AND name=?", (parent, name))
-
-    def move_dentry(self, parent: int, name: bytes, new_parent: int, new_name: bytes) -> None:
-        self.conn.execute(
-            "UPDATE dentries SET parent=?, name=? WHERE parent=? AND name=?",
-            (new_parent, new_name, parent, name),
-        )
-
-    def set_dentry_ino(self, parent: int, name: bytes, ino: int) -> None:
-        self.conn.execute(
-            "UPDATE dentries SET ino=? WHERE parent=? AND name=?", (ino, parent, name)
-        )
-
-    def list_dentries(self, parent: int, after_id: int, limit: int) -> list[tuple[int, bytes, int]]:
-        return self.conn.execute(
-            "SELECT id, name, ino FROM dentries WHERE parent=? AND id>? ORDER BY id LIMIT ?",
-            (parent, after_id, limit),
-        ).fetchall()
-
-    def has_children(self, parent: int) -> bool:
-        return (
-            self.conn.execute("SELECT 1 FROM dentries WHERE parent=? LIMIT 1", (parent,))
-            .fetchone() is not None
-        )
-
-    def parent_of(self, ino: int) -> int | None:
-        """The directory holding `ino` (directories have exactly one entry)."""
-        row = self.conn.execute(
-            "SELECT parent FROM dentries WHERE ino=? LIMIT 1", (ino,)
-        ).fetchone()
-        return row[0] if row else None
 
     def totals(self) -> dict[str, int]:
         """Counts and bytes by file type (S_IFREG = 32768, S_IFDIR = 16384, S_IFLNK = 40960)."""
@@ -420,9 +521,6 @@ class Index:
             if fmt == 32768:
                 out["bytes"] = total or 0
         return out
-
-    def count_dentries(self) -> int:
-        return self.conn.execute("SELECT COUNT(*) FROM dentries").fetchone()[0]
 
     # -- xattrs ------------------------------------------------------------------------------
 

@@ -33,6 +33,7 @@ import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -168,7 +169,7 @@ class Backings:
             b = self._by_ino.pop(ino)
             os.close(b.fd)
 
-    def statistics(self) -> dict:
+    def statistics(self) -> dict[str, Any]:
         return {"mode": self.mode, "off_reason": self.off_reason,
                 "open_backings": len(self._by_ino), "passthrough_opens": self.opens,
                 "user_space_opens_of_whole_files": self.fallbacks,

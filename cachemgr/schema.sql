@@ -43,8 +43,9 @@ CREATE TABLE inodes (
     -- was ever closed, so no commit may use it).
     version  INTEGER NOT NULL DEFAULT 0,
     writing  INTEGER NOT NULL DEFAULT 0,
-    -- 1 = the cache file holds the data; 0 = evicted (durable in the store as `obj`; the cache
-    -- file is empty and is refilled from the store on open).
+    -- 1 = the cache file holds the data; 0 = evicted or restored from another node's manifest
+    -- (durable in the store as `obj`; the cache file is empty until restore fills it, first
+    -- extending it to the file's length; `present` says which chunks are in: cachemgr.restore).
     cached   INTEGER NOT NULL DEFAULT 1,
     -- The uploaded object (StoredObject JSON, see cachemgr/transfer.py) of content `obj_version`,
     -- or NULL if no upload of this file has finished.
@@ -77,7 +78,9 @@ CREATE TABLE xattrs (
 );
 
 -- Node identity (meta key 'node_id'): a random id made when the index is created; it names this
--- cache's objects in the store (data/<path>@<node_id>.<ino>.<version>).
+-- cache's objects in the store: data/<node_id>/<ino>/<version>/<name hint> (the hint is the
+-- file's escaped name cut to 100 characters; nothing reads it back: the manifest names the key.
+-- cachemgr.tiering.object_key).
 
 -- Shard sets: one row per commit. A set is a directory (its whole subtree), a single file, or a
 -- symlink, named by its path at commit time. States (see docs/SEMANTICS.md "Shard sets"):
@@ -87,7 +90,10 @@ CREATE TABLE xattrs (
 --   failed     -> `error` says why (store refused, a file changed after commit, ...)
 --   superseded -> a later commit of the same path replaced it before it became durable
 --   replaced   -> was durable; a later commit of the same path is now durable instead
---   deleted    -> the set's path was deleted through the mount; removed from the store
+--   deleting   -> its path was removed through the mount (or the set was absorbed by a later
+--                 set); its manifest and objects are being removed from the store, in commit
+--                 order. Counts as kept for garbage collection until it is gone.
+--   deleted    -> removed from the store
 CREATE TABLE sets (
     seq          INTEGER PRIMARY KEY AUTOINCREMENT,   -- commit order
     path         TEXT    NOT NULL,                    -- relative to the mount root, no leading /
@@ -123,8 +129,8 @@ CREATE TABLE set_files (
 CREATE INDEX set_files_by_content ON set_files(ino, version);
 
 -- Objects this node put in the store and has not deleted yet, for garbage collection: an object
--- is deleted once no live set (committed/uploading/durable) refers to it and it is not the
--- latest upload of a live inode.
+-- is deleted once no kept set (committed/uploading/durable/deleting) refers to it and it is not
+-- the latest upload of a live inode (cachemgr.sets.SetRegistry.garbage).
 CREATE TABLE objects (
     key      TEXT PRIMARY KEY,
     ino      INTEGER NOT NULL,

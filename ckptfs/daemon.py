@@ -235,8 +235,8 @@ class _Daemon:
             raise _StartFailed(EXIT_NOT_READY, str(e.strerror)) from e
 
     def open_cache(self) -> None:  # step 3
-        from cachemgr.core import CacheFs
         from cachemgr.errors import FsError
+        from cachemgr.fs import CacheFs
 
         from . import fuse
 
@@ -272,9 +272,10 @@ class _Daemon:
                                f"{bound}, not {store_url}; use that store or another --cache-dir")
         if bound is None:
             with index.tx():
-                index.conn.execute("INSERT INTO meta VALUES ('store_url', ?)", (store_url,))
+                index.set_meta("store_url", store_url)
 
     def build_services(self) -> None:  # step 5
+        from cachemgr.fs import Filesystem
         from cachemgr.tiering import Tiering, TieringConfig
         from cachemgr.transfer import TransferConfig, set_foreground_probe
 
@@ -289,8 +290,11 @@ class _Daemon:
             keep_local=cfg.keep_local, prefetch=cfg.prefetch,
             prefetch_concurrency=cfg.prefetch_concurrency, prefetch_range=cfg.prefetch_range,
             refresh_interval=cfg.refresh_interval, commit_timeout=cfg.commit_timeout))
-        core.tiering = tiering
-        ops = fuse.FuseOps(core, attr_timeout=cfg.attr_timeout, io_threads=cfg.io_threads)
+        core.connect(hooks=tiering, reads=tiering.restorer, room=tiering,
+                     cache_size=cfg.cache_size, kernel=fuse.KERNEL, status=tiering.status,
+                     source=tiering)
+        ops = fuse.FuseOps(Filesystem(core, io_threads=cfg.io_threads),
+                           attr_timeout=cfg.attr_timeout)
         ops.enable_writeback_cache = cfg.writeback_cache
         ops.enable_passthrough = core.backings.on  # the kernel's answer: FuseOps.init
         # Uploads hold back while the trainer writes; passthrough writes are seen by fstat.

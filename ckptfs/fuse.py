@@ -1,7 +1,9 @@
 """The FUSE adapter: the only module that imports pyfuse3.
 
-Thin and total: every handler decodes the kernel's arguments, calls `cachemgr.core.CacheFs`, and
-encodes the answer. No caching, upload or store logic lives here.
+Thin and total: every handler decodes the kernel's arguments, awaits `cachemgr.fs.Filesystem`
+(or calls its `CacheFs` for operations that never wait), and encodes the answer. No caching,
+read-through, backpressure, upload or store logic lives here: those are the core's
+(cachemgr.fs). `KERNEL` is the kernel notifier the composition root connects to the core.
 
 Error contract: pyfuse3 only understands `FUSEError`; any other exception escaping a handler stops
 its main loop and leaves a dead mount behind. So every handler runs under `_guarded`:
@@ -22,7 +24,6 @@ dicts on the loop thread (`FuseOps.statistics`, read by ckptfs.metrics through t
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import functools
 import logging
@@ -32,13 +33,13 @@ from collections.abc import Callable
 from typing import Any
 
 import pyfuse3
-import trio
 
-from cachemgr.core import CacheFs, Caller, Inode
 from cachemgr.errors import FsError
+from cachemgr.fs import CacheFs, Filesystem
+from cachemgr.handles import OpenResult
 from cachemgr.index import is_disk_full
+from cachemgr.inodes import Caller, Inode
 from cachemgr.passthrough import Backings
-from cachemgr.transfer import note_foreground
 
 log = logging.getLogger(__name__)
 
@@ -102,9 +103,6 @@ def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-_NO_LOCK = contextlib.nullcontext()  # reusable, and usable with `async with`
-
-
 def _caller(ctx: pyfuse3.RequestContext) -> Caller:
     """Who asks: set-id bits go on an unprivileged write or truncate (`CacheFs._kill_setid`)."""
     return Caller(ctx.uid, ctx.gid, ctx.pid)
@@ -123,8 +121,21 @@ def _brief(args: tuple) -> tuple:
     return tuple(out)
 
 
+class KernelInvalidator:
+    """`cachemgr.hooks.KernelNotifier` for the core: the composition root connects `KERNEL`."""
+
+    @staticmethod
+    def invalidate_entry(parent: int, name: bytes) -> None:
+        # Asynchronous: a synchronous invalidation from the loop thread could deadlock on a
+        # request the kernel is waiting for.
+        pyfuse3.invalidate_entry_async(parent, name, ignore_enoent=True)
+
+
+KERNEL = KernelInvalidator()
+
+
 class FuseOps(pyfuse3.Operations):
-    """pyfuse3 operations backed by a `CacheFs`."""
+    """pyfuse3 operations backed by a `cachemgr.fs.Filesystem`: decode, await, encode."""
 
     enable_writeback_cache = False  # measured: see docs/ARCHITECTURE.md
     supports_dot_lookup = True
@@ -134,36 +145,20 @@ class FuseOps(pyfuse3.Operations):
     enable_passthrough = False
     max_backing_stack_depth = 1
 
-    def __init__(self, core: CacheFs, *, attr_timeout: float = 10.0, io_threads: int = 0) -> None:
+    def __init__(self, fs: Filesystem, *, attr_timeout: float = 10.0) -> None:
         super().__init__()
-        self.core = core
+        self.fs = fs
+        self.core: CacheFs = fs.core
         self.attr_timeout = attr_timeout
         # Requests answered, by handler, and refusals by (handler, errno): loop thread only;
         # `statistics()` copies them for the metrics snapshot.
         self.requests: dict[str, int] = dict.fromkeys(_OPS, 0)
         self.errors: dict[tuple[str, int], int] = {}
-        # io_threads > 0 moves the data syscalls (pread/pwrite) to worker threads; bookkeeping
-        # stays on the loop thread, so the core still sees one thread. Off by default: measured
-        # slower here (docs/ARCHITECTURE.md).
-        self._io_limiter = trio.CapacityLimiter(io_threads) if io_threads > 0 else None
-        core.invalidate_entry = self._invalidate_entry
 
     def statistics(self) -> dict:
         """Copies of the request counters (loop thread). With passthrough, reads and writes of
         files the cache holds whole go to the cache file in the kernel and are not counted."""
         return {"requests": dict(self.requests), "errors": dict(self.errors)}
-
-    def _changing(self, inode: int, changes_content: bool):
-        """Context for an operation that may change a file's content: it waits for a restore
-        fill in flight, which then sees the change and writes nothing (cachemgr.filecache).
-        Other operations take no lock."""
-        return self.core.files.exclusive(inode) if changes_content else _NO_LOCK
-
-    @staticmethod
-    def _invalidate_entry(parent: int, name: bytes) -> None:
-        # Asynchronous: a synchronous invalidation from the loop thread could deadlock on a
-        # request the kernel is waiting for.
-        pyfuse3.invalidate_entry_async(parent, name, ignore_enoent=True)
 
     # -- encoding ----------------------------------------------------------------------------
 
@@ -187,6 +182,13 @@ class FuseOps(pyfuse3.Operations):
         e.st_mtime_ns = node.mtime_ns
         e.st_ctime_ns = node.ctime_ns
         return e
+
+    @staticmethod
+    def _fileinfo(res: OpenResult) -> pyfuse3.FileInfo:
+        if res.backing_id:
+            return pyfuse3.FileInfo(fh=res.fh, direct_io=False, keep_cache=False,
+                                    backing_id=res.backing_id)
+        return pyfuse3.FileInfo(fh=res.fh, direct_io=res.direct_io, keep_cache=res.keep_cache)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -219,30 +221,20 @@ class FuseOps(pyfuse3.Operations):
     async def getattr(self, inode, ctx=None):
         return self._entry(self.core.getattr(inode))
 
-    async def _ensure_cached(self, inode: int) -> None:
-        """Data not in the cache comes back from the store before anything changes it."""
-        if self.core.needs_fetch(inode):
-            if self.core.tiering is None:
-                raise FsError(errno.EIO, f"inode {inode} was evicted and no store is attached")
-            await self.core.tiering.restorer.ensure_all(inode)
-
     @_guarded
     async def setattr(self, inode, attr, fields, fh, ctx):
-        if fields.update_size:
-            await self._ensure_cached(inode)
-        # A truncate changes content: not while a restore fill writes the file (FileCache).
-        async with self._changing(inode, fields.update_size):
-            node = self.core.setattr(
-                inode,
-                size=attr.st_size if fields.update_size else None,
-                mode=attr.st_mode if fields.update_mode else None,
-                uid=attr.st_uid if fields.update_uid else None,
-                gid=attr.st_gid if fields.update_gid else None,
-                atime_ns=attr.st_atime_ns if fields.update_atime else None,
-                mtime_ns=attr.st_mtime_ns if fields.update_mtime else None,
-                fh=fh,
-                caller=_caller(ctx),
-            )
+        node = await self.fs.setattr(
+            inode,
+            truncating=bool(fields.update_size),
+            size=attr.st_size if fields.update_size else None,
+            mode=attr.st_mode if fields.update_mode else None,
+            uid=attr.st_uid if fields.update_uid else None,
+            gid=attr.st_gid if fields.update_gid else None,
+            atime_ns=attr.st_atime_ns if fields.update_atime else None,
+            mtime_ns=attr.st_mtime_ns if fields.update_mtime else None,
+            fh=fh,
+            caller=_caller(ctx),
+        )
         return self._entry(node)
 
     @_guarded
@@ -309,67 +301,15 @@ class FuseOps(pyfuse3.Operations):
 
     @_guarded
     async def open(self, inode, flags, ctx):
-        truncating = flags & os.O_TRUNC  # any access mode (see CacheFs._open_node)
-        writing = flags & os.O_ACCMODE != os.O_RDONLY
-        if writing and not truncating:
-            await self._ensure_cached(inode)
-        async with self._changing(inode, writing or truncating):
-            res = self.core.open(inode, flags, _caller(ctx))
-        if writing and res.backing_id:
-            note_foreground()  # its writes never reach the daemon (cachemgr.transfer)
-        if not writing and self.core.tiering is not None:
-            # Reads wait only for their own ranges; what the restore policy (--prefetch)
-            # fetches ahead of them comes in meanwhile.
-            self.core.tiering.restorer.on_open(inode)
-        return self._fileinfo(res)
-
-    @staticmethod
-    def _fileinfo(res) -> pyfuse3.FileInfo:
-        if res.backing_id:
-            return pyfuse3.FileInfo(fh=res.fh, direct_io=False, keep_cache=False,
-                                    backing_id=res.backing_id)
-        return pyfuse3.FileInfo(fh=res.fh, direct_io=res.direct_io, keep_cache=res.keep_cache)
+        return self._fileinfo(await self.fs.open(inode, flags, _caller(ctx)))
 
     @_guarded
     async def read(self, fh, off, size):
-        t = self.core.tiering
-        if t is not None:
-            node = self.core.io_handle(fh).inode
-            if not node.cached:
-                try:
-                    await t.restorer.ensure_range(node.ino, off, size, read=True)
-                except OSError as e:
-                    if e.errno not in (errno.ENOSPC, errno.EDQUOT):
-                        raise
-                    # No room on the cache disk for the chunks: the read is served from the
-                    # store all the same, without caching (a read never answers ENOSPC).
-                    return await t.restorer.read_uncached(node.ino, off, size)
-            elif node.ino not in t.restorer.clean:
-                await t.restorer.verify_cached(node.ino, off, size)
-        if self._io_limiter is None:
-            return self.core.read(fh, off, size)
-        h = self.core.io_handle(fh)
-        data = await trio.to_thread.run_sync(os.pread, h.fd, size, off, limiter=self._io_limiter)
-        self.core.stats.reads += 1
-        self.core.stats.bytes_read += len(data)
-        return data
+        return await self.fs.read(fh, off, size)
 
     @_guarded
     async def write(self, fh, off, buf):
-        note_foreground()  # uploads hold back while the trainer writes (cachemgr.transfer)
-        limit = self.core.tiering.cfg.cache_size if self.core.tiering is not None else None
-        if limit is not None and self.core.cached_bytes + len(buf) > limit:
-            # Backpressure: wait for uploads to make data evictable, never fail the write.
-            await self.core.tiering.wait_for_room(len(buf))
-        if self._io_limiter is None:
-            return self.core.write(fh, off, buf)
-        h = self.core.io_handle(fh)
-        self.core.before_write(h, len(buf))  # room kept for the index; set-id bits
-        if h.append:
-            off = h.inode.size
-        n = await trio.to_thread.run_sync(os.pwrite, h.fd, buf, off, limiter=self._io_limiter)
-        self.core.wrote(h, off, n)
-        return n
+        return await self.fs.write(fh, off, buf)
 
     @_guarded
     async def flush(self, fh):

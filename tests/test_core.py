@@ -785,3 +785,111 @@ def test_layout_version_mismatch_refused(fs, cache):
     assert read_all(fs2, fs2.lookup(ROOT, b"f").ino) == b"data"
     assert fs2.check_consistency() == []
     fs2.close()
+
+
+# -- the index's tree queries and the async layer (cachemgr.fs.Filesystem) ---------------------
+
+
+def test_index_tree_queries(fs):
+    a = fs.mkdir(ROOT, b"a", 0o755, UID, GID)
+    b = fs.mkdir(a.ino, b"b c", 0o755, UID, GID)
+    _res, f = fs.create(b.ino, b"f", 0o644, RW, UID, GID)
+    fs.release(_res.fh)
+    idx = fs.index
+    assert idx.dentry_of(f.ino) == (b.ino, b"f")
+    assert idx.dentry_of(ROOT) is None
+    assert idx.is_ancestor(a.ino, f.ino) and idx.is_ancestor(ROOT, b.ino)
+    assert not idx.is_ancestor(b.ino, a.ino)
+    walked = [(p, n, i, rel) for p, n, i, rel in idx.walk(ROOT)]
+    assert walked == [(ROOT, b"a", a.ino, "a"), (a.ino, b"b c", b.ino, "a/b c"),
+                      (b.ino, b"f", f.ino, "a/b c/f")]
+    assert idx.children(a.ino) == [(b"b c", b.ino)]
+    (row,) = idx.children_with_inodes(b.ino)
+    assert row[:3] == (b"f", f.ino, f.mode)
+    with idx.tx():
+        idx.set_meta("part:7", "x")
+        idx.set_meta("part_%", "y")
+        idx.set_meta("partial", "z")
+    assert idx.meta_with_prefix("part:") == [("part:7", "x")]
+    assert idx.meta_with_prefix("part_%") == [("part_%", "y")]
+    with idx.tx():
+        idx.delete_meta("part:7")
+    assert idx.meta("part:7") is None and idx.meta("partial") == "z"
+    assert fs.check_consistency() == []
+
+
+class _Reads:
+    """A stand-in for cachemgr.restore.Restorer: fills a file from `data` when asked."""
+
+    def __init__(self, fs: CacheFs, data: bytes) -> None:
+        self.fs, self.data = fs, data
+        self.clean: set[int] = set()
+        self.calls: list[tuple] = []
+
+    def _fill(self, ino: int) -> None:
+        with open(self.fs.data_path(ino), "r+b") as f:
+            f.write(self.data)
+        self.fs.fetched(ino, len(self.data))
+        self.clean.add(ino)
+
+    async def ensure_all(self, ino: int) -> None:
+        self.calls.append(("all", ino))
+        self._fill(ino)
+
+    async def ensure_range(self, ino: int, off: int, size: int, *, read: bool = False) -> None:
+        self.calls.append(("range", ino, off, size))
+        self._fill(ino)
+
+    async def read_uncached(self, ino: int, off: int, size: int) -> bytes:
+        raise AssertionError("not reached")
+
+    async def verify_cached(self, ino: int, off: int, size: int) -> None:
+        self.calls.append(("verify", ino))
+        self.clean.add(ino)
+
+    def on_open(self, ino: int) -> None:
+        self.calls.append(("open", ino))
+
+    def trusted(self, ino: int) -> bool:
+        return ino in self.clean
+
+
+class _Room:
+    def __init__(self) -> None:
+        self.asked: list[int] = []
+
+    async def wait_for_room(self, need: int) -> None:
+        self.asked.append(need)
+
+
+def test_filesystem_read_through_and_backpressure(fs):
+    import trio
+
+    from cachemgr.fs import Filesystem
+
+    data = b"restored bytes"
+    ino = fs.raw_create(ROOT, b"r", stat.S_IFREG | 0o644, size=len(data), obj="{}")
+    w = fs.raw_create(ROOT, b"w", stat.S_IFREG | 0o644, size=len(data), obj="{}")
+    fsys = Filesystem(fs)
+    # Not connected: an evicted file cannot be opened for writing (no store to fetch from).
+    with pytest.raises(FsError) as e:
+        trio.run(fsys.open, w, os.O_WRONLY, None)
+    assert e.value.errno == errno.EIO
+    reads, room = _Reads(fs, data), _Room()
+    fs.connect(reads=reads, room=room, cache_size=len(data) + 4)
+    res = trio.run(fsys.open, ino, os.O_RDONLY, None)
+    assert reads.calls == [("open", ino)]
+    assert trio.run(fsys.read, res.fh, 0, 100) == data
+    assert reads.calls[1] == ("range", ino, 0, 100)
+    fs.release(res.fh)
+    # A write-open without O_TRUNC fetches the whole file first.
+    res = trio.run(fsys.open, w, os.O_WRONLY, None)
+    assert ("all", w) in reads.calls and fs.inode(w).cached == 1
+    # Under --cache-size a write past the limit waits for room first, then writes.
+    assert trio.run(fsys.write, res.fh, len(data), b"x" * 10) == 10
+    assert room.asked == [10]
+    assert trio.run(fsys.write, res.fh, 0, b"y") == 1 and room.asked == [10, 1]
+    fs.release(res.fh)
+    assert fs.cached_bytes == 2 * len(data) + 10
+    assert fs.statistics()["files"]["cached_bytes"] == fs.cached_bytes
+    assert fs.check_consistency() == []
