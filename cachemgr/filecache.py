@@ -177,10 +177,7 @@ class FileCache:
         """A cached file was truncated from `old` to `size`: growing adds a hole (no block is
         written), shrinking cuts the hole first (it is at the end)."""
         hole = self._holes.get(ino, 0)
-        if size > old:
-            new_hole = hole + size - old
-        else:
-            new_hole = max(0, min(hole - (old - size), size))
+        new_hole = hole + size - old if size > old else max(0, min(hole - (old - size), size))
         self.cached_bytes += (size - new_hole) - (old - hole)
         if new_hole:
             self._holes[ino] = new_hole
@@ -268,8 +265,8 @@ class FileCache:
                 try:
                     if size is not None and os.fstat(fd).st_size < size:
                         os.ftruncate(fd, size)
-                    for off, data in items:
-                        mv = memoryview(data)
+                    for start, data in items:
+                        mv, off = memoryview(data), start
                         while mv:  # pwrite may write less than asked
                             k = os.pwrite(fd, mv, off)
                             mv = mv[k:]

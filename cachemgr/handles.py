@@ -139,9 +139,9 @@ class Handles:
             return True
         if not writable:
             return False
-        return bool(opener is not None and node.mode & SETID
+        return bool((opener is not None and node.mode & SETID)
                     or w.cache_size is not None
-                    or not self.index.reserve_held and self.index.reserve_bytes)
+                    or (not self.index.reserve_held and self.index.reserve_bytes))
 
     def passthrough_open(self, node: Inode, writable: bool, opener: Caller | None) -> int:
         """The backing id for a passthrough open of `node`, or 0 to serve it in user space.

@@ -162,7 +162,8 @@ class Materialiser:
         restored = cur is not None and (cur.origin != "local" or cur.state not in KEPT_STATES)
         # Files of the set the manifest replaces (restored from an older manifest, or this
         # node's own commit of the path that lost to a later one) may go; nothing else may.
-        replaceable = {r[1] for r in self.sets.files(cur.seq)} if cur is not None and restored else set()
+        replaceable = ({r[1] for r in self.sets.files(cur.seq)} if cur is not None and restored
+                       else set())
         existing = self.index.lookup(parent, name)
         if existing is not None:
             node = self.core.inode(existing)
@@ -223,7 +224,7 @@ class Materialiser:
         for rel, _d, _n in remove:
             if any(k.startswith(rel + "/") for k in keep):
                 raise InTheWay(f"{m['path']}/{rel} holds files this node wrote")
-        for rel, d, n in sorted(remove, key=lambda x: x[0].count("/")):
+        for _rel, d, n in sorted(remove, key=lambda x: x[0].count("/")):
             if self.index.lookup(d, n) is not None:
                 self.core.remove_tree(d, n)
         return keep

@@ -192,13 +192,14 @@ class PartPublisher:
         """This node's own files directly in `dir_ino` (not those materialised from another
         node's manifest: version 0), with their object when their current content is in."""
         out: list[dict[str, Any]] = []
-        for name, ino, mode, size, mtime_ns, version, writing, obj, obj_version in \
+        for name, ino, mode, row_size, row_mtime, version, row_writing, obj, obj_version in \
                 self.index.conn.execute(
                     "SELECT d.name, i.ino, i.mode, i.size, i.mtime_ns, i.version, i.writing,"
                     " i.obj, i.obj_version FROM dentries d JOIN inodes i ON i.ino = d.ino"
                     " WHERE d.parent=? AND (i.mode & 61440) = 32768 AND i.version > 0",
                     (dir_ino,)):
             node = self._inode_if_loaded(ino)
+            size, mtime_ns, writing = row_size, row_mtime, row_writing
             if node is not None:  # sizes of open files live in memory
                 size, mtime_ns, writing = node.size, node.mtime_ns, node.writing
             durable = obj is not None and obj_version == version and not writing

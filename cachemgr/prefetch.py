@@ -125,7 +125,7 @@ class Prefetcher:
     def on_read(self, ino: int, obj: StoredObject, off: int, end: int) -> None:
         """A reader's read of bytes [off, end) of a file not all in the cache: start the
         read-ahead its policy asks for (`_read_ahead`), never waited for by the read."""
-        if (self.mode == "reads" or self.mode == "auto" and ino not in self._whole_set_files) \
+        if (self.mode == "reads" or (self.mode == "auto" and ino not in self._whole_set_files)) \
                 and self.nursery is not None:
             self._read_ahead(self.nursery, ino, obj, off, end)
 

@@ -380,8 +380,8 @@ class SetRegistry:
         return [r[0] for r in self.conn.execute(
             f"SELECT o.key FROM objects o WHERE NOT EXISTS (SELECT 1 FROM set_files f JOIN sets"
             f" s ON s.seq=f.seq WHERE f.ino=o.ino AND f.version=o.version AND s.state IN"
-            f" {(*KEPT_STATES, 'deleting')}) AND NOT EXISTS (SELECT 1 FROM inodes i WHERE i.ino=o.ino AND"
-            f" i.version=o.version AND i.nlink>0)")]
+            f" {(*KEPT_STATES, 'deleting')}) AND NOT EXISTS (SELECT 1 FROM inodes i"
+            f" WHERE i.ino=o.ino AND i.version=o.version AND i.nlink>0)")]
 
     def keys_named_by_others(self, seq: int, keys: set[str]) -> set[str]:
         """Those of `keys` (object keys) that a set other than `seq` names, in a kept, live or
