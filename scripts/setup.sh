@@ -36,7 +36,8 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     echo "setup: installing Python packages into $VENV (torch==2.13.0 CPU build)"
     "$VENV/bin/pip" install -q --disable-pip-version-check "torch==2.13.0" 2>&1 | grep -v "^WARNING: Location" || true
     "$VENV/bin/pip" install -q --disable-pip-version-check -e "$ROOT[test]" 2>&1 | grep -v "^WARNING: Location" || true
-    "$VENV/bin/python" -c "import pyfuse3, trio, torch, boto3, lz4, prometheus_client, rich, pytest, hypothesis, moto" \
+    { "$VENV/bin/python" -c "import pyfuse3, trio, torch, boto3, lz4, prometheus_client, rich, pytest, hypothesis, moto, mypy" \
+        && "$VENV/bin/ruff" --version >/dev/null; } \
         || { echo "setup: Python packages failed to install" >&2; exit 1; }
     echo "$want" > "$stamp"
 fi
