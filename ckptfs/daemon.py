@@ -119,7 +119,7 @@ class Services:
     """What the control handlers reach: built once by `_Daemon`, read on the trio loop only."""
 
     cfg: MountConfig
-    core: Any     # cachemgr.core.CacheFs
+    core: Any     # cachemgr.fs.CacheFs
     tiering: Any  # cachemgr.tiering.Tiering
     started: float  # time.time() when the services started (status: uptime_s)
 

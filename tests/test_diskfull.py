@@ -19,9 +19,10 @@ from pathlib import Path
 import pytest
 from conftest import wait_for
 
-from cachemgr.core import RENAME_EXCHANGE, CacheFs
 from cachemgr.errors import FsError
+from cachemgr.fs import CacheFs
 from cachemgr.index import INODE_COLUMNS, RESERVE_BYTES, Index
+from cachemgr.namespace import RENAME_EXCHANGE
 
 ROOT = 1
 UID, GID = 1234, 5678

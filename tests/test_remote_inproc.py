@@ -46,8 +46,8 @@ from hypothesis import strategies as st
 
 from cachemgr import manifest as mf
 from cachemgr import parts, validate
-from cachemgr.core import CacheFs
 from cachemgr.errors import FsError, IndexFull
+from cachemgr.fs import CacheFs
 from cachemgr.index import ROOT_INO
 from cachemgr.keys import manifest_key, part_key
 from cachemgr.names import (

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from cachemgr.core import CacheFs
+from cachemgr.fs import CacheFs
 from cachemgr.sets import SetRegistry, is_temp_name
 from cachemgr.store import LocalStore
 from cachemgr.tiering import Tiering, TieringConfig
