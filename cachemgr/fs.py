@@ -211,27 +211,11 @@ class CacheFs:
     def data_path(self, ino: int) -> str:
         return self.files.path(ino)
 
-    _data_path = data_path
-
     @contextlib.contextmanager
     def transaction(self, *nodes: Inode) -> Iterator[None]:
         """`InodeTable.tx`: for the services that change the tree without the kernel."""
         with self.table.tx(*nodes):
             yield
-
-    # Tests look inside (tests/test_diskfull.py, test_core.py): read-only views of the owners'
-    # tables. Nothing in the daemon uses them.
-    @property
-    def _inodes(self) -> dict[int, Inode]:
-        return self.table._inodes
-
-    @property
-    def _handles(self) -> dict[int, Handle]:
-        return self.handles._handles
-
-    @property
-    def _holes(self) -> dict[int, int]:
-        return self.files._holes
 
     # -- namespace (cachemgr.namespace) --------------------------------------------------------
 

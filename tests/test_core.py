@@ -51,9 +51,7 @@ def crash(fs: CacheFs) -> None:
     """Abandon `fs` like a killed daemon: nothing in memory is persisted (no flush, release,
     forget or close). Only committed index transactions and the cache files remain; the fds are
     closed so nothing leaks (the kernel would close them too)."""
-    for h in fs._handles.values():
-        os.close(h.fd)
-    fs._handles.clear()
+    fs.handles.close_all()
     fs.index.conn.close()
 
 
