@@ -57,7 +57,7 @@ from .transfer import (
 )
 
 if TYPE_CHECKING:
-    from .core import CacheFs
+    from .fs import CacheFs
     from .index import Index
 
 log = logging.getLogger(__name__)

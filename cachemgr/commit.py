@@ -37,8 +37,9 @@ from .errors import FsError
 from .sets import DCP_METADATA, KEPT_STATES, LIVE_STATES, SetRegistry, SetRow, is_temp_name
 
 if TYPE_CHECKING:
-    from .core import CacheFs, Inode
+    from .fs import CacheFs
     from .index import Index
+    from .inodes import Inode
     from .publish import Publisher
     from .signals import Signals
     from .uploads import UploadQueue

@@ -29,7 +29,7 @@ from .store import ObjectStore, StoreError
 from .transfer import StoredObject, download_file
 
 if TYPE_CHECKING:
-    from .core import CacheFs
+    from .fs import CacheFs
 
 log = logging.getLogger("cachemgr.tiering")  # the log lines as they were before the split
 

@@ -121,32 +121,16 @@ class CacheFs:
     def connect(self, *, hooks: FsHooks | None = None, reads: ReadThrough | None = None,
                 room: Room | None = None, cache_size: int | None = None,
                 kernel: KernelNotifier | None = None,
-                status: Callable[[], dict[str, Any]] | None = None,
-                source: Any = None) -> None:
+                status: Callable[[], dict[str, Any]] | None = None) -> None:
         """Give the core its collaborators (cachemgr.hooks). Called once by the composition
         root, after building the services that need the core (Tiering is built from it) and
         before the mount serves any request; until then the core is a purely local cache."""
         w = self.wiring
         w.hooks, w.reads, w.room, w.cache_size = hooks, reads, room, cache_size
-        w.status, w.source = status, source
+        w.status = status
         if kernel is not None:
             w.kernel = kernel
         self.files.connect(w.space_freed)
-
-    @property
-    def tiering(self) -> Any:
-        """The object connected as hooks/read-through/room (metrics reads its statistics).
-        Assigning connects it (compatibility with callers not yet on `connect`)."""
-        return self.wiring.source
-
-    @tiering.setter
-    def tiering(self, t: Any) -> None:
-        if t is None:
-            self.connect(kernel=self.wiring.kernel)
-            return
-        self.connect(hooks=t, reads=getattr(t, "restorer", None), room=t,
-                     cache_size=t.cfg.cache_size, kernel=self.wiring.kernel,
-                     status=getattr(t, "status", None), source=t)
 
     def invalidate_entry(self, parent: int, name: bytes) -> None:
         """Tell the kernel to forget a directory entry changed behind its back."""
@@ -227,27 +211,11 @@ class CacheFs:
     def data_path(self, ino: int) -> str:
         return self.files.path(ino)
 
-    _data_path = data_path
-
     @contextlib.contextmanager
     def transaction(self, *nodes: Inode) -> Iterator[None]:
         """`InodeTable.tx`: for the services that change the tree without the kernel."""
         with self.table.tx(*nodes):
             yield
-
-    # Tests look inside (tests/test_diskfull.py, test_core.py): read-only views of the owners'
-    # tables. Nothing in the daemon uses them.
-    @property
-    def _inodes(self) -> dict[int, Inode]:
-        return self.table._inodes
-
-    @property
-    def _handles(self) -> dict[int, Handle]:
-        return self.handles._handles
-
-    @property
-    def _holes(self) -> dict[int, int]:
-        return self.files._holes
 
     # -- namespace (cachemgr.namespace) --------------------------------------------------------
 

@@ -34,7 +34,7 @@ from .sets import DCP_METADATA, LIVE_STATES, SetRegistry
 from .store import ObjectStore, StoreError
 
 if TYPE_CHECKING:
-    from .core import CacheFs
+    from .fs import CacheFs
     from .index import Index
     from .members import CommitAcks
     from .signals import Signals

@@ -97,7 +97,6 @@ class Wiring:
     cache_size: int | None = None          # --cache-size: writes wait for room above it
     kernel: KernelNotifier = field(default_factory=_NoKernel)
     status: Callable[[], dict[str, Any]] | None = None   # the tiering part of `status()`
-    source: Any = None   # the object connected through `CacheFs.tiering` (compat, metrics)
 
     def space_freed(self) -> None:
         if self.hooks is not None:

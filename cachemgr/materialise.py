@@ -38,7 +38,7 @@ from .sets import KEPT_STATES, SetRow
 from .transfer import StoredObject
 
 if TYPE_CHECKING:
-    from .core import CacheFs
+    from .fs import CacheFs
     from .index import Index
     from .sets import SetRegistry
 

@@ -67,8 +67,8 @@ from .names import escape_name, is_escaped
 from .store import NotFound, ObjectStore, StoreError
 
 if TYPE_CHECKING:
-    from .core import Inode
     from .index import Index
+    from .inodes import Inode
 
 log = logging.getLogger(__name__)
 

@@ -49,7 +49,7 @@ from .store import StoreError
 from .transfer import StoredObject, chunk_count, chunk_span
 
 if TYPE_CHECKING:
-    from .core import CacheFs
+    from .fs import CacheFs
     from .index import Index
     from .sets import SetRegistry
 

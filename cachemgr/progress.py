@@ -31,7 +31,7 @@ from .errors import FsError
 from .sets import KEPT_STATES, LIVE_STATES, SetRegistry, SetRow
 
 if TYPE_CHECKING:
-    from .core import CacheFs
+    from .fs import CacheFs
     from .index import Index
     from .signals import Signals
 

@@ -60,7 +60,7 @@ from .sets import KEPT_STATES, SetRow
 from .store import NotFound, ObjectInfo, ObjectStore, StoreError
 
 if TYPE_CHECKING:
-    from .core import CacheFs
+    from .fs import CacheFs
     from .index import Index
     from .sets import SetRegistry
 

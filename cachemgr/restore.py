@@ -45,7 +45,7 @@ from .transfer import StoredObject, chunk_span
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from .core import CacheFs
+    from .fs import CacheFs
     from .index import Index
     from .sets import SetRegistry
 

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 from .sets import SetRegistry
 
 if TYPE_CHECKING:
-    from .core import CacheFs
+    from .fs import CacheFs
     from .signals import Signals
 
 log = logging.getLogger("cachemgr.tiering")  # the log lines as they were before the split

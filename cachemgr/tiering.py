@@ -55,7 +55,8 @@ from .transfer import TransferConfig, Uploader
 from .uploads import UploadQueue, object_key
 
 if TYPE_CHECKING:
-    from .core import CacheFs, Inode
+    from .fs import CacheFs
+    from .inodes import Inode
 
 __all__ = ["Tiering", "TieringConfig", "object_key"]
 

@@ -47,7 +47,7 @@ from .store import StoreError
 from .transfer import StoredObject, Superseded, Uploader
 
 if TYPE_CHECKING:
-    from .core import CacheFs
+    from .fs import CacheFs
     from .index import Index
     from .signals import Signals, StoreHealth
 

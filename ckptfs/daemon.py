@@ -119,7 +119,7 @@ class Services:
     """What the control handlers reach: built once by `_Daemon`, read on the trio loop only."""
 
     cfg: MountConfig
-    core: Any     # cachemgr.core.CacheFs
+    core: Any     # cachemgr.fs.CacheFs
     tiering: Any  # cachemgr.tiering.Tiering
     started: float  # time.time() when the services started (status: uptime_s)
 
@@ -291,8 +291,7 @@ class _Daemon:
             prefetch_concurrency=cfg.prefetch_concurrency, prefetch_range=cfg.prefetch_range,
             refresh_interval=cfg.refresh_interval, commit_timeout=cfg.commit_timeout))
         core.connect(hooks=tiering, reads=tiering.restorer, room=tiering,
-                     cache_size=cfg.cache_size, kernel=fuse.KERNEL, status=tiering.status,
-                     source=tiering)
+                     cache_size=cfg.cache_size, kernel=fuse.KERNEL, status=tiering.status)
         ops = fuse.FuseOps(Filesystem(core, io_threads=cfg.io_threads),
                            attr_timeout=cfg.attr_timeout)
         ops.enable_writeback_cache = cfg.writeback_cache
@@ -331,7 +330,8 @@ class _Daemon:
                 from . import metrics
 
                 self.metrics_server.start(trio.lowlevel.current_trio_token(),
-                                          partial(metrics.snapshot, self.core, self.ops))
+                                          partial(metrics.snapshot, self.core, self.ops,
+                                                  self.tiering.statistics))
             nursery.start_soon(self._ready)
             nursery.start_soon(self._on_signals)
             await self.main()

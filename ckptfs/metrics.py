@@ -75,8 +75,9 @@ class ScrapeError(Exception):
 # on the loop thread
 
 
-def snapshot(core, ops) -> dict:
-    """Plain copies of every counter the metrics show. Runs on the trio loop thread only."""
+def snapshot(core, ops, tiering: Callable[[], dict]) -> dict:
+    """Plain copies of every counter the metrics show. Runs on the trio loop thread only.
+    `tiering` is `Tiering.statistics` (given by the composition root, ckptfs.daemon)."""
     t0 = time.perf_counter()
     st = core.stats
     out = {
@@ -86,7 +87,7 @@ def snapshot(core, ops) -> dict:
                   "evicted_bytes": st.evicted_bytes},
         "data_path": core.backings.statistics(),
         "fuse": ops.statistics(),
-        "tiering": core.tiering.statistics() if core.tiering is not None else None,
+        "tiering": tiering(),
         "now_ns": time.time_ns(),
     }
     out["took_s"] = time.perf_counter() - t0

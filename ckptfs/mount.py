@@ -47,10 +47,6 @@ from .config import (
     user_runtime_dirs,
 )
 
-# Re-exported for the importers of the time before ckptfs/daemon.py (tests, scripts): the
-# control-request permission check lives in ckptfs/control.py, the daemon in ckptfs/daemon.py.
-from .control import check_access, may  # noqa: F401
-
 log = logging.getLogger(__name__)
 
 # Documented exit codes (README "Exit codes"); the CLI returns these.
@@ -249,7 +245,7 @@ def check_cache_dir(cache_dir: Path) -> None:
                              f"a ckptfs cache (no layout.json; it holds {shown}); ckptfs "
                              "would delete files in it: use an empty or new directory")
     if not os.path.lexists(layout):
-        from cachemgr.core import LAYOUT
+        from cachemgr.fs import LAYOUT
 
         # Written whole under a name of its own, then linked into place: of several mounts
         # racing for one new cache dir, the first link wins and every one sees a whole file.
@@ -649,13 +645,3 @@ def umount(mp: Path, *, timeout: float = 300.0) -> tuple[int, str]:
         else:
             return EXIT_ERROR, f"unmounted {mp}, but daemon pid {pid} is still running"
     return EXIT_OK, f"unmounted {mp}"
-
-
-def __getattr__(name: str):
-    """`mount.run_daemon` for importers of the time before ckptfs/daemon.py (lazy: daemon.py
-    imports this module)."""
-    if name == "run_daemon":
-        from .daemon import run_daemon
-
-        return run_daemon
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

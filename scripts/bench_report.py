@@ -742,7 +742,7 @@ def markdown(res: dict, s: dict, pngs: list[str], docs: bool) -> str:
           "user-space data path, the `ckptfs-fuse` target): the raw disk serves it from "
           "the page cache (GB/s); through the mount the pages written with `direct_io` are not "
           "in the FUSE inode's page cache, and a read-only open after a change gets "
-          "`keep_cache=False` (cachemgr/core.py). Pushing the written data into the kernel with "
+          "`keep_cache=False` (cachemgr/handles.py). Pushing the written data into the kernel with "
           "`pyfuse3.notify_store` from the write handler and keeping the cache at the next "
           "open was tried and gave no gain (read-warm 0.9-1.1 GB/s either way): the kernel's "
           "`auto_inval_data` (on by default in libfuse; pyfuse3 cannot turn it off) drops the "

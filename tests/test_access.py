@@ -323,12 +323,12 @@ def test_may_mode_bits() -> None:
     """The daemon's mode-bit check: owner, then group (primary or supplementary), then other;
     the owner class decides even when it grants less than other; root passes."""
     p = control.Peer(pid=1, uid=1000, gid=100, groups=frozenset({200}))
-    assert ckmount.may(0o400, 1000, 0, p, 4)
-    assert not ckmount.may(0o047, 1000, 100, p, 4)    # owner class: no read
-    assert ckmount.may(0o040, 0, 100, p, 4)            # primary group
-    assert ckmount.may(0o040, 0, 200, p, 4)            # supplementary group
-    assert not ckmount.may(0o404, 0, 200, p, 4)        # group class: no read
-    assert ckmount.may(0o004, 0, 300, p, 4)            # other
-    assert not ckmount.may(0o005, 0, 300, p, 2)
+    assert control.may(0o400, 1000, 0, p, 4)
+    assert not control.may(0o047, 1000, 100, p, 4)    # owner class: no read
+    assert control.may(0o040, 0, 100, p, 4)            # primary group
+    assert control.may(0o040, 0, 200, p, 4)            # supplementary group
+    assert not control.may(0o404, 0, 200, p, 4)        # group class: no read
+    assert control.may(0o004, 0, 300, p, 4)            # other
+    assert not control.may(0o005, 0, 300, p, 2)
     root = control.Peer(pid=1, uid=0, gid=0, groups=frozenset())
-    assert ckmount.may(0o000, 1000, 100, root, 2)
+    assert control.may(0o000, 1000, 100, root, 2)

@@ -1,4 +1,4 @@
-"""In-process unit tests of `cachemgr.core.CacheFs`: POSIX semantics without FUSE.
+"""In-process unit tests of `cachemgr.fs.CacheFs`: POSIX semantics without FUSE.
 
 Names are bytes, the root is inode 1. Inodes created here carry one kernel lookup reference
 (as after a real create/mkdir), so an unlinked inode stays until `forget`, as in the kernel.
@@ -16,9 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from cachemgr.core import LAYOUT, RENAME_EXCHANGE, RENAME_NOREPLACE, CacheFs
 from cachemgr.errors import FsError
+from cachemgr.fs import LAYOUT, CacheFs
 from cachemgr.index import Index
+from cachemgr.namespace import RENAME_EXCHANGE, RENAME_NOREPLACE
 
 ROOT = 1
 UID, GID = 1234, 5678
@@ -50,9 +51,7 @@ def crash(fs: CacheFs) -> None:
     """Abandon `fs` like a killed daemon: nothing in memory is persisted (no flush, release,
     forget or close). Only committed index transactions and the cache files remain; the fds are
     closed so nothing leaks (the kernel would close them too)."""
-    for h in fs._handles.values():
-        os.close(h.fd)
-    fs._handles.clear()
+    fs.handles.close_all()
     fs.index.conn.close()
 
 

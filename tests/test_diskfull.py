@@ -19,9 +19,10 @@ from pathlib import Path
 import pytest
 from conftest import wait_for
 
-from cachemgr.core import RENAME_EXCHANGE, CacheFs
 from cachemgr.errors import FsError
+from cachemgr.fs import CacheFs
 from cachemgr.index import INODE_COLUMNS, RESERVE_BYTES, Index
+from cachemgr.namespace import RENAME_EXCHANGE
 
 ROOT = 1
 UID, GID = 1234, 5678
@@ -77,7 +78,8 @@ def memory_matches_index(fs: CacheFs) -> list[str]:
     """Every in-memory inode equals its index row (a dirty file's size and times may be newer),
     and `cached_bytes` is what the cache files hold (their sizes less their holes)."""
     problems = []
-    for ino, node in fs._inodes.items():
+    for node in fs.table.loaded():
+        ino = node.ino
         row = fs.index.get_inode(ino)
         if row is None:
             problems.append(f"inode {ino} in memory, not in the index")
@@ -93,10 +95,10 @@ def memory_matches_index(fs: CacheFs) -> list[str]:
     for ino, mode, row_size, cached in fs.index.conn.execute(
             "SELECT ino, mode, size, cached FROM inodes"):
         if stat.S_ISREG(mode) and cached:
-            node = fs._inodes.get(ino)
+            node = fs.inode_if_loaded(ino)
             size = node.size if node is not None else row_size
             # --cache-size counts blocks: a hole a file was grown over does not count.
-            hole = fs._holes.get(ino, 0)
+            hole = fs.files.hole(ino)
             if not 0 <= hole <= size:
                 problems.append(f"inode {ino} hole {hole} outside its size {size}")
             want += size - hole
@@ -228,7 +230,7 @@ def test_operation_refused_on_a_full_disk_changes_nothing(disk, op):
     prepare, run = OPERATIONS[op]
     ctx = prepare(fs, inos) if prepare else None
     before = snapshot(fs)
-    mem_before = {ino: [getattr(n, c) for c in INODE_COLUMNS] for ino, n in fs._inodes.items()}
+    mem_before = {n.ino: [getattr(n, c) for c in INODE_COLUMNS] for n in fs.table.loaded()}
     cached_before = fs.cached_bytes
     wal_empty(fs)
     filler = fill(disk)
@@ -237,8 +239,8 @@ def test_operation_refused_on_a_full_disk_changes_nothing(disk, op):
     assert e.value.errno == errno.ENOSPC
     assert snapshot(fs) == before
     # (An inode the operation looked up may have been loaded; memory_matches_index checks it.)
-    assert {ino: [getattr(n, c) for c in INODE_COLUMNS] for ino, n in fs._inodes.items()
-            if ino in mem_before} == mem_before
+    assert {n.ino: [getattr(n, c) for c in INODE_COLUMNS] for n in fs.table.loaded()
+            if n.ino in mem_before} == mem_before
     assert fs.cached_bytes == cached_before
     assert memory_matches_index(fs) == []
     assert fs.check_consistency() == []
@@ -280,15 +282,15 @@ def test_release_and_forget_on_a_full_disk_keep_memory_for_later(disk):
     with pytest.raises(FsError) as e:
         fs.release(fh)
     assert e.value.errno == errno.ENOSPC
-    assert fh not in fs._handles and fs.inode(inos["a"]).opens == 0
+    assert fs.handles.find(fh) is None and fs.inode(inos["a"]).opens == 0
     assert fs.inode(inos["a"]).dirty
     fs.forget(inos["b"], fs.inode(inos["b"]).lookups)  # the purge fails: kept, no exception
-    assert inos["b"] in fs._inodes
+    assert fs.inode_if_loaded(inos["b"]) is not None
     assert memory_matches_index(fs) == []
     assert fs.check_consistency() == []
     filler.unlink()
     fs.forget(inos["a"], fs.inode(inos["a"]).lookups)  # persists "a", then purges "b"
-    assert inos["b"] not in fs._inodes and fs.index.get_inode(inos["b"]) is None
+    assert fs.inode_if_loaded(inos["b"]) is None and fs.index.get_inode(inos["b"]) is None
     assert fs.index.get_inode(inos["a"])[INODE_COLUMNS.index("size")] == size
     assert fs.check_consistency() == []
     fs.close()

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 import ckptfs
 from cachemgr import manifest as mf
 from cachemgr import names, parts
-from cachemgr.core import CacheFs
+from cachemgr.fs import CacheFs
 from cachemgr.store import StoreError
 
 # ----------------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""In-process tests of the passthrough rules of `CacheFs` (cachemgr/core.py `_passthrough_open`,
+"""In-process tests of the passthrough rules of `CacheFs` (cachemgr/handles.py `passthrough_open`,
 `take_in_writes`) and of `cachemgr.passthrough.Backings`, with a fake kernel: which opens get a
 backing id, that an inode keeps one backing file while it has passthrough opens, what a refused
 registration does, and that the daemon takes in the size and mtime "the kernel" wrote (here: the
@@ -14,7 +14,7 @@ import os
 
 import pytest
 
-from cachemgr.core import CacheFs
+from cachemgr.fs import CacheFs
 from cachemgr.passthrough import Backings
 
 ROOT = 1
@@ -109,7 +109,7 @@ def test_refused_registration(fs, kernel):
 
 def test_takes_in_what_the_kernel_wrote(fs, kernel):
     res, node = create(fs, b"f")
-    path = fs._data_path(node.ino)
+    path = fs.data_path(node.ino)
     before = fs.cached_bytes
     with open(path, "r+b") as f:  # the kernel writing the backing file
         f.write(b"x" * 5000)
@@ -132,7 +132,7 @@ def test_takes_in_what_the_kernel_wrote(fs, kernel):
 
 
 def test_set_id_writer_is_served_by_the_daemon(fs, kernel):
-    from cachemgr.core import Caller
+    from cachemgr.inodes import Caller
 
     res, node = create(fs, b"s")
     fs.release(res.fh)

@@ -6,9 +6,10 @@ store").
 its index and a real `LocalStore` in a temporary directory, and a RemoteSync built on them as
 `cachemgr.tiering.Tiering` builds it, with `StandIn` giving the interfaces Tiering gives
 (`mark_parts`: PartPublisher.mark_all, `changed`: Tiering._changed_now); the stand-in is also
-the core's `tiering`, for the hooks the core calls while RemoteSync changes the tree (a purge,
-freed space), with a real `cachemgr.restore.Restorer` behind them. Sets are published as another node would publish
-them: objects and manifests written with the store's API (manifests built with
+connected to the core (`CacheFs.connect`) as its hooks, for what the core calls while
+RemoteSync changes the tree (a purge, freed space), with a real `cachemgr.restore.Restorer`
+behind them as its read-through. Sets are published as another node would publish them:
+objects and manifests written with the store's API (manifests built with
 `cachemgr.manifest.build`), and `RemoteSync.sync_once()` is run with trio.run.
 
   1. Fuzz of `validate.manifest` / `validate.part_record` (hypothesis): over arbitrary JSON,
@@ -46,8 +47,8 @@ from hypothesis import strategies as st
 
 from cachemgr import manifest as mf
 from cachemgr import parts, validate
-from cachemgr.core import CacheFs
 from cachemgr.errors import FsError, IndexFull
+from cachemgr.fs import CacheFs
 from cachemgr.index import ROOT_INO
 from cachemgr.keys import manifest_key, part_key
 from cachemgr.names import (
@@ -107,7 +108,7 @@ class StandIn:
                                  cache_size=None, make_room=self._make_room,
                                  space_freed=self.on_space_freed, fetch_whole=self._fetch,
                                  live_members=self._live, mode="none")
-        core.tiering = self
+        core.connect(hooks=self, reads=self.restorer, room=self)
 
     def _make_room(self, need: int, protect: set[int]) -> bool:
         return True  # no --cache-size

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from cachemgr.core import CacheFs
+from cachemgr.fs import CacheFs
 from cachemgr.sets import SetRegistry, is_temp_name
 from cachemgr.store import LocalStore
 from cachemgr.tiering import Tiering, TieringConfig
@@ -17,12 +17,25 @@ ROOT = 1
 O_W = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
 
 
+def attach(core: CacheFs, store: LocalStore, cfg: TieringConfig | None = None) -> Tiering:
+    """A Tiering over `core`, connected to it as ckptfs.daemon connects it."""
+    t = Tiering(core, store, cfg or TieringConfig())
+    core.connect(hooks=t, reads=t.restorer, room=t, cache_size=t.cfg.cache_size,
+                 status=t.status)
+    return t
+
+
 @pytest.fixture
-def fs(tmp_path):
+def tiering(tmp_path):
     core = CacheFs.load(tmp_path / "cache")
-    core.tiering = Tiering(core, LocalStore(tmp_path / "store"), TieringConfig())
-    yield core
+    t = attach(core, LocalStore(tmp_path / "store"))
+    yield t
     assert core.check_consistency() == []
+
+
+@pytest.fixture
+def fs(tiering):
+    return tiering.core
 
 
 def sets(fs) -> dict[str, str]:
@@ -153,19 +166,19 @@ def test_deleting_a_committed_set_root(fs):
     assert sets(fs) == {"model.pt": "deleting"}
 
 
-def test_explicit_commit_absorbs_per_file_sets(fs):
+def test_explicit_commit_absorbs_per_file_sets(fs, tiering):
     d = mkdir(fs, ROOT, b"plain")
     for r in range(2):
         write_file(fs, d, f"rank{r}.bin".encode())
     assert sets(fs) == {"plain/rank0.bin": "committed", "plain/rank1.bin": "committed"}
-    fs.tiering.commit_path("plain")
+    tiering.commit_path("plain")
     assert sets(fs) == {"plain/rank0.bin": "superseded", "plain/rank1.bin": "superseded",
                         "plain": "committed"}
 
 
 def test_crash_while_writing_supersedes_commits_of_old_content(tmp_path):
     core = CacheFs.load(tmp_path / "cache")
-    core.tiering = Tiering(core, LocalStore(tmp_path / "store"), TieringConfig())
+    attach(core, LocalStore(tmp_path / "store"))
     write_file(core, ROOT, b"model.pt", b"v1")
     ino = core.lookup(ROOT, b"model.pt").ino
     res = core.open(ino, os.O_WRONLY)  # a writer is active when the daemon dies
@@ -173,8 +186,7 @@ def test_crash_while_writing_supersedes_commits_of_old_content(tmp_path):
     version = core.inode(ino).version
     core.index.conn.close()  # kill -9: nothing is released or flushed
     again = CacheFs.load(tmp_path / "cache")
-    t = Tiering(again, LocalStore(tmp_path / "store"), TieringConfig())
-    again.tiering = t
+    t = attach(again, LocalStore(tmp_path / "store"))
     t.commits.recover()
     row = again.index.conn.execute(
         "SELECT version, writing FROM inodes WHERE ino=?", (ino,)).fetchone()
@@ -225,8 +237,7 @@ def _has_manifest(store: LocalStore, path: str) -> bool:
 def test_publication_waits_for_the_set_committed_before_it(tmp_path):
     core = CacheFs.load(tmp_path / "cache")
     store = LocalStore(tmp_path / "store")
-    t = Tiering(core, store, TieringConfig(file_concurrency=1))
-    core.tiering = t
+    t = attach(core, store, TieringConfig(file_concurrency=1))
     a = write_file(core, ROOT, b"a.pt", b"A" * 1000)
     write_file(core, ROOT, b"b.pt", b"B" * 1000)
     seq_a, seq_b = (s.seq for s in t.sets.recent(10))
