@@ -1,8 +1,8 @@
 """The --cache-size / --keep-local policy: which durable data leaves the cache, and when writers
 wait for room.
 
-`Space` decides; the core (cachemgr.core / filecache) does the eviction itself (`evict`,
-`eviction_candidates`, `cached_bytes`) and the restorer drops its partly restored files
+`Space` decides; the core (cachemgr.rawtree Residency, cachemgr.filecache) does the eviction
+itself (`evict`, `eviction_candidates`, `cached_bytes`) and the restorer drops its partly restored files
 (`drop_partials`). Policy:
   * `make_room(need)`: evict durable data, least recently used first, until `need` more
     bytes fit under --cache-size; the newest durable set goes last (not never: when it is
