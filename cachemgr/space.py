@@ -2,8 +2,8 @@
 wait for room.
 
 `Space` decides; the core (cachemgr.rawtree Residency, cachemgr.filecache) does the eviction
-itself (`evict`, `eviction_candidates`, `cached_bytes`) and the restorer drops its partly restored files
-(`drop_partials`). Policy:
+itself (`evict`, `eviction_candidates`, `cached_bytes`) and the restorer drops its partly
+restored files (`drop_partials`). Policy:
   * `make_room(need)`: evict durable data, least recently used first, until `need` more
     bytes fit under --cache-size; the newest durable set goes last (not never: when it is
     all that can make room, skipping it would block a writer for ever); then the chunks of
