@@ -333,8 +333,10 @@ class CoreMachine(RuleBasedStateMachine):
                       if (p in self.files or p in self.dirs) and not self.busy(p))
 
     @rule(pick=st.data(), off=st.sampled_from(OFFSETS),
-          data=st.binary(min_size=1, max_size=3000))
-    def write(self, pick, off: int, data: bytes) -> None:
+          data=st.binary(min_size=1, max_size=3000), then_close=st.booleans())
+    def write(self, pick, off: int, data: bytes, then_close: bool) -> None:
+        """pwrite at `off` (opening the file on its first write), and with `then_close` the
+        close too (the usual save: most files are written and closed in one go)."""
         path = pick.draw(st.sampled_from(self.writable()))
         core = self.node.core
         if path not in self.open:
@@ -353,6 +355,8 @@ class CoreMachine(RuleBasedStateMachine):
         assert core.write(self.open[path], off, data) == len(data)
         SEEN["write"] += 1
         self.files[path] = pwrite(self.files[path], off, data)
+        if then_close:
+            self.close_path(path)
 
     @precondition(lambda self: self.open)
     @rule(data=st.data())
@@ -363,7 +367,9 @@ class CoreMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.open)
     @rule(data=st.data())
     def close(self, data) -> None:
-        path = data.draw(st.sampled_from(sorted(self.open)))
+        self.close_path(data.draw(st.sampled_from(sorted(self.open))))
+
+    def close_path(self, path: str) -> None:
         fh = self.open.pop(path)
         self.node.core.flush(fh)
         self.node.core.release(fh)
@@ -504,13 +510,15 @@ class CoreMachine(RuleBasedStateMachine):
         else:
             self.apply(maybe=False)
 
-    @precondition(lambda self: self.node.core.eviction_candidates())
     @rule(pick=st.integers(0, 3))
     def evict(self, pick: int) -> None:
+        # (What is uploaded after a crash inside the service depends on the trio scheduler:
+        # no precondition may depend on it, or hypothesis's replays diverge.)
         cands = self.node.core.eviction_candidates()
-        ino, version = cands[pick % len(cands)]
-        assert self.node.core.evict(ino, version)
-        SEEN["evict"] += 1
+        if cands:
+            ino, version = cands[pick % len(cands)]
+            assert self.node.core.evict(ino, version)
+            SEEN["evict"] += 1
 
     @precondition(lambda self: self.files)
     @rule(data=st.data(), off=st.sampled_from(OFFSETS), size=st.sampled_from((1, 100, 5000)))
@@ -535,6 +543,10 @@ class CoreMachine(RuleBasedStateMachine):
                 op[1].absorb = []  # Tiering._absorb is in memory
         self.node = Node(self.root / "cache", self.root / "store")
         self.node.core.recover()
+        # The mount: the service's recovery runs before the first request is served (a file
+        # open for writing at the crash supersedes the sets holding it). No object or manifest
+        # is written here (budget 0): that is for `settle`.
+        self.node.settle(budget=0)
 
     @precondition(lambda self: not self.pending)
     @rule()
@@ -633,6 +645,8 @@ def test_core_reftest(fast_tmp):
     SEEN.clear()
     run_state_machine_as_test(CoreMachine, settings=REFTEST)
     print(dict(SEEN))
+    if os.environ.get("CKPTFS_REFTEST_RANDOM"):
+        return  # what a random run covers is not known in advance
     for what in ("commit at close", "file rename over a file", "directory rename",
                  "commit_path", "settle with work", "evict", "read of evicted data",
                  "crash with writers", "crash with work pending", "crash in the service",
