@@ -16,6 +16,9 @@ wait, it polls a condition (`until`).
      published with the other node's file, once that node has closed it (not before).
   3. restore: a second node restores a published set; `Restorer.ensure_range` fills only the
      chunks a range needs, and the bytes are the ones written.
+  4. remote sync: a listing is applied as one step (no set of it shows while another
+     manifest of the same listing is still being read); a set whose manifest left the store
+     is removed, on the next listing.
 """
 
 from __future__ import annotations
@@ -42,8 +45,9 @@ TIMEOUT = 30.0
 
 
 class Recorder(LocalStore):
-    """A LocalStore that logs every write (("put"|"delete", key), in order) and holds the PUTs
-    of keys that start with a gated prefix until the test opens the gate."""
+    """A LocalStore that logs every write and read (("put"|"delete"|"get", key), in order) and
+    holds the PUTs and GETs of keys that start with a gated prefix until the test opens the
+    gate."""
 
     def __init__(self, root: Path) -> None:
         super().__init__(root)
@@ -72,6 +76,12 @@ class Recorder(LocalStore):
         await self._hold(key)
         out = await super().complete_multipart(key, upload_id, parts, crc32c)
         self.log.append(("put", key))
+        return out
+
+    async def get(self, key, *args, **kw):
+        await self._hold(key)
+        out = await super().get(key, *args, **kw)
+        self.log.append(("get", key))
         return out
 
     async def delete(self, key):
@@ -357,6 +367,45 @@ def test_ensure_range_fills_only_the_chunks_a_range_needs(tmp_path, node, store)
         fh = other.core.open(ino, os.O_RDONLY).fh
         assert other.core.read(fh, 0, len(data) + 1) == data
         other.core.release(fh)
+        assert other.core.check_consistency() == []
+    finally:
+        other.core.close()
+
+
+# ----------------------------------------------------------------------------------------------
+# 4. remote sync
+
+
+def test_a_listing_is_applied_as_one_step_and_removals_follow_the_store(tmp_path, node, store):
+    node.write("one", b"1" * 5000)
+    node.write("two", b"2" * 7000)
+
+    async def published():
+        await until(node.quiet, "both sets to settle")
+    run_nodes([node], published)
+
+    other = Node(tmp_path / "other", store)
+    try:
+        async def body():
+            gate = store.gate(manifest_key("two"))  # its read is held; one's is not
+            async with trio.open_nursery() as n:
+                n.start_soon(other.t.remote.sync_once)
+                await until(lambda: manifest_key("two") in store.held, "two's read to wait")
+                await until(lambda: ("get", manifest_key("one")) in store.log, "one's read")
+                # one's manifest is read, two's is not: nothing of the listing shows yet
+                assert other.core.index.resolve("one") is None
+                assert other.t.remote.status()["syncs"] == 0
+                gate.set()
+            assert other.core.index.resolve("one") is not None
+            assert other.core.index.resolve("two") is not None
+        trio.run(body)
+        assert other.t.remote.status()["restored_sets"] == 2
+
+        trio.run(store.delete, manifest_key("one"))  # as another node's unpublish does
+        trio.run(other.t.remote.sync_once)
+        assert other.core.index.resolve("one") is None
+        assert other.core.index.resolve("two") is not None
+        assert other.t.remote.status()["removed_sets"] == 1
         assert other.core.check_consistency() == []
     finally:
         other.core.close()
