@@ -503,12 +503,11 @@ class CoreMachine(RuleBasedStateMachine):
         """The service runs until it has made `budget` store writes, and the daemon dies there:
         whatever it did so far, every set in the store is whole (checked by `restore` once the
         pending work is done)."""
-        if self.node.settle(budget):
-            SEEN["crash in the service"] += 1
-            self.apply(maybe=True)
-            self.crash_now()
-        else:
-            self.apply(maybe=False)
+        # Whether it stopped there or finished depends on the trio scheduler: the model does
+        # not ask (hypothesis replays must draw alike), it allows either.
+        SEEN["crash in the service"] += self.node.settle(budget)
+        self.apply(maybe=True)
+        self.crash_now()
 
     @rule(pick=st.integers(0, 3))
     def evict(self, pick: int) -> None:
@@ -652,3 +651,34 @@ def test_core_reftest(fast_tmp):
                  "crash with writers", "crash with work pending", "crash in the service",
                  "restore of sets"):
         assert SEEN[what] > 0, (what, dict(SEEN))
+
+
+# ----------------------------------------------------------------------------------------------
+# what the machine found, as plain tests
+
+
+@pytest.mark.xfail(strict=True, reason="bug found by the reftest: a commit that supersedes a "
+                   "live commit of the same path drops what that commit absorbed (Tiering."
+                   "_absorb is keyed by the superseded seq), so the manifest of the path a "
+                   "file was renamed away from stays in the store")
+def test_renamed_away_path_leaves_the_store_when_the_rename_commit_is_superseded(fast_tmp):
+    node = Node(fast_tmp / "cache", fast_tmp / "store")
+    try:
+        res, _ = node.core.create(ROOT_INO, b"b", 0o644, O_W, 0, 0)
+        node.core.write(res.fh, 0, b"v1")
+        node.core.release(res.fh)  # commits b
+        node.settle()
+        assert node.sets.newest_at("b").state == "durable"
+        node.core.rename(ROOT_INO, b"b", ROOT_INO, b"a", 0)  # commits a, absorbing b
+        node.t.commit_path("a")  # a later commit of a: the rename's set is superseded
+        node.settle()
+        assert node.sets.newest_at("a").state == "durable"
+        other = Node(fast_tmp / "other", fast_tmp / "store")
+        try:
+            trio.run(other.t.remote.sync_once)
+            seen = sorted(other.entries(ROOT_INO))
+        finally:
+            other.core.close()
+        assert seen == ["a"], seen  # the writer has no b; the store still shows it
+    finally:
+        node.core.close()
