@@ -358,6 +358,24 @@ class CoreMachine(RuleBasedStateMachine):
         if then_close:
             self.close_path(path)
 
+    @precondition(lambda self: self.files)
+    @rule(data=st.data(), size=st.sampled_from((0, 1, 4096, 6000)))
+    def truncate(self, data, size: int) -> None:
+        """truncate(2) of a path (a SETATTR, no open). A file nobody writes gets a new content
+        version, complete at once: as a close, it commits a file at the top level (CacheFs.
+        _closed). In a file open for writing it is part of the version being written."""
+        path = data.draw(st.sampled_from(sorted(self.files)))
+        ino = self.ino(path)
+        self.node.fill(ino)  # FuseOps.setattr: the data first
+        self.node.core.setattr(ino, size=size)
+        old = self.files[path]
+        self.files[path] = old[:size] + b"\0" * max(0, size - len(old))
+        SEEN["truncate"] += 1
+        if path not in self.open:
+            self.content_changes(self.ids[path])
+            if "/" not in path and not is_temp_name(path):
+                self.commit(path, [])
+
     @precondition(lambda self: self.open)
     @rule(data=st.data())
     def fsync(self, data) -> None:
@@ -509,8 +527,10 @@ class CoreMachine(RuleBasedStateMachine):
         self.apply(maybe=True)
         self.crash_now()
 
-    @rule(pick=st.integers(0, 3))
-    def evict(self, pick: int) -> None:
+    @rule(pick=st.integers(0, 3), then_read=st.booleans(), off=st.sampled_from(OFFSETS))
+    def evict(self, pick: int, then_read: bool, off: int) -> None:
+        """Evict uploaded data; with `then_read`, read 100 bytes of it back at `off` (a chunk
+        fill from the store)."""
         # (What is uploaded after a crash inside the service depends on the trio scheduler:
         # no precondition may depend on it, or hypothesis's replays diverge.)
         cands = self.node.core.eviction_candidates()
@@ -518,6 +538,11 @@ class CoreMachine(RuleBasedStateMachine):
             ino, version = cands[pick % len(cands)]
             assert self.node.core.evict(ino, version)
             SEEN["evict"] += 1
+            if then_read:
+                path = next(p for p in self.files if self.node.resolve(p) == ino)
+                SEEN["read of evicted data"] += 1
+                got = self.node.read(ino, off, 100)
+                assert got == self.files[path][off:off + 100], path
 
     @precondition(lambda self: self.files)
     @rule(data=st.data(), off=st.sampled_from(OFFSETS), size=st.sampled_from((1, 100, 5000)))
@@ -547,9 +572,12 @@ class CoreMachine(RuleBasedStateMachine):
         # is written here (budget 0): that is for `settle`.
         self.node.settle(budget=0)
 
-    @precondition(lambda self: not self.pending)
+    @precondition(lambda self: not self.open)
     @rule()
     def restore(self) -> None:
+        """Settle, then a second node lists the store once."""
+        if self.pending:
+            self.settle()
         self.restores += 1
         other = Node(self.root / f"node{self.restores}", self.root / "store")
         try:
@@ -560,7 +588,9 @@ class CoreMachine(RuleBasedStateMachine):
             other.core.close()
         for k in set(seen) | set(self.store):
             got = freeze(seen.get(k, ABSENT))
-            assert got in self.store.get(k, {ABSENT}), (k, got, self.store.get(k))
+            assert got in self.store.get(k, {ABSENT}), (
+                k, got, self.store.get(k), [(r.seq, r.path, r.state, r.reason, r.error)
+                                            for r in self.node.sets.recent(100)])
         SEEN["restore of sets"] += bool(seen)
 
     # -- invariants ----------------------------------------------------------------------------
