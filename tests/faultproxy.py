@@ -296,7 +296,7 @@ class FaultProxy:
                 if mode == "reset" and req.body:
                     return _reset(sock)  # (the body was read: to the client it is mid-send)
                 if mode == "stall":
-                    time.sleep(rule.delay)
+                    time.sleep(rule.delay)  # the fault itself: a store that answers late
                 if mode == "hold" and not self._hold(rule.delay):
                     return  # dropped: closed unanswered
                 if up is None:
@@ -318,7 +318,7 @@ class FaultProxy:
                     pieces = 10
                     step = -(-len(body) // pieces)
                     for off in range(0, len(body), step):
-                        time.sleep(rule.delay / pieces)
+                        time.sleep(rule.delay / pieces)  # the fault: a slow body
                         sock.sendall(body[off:off + step])
                     continue
                 sock.sendall(head + (b"" if req.method == "HEAD" else body))

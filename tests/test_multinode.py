@@ -154,6 +154,8 @@ def _rank(rank: int, world: int, init: str, ckpts: list[str], seed: int, mode: s
 
             def killer():
                 while not (mine.exists() and mine.stat().st_size > 0):
+                    # A poll of the condition, every 1 ms so that the kill lands while the
+                    # shard is being written (wait_for backs off to 100 ms: the save could end).
                     time.sleep(0.001)
                 os.kill(os.getpid(), signal.SIGKILL)  # mid-save: its shard is being written
 
@@ -330,7 +332,10 @@ def test_node_daemon_killed_before_upload_set_appears_after_it_returns(cluster):
     # The committing node restarts too while it waits: the wait is resumed from the index.
     a.kill9()
     start_node(a)
-    time.sleep(3)  # A keeps waiting (several listings of the records), nothing published
+    # A keeps waiting across several listings of the store (its own count), nothing published
+    wait_for(lambda: status(a)["remote"]["syncs"] >= 3 and (r := set_row(a, "ckpt/step_1"))
+             and r.get("waiting_for") and r["waiting_for"]["waited_s"] >= 3, timeout=60,
+             what="A, restarted, to list the store three times while it waits")
     assert "ckpt/step_1" not in manifests(cluster.view)
     row = wait_for(lambda: (r := set_row(a, "ckpt/step_1")) and r.get("waiting_for") and r,
                    timeout=30, what="A, restarted, to wait again")
@@ -446,7 +451,8 @@ def test_concurrent_commits_of_one_path_the_later_one_wins_everywhere(cluster):
         d.mkdir(parents=True)
         mine[m.mountpoint.name] = rank_file(m, "run/shared.tmp/model.pt", seed)
     os.rename(a.path / "run" / "shared.tmp", a.path / "run" / "shared")
-    time.sleep(0.01)
+    a_ns = set_row(a, "run/shared")["committed_ns"]  # B's commit comes after it on the clock
+    wait_for(lambda: time.time_ns() > a_ns, timeout=5, what="the clock to pass A's commit")
     os.rename(b.path / "run" / "shared.tmp", b.path / "run" / "shared")
     ra, rb = set_row(a, "run/shared"), set_row(b, "run/shared")
     assert ra["committed_ns"] < rb["committed_ns"]

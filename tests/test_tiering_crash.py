@@ -524,7 +524,7 @@ def test_crash_loop_store_never_torn(mount_factory, tmp_path):
                                           f"see {wlog}:\n{wlog.read_text()[-3000:]}")
                 hist.record(line)
             # Land the crash anywhere: mid-write, mid-upload, mid-publish, mid-delete.
-            time.sleep(rng.uniform(0, 0.4))
+            time.sleep(rng.uniform(0, 0.4))  # what is tested: a crash at a random moment
             m.kill9()
         finally:
             stop_writer(w, m)

@@ -1,0 +1,411 @@
+"""In-process tests of the services that were reached only through subprocess mounts (issue 11):
+publication, gathering another node's files, restore's chunk fill, with real `CacheFs` +
+`Tiering` nodes on one file:// `LocalStore`, all in one trio loop, no FUSE and no daemon.
+(RemoteSync's listing, removals and invalid manifests: tests/test_remote_inproc.py.)
+
+`Node` opens a cache directory as the daemon does (CacheFs.load, Tiering(core, store, cfg),
+core.tiering); `Recorder` is the LocalStore with a log of its writes (key, in order) and gates
+that hold the PUTs of chosen keys, so that a test decides the interleaving: it never sleeps to
+wait, it polls a condition (`until`).
+
+  1. publication: a manifest is PUT only after every object it names; sets publish in commit
+     order (a later set whose objects are in waits for an earlier one still uploading); a
+     superseded set is never published, also when it is superseded while its upload runs;
+     a deleted set's manifest goes.
+  2. gathering: a directory written by two nodes and renamed into place on one of them is
+     published with the other node's file, once that node has closed it (not before).
+  3. restore: a second node restores a published set; `Restorer.ensure_range` fills only the
+     chunks a range needs, and the bytes are the ones written.
+  4. remote sync: a listing is applied as one step (no set of it shows while another
+     manifest of the same listing is still being read); a set whose manifest left the store
+     is removed, on the next listing.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from pathlib import Path
+
+import pytest
+import trio
+
+from cachemgr.core import CacheFs
+from cachemgr.index import ROOT_INO
+from cachemgr.keys import is_manifest_key, manifest_key
+from cachemgr.sets import SetRegistry
+from cachemgr.store import LocalStore
+from cachemgr.tiering import Tiering, TieringConfig
+from cachemgr.transfer import TransferConfig
+
+O_W = os.O_WRONLY | os.O_CREAT
+CHUNK = 4096
+TIMEOUT = 30.0
+
+
+class Recorder(LocalStore):
+    """A LocalStore that logs every write and read (("put"|"delete"|"get", key), in order) and
+    holds the PUTs and GETs of keys that start with a gated prefix until the test opens the
+    gate."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.log: list[tuple[str, str]] = []
+        self.gates: dict[str, trio.Event] = {}
+        self.held: set[str] = set()
+
+    def gate(self, prefix: str) -> trio.Event:
+        ev = self.gates[prefix] = trio.Event()
+        return ev
+
+    async def _hold(self, key: str) -> None:
+        for prefix, ev in self.gates.items():
+            if key.startswith(prefix) and not ev.is_set():
+                self.held.add(key)
+                await ev.wait()
+                self.held.discard(key)
+
+    async def put(self, key, data, **kw):
+        await self._hold(key)
+        out = await super().put(key, data, **kw)
+        self.log.append(("put", key))
+        return out
+
+    async def complete_multipart(self, key, upload_id, parts, crc32c):
+        await self._hold(key)
+        out = await super().complete_multipart(key, upload_id, parts, crc32c)
+        self.log.append(("put", key))
+        return out
+
+    async def get(self, key, *args, **kw):
+        await self._hold(key)
+        out = await super().get(key, *args, **kw)
+        self.log.append(("get", key))
+        return out
+
+    async def delete(self, key):
+        await super().delete(key)
+        self.log.append(("delete", key))
+
+    def puts(self, pred=lambda k: True) -> list[str]:
+        return [k for op, k in self.log if op == "put" and pred(k)]
+
+
+def config(**kw) -> TieringConfig:
+    """4 KiB chunks; the store listed, records polled and leases renewed every 50 ms."""
+    base = {"transfer": TransferConfig(frame_size=CHUNK, compress="off"),
+            "file_concurrency": 2, "retry_pause": 0.01, "prefetch": "none",
+            "refresh_interval": 0.05, "gather_poll": 0.05, "register_timeout": 5.0,
+            "lease": 30.0}
+    base.update(kw)
+    return TieringConfig(**base)
+
+
+class Node:
+    def __init__(self, cache_dir: Path, store: LocalStore, **cfg) -> None:
+        self.core = CacheFs.load(cache_dir)
+        self.store = store
+        self.t = Tiering(self.core, store, config(**cfg))
+        self.core.tiering = self.t
+        self.sets = SetRegistry(self.core.index)
+
+    def mkdir(self, path: str) -> int:
+        parent, name = self.split(path)
+        return self.core.mkdir(parent, name, 0o755, 0, 0).ino
+
+    def split(self, path: str) -> tuple[int, bytes]:
+        if "/" not in path:
+            return ROOT_INO, path.encode()
+        d, n = path.rsplit("/", 1)
+        ino = self.core.index.resolve(d)
+        assert ino is not None, d
+        return ino, n.encode()
+
+    def open_write(self, path: str) -> int:
+        parent, name = self.split(path)
+        ino = self.core.index.lookup(parent, name)
+        if ino is None:
+            return self.core.create(parent, name, 0o644, O_W, 0, 0)[0].fh
+        return self.core.open(ino, os.O_WRONLY).fh
+
+    def close(self, fh: int) -> None:
+        self.core.flush(fh)
+        self.core.release(fh)
+
+    def write(self, path: str, data: bytes) -> None:
+        fh = self.open_write(path)
+        self.core.write(fh, 0, data)
+        self.close(fh)
+
+    def state(self, path: str) -> str | None:
+        s = self.sets.newest_at(path)
+        return None if s is None else s.state
+
+    def quiet(self) -> bool:
+        st = self.t.status()
+        return (not self.sets.by_states(("committed", "uploading", "deleting"))
+                and st["uploads"]["queued"] == 0 and st["uploads"]["running"] == 0)
+
+
+async def until(cond, what: str, timeout: float = TIMEOUT):
+    """Poll `cond` (a condition, never a fixed pause) until it holds."""
+    with trio.fail_after(timeout):
+        while not (v := cond()):
+            await trio.sleep(0.005)
+    return v
+
+
+def run_nodes(nodes: list[Node], body) -> None:
+    """Run every node's tiering service and `body()` in one trio loop, then stop them."""
+    async def main() -> None:
+        async with trio.open_nursery() as n:
+            for node in nodes:
+                await n.start(node.t.run)
+            await body()
+            n.cancel_scope.cancel()
+    trio.run(main)
+
+
+def read_manifest(store: LocalStore, path: str) -> dict:
+    raw = trio.run(store.get, manifest_key(path))
+    return json.loads(raw)
+
+
+@pytest.fixture
+def store(tmp_path):
+    return Recorder(tmp_path / "store")
+
+
+@pytest.fixture
+def node(tmp_path, store):
+    n = Node(tmp_path / "a", store)
+    yield n
+    assert n.core.check_consistency() == []
+    n.core.close()
+
+
+# ----------------------------------------------------------------------------------------------
+# 1. publication
+
+
+def test_manifest_is_put_after_every_object_it_names(node, store):
+    node.mkdir("ck")
+    for name in ("x", "y", "z"):
+        node.write(f"ck/{name}", os.urandom(3 * CHUNK + 7))
+    seq = node.t.commit_path("ck")
+
+    async def body():
+        await until(node.quiet, "the set to settle")
+    run_nodes([node], body)
+
+    assert node.sets.get(seq).state == "durable"
+    m = read_manifest(store, "ck")
+    keys = [f["object"]["key"] for f in m["files"]]
+    assert sorted(f["path"] for f in m["files"]) == ["x", "y", "z"]
+    order = store.puts()
+    at = order.index(manifest_key("ck"))
+    assert all(order.index(k) < at for k in keys), order
+    for f in m["files"]:  # each object is whole in the store, as the manifest says
+        assert trio.run(store.head, f["object"]["key"]).size == f["object"]["stored_size"]
+
+
+def test_sets_are_published_in_commit_order(node, store):
+    """`first` commits before `second`; first's object is held in its PUT: second's object goes
+    in, but its manifest waits until first is published."""
+    node.write("first", b"1" * 5000)
+    node.write("second", b"2" * 5000)
+    seq1, seq2 = node.sets.newest_at("first").seq, node.sets.newest_at("second").seq
+    assert seq1 < seq2
+    first_obj = f"data/{node.t.node}/{node.core.index.resolve('first')}/"
+
+    async def body():
+        gate = store.gate(first_obj)
+        await until(lambda: store.held, "first's object PUT to be held")
+        await until(lambda: store.puts(lambda k: k.startswith("data/")),
+                    "second's object to be in")
+        await until(lambda: node.t.status()["uploads"]["done"] == 1, "second's upload to end")
+        assert node.state("second") in ("committed", "uploading")
+        assert not store.puts(is_manifest_key), store.log  # nothing published out of order
+        gate.set()
+        await until(node.quiet, "both sets to settle")
+    run_nodes([node], body)
+
+    manifests = store.puts(is_manifest_key)
+    assert manifests == [manifest_key("first"), manifest_key("second")], store.log
+    assert node.state("first") == node.state("second") == "durable"
+
+
+def test_a_superseded_set_is_never_published(node, store):
+    node.write("model.pt", b"old" * 2000)
+    old = node.sets.newest_at("model.pt").seq
+    node.write("model.pt", b"new" * 3000)  # a write-open before the upload: old is superseded
+    new = node.sets.newest_at("model.pt").seq
+    assert node.sets.get(old).state == "superseded"
+
+    async def body():
+        await until(node.quiet, "the set to settle")
+    run_nodes([node], body)
+
+    assert store.puts(is_manifest_key) == [manifest_key("model.pt")]
+    assert node.sets.get(new).state == "durable"
+    m = read_manifest(store, "model.pt")
+    assert m["files"][0]["size"] == 9000
+
+
+def test_a_set_superseded_while_its_upload_runs_is_never_published(node, store):
+    node.write("model.pt", b"old" * 2000)
+    old = node.sets.newest_at("model.pt").seq
+    data = f"data/{node.t.node}/"
+
+    async def body():
+        gate = store.gate(data)
+        await until(lambda: store.held, "the old content's PUT to be held")
+        node.write("model.pt", b"new" * 3000)  # supersedes `old` while its PUT is in flight
+        assert node.sets.get(old).state == "superseded"
+        gate.set()
+        await until(node.quiet, "the new set to settle")
+    run_nodes([node], body)
+
+    assert store.puts(is_manifest_key) == [manifest_key("model.pt")]
+    assert read_manifest(store, "model.pt")["files"][0]["size"] == 9000
+    assert node.state("model.pt") == "durable"
+
+
+def test_a_deleted_set_is_unpublished(node, store):
+    node.write("model.pt", b"x" * 5000)
+
+    async def body():
+        await until(node.quiet, "the set to settle")
+        assert manifest_key("model.pt") in store.puts()
+        node.core.unlink(ROOT_INO, b"model.pt")
+        await until(node.quiet, "the deletion to settle")
+    run_nodes([node], body)
+
+    assert ("delete", manifest_key("model.pt")) in store.log
+    assert node.state("model.pt") == "deleted"
+    with pytest.raises(Exception, match="model.pt"):
+        read_manifest(store, "model.pt")
+
+
+# ----------------------------------------------------------------------------------------------
+# 2. gathering: a set written by two nodes
+
+
+def test_a_directory_renamed_into_place_gathers_the_other_nodes_file(tmp_path, store):
+    a = Node(tmp_path / "a", store)
+    b = Node(tmp_path / "b", store)
+    x, y = os.urandom(2 * CHUNK + 1), os.urandom(CHUNK + 3)
+    for n in (a, b):
+        n.mkdir("step.tmp")
+    a.write("step.tmp/x", x)
+
+    async def body():
+        fh = b.open_write("step.tmp/y")  # B is still writing its file
+        b.core.write(fh, 0, y)
+        b.core.flush(fh)  # a flush announces it (cachemgr.parts)
+        a.core.rename(ROOT_INO, b"step.tmp", ROOT_INO, b"step", 0)
+        row = await until(lambda: next((r for r in a.t.status()["sets"]
+                                        if r["path"] == "step" and "waiting_for" in r), None),
+                          "A to wait for B's file")
+        assert row["state"] in ("committed", "uploading")
+        assert not store.puts(lambda k: k == manifest_key("step"))
+        b.close(fh)  # B's last close: its upload, then its part record names the object
+        await until(lambda: a.state("step") == "durable", "A to publish the set")
+    try:
+        run_nodes([a, b], body)
+        m = read_manifest(store, "step")
+        assert sorted(f["path"] for f in m["files"]) == ["x", "y"]
+        assert {f["path"]: f["size"] for f in m["files"]} == {"x": len(x), "y": len(y)}
+        c = Node(tmp_path / "c", store)
+        try:
+            trio.run(c.t.remote.sync_once)
+            for name, want in (("x", x), ("y", y)):
+                ino = c.core.index.resolve(f"step/{name}")
+                assert ino is not None
+                trio.run(c.t.restorer.ensure_all, ino)
+                fh = c.core.open(ino, os.O_RDONLY).fh
+                assert c.core.read(fh, 0, len(want) + 1) == want
+                c.core.release(fh)
+            assert c.core.check_consistency() == []
+        finally:
+            c.core.close()
+    finally:
+        for n in (a, b):
+            n.core.close()
+
+
+# ----------------------------------------------------------------------------------------------
+# 3. restore: chunk fill
+
+
+def test_ensure_range_fills_only_the_chunks_a_range_needs(tmp_path, node, store):
+    data = os.urandom(5 * CHUNK + 123)
+    node.write("model.pt", data)
+
+    async def body():
+        await until(node.quiet, "the set to settle")
+    run_nodes([node], body)
+
+    other = Node(tmp_path / "other", store)
+    try:
+        trio.run(other.t.remote.sync_once)
+        ino = other.core.index.resolve("model.pt")
+        assert ino is not None and other.core.needs_fetch(ino)
+        r = other.t.restorer
+        before = r.status()["chunks_fetched"]
+        off, size = 2 * CHUNK + 10, CHUNK  # spans chunks 2 and 3
+        trio.run(functools.partial(r.ensure_range, ino, off, size))
+        assert r.status()["chunks_fetched"] - before == 2
+        fh = other.core.open(ino, os.O_RDONLY).fh
+        assert other.core.read(fh, off, size) == data[off:off + size]
+        other.core.release(fh)
+        assert other.core.needs_fetch(ino)  # the rest is still in the store
+        assert other.core.check_consistency() == []
+        trio.run(r.ensure_all, ino)
+        assert r.status()["chunks_fetched"] - before == 6
+        fh = other.core.open(ino, os.O_RDONLY).fh
+        assert other.core.read(fh, 0, len(data) + 1) == data
+        other.core.release(fh)
+        assert other.core.check_consistency() == []
+    finally:
+        other.core.close()
+
+
+# ----------------------------------------------------------------------------------------------
+# 4. remote sync
+
+
+def test_a_listing_is_applied_as_one_step_and_removals_follow_the_store(tmp_path, node, store):
+    node.write("one", b"1" * 5000)
+    node.write("two", b"2" * 7000)
+
+    async def published():
+        await until(node.quiet, "both sets to settle")
+    run_nodes([node], published)
+
+    other = Node(tmp_path / "other", store)
+    try:
+        async def body():
+            gate = store.gate(manifest_key("two"))  # its read is held; one's is not
+            async with trio.open_nursery() as n:
+                n.start_soon(other.t.remote.sync_once)
+                await until(lambda: manifest_key("two") in store.held, "two's read to wait")
+                await until(lambda: ("get", manifest_key("one")) in store.log, "one's read")
+                # one's manifest is read, two's is not: nothing of the listing shows yet
+                assert other.core.index.resolve("one") is None
+                assert other.t.remote.status()["syncs"] == 0
+                gate.set()
+            assert other.core.index.resolve("one") is not None
+            assert other.core.index.resolve("two") is not None
+        trio.run(body)
+        assert other.t.remote.status()["restored_sets"] == 2
+
+        trio.run(store.delete, manifest_key("one"))  # as another node's unpublish does
+        trio.run(other.t.remote.sync_once)
+        assert other.core.index.resolve("one") is None
+        assert other.core.index.resolve("two") is not None
+        assert other.t.remote.status()["removed_sets"] == 1
+        assert other.core.check_consistency() == []
+    finally:
+        other.core.close()
