@@ -207,6 +207,10 @@ class Committer:
                 if s.state in LIVE_STATES:
                     self.sets.set_state(s.seq, "superseded", f"absorbed by set {seq} ({path})")
                 self.publisher.absorb(seq, s.seq, s.path)
+                self.publisher.inherit(seq, s.seq)
+            # Earlier sets of this path that will never be durable (superseded by this commit
+            # or by a change of their content): what they absorbed goes when this one is durable.
+            self.publisher.inherit_superseded(seq, path)
             missing = self.sets.missing_uploads(seq)
         for ino, version, _size in missing:
             self.uploads.enqueue(ino, version, prio=seq)

@@ -110,6 +110,22 @@ class Publisher:
         """Set `old_seq` at `old_path` goes from the store once set `seq` is durable."""
         self._absorb.setdefault(seq, set()).add((old_seq, old_path))
 
+    def inherit(self, seq: int, old_seq: int) -> None:
+        """Set `old_seq` will not become durable in place of set `seq` (superseded by it, or
+        absorbed into it): what it was to take from the store once durable, set `seq` takes
+        (a renamed-away path's manifest must not outlive the rename's later re-commit)."""
+        moved = self._absorb.pop(old_seq, None)
+        if moved:
+            self._absorb.setdefault(seq, set()).update(moved)
+
+    def inherit_superseded(self, seq: int, path: str) -> None:
+        """Set `seq` at `path` inherits from every earlier superseded set of the same path
+        (`inherit`). Looks only at the sets with something absorbed: few, in memory."""
+        for old_seq in [k for k in self._absorb if k < seq]:
+            old = self.sets.get(old_seq)
+            if old is not None and old.path == path and old.state == "superseded":
+                self.inherit(seq, old_seq)
+
     def spawn(self, fn: Callable[[], Awaitable[None]]) -> None:
         """Run `fn` as a helper task in the worker's nursery."""
         self._spawn.append(fn)

@@ -209,7 +209,8 @@ def moto_server():
     import urllib.request
 
     port = _free_port()
-    log = open(os.path.join(os.environ.get("TMPDIR", "/tmp"), f"moto-{port}.log"), "w")
+    # kept open for the server's lifetime (closed by the fixture's teardown with the process)
+    log = open(os.path.join(os.environ.get("TMPDIR", "/tmp"), f"moto-{port}.log"), "w")  # noqa: SIM115
     proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p",
                              str(port)], stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"

@@ -149,7 +149,7 @@ class FaultProxy:
         self._rng = random.Random(seed)
         self._gate = _Gate()
         self._conns: set[socket.socket] = set()
-        self.stats: dict[str, int] = {"requests": 0, **{m: 0 for m in MODES}}
+        self.stats: dict[str, int] = {"requests": 0, **dict.fromkeys(MODES, 0)}
         self.log: list[tuple[str, str, str]] = []   # (op, key, mode) of every injected fault
         proxy = self
 

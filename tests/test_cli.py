@@ -436,7 +436,7 @@ def test_dev_fuse_missing(tmp_path: Path) -> None:
     mp.mkdir()
     cache = tmp_path / "cache"
     script = ('mount -t tmpfs tmpfs /dev && test ! -e /dev/fuse && exec "$@"')
-    res = subprocess.run(  # noqa: PLW1510 (the exit code is what is tested)
+    res = subprocess.run(
         ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh",
          *ckptfs_cmd("mount", str(mp), "--cache-dir", str(cache), *store_opt(tmp_path))],
         capture_output=True, text=True, timeout=60, cwd=REPO)

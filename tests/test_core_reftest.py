@@ -1,5 +1,5 @@
 """A reference test of the core and tiering without FUSE (issue 11; Mountpoint-S3's reftests
-are the model): a hypothesis state machine drives a real `CacheFs` (cachemgr.core) with a real
+are the model): a hypothesis state machine drives a real `CacheFs` (cachemgr.fs) with a real
 `Tiering` (cachemgr.tiering) and a file:// `LocalStore`, in-process, against a plain model.
 
 What the machine does (rules), on a small name space so that sequences collide often:
@@ -18,7 +18,7 @@ only; a directory rename commits the directory at its new path).
     fill, as FuseOps.read does);
   * crash: every in-memory object is dropped without a close or release (kill -9 with the page
     cache intact), and the cache directory is opened again with `CacheFs.load` and a new
-    `Tiering` (cachemgr/core.py "Crash contract", docs/SEMANTICS.md);
+    `Tiering` (cachemgr/fs.py and cachemgr/fsck.py crash contract, docs/SEMANTICS.md);
   * restore: a second node (a new cache directory on the same store) lists the store once
     (`RemoteSync.sync_once`): what it sees must be exactly the model's sets in the store, each
     whole, with the content it had at its commit, never torn.
@@ -65,8 +65,8 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from cachemgr.core import CacheFs
 from cachemgr.errors import FsError
+from cachemgr.fs import CacheFs
 from cachemgr.index import ROOT_INO
 from cachemgr.sets import SetRegistry, is_temp_name
 from cachemgr.store import LocalStore
@@ -130,7 +130,8 @@ class Node:
         self.core = CacheFs.load(cache_dir)
         self.store = BudgetStore(store_dir)
         self.t = Tiering(self.core, self.store, config())
-        self.core.tiering = self.t
+        self.core.connect(hooks=self.t, reads=self.t.restorer, room=self.t,
+                          cache_size=self.t.cfg.cache_size, status=self.t.status)
         self.sets = SetRegistry(self.core.index)
 
     # -- the tree ----------------------------------------------------------------------------
@@ -648,7 +649,8 @@ TMP = _Tmp()
 
 REFTEST = settings(max_examples=int(os.environ.get("CKPTFS_REFTEST_EXAMPLES", "30")),
                    stateful_step_count=50,
-                   derandomize=not os.environ.get("CKPTFS_REFTEST_RANDOM"), database=None, deadline=None,
+                   derandomize=not os.environ.get("CKPTFS_REFTEST_RANDOM"), database=None,
+                   deadline=None,
                    phases=(Phase.explicit, Phase.generate) if os.environ.get(
                        "CKPTFS_REFTEST_NO_SHRINK") else tuple(Phase),
                    suppress_health_check=[HealthCheck.too_slow,
@@ -689,10 +691,6 @@ def test_core_reftest(fast_tmp):
 # what the machine found, as plain tests
 
 
-@pytest.mark.xfail(strict=True, reason="bug found by the reftest: a commit that supersedes a "
-                   "live commit of the same path drops what that commit absorbed (Tiering."
-                   "_absorb is keyed by the superseded seq), so the manifest of the path a "
-                   "file was renamed away from stays in the store")
 def test_renamed_away_path_leaves_the_store_when_the_rename_commit_is_superseded(fast_tmp):
     node = Node(fast_tmp / "cache", fast_tmp / "store")
     try:
@@ -712,5 +710,40 @@ def test_renamed_away_path_leaves_the_store_when_the_rename_commit_is_superseded
         finally:
             other.core.close()
         assert seen == ["a"], seen  # the writer has no b; the store still shows it
+    finally:
+        node.core.close()
+
+
+@pytest.mark.parametrize("then", ["rewrite", "rename-again"])
+def test_renamed_away_path_leaves_the_store_when_the_rename_set_never_becomes_durable(
+        fast_tmp, then):
+    """The same loss by the two other ways a rename's set can end before it is durable: its
+    file is rewritten (its content changes, then its last close commits the path again), or
+    it is renamed on (the next rename's set absorbs it). Either way `b`, renamed away, must
+    leave the store once what replaced the rename is durable."""
+    node = Node(fast_tmp / "cache", fast_tmp / "store")
+    try:
+        res, _ = node.core.create(ROOT_INO, b"b", 0o644, O_W, 0, 0)
+        node.core.write(res.fh, 0, b"v1")
+        node.core.release(res.fh)
+        node.settle()
+        node.core.rename(ROOT_INO, b"b", ROOT_INO, b"a", 0)  # commits a, absorbing b
+        if then == "rewrite":
+            ino = node.core.lookup(ROOT_INO, b"a").ino
+            res = node.core.open(ino, os.O_WRONLY)
+            node.core.write(res.fh, 0, b"v2")
+            node.core.release(res.fh)  # a new content of a, committed at its close
+            want = ["a"]
+        else:
+            node.core.rename(ROOT_INO, b"a", ROOT_INO, b"c", 0)  # commits c, absorbing a
+            want = ["c"]
+        node.settle()
+        other = Node(fast_tmp / "other", fast_tmp / "store")
+        try:
+            trio.run(other.t.remote.sync_once)
+            seen = sorted(other.entries(ROOT_INO))
+        finally:
+            other.core.close()
+        assert seen == want, seen
     finally:
         node.core.close()

@@ -1,6 +1,6 @@
 """Fast unit tests of the multi-node pieces that need no mount: part record keys and parsing,
-member/intent/ack keys, and reading a DCP `.metadata` without torch (real DCP output, and hostile pickles that must run
-nothing)."""
+member/intent/ack keys, and reading a DCP `.metadata` without torch (real DCP output, and
+hostile pickles that must run nothing)."""
 
 from __future__ import annotations
 

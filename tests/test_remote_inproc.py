@@ -955,9 +955,8 @@ def test_sync_applies_valid_sets_and_skips_invalid_ones_once(caplog, trees, bad,
                 key = data.draw(st.sampled_from([
                     mf.manifest_key(f"bad/{j}"), f"manifests/%25/{j:064x}.json",
                     mf.manifest_key(f"v/s{j}/inner")]), label="key")
-                if try_manifest(doc, key) is not None:
-                    doc += b"}"  # still valid: make it not JSON
-                invalid[key] = doc
+                # still valid: make it not JSON
+                invalid[key] = doc + b"}" if try_manifest(doc, key) is not None else doc
             invalid[mf.manifest_key("junk")] = b"\x00\xff" * 10
             for key, doc in invalid.items():
                 h.put(key, doc)

@@ -4,7 +4,7 @@ publication, gathering another node's files, restore's chunk fill, with real `Ca
 (RemoteSync's listing, removals and invalid manifests: tests/test_remote_inproc.py.)
 
 `Node` opens a cache directory as the daemon does (CacheFs.load, Tiering(core, store, cfg),
-core.tiering); `Recorder` is the LocalStore with a log of its writes (key, in order) and gates
+core.connect); `Recorder` is the LocalStore with a log of its writes (key, in order) and gates
 that hold the PUTs of chosen keys, so that a test decides the interleaving: it never sleeps to
 wait, it polls a condition (`until`).
 
@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from cachemgr.core import CacheFs
+from cachemgr.fs import CacheFs
 from cachemgr.index import ROOT_INO
 from cachemgr.keys import is_manifest_key, manifest_key
 from cachemgr.sets import SetRegistry
@@ -107,7 +107,8 @@ class Node:
         self.core = CacheFs.load(cache_dir)
         self.store = store
         self.t = Tiering(self.core, store, config(**cfg))
-        self.core.tiering = self.t
+        self.core.connect(hooks=self.t, reads=self.t.restorer, room=self.t,
+                          cache_size=self.t.cfg.cache_size, status=self.t.status)
         self.sets = SetRegistry(self.core.index)
 
     def mkdir(self, path: str) -> int:
@@ -284,7 +285,7 @@ def test_a_deleted_set_is_unpublished(node, store):
 
     assert ("delete", manifest_key("model.pt")) in store.log
     assert node.state("model.pt") == "deleted"
-    with pytest.raises(Exception, match="model.pt"):
+    with pytest.raises(Exception, match=r"model\.pt"):
         read_manifest(store, "model.pt")
 
 

@@ -10,10 +10,10 @@ import subprocess
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from ckpt_restore import FileStoreView, S3StoreView, manifests, restore, restore_to
+from conftest import run_cli, wait_for
 
 import ckptfs
-from conftest import run_cli, wait_for
-from ckpt_restore import FileStoreView, S3StoreView, manifests, restore, restore_to
 
 
 @pytest.fixture(params=["file", "s3"])

@@ -476,7 +476,7 @@ def test_verifier_detects_torn_sets(mount_factory):
     # A flipped byte inside the second frame's compressed data.
     at = big["frames"][0] + big["frames"][1] // 2
     path.write_bytes(blob[:at] + bytes([blob[at] ^ 0x55]) + blob[at + 1:])
-    with pytest.raises(TornSet, match="__0_0.distcp"):
+    with pytest.raises(TornSet, match=r"__0_0\.distcp"):
         read_store(reader)
     path.unlink()
     with pytest.raises(TornSet, match="missing"):
@@ -684,8 +684,8 @@ def test_backpressure_small_cache(mount_factory, tmp_path):
     m = mount_factory("bp")
     m.start("--cache-size", "64M")
     (m.path / "ckpt").mkdir()
-    code = "import sys; from tests.test_tiering_crash import bp_writer_main; bp_writer_main(" \
-        "sys.argv[1])"
+    code = ("import sys; from tests.test_tiering_crash import bp_writer_main; bp_writer_main("
+            "sys.argv[1])")
     with open(tmp_path / "bp-writer.log", "wb") as err:
         w = subprocess.Popen([sys.executable, "-c", code, str(m.path)], cwd=REPO,
                              env=_child_env(), stdout=subprocess.PIPE, stderr=err)

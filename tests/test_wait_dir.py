@@ -216,7 +216,7 @@ def test_wait_dir_waits_for_a_file_open_for_writing(mnt):
     ends the wait with exit 8."""
     step = mnt.path / "global_step9"
     deepspeed_step(step, 1)
-    f = open(step / "mp_rank_01_model_states.pt", "wb")
+    f = open(step / "mp_rank_01_model_states.pt", "wb")  # noqa: SIM115 (held open across the wait)
     try:
         f.write(b"z" * 4096)
         f.flush()
@@ -236,7 +236,7 @@ def test_wait_dir_waits_for_a_file_open_for_writing(mnt):
     assert out.strip() == f"ckptfs: {step}: 3 sets durable"
 
     # Open at the call, then closed under a temporary name: nothing commits it.
-    g = open(step / "rank3.pt.tmp", "wb")
+    g = open(step / "rank3.pt.tmp", "wb")  # noqa: SIM115 (held open across the wait)
     try:
         g.write(b"t" * 10)
         n = mnt.log_text().count("wait global_step9: ")
