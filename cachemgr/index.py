@@ -1,6 +1,10 @@
 """The cache index: the tree and per-inode metadata of one cache directory, in SQLite.
 
-Owns `index.sqlite` in the cache directory. `schema.sql` beside this file is the reference for
+Owns `index.sqlite` in the cache directory, and every SQL statement on its `meta`, `inodes`,
+`dentries` and `xattrs` tables: other modules ask the methods here (the tree questions in
+`TreeQueries`, the per-inode content ones in `ContentQueries`) and write no SQL of their own on
+those tables. The `sets`, `set_files` and `objects` tables are `cachemgr.sets.SetRegistry`'s
+(same connection, same transactions). `schema.sql` beside this file is the reference for
 the layout; `LAYOUT_VERSION` must match its header and `PRAGMA user_version`.
 
 Concurrency: one `Index` per daemon, used only from the trio thread that runs the FUSE loop, so
@@ -256,7 +260,7 @@ class ContentQueries:
 
     def uploaded_version(self, ino: int) -> int | None:
         """The content version of `ino` whose object is in the store (obj_version), or None."""
-        row = self.conn.execute("SELECT obj_version FROM inodes WHERE ino=?", (ino,)).fetchone()
+        row = self.inode_fields(ino, "obj_version")
         return row[0] if row else None
 
     def set_cached(self, ino: int, cached: int) -> None:
