@@ -46,15 +46,9 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from .errors import FsError
+from .objects import StoredObject, chunk_count, chunk_span, verify_chunk
 from .store import IntegrityError, ObjectStore, StoreError
-from .transfer import (
-    StoredObject,
-    chunk_count,
-    chunk_span,
-    fetch_chunk,
-    fetch_chunks,
-    verify_chunk,
-)
+from .transfer import fetch_chunk, fetch_chunks
 
 if TYPE_CHECKING:
     from .fs import CacheFs
@@ -108,8 +102,7 @@ class ChunkFetcher:
         hit = self._objs.get(ino)
         if hit is not None and hit[0] == node.version:
             return hit[1]
-        row = self.index.conn.execute(
-            "SELECT obj, obj_version FROM inodes WHERE ino=?", (ino,)).fetchone()
+        row = self.index.inode_fields(ino, "obj", "obj_version")
         obj = None
         if row is not None and row[0] is not None and row[1] == node.version:
             obj = StoredObject.from_json(row[0])
@@ -119,8 +112,7 @@ class ChunkFetcher:
     def _bitmap(self, ino: int, n: int) -> bytearray:
         bm = self._bitmaps.get(ino)
         if bm is None:
-            row = self.index.conn.execute(
-                "SELECT present FROM inodes WHERE ino=?", (ino,)).fetchone()
+            row = self.index.inode_fields(ino, "present")
             bm = bytearray(row[0]) if row and row[0] else bytearray((n + 7) // 8)
             if len(bm) != (n + 7) // 8:
                 bm = bytearray((n + 7) // 8)
@@ -277,7 +269,7 @@ class ChunkFetcher:
             return False
         os.truncate(self.core.data_path(ino), 0)
         with self.index.tx():
-            self.index.conn.execute("UPDATE inodes SET present=NULL WHERE ino=?", (ino,))
+            self.index.clear_present(ino)
         self.forget(ino)
         log.debug("dropped the restored chunks of inode %d", ino)
         return True
@@ -372,8 +364,7 @@ class ChunkFetcher:
             self.core.fetched(ino, obj.size)
         else:
             with self.index.tx():
-                self.index.conn.execute(
-                    "UPDATE inodes SET present=? WHERE ino=?", (bytes(bm), ino))
+                self.index.set_present(ino, bytes(bm))
 
     # -- damaged cache files --------------------------------------------------------------------
 

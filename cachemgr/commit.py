@@ -98,10 +98,9 @@ class Committer:
         a commit on another node that needs the record asks for it (cachemgr.members)."""
         if node.nlink == 0 or node.writers != 1:
             return
-        row = self.index.conn.execute(
-            "SELECT parent FROM dentries WHERE ino=? LIMIT 1", (node.ino,)).fetchone()
-        if row is not None and row[0] != 1 and self.sets.in_open_set(row[0]):
-            self._mark_dir(row[0])
+        parent = self.index.parent_of(node.ino)
+        if parent is not None and parent != 1 and self.sets.in_open_set(parent):
+            self._mark_dir(parent)
 
     def on_rename(self, src: Inode, dst: Inode | None, old_parent: int, old_name: bytes,
                   new_parent: int, new_name: bytes, old_path: str) -> None:
@@ -251,8 +250,7 @@ class Committer:
     def recover(self) -> None:
         """Rebuild the queues from the index after a restart (see the module docstring)."""
         with self.index.tx():
-            for ino, version in self.index.conn.execute(
-                    "SELECT ino, version FROM inodes WHERE writing=1").fetchall():
+            for ino, version in self.index.writing_files():
                 self.sets.supersede_content(ino, version, "the daemon crashed while a file was"
                                             " being written")
                 self.index.update_inode(ino, version=version + 1, writing=0)
@@ -275,10 +273,7 @@ class Committer:
             for s in self.sets.by_states(("deleting",)):
                 self.publisher.unpublish(s.seq, s.path, horizon)
             # Closed files whose current content is not uploaded yet.
-            for ino, version in self.index.conn.execute(
-                    "SELECT ino, version FROM inodes WHERE (mode & 61440) = 32768 AND nlink > 0"
-                    " AND writing = 0 AND cached = 1 AND (obj_version IS NULL OR"
-                    " obj_version != version)").fetchall():
+            for ino, version in self.index.unuploaded_files():
                 self.uploads.enqueue(ino, version)
         self.publisher.gc()
         n_live = len(self.sets.by_states(LIVE_STATES))

@@ -25,8 +25,9 @@ from typing import TYPE_CHECKING
 import trio
 
 from .errors import FsError
+from .objects import StoredObject
 from .store import ObjectStore, StoreError
-from .transfer import StoredObject, download_file
+from .transfer import download_file
 
 if TYPE_CHECKING:
     from .fs import CacheFs
@@ -59,9 +60,7 @@ class Fetcher:
             return
         ev = self._fetches[ino] = trio.Event()
         try:
-            row = self.index.conn.execute(
-                "SELECT obj, obj_version, version, cached FROM inodes WHERE ino=?",
-                (ino,)).fetchone()
+            row = self.index.inode_fields(ino, "obj", "obj_version", "version", "cached")
             if row is None or row[3] == 1:
                 return
             if row[0] is None or row[1] != row[2]:

@@ -116,8 +116,7 @@ class Gatherer:
                 except OSError as e:
                     log.warning("set %d: cannot read its .metadata: %s", seq, e)
                     return None
-                if not data and self.index.conn.execute(
-                        "SELECT cached FROM inodes WHERE ino=?", (ino,)).fetchone()[0] == 0:
+                if not data and self.index.inode_fields(ino, "cached") == (0,):
                     return None  # evicted; the caller fetches it first
                 required = storage_files(data)  # names as DCP wrote them (os-style str)
                 return None if required is None else {names.from_str(n) for n in required}

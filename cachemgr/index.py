@@ -1,6 +1,10 @@
 """The cache index: the tree and per-inode metadata of one cache directory, in SQLite.
 
-Owns `index.sqlite` in the cache directory. `schema.sql` beside this file is the reference for
+Owns `index.sqlite` in the cache directory, and every SQL statement on its `meta`, `inodes`,
+`dentries` and `xattrs` tables: other modules ask the methods here (the tree questions in
+`TreeQueries`, the per-inode content ones in `ContentQueries`) and write no SQL of their own on
+those tables. The `sets`, `set_files` and `objects` tables are `cachemgr.sets.SetRegistry`'s
+(same connection, same transactions). `schema.sql` beside this file is the reference for
 the layout; `LAYOUT_VERSION` must match its header and `PRAGMA user_version`.
 
 Concurrency: one `Index` per daemon, used only from the trio thread that runs the FUSE loop, so
@@ -27,6 +31,7 @@ import contextlib
 import logging
 import os
 import sqlite3
+import stat
 import time
 from collections.abc import Callable, Iterator
 from importlib import resources
@@ -60,12 +65,14 @@ INODE_COLUMNS = (
     "target", "version", "writing", "cached",
 )
 _INODE_SELECT = "SELECT " + ", ".join(INODE_COLUMNS) + " FROM inodes"
+_FIELDS = frozenset((*INODE_COLUMNS, "obj", "obj_version", "present"))
 
 
 class TreeQueries:
     """The directory-entry half of `Index` (a mixin without state of its own: the connection
     and its transactions are Index's). Every question about the tree is answered here, once:
-    lookup, resolve, path_of, parent_of, dentry_of, is_ancestor, children, walk."""
+    lookup, resolve, path_of, parent_of, dentry_of, is_ancestor, children, walk. Every other
+    module asks these methods; none writes SQL on `dentries` of its own."""
 
     conn: sqlite3.Connection
 
@@ -118,10 +125,8 @@ class TreeQueries:
 
     def parent_of(self, ino: int) -> int | None:
         """The directory holding `ino` (directories have exactly one entry)."""
-        row = self.conn.execute(
-            "SELECT parent FROM dentries WHERE ino=? LIMIT 1", (ino,)
-        ).fetchone()
-        return row[0] if row else None
+        entry = self.dentry_of(ino)
+        return entry[0] if entry else None
 
     def dentry_of(self, ino: int) -> tuple[int, bytes] | None:
         """(parent, name) of an entry naming `ino` (directories have exactly one), or None."""
@@ -145,17 +150,30 @@ class TreeQueries:
                 for _id, name, ino in self.list_dentries(parent, 0, 1 << 62)]
 
     def walk(self, top: int) -> Iterator[tuple[int, bytes, int, str]]:
-        """(parent, name, ino, rel) of every entry below directory `top`, parents before their
-        children; `rel` is the entry's path below `top` in escaped form (cachemgr.names).
-        Iterative: a tree of any depth is fine. Reads as it goes: a caller that changes the
-        tree meanwhile sees each directory as it is when it is reached."""
-        stack: list[tuple[int, str]] = [(top, "")]
+        """(parent, name, ino, rel) of every entry below directory `top`, in the order of
+        `walk_with_inodes`."""
+        for parent, rel, row in self.walk_with_inodes(top):
+            yield parent, row[0], row[1], rel
+
+    def walk_with_inodes(self, top: int) -> Iterator[tuple[int, str, tuple[Any, ...]]]:
+        """(parent, rel, row) of every entry below directory `top`, depth first in readdir
+        order (an entry, then everything below it, then its next sibling); `row` is the
+        entry's `children_with_inodes` row, `rel` its path below `top` in escaped form
+        (cachemgr.names). The one subtree walk. Iterative: a tree of any depth is fine. Reads
+        as it goes: a caller that changes the tree meanwhile sees each directory as it is
+        when it is reached."""
+        stack: list[tuple[int, str, list[tuple[Any, ...]]]] = [
+            (top, "", self.children_with_inodes(top)[::-1])]
         while stack:
-            d, prefix = stack.pop()
-            for name, ino in self.children(d):
-                rel = prefix + escape_name(name)
-                yield d, name, ino, rel
-                stack.append((ino, rel + "/"))
+            d, prefix, rows = stack[-1]
+            if not rows:
+                stack.pop()
+                continue
+            row = rows.pop()
+            rel = prefix + escape_name(row[0])
+            yield d, rel, row
+            if stat.S_ISDIR(row[2]):
+                stack.append((row[1], rel + "/", self.children_with_inodes(row[1])[::-1]))
 
     def children_with_inodes(self, parent: int) -> list[tuple[Any, ...]]:
         """(name, ino, mode, size, mtime_ns, version, writing, target, obj, obj_version) of
@@ -177,20 +195,99 @@ class TreeQueries:
         parts: list[str] = []
         cur = ino
         while cur != ROOT_INO:
-            row = self.conn.execute(
-                "SELECT parent, name FROM dentries WHERE ino=? LIMIT 1", (cur,)
-            ).fetchone()
-            if row is None:
+            entry = self.dentry_of(cur)
+            if entry is None:
                 return None
-            parts.append(escape_name(bytes(row[1])))
-            cur = row[0]
+            parts.append(escape_name(entry[1]))
+            cur = entry[0]
         return "/".join(reversed(parts))
+
+    def has_entry_like(self, parent: int, names: tuple[str, ...], suffix: str) -> bool:
+        """Does `parent` hold an entry named one of `names`, or whose name ends in `suffix`
+        (no LIKE wildcards in it)?"""
+        blobs = " OR ".join("name=CAST(? AS BLOB)" for _ in names)
+        return self.conn.execute(
+            f"SELECT 1 FROM dentries WHERE parent=? AND ({blobs} OR CAST(name AS TEXT) LIKE ?)"
+            " LIMIT 1", (parent, *names, "%" + suffix),
+        ).fetchone() is not None
 
     def count_dentries(self) -> int:
         return int(self.conn.execute("SELECT COUNT(*) FROM dentries").fetchone()[0])
 
 
-class Index(TreeQueries):
+class ContentQueries:
+    """The per-inode content half of `Index` (a mixin without state of its own, like
+    TreeQueries): which content of a file is cached, uploaded, being written; its object and
+    chunk bitmap. Every question the tiering and restore services ask about `inodes` is
+    answered here."""
+
+    conn: sqlite3.Connection
+
+    def inode_fields(self, ino: int, *cols: str) -> tuple[Any, ...] | None:
+        """The columns `cols` (of INODE_COLUMNS, obj, obj_version, present) of `ino`'s row, or
+        None if there is no such inode."""
+        bad = set(cols) - _FIELDS
+        if bad or not cols:
+            raise ValueError(f"not an inode column: {sorted(bad)}")
+        row: tuple[Any, ...] | None = self.conn.execute(
+            f"SELECT {', '.join(cols)} FROM inodes WHERE ino=?", (ino,)).fetchone()
+        return row
+
+    def writing_files(self) -> list[tuple[int, int]]:
+        """(ino, version) of every file marked open for writing (after a crash: interrupted)."""
+        return self.conn.execute("SELECT ino, version FROM inodes WHERE writing=1").fetchall()
+
+    def unuploaded_files(self) -> list[tuple[int, int]]:
+        """(ino, version) of linked, closed, cached regular files whose current content is not
+        uploaded (obj_version != version)."""
+        return self.conn.execute(
+            "SELECT ino, version FROM inodes WHERE (mode & 61440) = 32768 AND nlink > 0"
+            " AND writing = 0 AND cached = 1 AND (obj_version IS NULL OR"
+            " obj_version != version)").fetchall()
+
+    def live_contents(self) -> set[tuple[int, int]]:
+        """(ino, version) of the current content of every linked inode."""
+        return {(i, v) for i, v in self.conn.execute(
+            "SELECT ino, version FROM inodes WHERE nlink > 0")}
+
+    def evictable_files(self) -> list[tuple[int, int, int]]:
+        """(ino, version, mtime_ns) of cached regular files whose current content is uploaded
+        (obj_version = version), linked, closed and not empty: what eviction may drop."""
+        return self.conn.execute(
+            "SELECT ino, version, mtime_ns FROM inodes WHERE (mode & 61440) = 32768 AND"
+            " cached = 1 AND writing = 0 AND nlink > 0 AND obj_version = version AND size > 0"
+        ).fetchall()
+
+    def uploaded_version(self, ino: int) -> int | None:
+        """The content version of `ino` whose object is in the store (obj_version), or None."""
+        row = self.inode_fields(ino, "obj_version")
+        return row[0] if row else None
+
+    def set_cached(self, ino: int, cached: int) -> None:
+        """Mark the cache file whole (1) or evicted (0); either way no chunk bitmap applies."""
+        self.conn.execute("UPDATE inodes SET cached=?, present=NULL WHERE ino=?", (cached, ino))
+
+    def clear_present(self, ino: int) -> None:
+        """Forget the chunk bitmap of a partly restored file (its chunks were dropped)."""
+        self.conn.execute("UPDATE inodes SET present=NULL WHERE ino=?", (ino,))
+
+    def set_restored_object(self, ino: int, obj: str | None) -> None:
+        """A file restored from the store: its data is object `obj`, not yet fetched."""
+        self.conn.execute("UPDATE inodes SET obj=?, obj_version=0, cached=0 WHERE ino=?",
+                          (obj, ino))
+
+    def set_uploaded(self, ino: int, version: int, obj_json: str) -> None:
+        """Content `version` of `ino` is in the store as `obj_json` (nothing if the file has
+        changed since: its current version is another)."""
+        self.conn.execute("UPDATE inodes SET obj=?, obj_version=? WHERE ino=? AND version=?",
+                          (obj_json, version, ino, version))
+
+    def set_present(self, ino: int, bitmap: bytes) -> None:
+        """The chunk bitmap of a partly restored file (bit i: chunk i is in the cache file)."""
+        self.conn.execute("UPDATE inodes SET present=? WHERE ino=?", (bitmap, ino))
+
+
+class Index(TreeQueries, ContentQueries):
     """SQLite-backed inode and directory-entry store of one cache directory."""
 
     def __init__(self, conn: sqlite3.Connection, path: Path, *,
@@ -479,32 +576,6 @@ class Index(TreeQueries):
     def all_inode_rows(self) -> dict[int, tuple[Any, ...]]:
         """Every inode row (INODE_COLUMNS), by ino (consistency checks)."""
         return {r[0]: r for r in self.conn.execute(_INODE_SELECT)}
-
-    def evictable_files(self) -> list[tuple[int, int, int]]:
-        """(ino, version, mtime_ns) of cached regular files whose current content is uploaded
-        (obj_version = version), linked, closed and not empty: what eviction may drop."""
-        return self.conn.execute(
-            "SELECT ino, version, mtime_ns FROM inodes WHERE (mode & 61440) = 32768 AND"
-            " cached = 1 AND writing = 0 AND nlink > 0 AND obj_version = version AND size > 0"
-        ).fetchall()
-
-    def uploaded_version(self, ino: int) -> int | None:
-        """The content version of `ino` whose object is in the store (obj_version), or None."""
-        row = self.conn.execute("SELECT obj_version FROM inodes WHERE ino=?", (ino,)).fetchone()
-        return row[0] if row else None
-
-    def set_cached(self, ino: int, cached: int) -> None:
-        """Mark the cache file whole (1) or evicted (0); either way no chunk bitmap applies."""
-        self.conn.execute("UPDATE inodes SET cached=?, present=NULL WHERE ino=?", (cached, ino))
-
-    def clear_present(self, ino: int) -> None:
-        """Forget the chunk bitmap of a partly restored file (its chunks were dropped)."""
-        self.conn.execute("UPDATE inodes SET present=NULL WHERE ino=?", (ino,))
-
-    def set_restored_object(self, ino: int, obj: str | None) -> None:
-        """A file restored from the store: its data is object `obj`, not yet fetched."""
-        self.conn.execute("UPDATE inodes SET obj=?, obj_version=0, cached=0 WHERE ino=?",
-                          (obj, ino))
 
     def all_inos(self) -> set[int]:
         return {r[0] for r in self.conn.execute("SELECT ino FROM inodes")}

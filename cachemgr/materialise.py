@@ -33,9 +33,9 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
 from . import validate
-from .names import escape_name, escape_path, unescape_name, unescape_path
+from .names import escape_path, unescape_name, unescape_path
+from .objects import StoredObject
 from .sets import KEPT_STATES, SetRow
-from .transfer import StoredObject
 
 if TYPE_CHECKING:
     from .fs import CacheFs
@@ -102,54 +102,55 @@ class Materialiser:
             key = f["object"]["key"]
             if not validate.is_own_object(key, self.node):
                 continue
-            r = self.index.conn.execute(
-                "SELECT o.ino FROM objects o JOIN inodes i ON i.ino = o.ino WHERE o.key=? AND"
-                " i.version = o.version AND i.obj_version = o.version AND i.nlink > 0 AND"
-                " i.writing = 0", (key,)).fetchone()
-            if r is None or self.core.inode(r[0]).writers:
+            ino = self._own_current(key)
+            if ino is None or self.core.inode(ino).writers:
                 continue
-            where = self.index.path_of(r[0])
+            where = self.index.path_of(ino)
             at = [root for root in roots
                   if where == (f"{root}/{f['path']}" if f["path"] else root)]
             if not at:
                 log.warning("set %s names this node's object %s, whose file is at %s: not"
                             " moved", m["path"], key, where)
                 continue
-            owner = self.sets.set_of_file(r[0])
+            owner = self.sets.set_of_file(ino)
             if owner is not None and owner.origin == "local" and not (
                     owner.path == m["path"] or owner.path.startswith(m["path"] + "/")):
                 # Part of a set this node committed elsewhere, `commit.from` included: a
                 # manifest claiming a rename of this node's own set must not take its files.
                 continue
-            out[f["path"]] = r[0]
+            out[f["path"]] = ino
         return out
+
+    def _own_current(self, key: str) -> int | None:
+        """The inode whose current content is this node's object `key`: linked, closed in
+        the index, and uploaded as that object; or None."""
+        content = self.sets.object_content(key)
+        if content is None:
+            return None
+        ino, version = content
+        row = self.index.inode_fields(ino, "version", "obj_version", "nlink", "writing")
+        if row is None or row[0] != version or row[1] != version or row[2] <= 0 or row[3] != 0:
+            return None
+        return ino
 
     def _tree(self, root: int) -> dict[str, tuple[int, int, int, bytes]]:
         """{rel: (ino, mode, parent, name)} of everything under directory `root`."""
         out = {}
-        stack = [(root, "")]
-        while stack:
-            d, prefix = stack.pop()
-            for _id, raw_name, ino in self.index.list_dentries(d, 0, 1 << 30):
-                name = bytes(raw_name)
-                rel = prefix + escape_name(name)
-                mode = self.core.inode(ino).mode
-                out[rel] = (ino, mode, d, name)
-                if stat.S_ISDIR(mode):
-                    stack.append((ino, rel + "/"))
+        for d, rel, row in self.index.walk_with_inodes(root):
+            ino = row[1]
+            out[rel] = (ino, self.core.inode(ino).mode, d, row[0])
         return out
 
     def busy(self, ino: int) -> bool:
-        """Is a file at or under `ino` open? (An explicit stack: trees may be deep.)"""
-        stack = [ino]
-        while stack:
-            node = self.core.inode(stack.pop())
-            if node.is_reg:
-                if node.opens > 0:
-                    return True
-            elif node.is_dir:
-                stack.extend(c for _i, _n, c in self.index.list_dentries(node.ino, 0, 1 << 30))
-        return False
+        """Is a file at or under `ino` open?"""
+        node = self.core.inode(ino)
+        if node.is_reg:
+            return node.opens > 0
+        if not node.is_dir:
+            return False
+        return any(self.core.inode(row[1]).opens > 0
+                   for _d, _rel, row in self.index.walk_with_inodes(ino)
+                   if stat.S_ISREG(row[2]))
 
     # -- installing a manifest's set -----------------------------------------------------------
 
@@ -239,14 +240,13 @@ class Materialiser:
         if ino is None and rel in b.own:
             # This node's own copy, elsewhere in the tree: move it into place.
             ino = b.own[rel]
-            row = self.index.conn.execute(
-                "SELECT parent, name FROM dentries WHERE ino=? LIMIT 1", (ino,)).fetchone()
-            if row is None:
+            entry = self.index.dentry_of(ino)
+            if entry is None:
                 ino = None
             else:
-                self.core.raw_move(row[0], bytes(row[1]), d, fname)
-                b.moved.append((row[0], bytes(row[1])))
-                b.emptied.add(row[0])
+                self.core.raw_move(entry[0], entry[1], d, fname)
+                b.moved.append(entry)
+                b.emptied.add(entry[0])
         if ino is not None:
             node = self.core.inode(ino)
             b.files.append((rel, ino, node.version, f["size"], mode, f.get("mtime_ns", 0),
@@ -313,25 +313,14 @@ class Materialiser:
         for d in dirs:
             cur = d
             while cur != 1 and cur != keep_ino and not self.index.has_children(cur) and \
-                    not self.sets.is_dir_set_root(cur) and not self._is_ancestor(cur, keep_ino):
-                row = self.index.conn.execute(
-                    "SELECT parent, name FROM dentries WHERE ino=? LIMIT 1", (cur,)).fetchone()
-                if row is None:
+                    not self.sets.is_dir_set_root(cur) and \
+                    not self.index.is_ancestor(cur, keep_ino):
+                entry = self.index.dentry_of(cur)
+                if entry is None:
                     break
-                self.core.remove_tree(row[0], bytes(row[1]))
-                self.invalidate(row[0], bytes(row[1]))
-                cur = row[0]
-
-    def _is_ancestor(self, a: int, b: int) -> bool:
-        cur = b
-        while cur != 1:
-            if cur == a:
-                return True
-            parent = self.index.parent_of(cur)
-            if parent is None:
-                return False
-            cur = parent
-        return a == 1
+                self.core.remove_tree(*entry)
+                self.invalidate(*entry)
+                cur = entry[0]
 
     # -- the committing node's own multi-node set ------------------------------------------
 

@@ -268,21 +268,17 @@ class Members:
     def _dirs_under(self, roots: list[str]) -> list[int]:
         """Directories at or below `roots` here whose records a committer may need: those in an
         open set, and those with a record in the store."""
-        out = []
+        out: list[int] = []
         for root in roots:
             ino = self.index.resolve(root)
             if ino is None:
                 continue  # no such directory here: nothing of this node's under it
-            stack = [ino]
-            while stack:
-                d = stack.pop()
-                row = self.index.get_inode(d)
-                if row is None or not stat.S_ISDIR(row[1]):
-                    continue
-                if d in self.parts.published or self.sets.in_open_set(d):
-                    out.append(d)
-                for _id, _name, child in self.index.list_dentries(d, 0, 1 << 30):
-                    stack.append(child)
+            row = self.index.get_inode(ino)
+            if row is None or not stat.S_ISDIR(row[1]):
+                continue
+            dirs = [ino, *(r[1] for _d, _rel, r in self.index.walk_with_inodes(ino)
+                           if stat.S_ISDIR(r[2]))]
+            out.extend(d for d in dirs if d in self.parts.published or self.sets.in_open_set(d))
         return out
 
     async def _ack(self, key: str, etag: str) -> None:
@@ -362,8 +358,7 @@ class CommitAcks:
                 self.done = True  # no other node: nothing to ask
                 return []
             with index.tx():
-                index.conn.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)",
-                                   (self._meta, json.dumps(sorted(self.nodes))))
+                index.set_meta(self._meta, json.dumps(sorted(self.nodes)))
         if not self.written:
             self.m.mine.add(self.iid)
             await store.put(intent_key(self.iid), _doc(
@@ -402,7 +397,7 @@ class CommitAcks:
         s = self.m.sets.get(self.seq)
         if self.done or s is None or s.state not in LIVE_STATES:  # else: asked again later
             with index.tx():
-                index.conn.execute("DELETE FROM meta WHERE key=?", (self._meta,))
+                index.delete_meta(self._meta)
         if self.written:
             try:
                 await drop_intent(self.m.store, self.iid)

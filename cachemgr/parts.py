@@ -54,6 +54,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import stat
 import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
@@ -148,8 +149,7 @@ class PartPublisher:
         self._inflight: set[int] = set()  # directories of the pass running now
         self._wake = trio.Event()
         self.published: dict[int, dict[str, str]] = {}
-        for key, value in self.index.conn.execute(
-                "SELECT key, value FROM meta WHERE key LIKE 'part:%'").fetchall():
+        for key, value in self.index.meta_with_prefix(_META):
             self.published[int(key[len(_META):])] = json.loads(value)
         # statistics
         self.puts = 0
@@ -192,12 +192,10 @@ class PartPublisher:
         """This node's own files directly in `dir_ino` (not those materialised from another
         node's manifest: version 0), with their object when their current content is in."""
         out: list[dict[str, Any]] = []
-        for name, ino, mode, row_size, row_mtime, version, row_writing, obj, obj_version in \
-                self.index.conn.execute(
-                    "SELECT d.name, i.ino, i.mode, i.size, i.mtime_ns, i.version, i.writing,"
-                    " i.obj, i.obj_version FROM dentries d JOIN inodes i ON i.ino = d.ino"
-                    " WHERE d.parent=? AND (i.mode & 61440) = 32768 AND i.version > 0",
-                    (dir_ino,)):
+        for name, ino, mode, row_size, row_mtime, version, row_writing, _target, obj, \
+                obj_version in self.index.children_with_inodes(dir_ino):
+            if not stat.S_ISREG(mode) or version <= 0:
+                continue
             node = self._inode_if_loaded(ino)
             size, mtime_ns, writing = row_size, row_mtime, row_writing
             if node is not None:  # sizes of open files live in memory
@@ -232,14 +230,13 @@ class PartPublisher:
                 rec = {"path": path, "digest": digest}
                 self.published[dir_ino] = rec
                 with self.index.tx():
-                    self.index.conn.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)",
-                                            (f"{_META}{dir_ino}", json.dumps(rec)))
+                    self.index.set_meta(f"{_META}{dir_ino}", json.dumps(rec))
         elif old is not None:
             await self.store.delete(part_key(old["path"], self.node))
             self.deletes += 1
             del self.published[dir_ino]
             with self.index.tx():
-                self.index.conn.execute("DELETE FROM meta WHERE key=?", (f"{_META}{dir_ino}",))
+                self.index.delete_meta(f"{_META}{dir_ino}")
 
     async def run(self) -> None:
         self.mark_all()  # after a restart: rewrite or drop what may be stale

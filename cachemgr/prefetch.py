@@ -35,6 +35,7 @@ from __future__ import annotations
 import errno
 import logging
 import re
+import stat
 import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
@@ -44,9 +45,9 @@ import trio
 from . import names
 from .chunkfetch import ChunkFetcher
 from .errors import FsError
+from .objects import StoredObject, chunk_count, chunk_span
 from .sets import KEPT_STATES, SetRow
 from .store import StoreError
-from .transfer import StoredObject, chunk_count, chunk_span
 
 if TYPE_CHECKING:
     from .fs import CacheFs
@@ -297,17 +298,14 @@ class Prefetcher:
         return self._start(key, inos)
 
     def _files_under(self, ino: int) -> list[int]:
-        """Regular files at or below `ino`, depth first (an explicit stack: any depth)."""
-        out: list[int] = []
-        stack = [ino]
-        while stack:
-            node = self.core.inode(stack.pop())
-            if node.is_reg:
-                out.append(node.ino)
-            elif node.is_dir:
-                kids = [c for _id, _name, c in self.index.list_dentries(node.ino, 0, 1 << 30)]
-                stack.extend(reversed(kids))  # popped in name-list order, as before
-        return out
+        """Regular files at or below `ino`, depth first in name-list order."""
+        node = self.core.inode(ino)
+        if node.is_reg:
+            return [ino]
+        if not node.is_dir:
+            return []
+        return [row[1] for _d, _rel, row in self.index.walk_with_inodes(ino)
+                if stat.S_ISREG(row[2])]
 
     def _start(self, key: str, inos: list[int]) -> Job:
         work = []

@@ -21,7 +21,6 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from dataclasses import fields
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -42,7 +41,6 @@ Reply = dict[str, Any]
 # Set states in which a set no longer holds its path's content: a directory that held one
 # of these and was written file by file since is waited for as a directory (`Progress.wait`).
 _ENDED = ("superseded", "failed", "deleting", "deleted")
-_SETROW_COLS = ", ".join(f.name for f in fields(SetRow))  # the columns, in SetRow's order
 _ALL_STATES = ("committed", "uploading", "durable", "failed", "superseded", "replaced",
                "deleting", "deleted")
 
@@ -167,9 +165,7 @@ class Progress:
         # Every file under the directory must be in one of those sets (its current content),
         # or be open for writing (waited for): anything else is in no set, and nothing will
         # commit it on its own (a temporary name, a directory that is not committed yet).
-        contents = {(ino, version) for (ino, version) in self.index.conn.execute(
-            "SELECT ino, version FROM set_files WHERE seq IN (SELECT value FROM json_each(?))",
-            (json.dumps(sorted(pending)),))}
+        contents = self.sets.contents_of(pending)
         set_paths = {newest_path for newest_path, r in newest.items() if r.seq in pending}
         files, layout = self.sets.snapshot(dir_ino)
         writing: dict[int, str] = {}  # ino -> path of files open for writing, waited for
@@ -225,9 +221,7 @@ class Progress:
 
     def _rows(self, seqs: set[int]) -> list[SetRow]:
         """The sets `seqs`, in one query (a directory wait looks at all of them at each wake)."""
-        return [SetRow(*r) for r in self.index.conn.execute(
-            f"SELECT {_SETROW_COLS} FROM sets WHERE seq IN (SELECT value FROM json_each(?))",
-            (json.dumps(sorted(seqs)),))]
+        return self.sets.rows(seqs)
 
     def _closed_files(self, pending: set[int], durable: set[int],
                       writing: dict[int, str]) -> Reply | None:

@@ -316,16 +316,9 @@ class RemoteSync:
     # -- a set that left the store -----------------------------------------------------------
 
     def _remove(self, s: SetRow) -> None:
-        parts = s.path.split("/")
-        d, found = 1, True
-        for p in parts[:-1]:
-            child = self.index.lookup(d, _b(p))
-            if child is None:
-                found = False
-                break
-            d = child
-        parent = d if found else None
-        name = _b(parts[-1])
+        dir_path, _slash, last = s.path.rpartition("/")
+        parent = self.index.resolve(dir_path)
+        name = _b(last)
         with self.index.tx():
             if parent is not None and self.index.lookup(parent, name) == s.root_ino and \
                     not self.mat.busy(s.root_ino):

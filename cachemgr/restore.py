@@ -38,9 +38,9 @@ import trio
 
 from .chunkfetch import FETCH_ATTEMPTS, ChunkFetcher, MakeRoom
 from .errors import FsError
+from .objects import StoredObject, chunk_span
 from .prefetch import MODES, RA_DIV, FetchWhole, Job, LiveMembers, Prefetcher
 from .store import ObjectStore
-from .transfer import StoredObject, chunk_span
 
 if TYPE_CHECKING:
     from collections.abc import Callable

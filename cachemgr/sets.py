@@ -82,7 +82,9 @@ _SET_COLS = ("seq, path, kind, root_ino, state, reason, committed_ns, durable_ns
 
 
 class SetRegistry:
-    """The `sets` and `set_files` tables. Every method runs inside the caller's transaction."""
+    """The `sets`, `set_files` and `objects` tables: their one owner, and the only code that
+    writes SQL on them (the SQL on `dentries`, `inodes` and `meta` is `Index`'s, asked through
+    its methods). Every method runs inside the caller's transaction."""
 
     def __init__(self, index: Index) -> None:
         self.index = index
@@ -91,11 +93,8 @@ class SetRegistry:
     # -- namespace questions -----------------------------------------------------------------
 
     def is_dcp_dir(self, dir_ino: int) -> bool:
-        return self.conn.execute(
-            "SELECT 1 FROM dentries WHERE parent=? AND (name=CAST(? AS BLOB) OR"
-            " name=CAST(? AS BLOB) OR CAST(name AS TEXT) LIKE '%.distcp') LIMIT 1",
-            (dir_ino, DCP_METADATA, DCP_METADATA + ".tmp"),
-        ).fetchone() is not None
+        return self.index.has_entry_like(dir_ino, (DCP_METADATA, DCP_METADATA + ".tmp"),
+                                         ".distcp")
 
     def is_dir_set_root(self, ino: int) -> bool:
         return self.conn.execute(
@@ -108,15 +107,13 @@ class SetRegistry:
         committed) above it, rather than being a set of its own."""
         cur = parent_ino
         while cur != ROOT_INO:
-            row = self.conn.execute(
-                "SELECT parent, name FROM dentries WHERE ino=? LIMIT 1", (cur,)
-            ).fetchone()
-            if row is None:
+            entry = self.index.dentry_of(cur)
+            if entry is None:
                 return True  # an unlinked directory: nothing in it commits
-            if is_temp_name(_name(bytes(row[1]))) or self.is_dcp_dir(cur) or \
+            if is_temp_name(_name(entry[1])) or self.is_dcp_dir(cur) or \
                     self.is_dir_set_root(cur):
                 return True
-            cur = row[0]
+            cur = entry[0]
         return False
 
     # -- commits -----------------------------------------------------------------------------
@@ -127,21 +124,14 @@ class SetRegistry:
         files: list[tuple[Any, ...]] = []
         dirs: list[dict[str, Any]] = []
         links: list[dict[str, Any]] = []
-        stack = [(root_ino, "")]
-        while stack:
-            d, prefix = stack.pop()
-            for name, ino, mode, size, mtime_ns, version, target in self.conn.execute(
-                "SELECT d.name, i.ino, i.mode, i.size, i.mtime_ns, i.version, i.target"
-                " FROM dentries d JOIN inodes i ON i.ino = d.ino WHERE d.parent=?", (d,)
-            ):
-                rel = prefix + _name(bytes(name))
-                if stat.S_ISDIR(mode):
-                    dirs.append({"path": rel, "mode": stat.S_IMODE(mode), "mtime_ns": mtime_ns})
-                    stack.append((ino, rel + "/"))
-                elif stat.S_ISLNK(mode):
-                    links.append({"path": rel, "target": escape_path(bytes(target))})
-                elif stat.S_ISREG(mode):
-                    files.append((rel, ino, version, size, stat.S_IMODE(mode), mtime_ns))
+        for _d, rel, row in self.index.walk_with_inodes(root_ino):
+            _n, ino, mode, size, mtime_ns, version, _w, target = row[:8]
+            if stat.S_ISDIR(mode):
+                dirs.append({"path": rel, "mode": stat.S_IMODE(mode), "mtime_ns": mtime_ns})
+            elif stat.S_ISLNK(mode):
+                links.append({"path": rel, "target": escape_path(bytes(target))})
+            elif stat.S_ISREG(mode):
+                files.append((rel, ino, version, size, stat.S_IMODE(mode), mtime_ns))
         files.sort()
         dirs.sort(key=lambda x: x["path"])
         links.sort(key=lambda x: x["path"])
@@ -180,13 +170,12 @@ class SetRegistry:
         )
         seq = _rowid(cur)
         for rel, ino, version, size, fmode, mtime_ns in files:
-            obj = self.conn.execute(
-                "SELECT obj FROM inodes WHERE ino=? AND obj_version=?", (ino, version)
-            ).fetchone()
+            obj = self.index.inode_fields(ino, "obj", "obj_version")
             self.conn.execute(
                 "INSERT INTO set_files (seq, rel, ino, version, size, mode, mtime_ns, obj)"
                 " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                (seq, rel, ino, version, size, fmode, mtime_ns, obj[0] if obj else None),
+                (seq, rel, ino, version, size, fmode, mtime_ns,
+                 obj[0] if obj and obj[1] == version else None),
             )
         return seq
 
@@ -230,11 +219,13 @@ class SetRegistry:
 
     def set_of_file(self, ino: int) -> SetRow | None:
         """The newest kept set holding the current content of file `ino`."""
+        current = self.index.inode_fields(ino, "version")
+        if current is None:
+            return None
         r = self.conn.execute(
             f"SELECT {', '.join('s.' + c.strip() for c in _SET_COLS.split(','))} FROM sets s"
-            f" JOIN set_files f ON f.seq = s.seq JOIN inodes i ON i.ino = f.ino"
-            f" WHERE f.ino=? AND f.version = i.version AND s.state IN {KEPT_STATES}"
-            f" ORDER BY s.seq DESC LIMIT 1", (ino,)).fetchone()
+            f" JOIN set_files f ON f.seq = s.seq WHERE f.ino=? AND f.version=? AND s.state IN"
+            f" {KEPT_STATES} ORDER BY s.seq DESC LIMIT 1", (ino, current[0])).fetchone()
         return SetRow(*r) if r else None
 
     def supersede_content(self, ino: int, version: int, why: str) -> list[int]:
@@ -252,9 +243,7 @@ class SetRegistry:
     def record_upload(self, ino: int, version: int, obj_json: str) -> list[int]:
         """The content (ino, version) is in the store as `obj_json`; returns the live sets that
         were waiting for it."""
-        self.conn.execute(
-            "UPDATE inodes SET obj=?, obj_version=? WHERE ino=? AND version=?",
-            (obj_json, version, ino, version))
+        self.index.set_uploaded(ino, version, obj_json)
         self.conn.execute(
             "UPDATE set_files SET obj=? WHERE ino=? AND version=? AND obj IS NULL",
             (obj_json, ino, version))
@@ -312,6 +301,18 @@ class SetRegistry:
             cands).fetchone()
         return SetRow(*r) if r else None
 
+    def rows(self, seqs: set[int]) -> list[SetRow]:
+        """The sets `seqs`, in one query (a directory wait looks at all of them at each wake)."""
+        return [SetRow(*r) for r in self.conn.execute(
+            f"SELECT {_SET_COLS} FROM sets WHERE seq IN (SELECT value FROM json_each(?))",
+            (json.dumps(sorted(seqs)),))]
+
+    def contents_of(self, seqs: set[int]) -> set[tuple[int, int]]:
+        """(ino, version) of every file of the sets `seqs`."""
+        return {(ino, version) for ino, version in self.conn.execute(
+            "SELECT ino, version FROM set_files WHERE seq IN (SELECT value FROM json_each(?))",
+            (json.dumps(sorted(seqs)),))}
+
     def files(self, seq: int) -> list[tuple[Any, ...]]:
         """(rel, ino, version, size, mode, mtime_ns, obj_json) of a set."""
         return self.conn.execute(
@@ -368,6 +369,11 @@ class SetRegistry:
             "SELECT key FROM objects WHERE ino=? AND version=?", (ino, version)).fetchone()
         return r[0] if r else None
 
+    def object_content(self, key: str) -> tuple[int, int] | None:
+        """(ino, version) of this node's object `key`, or None if it is not one."""
+        r = self.conn.execute("SELECT ino, version FROM objects WHERE key=?", (key,)).fetchone()
+        return (r[0], r[1]) if r else None
+
     def add_object(self, key: str, ino: int, version: int, size: int) -> None:
         self.conn.execute("INSERT OR REPLACE INTO objects VALUES (?, ?, ?, ?)",
                           (key, ino, version, size))
@@ -377,11 +383,11 @@ class SetRegistry:
         live file. A `deleting` set counts as kept: its manifest may still be in the store
         (its unpublish waits in commit order, or is queued behind this GC), and an object it
         names must outlive it."""
-        return [r[0] for r in self.conn.execute(
-            f"SELECT o.key FROM objects o WHERE NOT EXISTS (SELECT 1 FROM set_files f JOIN sets"
-            f" s ON s.seq=f.seq WHERE f.ino=o.ino AND f.version=o.version AND s.state IN"
-            f" {(*KEPT_STATES, 'deleting')}) AND NOT EXISTS (SELECT 1 FROM inodes i"
-            f" WHERE i.ino=o.ino AND i.version=o.version AND i.nlink>0)")]
+        live = self.index.live_contents()
+        return [key for key, ino, version in self.conn.execute(
+            f"SELECT o.key, o.ino, o.version FROM objects o WHERE NOT EXISTS (SELECT 1 FROM"
+            f" set_files f JOIN sets s ON s.seq=f.seq WHERE f.ino=o.ino AND f.version=o.version"
+            f" AND s.state IN {(*KEPT_STATES, 'deleting')})") if (ino, version) not in live]
 
     def keys_named_by_others(self, seq: int, keys: set[str]) -> set[str]:
         """Those of `keys` (object keys) that a set other than `seq` names, in a kept, live or

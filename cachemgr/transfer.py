@@ -115,7 +115,9 @@ from .objects import (
 )
 from .store.base import IntegrityError, NotFound, ObjectInfo, ObjectStore, Part, crc32c
 
-# Imported from here by tiering, remote, restore and the tests (cachemgr.objects owns them).
+# cachemgr.objects owns StoredObject and the chunk geometry; StoredObject, chunk_count, chunk_span,
+# crc32c_combine and verify_chunk are re-exported here only for tests/test_transfer.py and
+# tests/test_remote_inproc.py (every module in cachemgr/ and ckptfs/ imports cachemgr.objects).
 __all__ = [
     "StoredObject",
     "Superseded",

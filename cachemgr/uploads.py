@@ -42,9 +42,10 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from . import names
+from .objects import StoredObject
 from .sets import SetRegistry
 from .store import StoreError
-from .transfer import StoredObject, Superseded, Uploader
+from .transfer import Superseded, Uploader
 
 if TYPE_CHECKING:
     from .fs import CacheFs
@@ -142,8 +143,7 @@ class UploadQueue:
 
     def content_present(self, ino: int, version: int) -> bool:
         """The index holds content (ino, version) of a linked file in the cache."""
-        row = self.index.conn.execute(
-            "SELECT version, nlink, cached FROM inodes WHERE ino=?", (ino,)).fetchone()
+        row = self.index.inode_fields(ino, "version", "nlink", "cached")
         return row is not None and row[0] == version and row[1] > 0 and row[2] == 1
 
     # -- the workers --------------------------------------------------------------------------
@@ -185,8 +185,7 @@ class UploadQueue:
         ino, version = job.ino, job.version
         if not self._valid(ino, version):
             return
-        row = self.index.conn.execute(
-            "SELECT obj_version, size FROM inodes WHERE ino=?", (ino,)).fetchone()
+        row = self.index.inode_fields(ino, "obj_version", "size")
         if row is None or row[0] == version:
             return  # already uploaded (e.g. enqueued twice)
         node = self.core.inode_if_loaded(ino)
@@ -236,11 +235,10 @@ class UploadQueue:
         for seq in waiting:
             if not self.sets.missing_uploads(seq):
                 self._ready(seq)
-        row = self.index.conn.execute(
-            "SELECT parent FROM dentries WHERE ino=? LIMIT 1", (ino,)).fetchone()
-        if row is not None and (self._dir_published(row[0]) or
-                                (row[0] != 1 and self.sets.in_open_set(row[0]))):
-            self._mark_dir(row[0])  # its entry in the part record now has its object
+        parent = self.index.parent_of(ino)
+        if parent is not None and (self._dir_published(parent) or
+                                   (parent != 1 and self.sets.in_open_set(parent))):
+            self._mark_dir(parent)  # its entry in the part record now has its object
         self.signals.wake_ns()
         self.signals.changed_now()
 
