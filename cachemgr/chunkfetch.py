@@ -290,7 +290,9 @@ class ChunkFetcher:
 
     async def fetch(self, obj: StoredObject, i: int,
                     limiter: trio.CapacityLimiter | None = None) -> bytes:
-        """Chunk `i` of `obj`, verified (FETCH_ATTEMPTS tries; FsError(EIO) after them)."""
+        """Chunk `i` of `obj`, verified; FsError(EIO) when the store fails (the store wrapper,
+        RetryingStore, has already retried transient errors) or the chunk's bytes fail their
+        check FETCH_ATTEMPTS times (only that is retried here: a re-read may be clean)."""
         last: Exception | None = None
         for _attempt in range(FETCH_ATTEMPTS):
             try:
@@ -303,13 +305,14 @@ class ChunkFetcher:
                 self.bytes_fetched += len(raw)
                 self.gets += 1
                 return raw
-            except StoreError as e:  # IntegrityError included: a re-read may be clean
+            except IntegrityError as e:
                 last = e
-                if isinstance(e, IntegrityError):
-                    self.integrity_errors += 1
+                self.integrity_errors += 1
                 log.warning("fetch of %s chunk %d failed: %s", obj.key, i, e)
-        log.error("giving up on %s chunk %d after %d attempts: %s", obj.key, i, FETCH_ATTEMPTS,
-                  last)
+            except StoreError as e:
+                last = e
+                break
+        log.error("giving up on %s chunk %d: %s", obj.key, i, last)
         raise FsError(errno.EIO, f"cannot read {obj.key} chunk {i} from the store: {last}")
 
     async def _fetch_run(self, obj: StoredObject, first: int,
@@ -324,11 +327,14 @@ class ChunkFetcher:
                 self.bytes_fetched += sum(len(r) for r in raws)
                 self.gets += 1
                 return raws
-            except StoreError as e:
+            except IntegrityError as e:  # a re-read may be clean; the wrapper retried the rest
                 last_err = e
-                if isinstance(e, IntegrityError):
-                    self.integrity_errors += 1
+                self.integrity_errors += 1
                 log.warning("fetch of %s chunks %d..%d failed: %s", obj.key, first, last, e)
+            except StoreError as e:
+                log.error("fetch of %s chunks %d..%d failed: %s", obj.key, first, last, e)
+                raise FsError(errno.EIO, f"cannot read {obj.key} chunks {first}..{last} from "
+                              f"the store: {e}") from e
         # Fall back to single chunks: one bad chunk must not fail its neighbours.
         log.info("fetching %s chunks %d..%d one by one after: %s", obj.key, first, last, last_err)
         return [await self.fetch(obj, i, None) for i in range(first, last + 1)]

@@ -26,7 +26,7 @@ import trio
 
 from .errors import FsError
 from .objects import StoredObject
-from .store import ObjectStore, StoreError
+from .store import IntegrityError, ObjectStore, StoreError
 from .transfer import download_file
 
 if TYPE_CHECKING:
@@ -87,9 +87,12 @@ class Fetcher:
             try:
                 await download_file(self.store, obj, self.core.data_path(ino))
                 return
-            except StoreError as e:  # IntegrityError included: fetch again
+            except IntegrityError as e:  # the bytes failed their check: fetch again
                 last = e
                 log.warning("fetch of inode %d (%s) failed: %s", ino, obj.key, e)
+            except StoreError as e:  # the store wrapper (RetryingStore) retried it already
+                last = e
+                break
         raise FsError(errno.EIO, f"cannot fetch {obj.key} from the store: {last}")
 
     def statistics(self) -> dict[str, int]:

@@ -23,6 +23,7 @@ wait, it polls a condition (`until`).
 
 from __future__ import annotations
 
+import errno
 import functools
 import json
 import os
@@ -31,11 +32,12 @@ from pathlib import Path
 import pytest
 import trio
 
+from cachemgr.errors import FsError
 from cachemgr.fs import CacheFs
 from cachemgr.index import ROOT_INO
 from cachemgr.keys import is_manifest_key, manifest_key
 from cachemgr.sets import SetRegistry
-from cachemgr.store import LocalStore
+from cachemgr.store import FaultyStore, LocalStore, RetryingStore, RetryPolicy
 from cachemgr.tiering import Tiering, TieringConfig
 from cachemgr.transfer import TransferConfig
 
@@ -369,6 +371,35 @@ def test_ensure_range_fills_only_the_chunks_a_range_needs(tmp_path, node, store)
         assert other.core.read(fh, 0, len(data) + 1) == data
         other.core.release(fh)
         assert other.core.check_consistency() == []
+    finally:
+        other.core.close()
+
+
+def test_a_chunk_the_store_keeps_failing_costs_one_retry_budget_then_eio(tmp_path, node, store):
+    """Retries are not stacked: a chunk whose GET keeps failing with a transient error is
+    tried as often as the store wrapper's policy says (RetryingStore), then the read fails
+    with EIO; the restore path adds no loop of its own around it (only a chunk whose bytes
+    fail their CRC is read again there)."""
+    data = os.urandom(3 * CHUNK)
+    node.write("model.pt", data)
+
+    async def body():
+        await until(node.quiet, "the set to settle")
+    run_nodes([node], body)
+
+    faulty = FaultyStore(store)
+    policy = RetryPolicy(attempts=4, base_delay=0.001, max_delay=0.002)
+    other = Node(tmp_path / "other", RetryingStore(faulty, policy))
+    try:
+        trio.run(other.t.remote.sync_once)
+        ino = other.core.index.resolve("model.pt")
+        assert ino is not None and other.core.needs_fetch(ino)
+        faulty.fail_next("get", 1000)
+        gets = faulty.calls.get("get", 0)
+        with pytest.raises(FsError) as e:
+            trio.run(functools.partial(other.t.restorer.ensure_range, ino, CHUNK + 1, 10))
+        assert e.value.errno == errno.EIO
+        assert faulty.calls["get"] - gets == policy.attempts
     finally:
         other.core.close()
 
