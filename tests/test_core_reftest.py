@@ -691,6 +691,16 @@ def test_core_reftest(fast_tmp):
 # what the machine found, as plain tests
 
 
+def seen_by_another_node(tmp: Path) -> list[str]:
+    """The top-level names a second node shows after one listing of the store in `tmp`."""
+    other = Node(tmp / "other", tmp / "store")
+    try:
+        trio.run(other.t.remote.sync_once)
+        return sorted(other.entries(ROOT_INO))
+    finally:
+        other.core.close()
+
+
 def test_renamed_away_path_leaves_the_store_when_the_rename_commit_is_superseded(fast_tmp):
     node = Node(fast_tmp / "cache", fast_tmp / "store")
     try:
@@ -703,12 +713,7 @@ def test_renamed_away_path_leaves_the_store_when_the_rename_commit_is_superseded
         node.t.commit_path("a")  # a later commit of a: the rename's set is superseded
         node.settle()
         assert node.sets.newest_at("a").state == "durable"
-        other = Node(fast_tmp / "other", fast_tmp / "store")
-        try:
-            trio.run(other.t.remote.sync_once)
-            seen = sorted(other.entries(ROOT_INO))
-        finally:
-            other.core.close()
+        seen = seen_by_another_node(fast_tmp)
         assert seen == ["a"], seen  # the writer has no b; the store still shows it
     finally:
         node.core.close()
@@ -738,12 +743,7 @@ def test_renamed_away_path_leaves_the_store_when_the_rename_set_never_becomes_du
             node.core.rename(ROOT_INO, b"a", ROOT_INO, b"c", 0)  # commits c, absorbing a
             want = ["c"]
         node.settle()
-        other = Node(fast_tmp / "other", fast_tmp / "store")
-        try:
-            trio.run(other.t.remote.sync_once)
-            seen = sorted(other.entries(ROOT_INO))
-        finally:
-            other.core.close()
+        seen = seen_by_another_node(fast_tmp)
         assert seen == want, seen
     finally:
         node.core.close()
