@@ -111,28 +111,20 @@ from .objects import (
     crc_mismatch,
     frames_of,
     stored_span,
-    verify_chunk,
 )
 from .store.base import IntegrityError, NotFound, ObjectInfo, ObjectStore, Part, crc32c
 
-# cachemgr.objects owns StoredObject and the chunk geometry; StoredObject, chunk_count, chunk_span,
-# crc32c_combine and verify_chunk are re-exported here only for tests/test_transfer.py and
-# tests/test_remote_inproc.py (every module in cachemgr/ and ckptfs/ imports cachemgr.objects).
+# cachemgr.objects owns StoredObject and the chunk geometry (imported from there everywhere).
 __all__ = [
-    "StoredObject",
     "Superseded",
     "TransferConfig",
     "Uploader",
-    "chunk_count",
-    "chunk_span",
-    "crc32c_combine",
     "download_file",
     "fetch_chunk",
     "fetch_chunks",
     "note_foreground",
     "read_range",
     "set_foreground_probe",
-    "verify_chunk",
     "yield_to_foreground",
 ]
 

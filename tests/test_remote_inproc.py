@@ -58,12 +58,12 @@ from cachemgr.names import (
     unescape_name,
     unescape_path,
 )
+from cachemgr.objects import StoredObject
 from cachemgr.remote import RemoteSync
 from cachemgr.restore import Restorer
 from cachemgr.sets import SetRegistry
 from cachemgr.store import LocalStore, StoreError, crc32c
 from cachemgr.store.wrappers import FaultyStore
-from cachemgr.transfer import StoredObject
 from tests.test_diskfull import memory_matches_index
 
 OTHER = "0be1b2c3"  # the node that publishes the sets these tests restore

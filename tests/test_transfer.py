@@ -21,6 +21,7 @@ import pytest
 import trio
 
 from cachemgr import compress
+from cachemgr.objects import StoredObject, chunk_count, chunk_span, crc32c_combine, verify_chunk
 from cachemgr.store import (
     FaultyStore,
     IntegrityError,
@@ -33,17 +34,12 @@ from cachemgr.store import (
 from cachemgr.store.s3 import S3Options, S3Store
 from cachemgr.store.wrappers import _Wrapper
 from cachemgr.transfer import (
-    StoredObject,
     Superseded,
     TransferConfig,
     Uploader,
-    chunk_count,
-    chunk_span,
-    crc32c_combine,
     download_file,
     fetch_chunk,
     read_range,
-    verify_chunk,
 )
 
 PART = 5 << 20
