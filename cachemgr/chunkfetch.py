@@ -67,16 +67,14 @@ class ChunkFetcher:
     """Chunks from the store into cache files; see the module docstring."""
 
     def __init__(self, *, core: CacheFs, index: Index, store: ObjectStore,
-                 cache_size: int | None, make_room: MakeRoom,
-                 space_freed: Callable[[], None]) -> None:
-        """`make_room`: the --cache-size policy (evicts, then calls `drop_partials`).
-        `space_freed`: the cache holds fewer bytes (wakes writers waiting for room)."""
+                 cache_size: int | None, make_room: MakeRoom) -> None:
+        """`make_room`: the --cache-size policy (evicts, then calls `drop_partials`). Dropped
+        chunks free room through `FileCache.chunks_out`, which tells writers waiting for it."""
         self.core = core
         self.index = index
         self.store = store
         self.cache_size = cache_size
         self._make_room = make_room
-        self._space_freed = space_freed
         self._bitmaps: dict[int, bytearray] = {}
         self._inflight: dict[tuple[int, int], trio.Event] = {}
         self._objs: dict[int, tuple[int, StoredObject | None]] = {}  # ino -> (version, obj)
@@ -127,8 +125,7 @@ class ChunkFetcher:
         """The file's cache state changed behind us (evicted, rewritten, fetched, deleted)."""
         freed = self.partial.pop(ino, 0)
         if freed:
-            self.core.cached_bytes -= freed
-            self._space_freed()
+            self.core.files.chunks_out(freed)
         self._bitmaps.pop(ino, None)
         self._verified.pop(ino, None)
         self._objs.pop(ino, None)
@@ -360,10 +357,11 @@ class ChunkFetcher:
         for i, raw in chunks:
             if not self._has(bm, i):
                 self.partial[ino] = self.partial.get(ino, 0) + len(raw)
-                self.core.cached_bytes += len(raw)
+                self.core.files.chunks_in(len(raw))
             bm[i >> 3] |= 1 << (i & 7)
         if all(self._has(bm, j) for j in range(n)):
-            self.core.cached_bytes -= self.partial.pop(ino, 0)  # fetched() counts the size
+            # fetched() counts the size instead
+            self.core.files.chunks_out(self.partial.pop(ino, 0), freed=False)
             self._bitmaps.pop(ino, None)
             self._verified[ino] = set(range(n))
             self.clean.add(ino)

@@ -28,8 +28,8 @@ The contract (S3QL's block cache does the same with its per-block lock):
     whose lock is held (`busy`).
 
 Accounting invariant: `cached_bytes` = sum over linked regular files whose data is cached of
-(size - hole) + the chunks restore holds of partly restored files (cachemgr.restore adds and
-removes those itself, for now through `CacheFs.cached_bytes`). Every change of a file's size or
+(size - hole) + the chunks restore holds of partly restored files (cachemgr.chunkfetch counts
+them per file and tells this module: `chunks_in`, `chunks_out`). Every change of a file's size or
 residency goes through a method here (`resized`, `grew`, `dropped`, `refilled`, `hole_settled`),
 inside the caller's `InodeTable.tx`, whose rollback restores the accounting (`savepoint`). Every
 decrease tells the space listener (`on_space_freed`, given at `connect`), so writers waiting for
@@ -199,6 +199,24 @@ class FileCache:
         freed."""
         os.truncate(self.path(ino), 0)
         return self.dropped(ino, size)
+
+    def holes_found(self) -> None:
+        """Recovery recorded every cached file's hole (`note_hole`): `cached_bytes`, summed
+        from the index's sizes at start, stops counting them."""
+        self.cached_bytes -= self.holes_total()
+
+    def chunks_in(self, n: int) -> None:
+        """`n` bytes of restored chunks of a partly restored file were written: they count
+        until the file is whole (then `refilled` counts its size) or dropped (cachemgr.chunkfetch
+        keeps how many per file)."""
+        self.cached_bytes += n
+
+    def chunks_out(self, n: int, *, freed: bool = True) -> None:
+        """`n` bytes of restored chunks no longer count: dropped (`freed`: writers waiting for
+        room are told), or the file became whole (its size is counted by `refilled` instead)."""
+        self.cached_bytes -= n
+        if freed and n:
+            self._freed()
 
     def refilled(self, ino: int, size: int) -> None:
         """An evicted file's cache file holds all its `size` bytes again."""

@@ -195,11 +195,6 @@ class CacheFs:
         """Bytes of file data in cache files (FileCache owns it)."""
         return self.files.cached_bytes
 
-    @cached_bytes.setter
-    def cached_bytes(self, value: int) -> None:
-        # Restore counts the chunks of partly restored files here (cachemgr.restore).
-        self.files.cached_bytes = value
-
     def inode(self, ino: int) -> Inode:
         return self.table.get(ino)
 

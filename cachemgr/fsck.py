@@ -56,7 +56,7 @@ def recover(index: Index, files: FileCache) -> dict[str, int]:
                 index.update_inode(ino, size=actual)
                 report["resized"] += 1
         # cached_bytes was summed from the index's sizes: the holes do not count.
-        files.cached_bytes -= files.holes_total()
+        files.holes_found()
         known = index.all_inos()
         for entry in os.scandir(files.data_dir):
             name = entry.name

@@ -43,7 +43,6 @@ from .prefetch import MODES, RA_DIV, FetchWhole, Job, LiveMembers, Prefetcher
 from .store import ObjectStore
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
 
     from .fs import CacheFs
     from .index import Index
@@ -59,17 +58,15 @@ class Restorer:
     """Reads of data not in the cache, and what comes in ahead of them; see the docstring."""
 
     def __init__(self, *, core: CacheFs, index: Index, sets: SetRegistry, store: ObjectStore,
-                 cache_size: int | None, make_room: MakeRoom,
-                 space_freed: Callable[[], None], fetch_whole: FetchWhole,
+                 cache_size: int | None, make_room: MakeRoom, fetch_whole: FetchWhole,
                  live_members: LiveMembers, concurrency: int = 8,
                  range_size: int = 64 << 20, mode: str = "auto") -> None:
         """`make_room(need, protect)`: the --cache-size policy (Tiering.make_room).
-        `space_freed()`: the cache holds fewer bytes (Tiering.on_space_freed). `fetch_whole(ino)`:
-        download an object stored without chunk checksums whole (Tiering.fetch).
+        `fetch_whole(ino)`: download an object stored without chunk checksums whole (Tiering.fetch).
         `live_members()`: the other live nodes (Members.live), for policy auto."""
         self.core = core
         self.chunks = ChunkFetcher(core=core, index=index, store=store, cache_size=cache_size,
-                                   make_room=make_room, space_freed=space_freed)
+                                   make_room=make_room)
         self.prefetch = Prefetcher(chunks=self.chunks, core=core, index=index, sets=sets,
                                    fetch_whole=fetch_whole, live_members=live_members,
                                    mode=mode, concurrency=concurrency, range_size=range_size)

@@ -109,7 +109,7 @@ class Tiering:
                                register_timeout=cfg.register_timeout)
         self.restorer = Restorer(core=core, index=self.index, sets=self.sets, store=store,
                                  cache_size=cfg.cache_size, make_room=self.make_room,
-                                 space_freed=self.on_space_freed, fetch_whole=self.fetch,
+                                 fetch_whole=self.fetch,
                                  live_members=self.members.live,
                                  concurrency=cfg.prefetch_concurrency, mode=cfg.prefetch,
                                  range_size=cfg.prefetch_range)

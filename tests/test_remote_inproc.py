@@ -106,7 +106,7 @@ class StandIn:
         self.changes = 0
         self.restorer = Restorer(core=core, index=core.index, sets=self.sets, store=store,
                                  cache_size=None, make_room=self._make_room,
-                                 space_freed=self.on_space_freed, fetch_whole=self._fetch,
+                                 fetch_whole=self._fetch,
                                  live_members=self._live, mode="none")
         core.connect(hooks=self, reads=self.restorer, room=self)
 
