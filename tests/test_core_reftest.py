@@ -29,10 +29,12 @@ equals the model's, and `CacheFs.check_consistency()` is clean.
 The model of the store: a commit records the content of its path at that moment (the files'
 identities too). A commit is dropped when one of its files is opened for writing or removed
 before it is published (superseded), when a later commit absorbs its path (a rename away, a
-directory committed over it) or when its path is deleted. Settle applies what is left, in commit
-order: a commit puts its content at its path and removes what it absorbed; a deletion removes
-the path. A crash forgets the absorbed paths a commit would remove (they are in memory only:
-cachemgr/tiering.py keeps `_absorb` in memory, "visible but never torn"); everything else in
+directory committed over it) or when its path is deleted. What a commit dropped by a later
+commit had absorbed, that commit removes; what a commit dropped by a content change had
+absorbed, the next commit of its path removes. Settle applies what is left, in commit order: a
+commit puts its content at its path and removes what it absorbed; a deletion removes the path.
+A crash forgets the absorbed paths a commit would remove (they are in memory only:
+cachemgr/publish.py keeps `_absorb` in memory, "visible but never torn"); everything else in
 the model survives it (the index is durable).
 
 Deterministic (derandomize, no example database) and bounded: a run takes seconds.
@@ -250,6 +252,9 @@ class CoreMachine(RuleBasedStateMachine):
         self.pending: list[tuple] = []      # ("commit", Commit) | ("delete", path), in order
         # set path -> what its manifest in the store may hold: contents (frozen), ABSENT
         self.store: dict[str, set] = {}
+        # path -> what commits of it dropped by a content change had absorbed: the next commit
+        # of that path removes it (cachemgr.publish: Publisher.inherit_superseded)
+        self.orphans: dict[str, list[str]] = {}
         self.next_id = 0
         self.restores = 0
 
@@ -283,14 +288,16 @@ class CoreMachine(RuleBasedStateMachine):
         c = self.snapshot(path)
         # Live commits at or under an absorbed path (other than this path's own) are
         # superseded; the store's sets there go when this one is published.
-        keep = []
+        # What a commit dropped here had absorbed, this one removes (Publisher.inherit).
+        keep, inherited = [], self.orphans.pop(path, [])
         for op in self.pending:
             if op[0] == "commit" and op[1].path != path and \
                     any(_at_or_under(op[1].path, p) for p in absorb + [path]):
+                inherited += op[1].absorb
                 continue
             keep.append(op)
         self.pending = keep
-        c.absorb = [p for p in absorb if p]
+        c.absorb = [p for p in absorb if p] + inherited
         self.pending.append(("commit", c))
 
     def delete(self, path: str) -> None:
@@ -301,8 +308,13 @@ class CoreMachine(RuleBasedStateMachine):
     def content_changes(self, ident: int) -> None:
         """A file's content is about to change or it is gone: commits holding it never
         publish."""
-        self.pending = [op for op in self.pending
-                        if not (op[0] == "commit" and ident in op[1].ids)]
+        keep = []
+        for op in self.pending:
+            if op[0] == "commit" and ident in op[1].ids:
+                self.orphans.setdefault(op[1].path, []).extend(op[1].absorb)
+            else:
+                keep.append(op)
+        self.pending = keep
 
     def expect_error(self, err: int, fn, *args) -> None:
         with pytest.raises(FsError) as ei:
@@ -567,7 +579,8 @@ class CoreMachine(RuleBasedStateMachine):
         self.open.clear()  # the writers died with the daemon; their data is in the page cache
         for op in self.pending:
             if op[0] == "commit":
-                op[1].absorb = []  # Tiering._absorb is in memory
+                op[1].absorb = []  # Publisher._absorb is in memory
+        self.orphans.clear()
         self.node = Node(self.root / "cache", self.root / "store")
         self.node.core.recover()
         # The mount: the service's recovery runs before the first request is served (a file
@@ -647,12 +660,15 @@ class _Tmp:
 
 TMP = _Tmp()
 
+# No shrinking unless asked (CKPTFS_REFTEST_SHRINK=1): a failure prints its whole sequence, which
+# the derandomized run reproduces; shrinking one of these sequences can take longer than the
+# test's timeout, and a timeout inside trio.run leaves the process unable to run trio again.
 REFTEST = settings(max_examples=int(os.environ.get("CKPTFS_REFTEST_EXAMPLES", "30")),
                    stateful_step_count=50,
                    derandomize=not os.environ.get("CKPTFS_REFTEST_RANDOM"), database=None,
                    deadline=None,
-                   phases=(Phase.explicit, Phase.generate) if os.environ.get(
-                       "CKPTFS_REFTEST_NO_SHRINK") else tuple(Phase),
+                   phases=tuple(Phase) if os.environ.get("CKPTFS_REFTEST_SHRINK")
+                   else (Phase.explicit, Phase.generate),
                    suppress_health_check=[HealthCheck.too_slow,
                                           HealthCheck.filter_too_much])
 
