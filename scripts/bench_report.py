@@ -751,7 +751,7 @@ def markdown(res: dict, s: dict, pngs: list[str], docs: bool) -> str:
           "0.1-0.25 of a page-cache copy. A second read of an unchanged file is served from "
           "the page cache (`keep_cache`)."),
           ("- **Cold restore without per-chunk copies** (`fetch_chunks` in "
-           "cachemgr/transfer.py, `Restorer._store_chunks` in cachemgr/restore.py): a "
+           "cachemgr/transfer.py, `ChunkFetcher._store_chunks` in cachemgr/chunkfetch.py): a "
            "prefetch GET of a run of 4 MiB chunks used to be split into a bytes copy per "
            "chunk, and each chunk written with its own worker-thread hop, open and index "
            "update. The chunks are now checked (CRC32C) on memoryviews of the one GET buffer "
