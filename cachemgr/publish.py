@@ -383,6 +383,13 @@ class Publisher:
             c = cur.get("commit", {})
             if c.get("node") == self.node and c.get("seq") == m["commit"]["seq"]:
                 return cur_info.etag  # this very set, PUT before a crash or a lost reply
+            if expect is not None and cur_info.etag == expect:
+                # Nothing changed, yet If-Match with its ETag was refused: a store that does
+                # not take the ETag in the form the probe found (docs/STORES.md). Retrying
+                # cannot help; say so instead of "kept changing".
+                raise StoreError(f"the store refused If-Match with the current ETag of"
+                                 f" {key} ({expect}): its conditional writes are not what the"
+                                 f" probe found ({self.store.conditional})")
             theirs = (int(c.get("committed_ns") or 0), str(c.get("node") or ""))
             if theirs > ours:
                 raise _LostRace(f"a concurrent commit of {s.path} on node {theirs[1]}, later"

@@ -152,6 +152,12 @@ def _add_mount_store(m: argparse.ArgumentParser) -> None:
     o.add_argument("--s3-region", default=None, help="S3 region")
     o.add_argument("--s3-path-style", action="store_true", help="path-style S3 addressing")
     o.add_argument("--s3-profile", default=None, help="AWS profile name")
+    o.add_argument("--store-ignores-conditions", action="store_true",
+                   help="mount even if the store is found to ignore conditional PUTs "
+                   "(If-None-Match/If-Match, probed at mount): commits then write their "
+                   "manifest unconditionally and the last node to commit a path wins; safe "
+                   "only with one node writing each path (default: refuse such a store, "
+                   "exit 7; docs/STORES.md)")
     o.add_argument("--compress", default="auto", type=str.lower,
                    choices=("auto", "lz4", "off"),
                    help="lz4 compression: auto samples each file and skips incompressible "
@@ -270,6 +276,7 @@ def cmd_mount(a: argparse.Namespace) -> int:
             prefetch_range=a.prefetch_range,
             refresh_interval=a.refresh_interval, commit_timeout=a.commit_timeout,
             allow_empty_namespace=a.allow_empty_namespace,
+            store_ignores_conditions=a.store_ignores_conditions,
             metrics=a.metrics,
             mountpoint=a.mountpoint.absolute(),
             cache_dir=(a.cache_dir or default_cache_dir()).absolute(),

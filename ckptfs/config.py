@@ -175,6 +175,9 @@ class MountConfig:
     # Mount even when the store's sets cannot be listed (the namespace then holds only this
     # cache's sets until a listing succeeds); default: such a mount fails with exit 7.
     allow_empty_namespace: bool = False
+    # Use a store whose conditional PUTs the mount's probe found ignored (last writer wins);
+    # default: such a store fails the mount with exit 7 (docs/STORES.md).
+    store_ignores_conditions: bool = False
     # --metrics [ADDR:]PORT: serve Prometheus metrics there (ckptfs.metrics); None: off.
     metrics: str | None = None
 

@@ -94,7 +94,9 @@ def _inject_faults(store, spec: str | None):
 
 async def _probe_store(store) -> None:
     """Fail the mount early on a store that cannot work at all (no such bucket, no access);
-    transient trouble only warns: writes land in the cache and uploads retry."""
+    transient trouble only warns: writes land in the cache and uploads retry. Then find out
+    what the store does with conditional PUTs (docs/STORES.md); if it cannot be asked now,
+    the first conditional PUT asks."""
     import trio
 
     from cachemgr.store import StoreError
@@ -106,8 +108,20 @@ async def _probe_store(store) -> None:
             if not e.transient:
                 raise
             log.warning("object store not reachable yet (%s); uploads will retry", e)
+            return
     if scope.cancelled_caught:
         log.warning("object store did not answer within 30s; uploads will retry")
+        return
+    with trio.move_on_after(30) as scope:
+        try:
+            await store.probe_conditional()
+        except StoreError as e:
+            # e.g. a credential that may list but not write: commits will say why they fail
+            log.warning("cannot probe the store's conditional writes (%s); the first commit"
+                        " will", e)
+    if scope.cancelled_caught:
+        log.warning("the store's conditional-write probe did not finish within 30s; the first"
+                    " commit will probe again")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -256,7 +270,8 @@ class _Daemon:
         cfg, store_url = self.cfg, self.store_url
         try:
             inner = open_store(store_url, endpoint_url=cfg.s3_endpoint, region=cfg.s3_region,
-                               path_style=cfg.s3_path_style, profile=cfg.s3_profile) \
+                               path_style=cfg.s3_path_style, profile=cfg.s3_profile,
+                               allow_unconditional=cfg.store_ignores_conditions) \
                 if store_url.startswith("s3://") else open_store(store_url)
             self.store = RetryingStore(_inject_faults(inner, os.environ.get("CKPTFS_FAULTS")))
             trio.run(_probe_store, self.store)
@@ -265,6 +280,16 @@ class _Daemon:
         except Exception as e:  # botocore config/credential errors
             raise _StartFailed(EXIT_STORE, f"object store {store_url} is unusable: "
                                f"{e.__class__.__name__}: {e}") from e
+        found = self.store.conditional
+        if found is not None and not found.honoured:
+            if not cfg.store_ignores_conditions:
+                raise _StartFailed(EXIT_STORE, (
+                    f"object store {store_url}: conditional writes {found.describe()}; two "
+                    "nodes committing one path would silently overwrite each other. Use a store "
+                    "that honours them (docs/STORES.md), or mount with "
+                    "--store-ignores-conditions if one node writes each path"))
+            log.warning("store %s: conditional writes %s; --store-ignores-conditions: the last"
+                        " node to commit a path wins", store_url, found.describe())
         index = self.core.index
         bound = index.meta("store_url")
         if bound is not None and bound != store_url:

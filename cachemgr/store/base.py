@@ -56,6 +56,43 @@ class Part:
     size: int
 
 
+@dataclass(frozen=True, slots=True)
+class ConditionalWrites:
+    """What a store was found to do with conditional PUTs: probed on a scratch key at mount
+    (`ObjectStore.probe_conditional`), never assumed. S3-compatible stores differ here
+    (docs/STORES.md): Ceph RGW 16.2 refuses If-Match with the quoted ETag that HeadObject
+    returns and takes it bare; AWS S3 and moto take both."""
+
+    if_none_match: bool       # PUT If-None-Match: * on an existing key answers 412
+    if_match: bool            # PUT If-Match: a wrong ETag 412, the current one replaces
+    etag_form: str = "quoted"  # the ETag form If-Match needs: "quoted" ("..."), or "bare"
+    missing_if_match: str = ""  # If-Match on a missing key: "404" (AWS), "412" (RGW)
+
+    @property
+    def honoured(self) -> bool:
+        return self.if_none_match and self.if_match
+
+    def describe(self) -> str:
+        if self.honoured:
+            absent = f"; If-Match on a missing key: {self.missing_if_match}" \
+                if self.missing_if_match else ""
+            return f"honoured (If-None-Match, If-Match with the {self.etag_form} ETag{absent})"
+        missing = [h for h, ok in (("If-None-Match", self.if_none_match),
+                                   ("If-Match", self.if_match)) if not ok]
+        return f"NOT honoured: the store ignores {' and '.join(missing)}"
+
+
+def bare_etag(etag: str) -> str:
+    """An ETag without its quotes (and weak prefix): the form compared inside ckptfs is the
+    store's own, this is only for stores that want it so in If-Match."""
+    e = etag[2:] if etag.startswith("W/") else etag
+    return e[1:-1] if len(e) >= 2 and e[0] == e[-1] == '"' else e
+
+
+def quoted_etag(etag: str) -> str:
+    return f'"{bare_etag(etag)}"'
+
+
 class StoreError(Exception):
     errno = errno.EIO
     transient = False
@@ -91,8 +128,25 @@ class ObjectStore(abc.ABC):
     """Async object store. Implementations must be safe to call from many trio tasks at once."""
 
     url: str
-    #: True if put() honours if_none_match/if_match atomically.
-    supports_conditional_put: bool = False
+
+    @property
+    def supports_conditional_put(self) -> bool:
+        """True if put() honours if_none_match/if_match atomically. Callers that cannot rely on
+        them (a store found to ignore them, mounted with the override) write unconditionally."""
+        return False
+
+    @property
+    def conditional(self) -> ConditionalWrites | None:
+        """What `probe_conditional` found (None: not probed yet)."""
+        return ConditionalWrites(self.supports_conditional_put, self.supports_conditional_put)
+
+    async def probe_conditional(self) -> ConditionalWrites:
+        """Find out, on a scratch key, whether this store honours If-None-Match and If-Match
+        on PUT and in which ETag form, and remember it (`conditional`). Backends whose
+        conditional writes are their own code (file://) answer without a request."""
+        found = self.conditional
+        assert found is not None
+        return found
 
     @abc.abstractmethod
     async def put(self, key: str, data: bytes | memoryview, *, if_none_match: bool = False,

@@ -102,7 +102,9 @@ _Stack = list[tuple[int, str, list[str]]]
 
 
 class LocalStore(ObjectStore):
-    supports_conditional_put = True
+    @property
+    def supports_conditional_put(self) -> bool:
+        return True  # _publish: link() creates only if absent; If-Match checks under a lock
 
     def __init__(self, root: Path, *, threads: int = 8) -> None:
         self.root = root

@@ -8,16 +8,26 @@ retry is visible in our statistics and logs.
 Credentials come only from the standard AWS chain (environment, shared config/credentials
 files, profile, instance metadata): this module never takes keys as arguments.
 
-Checksums: every PUT and part upload sends its CRC32C (`x-amz-checksum-crc32c`), which S3
-verifies on receipt; the whole object's CRC32C is also stored as user metadata
-(`x-amz-meta-ckptfs-crc32c`), because a multipart object's S3 checksum is a checksum of part
-checksums, not of the content.
+Conditional writes are probed, not assumed (`probe_conditional`, run at mount and, failing
+that, before the first conditional PUT): S3-compatible stores differ (docs/STORES.md). Ceph RGW
+16.2 refuses If-Match with the quoted ETag HeadObject returns and takes it bare, answers 412 (not
+404) to If-Match on a missing key, ignores If-None-Match on CompleteMultipartUpload and answers
+it with an empty ETag. So: If-Match is sent in the form the probe found; conditional writes are
+only ever single PUTs (manifests); the ETag of a completed multipart upload comes from HEAD when
+the answer has none.
+
+Checksums: every PUT and part upload sends its CRC32C (`x-amz-checksum-crc32c`), which AWS S3
+verifies on receipt (Ceph RGW 16.2 and moto ignore it: the conformance suite says so); the whole
+object's CRC32C is also stored as user metadata (`x-amz-meta-ckptfs-crc32c`), because a
+multipart object's S3 checksum is a checksum of part checksums, not of the content. Readers
+check every chunk against the manifest's CRC32Cs whatever the store did on receipt.
 """
 
 from __future__ import annotations
 
 import builtins
 import logging
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +38,7 @@ import botocore.exceptions
 import trio
 
 from .base import (
+    ConditionalWrites,
     NotFound,
     ObjectInfo,
     ObjectStore,
@@ -35,14 +46,19 @@ from .base import (
     PreconditionFailed,
     StoreError,
     TransientStoreError,
+    bare_etag,
     check_key,
     crc32c,
     crc32c_b64,
+    quoted_etag,
 )
 
 log = logging.getLogger(__name__)
 
 META_CRC = "ckptfs-crc32c"
+# Scratch objects of the conditional-write probe (docs/FORMAT.md "Layout"): written and deleted
+# by the probe, never read by anyone else.
+PROBE_PREFIX = "probe/"
 _TRANSIENT_CODES = {
     "SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "RequestTimeTooSkewed",
     "InternalError", "ServiceUnavailable", "503", "500", "502", "504",
@@ -58,6 +74,10 @@ class S3Options:
     max_connections: int = 16
     connect_timeout: float = 10.0
     read_timeout: float = 60.0
+    # A store found to ignore conditional writes is used anyway, writing unconditionally (the
+    # last writer of a path wins): `ckptfs mount --store-ignores-conditions`. Without it such a
+    # store fails the conditional PUT (and the mount refuses it).
+    allow_unconditional: bool = False
 
 
 def parse_s3_url(url: str) -> tuple[str, str]:
@@ -86,10 +106,20 @@ class S3Store(ObjectStore):
         )
         self.client = session.client("s3", endpoint_url=opts.endpoint_url, config=cfg)
         self._limiter = trio.CapacityLimiter(opts.max_connections)
-        # Conditional writes (If-None-Match / If-Match on PUT) exist on AWS S3 since 2024; a
-        # store that ignores them would make them unsafe, so the commit protocol checks
-        # `supports_conditional_put` and the caller can turn it off per endpoint.
-        self.supports_conditional_put = True
+        self._allow_unconditional = opts.allow_unconditional
+        # What the probe found; written once by probe_conditional under _probe_lock (trio
+        # thread only), read by put() and by callers through `supports_conditional_put`.
+        self._conditional: ConditionalWrites | None = None
+        self._probe_lock = trio.Lock()
+
+    @property
+    def conditional(self) -> ConditionalWrites | None:
+        return self._conditional
+
+    @property
+    def supports_conditional_put(self) -> bool:
+        # Not probed yet: callers go ahead with a conditional PUT, which probes first.
+        return self._conditional is None or self._conditional.honoured
 
     def _k(self, key: str) -> str:
         return self.prefix + check_key(key)
@@ -109,15 +139,83 @@ class S3Store(ObjectStore):
 
     async def put(self, key: str, data: bytes | memoryview, *, if_none_match: bool = False,
                   if_match: str | None = None) -> ObjectInfo:
+        conditions: dict[str, str] = {}
+        if if_none_match or if_match is not None:
+            caps = self._conditional or await self.probe_conditional()
+            if not caps.honoured:
+                if not self._allow_unconditional:
+                    raise StoreError(f"the store {caps.describe()}: a conditional PUT of {key}"
+                                     " cannot be made (see docs/STORES.md)", key=key)
+            elif if_none_match:
+                conditions["IfNoneMatch"] = "*"
+            else:
+                assert if_match is not None
+                conditions["IfMatch"] = bare_etag(if_match) if caps.etag_form == "bare" \
+                    else quoted_etag(if_match)
+        return await self._put(key, data, conditions)
+
+    async def _put(self, key: str, data: bytes | memoryview,
+                   conditions: dict[str, str]) -> ObjectInfo:
         crc = crc32c(data)
-        kw: dict[str, Any] = {"Bucket": self.bucket, "Key": self._k(key), "Body": bytes(data),
-                              "ChecksumCRC32C": crc32c_b64(crc), "Metadata": {META_CRC: str(crc)}}
-        if if_none_match:
-            kw["IfNoneMatch"] = "*"
-        if if_match is not None:
-            kw["IfMatch"] = if_match
-        r = await self._call(key, self.client.put_object, **kw)
+        r = await self._call(key, self.client.put_object, Bucket=self.bucket, Key=self._k(key),
+                             Body=bytes(data), ChecksumCRC32C=crc32c_b64(crc),
+                             Metadata={META_CRC: str(crc)}, **conditions)
         return ObjectInfo(key, len(data), r["ETag"], crc)
+
+    # -- the conditional-write probe ------------------------------------------------------------
+
+    async def probe_conditional(self) -> ConditionalWrites:
+        """PUT a scratch object under `probe/` with each condition and see what the store does
+        with it (docs/STORES.md); the object is deleted whatever happens. Six to eight requests,
+        once per mount. Raises StoreError if the store cannot be asked (then nothing is
+        remembered and the next conditional PUT asks again)."""
+        async with self._probe_lock:
+            if self._conditional is not None:
+                return self._conditional
+            key = f"{PROBE_PREFIX}{uuid.uuid4().hex}"
+            missing = key + ".absent"
+            try:
+                caps = await self._probe(key, missing)
+            finally:
+                with trio.CancelScope(shield=True):
+                    for k in (key, missing):
+                        try:
+                            await self.delete(k)
+                        except StoreError as e:
+                            log.warning("conditional-write probe: cannot delete %s: %s", k, e)
+            self._conditional = caps
+            log.info("store %s: conditional writes %s", self.url, caps.describe())
+            return caps
+
+    async def _refused(self, key: str, data: bytes, conditions: dict[str, str]) -> bool:
+        """Whether a PUT with `conditions` was refused (412)."""
+        try:
+            await self._put(key, data, conditions)
+        except PreconditionFailed:
+            return True
+        return False
+
+    async def _probe(self, key: str, missing: str) -> ConditionalWrites:
+        await self._put(key, b"1", {"IfNoneMatch": "*"})  # a new key: written
+        if_none_match = await self._refused(key, b"2", {"IfNoneMatch": "*"})
+        wrong = await self._refused(key, b"3", {"IfMatch": quoted_etag("0" * 32)})
+        current = (await self.head(key)).etag
+        form = None
+        for name, tag in (("quoted", quoted_etag(current)), ("bare", bare_etag(current))):
+            if not await self._refused(key, b"4", {"IfMatch": tag}):
+                form = name
+                break
+        if_match = wrong and form is not None
+        absent = ""
+        if if_match:
+            try:
+                await self._put(missing, b"5", {"IfMatch": quoted_etag(current)})
+                if_match = False  # a PUT on a missing key passed If-Match: ignored after all
+            except NotFound:
+                absent = "404"
+            except PreconditionFailed:
+                absent = "412"
+        return ConditionalWrites(if_none_match, if_match, form or "quoted", absent)
 
     async def get(self, key: str, start: int = 0, length: int | None = None) -> bytes:
         kw: dict[str, Any] = {"Bucket": self.bucket, "Key": self._k(key)}
@@ -193,10 +291,11 @@ class S3Store(ObjectStore):
                                         "ChecksumCRC32C": crc32c_b64(p.crc32c)}
                                        for p in ordered]},
         )
-        # S3 verified every part's CRC32C; the whole object's CRC32C is not known when the upload
-        # is created (it streams), so it is not in the object's metadata: callers record it in
-        # their manifest, and head() of a multipart object reports crc32c=None.
-        return ObjectInfo(key, sum(p.size for p in ordered), r["ETag"], crc32c)
+        # The whole object's CRC32C is not known when the upload is created (it streams), so it
+        # is not in the object's metadata: callers record it in their manifest, and head() of a
+        # multipart object reports crc32c=None. RGW 16.2 answers with an empty ETag: HEAD has it.
+        etag = r.get("ETag") or (await self.head(key)).etag
+        return ObjectInfo(key, sum(p.size for p in ordered), etag, crc32c)
 
     async def abort_multipart(self, key: str, upload_id: str) -> None:
         try:

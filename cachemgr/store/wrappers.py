@@ -19,7 +19,7 @@ from typing import Any
 
 import trio
 
-from .base import ObjectInfo, ObjectStore, Part, TransientStoreError
+from .base import ConditionalWrites, ObjectInfo, ObjectStore, Part, TransientStoreError
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,18 @@ class _Wrapper(ObjectStore):
     def __init__(self, inner: ObjectStore) -> None:
         self.inner = inner
         self.url = inner.url
-        self.supports_conditional_put = inner.supports_conditional_put
+
+    @property
+    def supports_conditional_put(self) -> bool:
+        return self.inner.supports_conditional_put
+
+    @property
+    def conditional(self) -> ConditionalWrites | None:
+        return self.inner.conditional
+
+    async def probe_conditional(self) -> ConditionalWrites:
+        found: ConditionalWrites = await self._do("probe_conditional")
+        return found
 
     async def _do(self, op: str, *args: Any, **kw: Any) -> Any:
         """Call `op` of the inner store (what each wrapper changes); the typed methods below
