@@ -26,6 +26,8 @@ MAX_KEY_COMPONENTS = 200  # a file:// store refuses keys deeper than 256 compone
 MANIFEST_PREFIX = "manifests/"
 MANIFEST_SUFFIX = ".json"
 PARTS_PREFIX = "parts/"
+# Scratch objects of a mount's conditional-write probe (cachemgr.store.s3, docs/STORES.md)
+PROBE_PREFIX = "probe/"
 LONG_PARTS_PREFIX = f"{PARTS_PREFIX}{LONG_KEY_DIR}/"
 
 

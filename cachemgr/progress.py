@@ -5,7 +5,8 @@ set holding a path (through supersession to the newest set of that path) until i
 or ends; a directory that is not (inside) one set is waited for as a whole (`_wait_dir`,
 docs/SEMANTICS.md "Waiting for a directory"); `set_rows` gives status its recent sets with
 their progress, what each waits for (cachemgr.gather) and which earlier set it is published
-after (cachemgr.publish).
+after (cachemgr.publish); `failed_sets` the failed sets that nothing has replaced since, over
+every set (status and metrics count them as at risk).
 
 Waiting: every wait request sleeps on `Signals.changed` (woken at every set state change, and
 at closes and removals, `Signals.wake_waiters`) and re-reads what it waits for from the index
@@ -87,6 +88,25 @@ class Progress:
             sets.append(row)
         return sets, pending
 
+    def failed_sets(self) -> list[dict[str, Any]]:
+        """The unresolved failed sets, over every set (not only the recent ones), oldest first:
+        each {seq, path, bytes, error, committed_ns}. A failed set is unresolved while it is
+        still what its path holds: no later set of its path (in any state) nor of a directory
+        above it (which absorbed it), and the path still leads to the set's root inode (not
+        removed, nor renamed away or over). Its bytes are then only in this node's cache: it
+        is at risk, as a set not durable yet is (docs/SEMANTICS.md "Durability window"). A
+        later commit of the path resolves it (at risk again only if that one fails too)."""
+        out = []
+        for r, nbytes in self.sets.failed_newest():
+            held = self.sets.holding(r.path)
+            if held is None or held.seq != r.seq:
+                continue  # a directory above it was committed since: that set holds the path
+            if self._at_path(r.path) != r.root_ino:
+                continue  # removed or replaced since: there is nothing of it left to lose
+            out.append({"seq": r.seq, "path": r.path, "bytes": nbytes, "error": r.error,
+                        "committed_ns": r.committed_ns})
+        return out
+
     def statistics(self) -> dict[str, int]:
         return {"waits": self.waits}
 
@@ -150,11 +170,13 @@ class Progress:
         return self.index.resolve(path)
 
     def _first_failed(self, newest: dict[str, SetRow]) -> Reply | None:
-        """A failed set still there and not written anew below: the directory cannot be
+        """A failed set still there, not written anew below and not absorbed by a later commit
+        of a directory above it (as `failed_sets` counts it): the directory cannot be
         durable."""
         for p, r in newest.items():
             if r.state == "failed" and self._at_path(p) == r.root_ino and not any(
-                    q.startswith(p + "/") and x.seq > r.seq for q, x in newest.items()):
+                    (q.startswith(p + "/") or p.startswith(q + "/")) and x.seq > r.seq
+                    for q, x in newest.items()):
                 return {"state": "failed", "seq": r.seq, "path": r.path, "error": r.error}
         return None
 

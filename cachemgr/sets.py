@@ -79,6 +79,7 @@ class SetRow:
 
 _SET_COLS = ("seq, path, kind, root_ino, state, reason, committed_ns, durable_ns, error, layout,"
              " origin, etag")
+_S_COLS = ", ".join("s." + c.strip() for c in _SET_COLS.split(","))  # the same, of `sets s`
 
 
 class SetRegistry:
@@ -223,7 +224,7 @@ class SetRegistry:
         if current is None:
             return None
         r = self.conn.execute(
-            f"SELECT {', '.join('s.' + c.strip() for c in _SET_COLS.split(','))} FROM sets s"
+            f"SELECT {_S_COLS} FROM sets s"
             f" JOIN set_files f ON f.seq = s.seq WHERE f.ino=? AND f.version=? AND s.state IN"
             f" {KEPT_STATES} ORDER BY s.seq DESC LIMIT 1", (ino, current[0])).fetchone()
         return SetRow(*r) if r else None
@@ -279,6 +280,16 @@ class SetRegistry:
             f"SELECT MIN(committed_ns) FROM sets WHERE state IN {LIVE_STATES}").fetchone()[0]
         return {"by_state": by_state, "pending_files": files, "pending_bytes": nbytes,
                 "oldest_live_committed_ns": oldest}
+
+    def failed_newest(self) -> list[tuple[SetRow, int]]:
+        """Failed sets that are still the newest set of their path (no later commit of the same
+        path, in any state), each with the bytes of its files, oldest first. Over every set:
+        one query on `sets_by_state` and `sets_by_path` (cachemgr.progress
+        `Progress.failed_sets` decides which of them are still unresolved)."""
+        return [(SetRow(*r[:-1]), r[-1]) for r in self.conn.execute(
+            f"SELECT {_S_COLS}, (SELECT COALESCE(SUM(f.size), 0) FROM set_files f"
+            f" WHERE f.seq = s.seq) FROM sets s WHERE s.state = 'failed' AND NOT EXISTS"
+            f" (SELECT 1 FROM sets t WHERE t.path = s.path AND t.seq > s.seq) ORDER BY s.seq")]
 
     def recent(self, limit: int) -> list[SetRow]:
         return [SetRow(*r) for r in self.conn.execute(

@@ -62,6 +62,9 @@ __all__ = ["Tiering", "TieringConfig", "object_key"]
 
 log = logging.getLogger(__name__)
 
+# status lists at most this many failed sets (it counts them all: failed_sets, failed_bytes)
+FAILED_SHOWN = 20
+
 
 @dataclass(frozen=True)
 class TieringConfig:
@@ -256,11 +259,18 @@ class Tiering:
     def status(self, limit: int = 50) -> dict[str, Any]:
         sets, pending = self.progress.set_rows(limit)
         live = self.sets.by_states(LIVE_STATES)
+        failed = self.progress.failed_sets()
         retry = getattr(self.store, "stats", None)  # RetryingStore: transient errors ridden out
         first_waiting = self.gatherer.first_waiting()
         h = self.store_health
+        found = self.store.conditional  # docs/STORES.md: probed at mount, None until then
         return {
             "store": {"url": self.store.url, "node": self.node, "health": h.health(),
+                      "conditional_writes": None if found is None else {
+                          "honoured": found.honoured, "if_none_match": found.if_none_match,
+                          "if_match": found.if_match, "etag_form": found.etag_form,
+                          "missing_if_match": found.missing_if_match,
+                          "summary": found.describe()},
                       "last_error": h.last_error, "consecutive_failures": h.consecutive_failures,
                       "retries": getattr(retry, "retries", 0),
                       "retry_failures": getattr(retry, "failures", 0)},
@@ -278,6 +288,11 @@ class Tiering:
             "waiting_sets": len([s for s in live if first_waiting is not None and
                                  s.seq >= first_waiting]),
             "pending_bytes": pending,
+            # failed for good and not replaced since (Progress.failed_sets): also at risk, and
+            # no upload will ever make them durable; the first FAILED_SHOWN of them, oldest first
+            "failed_sets": len(failed),
+            "failed_bytes": sum(f["bytes"] for f in failed),
+            "failed": failed[:FAILED_SHOWN],  # each {seq, path, bytes, error, committed_ns}
             "sets": sets,
             "services": self.services(),
         }
@@ -288,8 +303,10 @@ class Tiering:
         may keep it after the loop has moved on."""
         retry = getattr(self.store, "stats", None)  # RetryingStore; absent: a bare store
         r = self.restorer.statistics()
+        failed = self.progress.failed_sets()
         return {
-            "sets": self.sets.statistics(),
+            "sets": {**self.sets.statistics(), "failed_sets": len(failed),
+                     "failed_bytes": sum(f["bytes"] for f in failed)},
             "store": {"health": self.store_health.health(),
                       "consecutive_failures": self.store_health.consecutive_failures,
                       "requests": dict(getattr(retry, "by_op", {})),

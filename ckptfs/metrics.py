@@ -214,7 +214,9 @@ def _tiering_families(t: dict, now_ns: int) -> Iterator[Metric]:
     sets = t["sets"]
     m: CounterMetricFamily | GaugeMetricFamily
     m = GaugeMetricFamily("ckptfs_sets", "Shard sets by state (committed -> uploading -> "
-                          "durable; failed, superseded, replaced, deleting, deleted)",
+                          "durable; failed, superseded, replaced, deleting, deleted). failed "
+                          "counts every set that ever failed, also those saved again since: "
+                          "ckptfs_failed_sets counts the ones still at risk",
                           labels=("state",))
     by_state = dict.fromkeys(SET_STATES, 0) | sets["by_state"]
     for state, n in by_state.items():
@@ -230,6 +232,13 @@ def _tiering_families(t: dict, now_ns: int) -> Iterator[Metric]:
                             "committed set that is not durable yet was committed; 0 when every "
                             "set is durable. Its data is only in this node's cache until then.",
                             value=age)
+    yield GaugeMetricFamily("ckptfs_failed_sets", "Committed sets that failed for good (e.g. "
+                            "the store refused their manifest) and that no later commit of "
+                            "their path has replaced: not in the store, only in this node's "
+                            "cache, and no upload will make them durable; 0 when none",
+                            value=sets["failed_sets"])
+    yield GaugeMetricFamily("ckptfs_failed_bytes", "Bytes of the files of those failed sets "
+                            "(ckptfs_failed_sets)", value=sets["failed_bytes"])
 
     up = t["uploads"]
     yield _counter("ckptfs_upload_bytes_total", "Bytes of file data uploaded (before "

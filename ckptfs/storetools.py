@@ -766,6 +766,15 @@ class _Fsck:
             elif kind == "part record":
                 kept_parts.append(i)
 
+        # Scratch objects of a mount's conditional-write probe (docs/STORES.md), deleted by
+        # the probe itself; one older than the limit was left by a crash in the middle of it.
+        for i in self.view.infos(keys.PROBE_PREFIX):
+            age = self.now - i.mtime
+            if age >= self.older:
+                why = (f"conditional-write probe object, {_age(age)} old (a mount stopped in"
+                       " the middle of its probe)")
+                out.append((i.key, i.size, "probe object", why))
+
         def part(info, raw) -> None:  # a kept record's objects are not garbage
             node = cast(tuple[str, str], _record_node(info.key))[1]  # a kept part record
             try:

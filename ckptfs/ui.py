@@ -69,6 +69,8 @@ POLL = 0.2
 PLAIN_WIDTH = 1 << 16
 # States of a set that is committed but not yet durable in the store (cachemgr.sets.LIVE_STATES).
 AT_RISK = ("committed", "uploading")
+# The failed sets named, each on a line of its own, under "at risk" (status --json lists 20).
+FAILED_NAMED = 5
 STATE_STYLE = {"durable": "green", "committed": "yellow", "uploading": "cyan",
                "failed": "bold red", "deleting": "dim", "deleted": "dim", "replaced": "dim"}
 # Below this many columns a terminal gets the sets one above the other: the five number and
@@ -170,19 +172,37 @@ def plain(renderable: RenderableType) -> str:
 
 
 def _at_risk(t: dict, now: float) -> Text:
-    """Committed but not yet durable: what a lost cache disk would take with it."""
+    """Committed but not yet durable, and failed for good and not saved again since: what a
+    lost cache disk would take with it. Each failed set on a line of its own, with its reason
+    (the first FAILED_NAMED)."""
     n, pending = t.get("pending_sets", 0), t.get("pending_bytes", 0)
-    if n == 0:
+    nfailed = t.get("failed_sets", 0)  # absent from a daemon older than this CLI
+    if n == 0 and nfailed == 0:
         return Text(f"{human(pending)} in 0 sets: every committed set is durable in the store",
                     style="green")
-    live = [s["committed_ns"] for s in t.get("sets", []) if s["state"] in AT_RISK
-            and s.get("committed_ns")]
-    words = f"{human(pending)} in {_plural(n, 'set')} committed but not yet durable"
-    if live:
-        words += f", the oldest committed {duration(now - min(live) / 1e9)} ago"
-    if t.get("waiting_sets"):
-        words += f" ({t['waiting_sets']} waiting for other nodes)"
-    return Text(words, style="bold yellow")
+    out = Text()
+    if n:
+        live = [s["committed_ns"] for s in t.get("sets", []) if s["state"] in AT_RISK
+                and s.get("committed_ns")]
+        words = f"{human(pending)} in {_plural(n, 'set')} committed but not yet durable"
+        if live:
+            words += f", the oldest committed {duration(now - min(live) / 1e9)} ago"
+        if t.get("waiting_sets"):
+            words += f" ({t['waiting_sets']} waiting for other nodes)"
+        out.append(words, style="bold yellow")
+    if nfailed:
+        if n:
+            out.append("; ")
+        out.append(f"{human(t.get('failed_bytes', 0))} in {_plural(nfailed, 'set')} FAILED, "
+                   "not in the store (only in this cache; a new commit of the path retries):",
+                   style="bold red")
+        shown = t.get("failed", [])[:FAILED_NAMED]
+        for f in shown:
+            out.append(f"\n  {safe(f['path'])} ({safe(f.get('error') or 'failed')})",
+                       style="red")
+        if nfailed > len(shown):
+            out.append(f"\n  and {nfailed - len(shown)} more", style="red")
+    return out
 
 
 def _summary(st: dict, now: float) -> Table:
@@ -216,6 +236,10 @@ def _summary(st: dict, now: float) -> Table:
         line = Text(f"{safe(store['url'])}: ")
         line.append(store["health"], style=HEALTH_STYLE.get(store["health"], ""))
         line.append(f" (node {safe(store.get('node', '?'))})")
+        cw = store.get("conditional_writes")  # docs/STORES.md: probed at mount
+        line.append("; conditional writes " + ("not probed yet (the first commit probes)"
+                                               if cw is None else safe(cw["summary"])),
+                    style="" if cw is None or cw["honoured"] else "bold red")
         if store.get("last_error"):
             line.append(f"; last error: {safe(store['last_error'])}")
         g.add_row("store", line)
@@ -488,11 +512,19 @@ def drain(mp: Path, timeout: float | None) -> bool:
             pending, nsets = st.get("pending_bytes", 0), st.get("pending_sets", 0)
             remote = st.get("waiting_sets", 0)
             if nsets - remote <= 0 and pending == 0:
+                failed = st.get("failed_sets", 0)
                 if total:
+                    done = "all sets durable" if not failed else "all other sets durable"
                     meter.update(total, total, f"uploads: {human(total)} of {human(total)} "
-                                 "(100%): all sets durable", sets="all sets durable", rate="",
-                                 store="")
+                                 f"(100%): {done}", sets=done, rate="", store="")
                 meter.close()
+                if failed:
+                    # Failed for good: no upload will make them durable, and after the unmount
+                    # they are only in the cache dir (`ckptfs status` names them and why).
+                    paths = [f["path"] for f in st.get("failed", [])[:FAILED_NAMED]]
+                    more = f" and {failed - len(paths)} more" if failed > len(paths) else ""
+                    note(f"{_plural(failed, 'set')} FAILED and not in the store, only in the "
+                         f"cache: {', '.join(paths)}{more} (`ckptfs status` says why)")
                 if remote:
                     # Their commits wait for files other nodes write: nothing here can finish
                     # them; they resume at the next mount of this cache dir.

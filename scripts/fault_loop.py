@@ -5,9 +5,11 @@ fault each, every check after each iteration; the seed is printed and replayable
     python scripts/fault_loop.py --iterations 12 --seed 7 --report fault-report.json
     python scripts/fault_loop.py --iterations 1000 --seed 1 --report long.json   # the long run
     python scripts/fault_loop.py --seed 7 --iterations 4 --faults store --workloads torch,dcp1
+    python scripts/fault_loop.py --store rgw --iterations 100 --seed 20   # on a real S3 server
 
 Two "nodes" (ckptfs mounts A and B, their own cache dirs; A's on a small tmpfs) share one S3
-bucket on a moto_server, reached through tests/faultproxy.py. A trainer (2 gloo ranks: rank 0
+bucket on a moto_server (or, with `--store rgw`, a one-node Ceph RGW: scripts/rgw.sh), reached
+through tests/faultproxy.py. A trainer (2 gloo ranks: rank 0
 writes through A, rank 1 through B) runs one workload per iteration (torch.save + `latest`
 symlink, DCP with 1 rank, DCP with 2 ranks, rotation) while one fault hits (kill -9 of the
 trainer or of a daemon at an aimed moment, a store fault at the proxy, a full cache disk).
@@ -648,8 +650,45 @@ class Loop:
 
     # -- setup / teardown ---------------------------------------------------------------------
 
+    def _start_moto(self) -> str:
+        import socket
+        import urllib.request
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        mlog = open(self.work / "moto.log", "w")  # noqa: SIM115 - closed by the cleanup below
+        moto = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1",
+                                 "-p", str(port)], stdout=mlog, stderr=subprocess.STDOUT)
+        self.cleanups.append(lambda: (moto.terminate(), moto.wait(timeout=20), mlog.close()))
+        url = f"http://127.0.0.1:{port}"
+
+        def up() -> bool:
+            try:
+                urllib.request.urlopen(url + "/moto-api/", timeout=1).read()
+                return True
+            except OSError:
+                return moto.poll() is not None
+        wait_for(up, 60, "moto_server", exc=RuntimeError)
+        return url
+
+    def _start_rgw(self) -> str:
+        """A one-node Ceph RGW (scripts/rgw.sh), stopped by the cleanups."""
+        where = self.work / "rgw"
+        script = str(REPO / "scripts" / "rgw.sh")
+        env = dict(os.environ, RGW_ACCESS_KEY=os.environ["AWS_ACCESS_KEY_ID"],
+                   RGW_SECRET_KEY=os.environ["AWS_SECRET_ACCESS_KEY"])
+        self.cleanups.append(lambda: subprocess.run(["bash", script, "stop", str(where)],
+                                                    capture_output=True, timeout=120))
+        r = subprocess.run(["bash", script, "start", str(where)], capture_output=True,
+                           text=True, env=env, timeout=900)
+        if r.returncode != 0:
+            raise RuntimeError(f"cannot start Ceph RGW: {r.stderr.strip()[-300:]}")
+        return r.stdout.strip().splitlines()[-1]
+
     def setup(self) -> None:
         import boto3
+        import botocore.config
 
         from tests.faultproxy import FaultProxy
 
@@ -660,27 +699,10 @@ class Loop:
         self.work = Path(tempfile.mkdtemp(prefix="ckptfs-faults-", dir=base))
         self.cleanups.append(lambda: shutil.rmtree(self.work, ignore_errors=True)
                              if not self.args.keep_workdir else None)
-        # moto
-        import socket
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        mlog = open(self.work / "moto.log", "w")  # noqa: SIM115 - closed by the cleanup below
-        self.moto = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1",
-                                      "-p", str(port)], stdout=mlog, stderr=subprocess.STDOUT)
-        self.cleanups.append(lambda: (self.moto.terminate(), self.moto.wait(timeout=20),
-                                      mlog.close()))
-        self.moto_url = f"http://127.0.0.1:{port}"
-        import urllib.request
-
-        def up():
-            try:
-                urllib.request.urlopen(self.moto_url + "/moto-api/", timeout=1).read()
-                return True
-            except OSError:
-                return self.moto.poll() is not None
-        wait_for(up, 60, "moto_server", exc=RuntimeError)
-        boto3.client("s3", endpoint_url=self.moto_url).create_bucket(Bucket=BUCKET)
+        self.moto_url = self._start_rgw() if self.args.store == "rgw" else self._start_moto()
+        boto3.client("s3", endpoint_url=self.moto_url,
+                     config=botocore.config.Config(s3={"addressing_style": "path"})
+                     ).create_bucket(Bucket=BUCKET)
         self.proxy = FaultProxy(self.moto_url, seed=self.seed).start()
         self.cleanups.append(self.proxy.stop)
         self.view = StoreView(self.moto_url)
@@ -1288,7 +1310,8 @@ class Loop:
         failures = []
         try:
             self.setup()
-            log(f"work dir {self.work}; moto {self.moto_url}; proxy {self.proxy.url}")
+            log(f"work dir {self.work}; {self.args.store} {self.moto_url}; proxy "
+                f"{self.proxy.url}")
             for i in range(self.args.iterations):
                 try:
                     rec = self.iteration(i)
@@ -1468,6 +1491,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--iterations", type=int, default=10)
+    p.add_argument("--store", choices=("moto", "rgw"), default="moto",
+                   help="the S3 server behind the fault proxy: moto, or a one-node Ceph RGW "
+                   "(scripts/rgw.sh; docs/STORES.md)")
     p.add_argument("--seed", type=int, default=None, help="default: random (printed)")
     p.add_argument("--workloads", dest="workloads_arg",
                    help=f"comma list of {', '.join(WORKLOADS)} (default: all)")

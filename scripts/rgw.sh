@@ -63,6 +63,7 @@ wait_for() {
 
 start() {
     D="$(realpath -m "$1")"
+    local i
     if [ -s "$D/endpoint" ] && alive "$D/pids/mon" && alive "$D/pids/osd" &&
             alive "$D/pids/rgw" && answers "$(cat "$D/endpoint")"; then
         cat "$D/endpoint"
@@ -127,12 +128,29 @@ EOF
     uuid=$(python3 -c 'import uuid; print(uuid.uuid4())')
     id=$("${ceph[@]}" osd new "$uuid" 2>>"$D/log/mkfs.log") || die "ceph osd new failed"
     [ "$id" = 0 ] || die "expected osd id 0, got $id"
+    # The OSD must find itself in the map it boots with, else the monitor answers its first
+    # command with 'wrong fsid' and it never comes up (seen when it started right after
+    # `osd new`): wait for the entry, and give the OSD a second start if it still does not boot.
+    in_map() { "${ceph[@]}" osd dump 2>/dev/null | grep -q "^osd\.0 .*$uuid"; }
+    wait_for 30 "osd.0 in the OSD map" in_map
     ceph-osd -c "$conf" -i 0 --mkfs --osd-uuid "$uuid" >>"$D/log/mkfs.log" 2>&1 \
         || die "ceph-osd --mkfs failed ($D/log/mkfs.log)"
-    setsid ceph-osd -c "$conf" -i 0 -f >>"$D/log/osd.out" 2>&1 </dev/null &
-    echo $! >"$D/pids/osd"
     osd_up() { "${ceph[@]}" osd dump 2>/dev/null | grep -q '^osd\.0 up'; }
-    wait_for 60 "ceph-osd" osd_up
+    local try
+    for try in 1 2 3; do
+        setsid ceph-osd -c "$conf" -i 0 -f >>"$D/log/osd.out" 2>&1 </dev/null &
+        echo $! >"$D/pids/osd"
+        for ((i = 0; i < 100; i++)); do
+            osd_up && break
+            kill -0 "$(cat "$D/pids/osd")" 2>/dev/null || break
+            sleep 0.2
+        done
+        osd_up && break
+        echo "rgw.sh: ceph-osd did not boot (try $try), starting it again" >&2
+        kill -KILL "$(cat "$D/pids/osd")" 2>/dev/null || true
+        wait "$(cat "$D/pids/osd")" 2>/dev/null || true
+    done
+    osd_up || die "ceph-osd did not come up (logs in $D/log)"
 
     setsid radosgw -c "$conf" -n client.rgw.a -f >>"$D/log/rgw.out" 2>&1 </dev/null &
     echo $! >"$D/pids/rgw"

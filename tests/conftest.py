@@ -238,14 +238,78 @@ def moto_server():
         log.close()
 
 
-@pytest.fixture
-def s3_bucket(moto_server):
-    """A fresh bucket on the moto server; yields (endpoint_url, bucket name)."""
+# ----------------------------------------------------------------------------------------------
+# a real S3 implementation: a one-node Ceph RGW on 127.0.0.1 (scripts/rgw.sh)
+
+# CKPTFS_TEST_S3=rgw: the store-facing tests (`s3_endpoint`, `s3_bucket`) talk to RGW instead of
+# moto; scripts/test.sh runs the tests marked `s3` so, after the whole suite on moto.
+S3_KIND = os.environ.get("CKPTFS_TEST_S3", "moto")
+if S3_KIND not in ("moto", "rgw"):
+    raise pytest.UsageError(f"CKPTFS_TEST_S3 must be moto or rgw, not {S3_KIND!r}")
+
+
+@pytest.fixture(scope="session")
+def rgw_server(tmp_path_factory):
+    """A one-node Ceph RGW for the whole session (scripts/rgw.sh: installs the Debian packages
+    once, starts mon + OSD on memstore + radosgw, ~13 s); yields its endpoint URL. Its S3 user
+    has the credentials the tests give boto3 through the environment. Without Ceph the tests
+    that need it skip, and fail with CI=true."""
+    os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
+    os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
+    os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+    where = tmp_path_factory.mktemp("rgw")
+    env = dict(os.environ, RGW_ACCESS_KEY=os.environ["AWS_ACCESS_KEY_ID"],
+               RGW_SECRET_KEY=os.environ["AWS_SECRET_ACCESS_KEY"])
+    script = str(REPO / "scripts" / "rgw.sh")
+    r = subprocess.run(["bash", script, "start", str(where)], capture_output=True, text=True,
+                       env=env, timeout=900)
+    if r.returncode != 0:
+        why = f"cannot start Ceph RGW (rgw.sh exit {r.returncode}): {r.stderr.strip()[-500:]}"
+        subprocess.run(["bash", script, "stop", str(where)], capture_output=True, timeout=120)
+        if IN_CI:
+            pytest.fail(why)
+        pytest.skip(why)
+    try:
+        yield r.stdout.strip().splitlines()[-1]
+    finally:
+        subprocess.run(["bash", script, "stop", str(where)], capture_output=True, timeout=120)
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint(request):
+    """The S3 endpoint of the store-facing tests: moto_server, or RGW with CKPTFS_TEST_S3=rgw."""
+    return request.getfixturevalue("rgw_server" if S3_KIND == "rgw" else "moto_server")
+
+
+def new_bucket(endpoint: str) -> str:
+    """A fresh bucket at `endpoint` (moto or RGW); its name."""
     import uuid
 
     import boto3
+    import botocore.config
 
     name = f"ckpt-{uuid.uuid4().hex[:12]}"
-    boto3.client("s3", endpoint_url=moto_server, region_name="us-east-1").create_bucket(
+    boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
+                 config=botocore.config.Config(s3={"addressing_style": "path"})).create_bucket(
         Bucket=name)
-    return moto_server, name
+    return name
+
+
+@pytest.fixture
+def s3_bucket(s3_endpoint):
+    """A fresh bucket on the session's S3 endpoint (moto, or RGW: `s3_endpoint`); yields
+    (endpoint_url, bucket name)."""
+    return s3_endpoint, new_bucket(s3_endpoint)
+
+
+_S3_FIXTURES = {"s3_bucket", "s3_endpoint", "moto_server", "rgw_server"}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark `s3` every test that talks to an S3 endpoint: through a fixture, or as the "s3"
+    case of a test parametrized over stores (scripts/test.sh runs these again on RGW)."""
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if _S3_FIXTURES & set(getattr(item, "fixturenames", ())) or "s3" in [
+                v for v in params.values() if isinstance(v, str)]:
+            item.add_marker(pytest.mark.s3)

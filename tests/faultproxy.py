@@ -14,6 +14,11 @@ Modes (what an S3 client meets in the wild):
 
   error500 / error503 / slowdown   an S3 XML error (InternalError 500, ServiceUnavailable 503,
                                    SlowDown 503); the request never reaches the store
+  strip_conditions  forwarded without its If-None-Match and If-Match headers: a store that
+               ignores conditional writes (moto only: a store that checks signatures refuses
+               the altered request)
+  error403     an S3 XML AccessDenied 403, not forwarded: a refusal for good (not transient:
+               the client does not retry it), e.g. aimed at a manifest PUT to fail its set
   reset        connection reset: mid request body for requests with a body (not forwarded),
                else mid response body (forwarded: the store applied it)
   truncate     forwarded; the response claims its full Content-Length, carries only part of the
@@ -45,10 +50,10 @@ import struct
 import threading
 import time
 import urllib.parse
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
-MODES = ("error500", "error503", "slowdown", "reset", "truncate", "hangup", "lost_reply",
-         "slow", "stall", "outage", "hold")
+MODES = ("error500", "error503", "slowdown", "error403", "reset", "truncate", "hangup",
+         "lost_reply", "slow", "stall", "outage", "hold", "strip_conditions")
 OPS = ("get", "head", "put", "delete", "list", "create_multipart", "upload_part",
        "complete_multipart", "abort_multipart", "other")
 CONTROL = "/__faultproxy__/"
@@ -59,6 +64,7 @@ _ERRORS = {
     "error503": (503, "Service Unavailable", "ServiceUnavailable",
                  "Service is unable to handle request."),
     "slowdown": (503, "Slow Down", "SlowDown", "Please reduce your request rate."),
+    "error403": (403, "Forbidden", "AccessDenied", "Access Denied"),
 }
 
 
@@ -299,6 +305,10 @@ class FaultProxy:
                     time.sleep(rule.delay)  # the fault itself: a store that answers late
                 if mode == "hold" and not self._hold(rule.delay):
                     return  # dropped: closed unanswered
+                if mode == "strip_conditions":
+                    req = replace(req, headers=[
+                        (k, v) for k, v in req.headers
+                        if k.lower() not in ("if-none-match", "if-match")])
                 if up is None:
                     up = http.client.HTTPConnection(*self.upstream, timeout=120)
                 try:

@@ -31,9 +31,9 @@ from tests.faultproxy import FaultProxy, Rule, classify
 
 
 @pytest.fixture
-def proxied(moto_server):
+def proxied(s3_endpoint):
     """(proxy, boto3 client through it, bucket): no botocore retries, short timeouts."""
-    proxy = FaultProxy(moto_server, seed=1).start()
+    proxy = FaultProxy(s3_endpoint, seed=1).start()
     cfg = botocore.config.Config(retries={"total_max_attempts": 1, "mode": "standard"},
                                  s3={"addressing_style": "path"}, read_timeout=5,
                                  connect_timeout=5)
@@ -77,16 +77,19 @@ def test_proxy_passes_requests_through(proxied):
     assert proxy.snapshot()["stats"]["requests"] >= 7
 
 
-@pytest.mark.parametrize("mode,code", [("error500", "InternalError"),
-                                       ("error503", "ServiceUnavailable"),
-                                       ("slowdown", "SlowDown")])
-def test_error_modes_answer_s3_xml_errors(proxied, mode, code):
+@pytest.mark.parametrize("mode,code,status", [("error500", "InternalError", 500),
+                                              ("error503", "ServiceUnavailable", 503),
+                                              ("slowdown", "SlowDown", 503),
+                                              ("error403", "AccessDenied", 403)])
+def test_error_modes_answer_s3_xml_errors(proxied, mode, code, status):
     proxy, s3, bucket = proxied
     proxy.set_rules([Rule(mode, ops={"put"}, times=1)])
     with pytest.raises(botocore.exceptions.ClientError) as e:
         s3.put_object(Bucket=bucket, Key="data/y", Body=b"y")
     assert e.value.response["Error"]["Code"] == code
-    assert e.value.response["ResponseMetadata"]["HTTPStatusCode"] in (500, 503)
+    assert e.value.response["ResponseMetadata"]["HTTPStatusCode"] == status
+    keys = {o["Key"] for o in s3.list_objects_v2(Bucket=bucket).get("Contents", [])}
+    assert "data/y" not in keys  # not forwarded
     s3.put_object(Bucket=bucket, Key="data/y", Body=b"y")   # times=1: the next one passes
     assert proxy.snapshot()["stats"][mode] == 1
 

@@ -115,6 +115,8 @@ def test_metrics_follow_a_checkpoint_until_durable(mount_factory, monkeypatch, t
     assert base.types["ckptfs_fuse_requests"] == "counter"
     assert base("ckptfs_sets", state="committed") + base("ckptfs_sets", state="uploading") == 0
     assert base("ckptfs_oldest_pending_set_age_seconds") == 0
+    assert base("ckptfs_failed_sets") == base("ckptfs_failed_bytes") == 0
+    assert base.types["ckptfs_failed_sets"] == base.types["ckptfs_failed_bytes"] == "gauge"
     assert base("process_resident_memory_bytes") > 0
     mode = m.status()["data_path"]["mode"]
     want = "passthrough" if mode == "passthrough" else "daemon"
@@ -188,6 +190,7 @@ def test_metrics_follow_a_checkpoint_until_durable(mount_factory, monkeypatch, t
     assert after("ckptfs_pending_upload_files") == 0
     assert after("ckptfs_pending_upload_bytes") == 0
     assert after("ckptfs_oldest_pending_set_age_seconds") == 0
+    assert after("ckptfs_failed_sets") == during("ckptfs_failed_sets") == 0
     assert after("ckptfs_upload_bytes_total") - base("ckptfs_upload_bytes_total") >= total
     assert after("ckptfs_upload_files_total", result="done") - \
         base("ckptfs_upload_files_total", result="done") >= 3
@@ -408,3 +411,34 @@ def test_a_failing_collector_fails_the_scrape_once_logged(tmp_path, caplog):
         loop.stop()
     with pytest.raises(OSError):
         socket.create_connection(("127.0.0.1", port), timeout=5).close()
+
+
+def test_failed_sets_are_gauges_of_their_own(tmp_path):
+    """ckptfs_failed_sets / ckptfs_failed_bytes carry the unresolved failed sets of the
+    snapshot (Tiering.statistics: those no later commit replaced), apart from
+    ckptfs_sets{state="failed"}, which counts every set that ever failed. (A set the store
+    refuses on a real mount: tests/test_status.py.)"""
+    import ckptfs.metrics as metrics
+
+    tiering = {
+        "sets": {"by_state": {"durable": 3, "failed": 4}, "pending_files": 0,
+                 "pending_bytes": 0, "oldest_live_committed_ns": None, "failed_sets": 2,
+                 "failed_bytes": 12345},
+        "uploads": {"bytes": 0, "stored_bytes": 0, "parts": 0, "done": 0, "cancelled": 0,
+                    "running": 0, "queued": 0},
+        "restore": {"bytes": 0, "chunks": 0, "integrity_errors": 0, "damaged_cache_chunks": 0},
+        "store": {"requests": {}, "retries": {}, "errors": {}, "health": "normal",
+                  "consecutive_failures": 0},
+        "cache_size": None,
+    }
+    snap = {"io": {"reads": 0, "bytes_read": 0, "writes": 0, "bytes_written": 0},
+            "cache": {"bytes": 0, "evictions": 0, "evicted_bytes": 0},
+            "data_path": {"mode": "passthrough"}, "fuse": {"requests": {}, "errors": {}},
+            "tiering": tiering, "now_ns": time.time_ns(), "took_s": 0.0}
+    fams = {f.name: f for f in metrics.families(snap, tmp_path)}
+    for name, want in (("ckptfs_failed_sets", 2), ("ckptfs_failed_bytes", 12345)):
+        assert fams[name].type == "gauge"
+        assert [(x.labels, x.value) for x in fams[name].samples] == [({}, want)]
+    by_state = {x.labels["state"]: x.value for x in fams["ckptfs_sets"].samples}
+    assert by_state["failed"] == 4 and by_state["committed"] == 0
+    assert [x.value for x in fams["ckptfs_oldest_pending_set_age_seconds"].samples] == [0.0]

@@ -37,7 +37,7 @@ from cachemgr.fs import CacheFs
 from cachemgr.index import ROOT_INO
 from cachemgr.keys import is_manifest_key, manifest_key
 from cachemgr.sets import SetRegistry
-from cachemgr.store import FaultyStore, LocalStore, RetryingStore, RetryPolicy
+from cachemgr.store import FaultyStore, LocalStore, RetryingStore, RetryPolicy, StoreError
 from cachemgr.tiering import Tiering, TieringConfig
 from cachemgr.transfer import TransferConfig
 
@@ -56,6 +56,7 @@ class Recorder(LocalStore):
         self.log: list[tuple[str, str]] = []
         self.gates: dict[str, trio.Event] = {}
         self.held: set[str] = set()
+        self.refused: set[str] = set()  # PUTs of keys with these prefixes are refused for good
 
     def gate(self, prefix: str) -> trio.Event:
         ev = self.gates[prefix] = trio.Event()
@@ -70,6 +71,8 @@ class Recorder(LocalStore):
 
     async def put(self, key, data, **kw):
         await self._hold(key)
+        if any(key.startswith(p) for p in self.refused):
+            raise StoreError(f"AccessDenied: Access Denied ({key})", key=key)  # not transient
         out = await super().put(key, data, **kw)
         self.log.append(("put", key))
         return out
@@ -289,6 +292,65 @@ def test_a_deleted_set_is_unpublished(node, store):
     assert node.state("model.pt") == "deleted"
     with pytest.raises(Exception, match=r"model\.pt"):
         read_manifest(store, "model.pt")
+
+
+def test_a_failed_set_is_at_risk_until_its_path_is_committed_again(node, store):
+    """A set whose manifest the store refuses for good is failed and, while nothing replaced
+    it, at risk: `Progress.failed_sets` (over every set), status' failed_sets/failed_bytes/
+    failed and the metrics' totals count it, and a wait on it or on a directory holding it
+    answers failed with the reason. A later commit of its path, or of a directory above it,
+    resolves it; so does its removal (nothing is left to lose)."""
+    store.refused |= {manifest_key(p) for p in ("model.pt", "run/x/a.pt", "gone.pt")}
+    node.mkdir("run")
+    node.mkdir("run/x")
+    node.write("model.pt", b"m" * 5000)
+    node.write("run/x/a.pt", b"a" * 3000)
+    node.write("gone.pt", b"g" * 1000)
+
+    def failed() -> dict[str, dict]:
+        return {f["path"]: f for f in node.t.progress.failed_sets()}
+
+    async def body():
+        await until(lambda: len(failed()) == 3, "the three sets to fail")
+        got = failed()
+        assert {p: f["bytes"] for p, f in got.items()} == {
+            "model.pt": 5000, "run/x/a.pt": 3000, "gone.pt": 1000}
+        for f in got.values():
+            assert f["error"].startswith("the store refused its manifest: AccessDenied"), f
+            assert node.sets.get(f["seq"]).state == "failed"
+        st = node.t.status()
+        assert st["failed_sets"] == 3 and st["failed_bytes"] == 9000
+        assert [f["path"] for f in st["failed"]] == ["model.pt", "run/x/a.pt", "gone.pt"]
+        assert st["pending_sets"] == 0 and st["pending_bytes"] == 0
+        stats = node.t.statistics()["sets"]
+        assert stats["failed_sets"] == 3 and stats["failed_bytes"] == 9000
+        # A wait on the set, and on a directory over it (not itself a set), says failed.
+        r = await node.t.wait("model.pt", 5)
+        assert r["state"] == "failed" and "refused its manifest" in r["error"], r
+        r = await node.t.wait("run", 5)
+        assert r["state"] == "failed" and r["path"] == "run/x/a.pt", r
+        assert "refused its manifest" in r["error"], r
+
+        # Removed: nothing of it is left to lose.
+        node.core.unlink(ROOT_INO, b"gone.pt")
+        assert set(failed()) == {"model.pt", "run/x/a.pt"}
+        # The store takes manifests again: a commit of the directory above a.pt absorbs it, a
+        # new save of model.pt replaces it.
+        store.refused.clear()
+        node.t.commit_path("run/x")
+        node.write("model.pt", b"n" * 7000)
+        await until(lambda: node.state("run/x") == node.state("model.pt") == "durable",
+                    "the new commits to be durable")
+        assert failed() == {}
+        st = node.t.status()
+        assert (st["failed_sets"], st["failed_bytes"], st["failed"]) == (0, 0, [])
+        stats = node.t.statistics()["sets"]
+        assert (stats["failed_sets"], stats["failed_bytes"]) == (0, 0)
+        assert stats["by_state"]["failed"] == 3  # the history stays; none is at risk
+        assert (await node.t.wait("model.pt", 5))["state"] == "durable"
+        r = await node.t.wait("run", 5)
+        assert r["state"] == "durable", r
+    run_nodes([node], body)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -392,10 +392,15 @@ def plant_garbage(store_dir: Path) -> dict[str, set[str]]:
     live_unnamed = f"data/{LIVE}/2/1/older-version.pt"
     put(store_dir, live_unnamed, os.urandom(100), age=old)
     put(store_dir, f"members/@{LIVE}.json", b'{"format": "ckptfs-member"}')
+    # a conditional-write probe's scratch object left by a crash, and one being probed now
+    stale_probe, probing = "probe/6f1c0a3b9d2e4f5a8b7c6d5e4f3a2b1c", "probe/0123abcd.absent"
+    put(store_dir, stale_probe, b"4", age=old)
+    put(store_dir, probing, b"1")
     return {"garbage": {orphan, part_obj, keys.part_key("ckpt/step_9", DEAD),
-                        f"members/@{DEAD}.json", f"intents/{DEAD}-4-18a3c0de5f2b1c00.json"},
+                        f"members/@{DEAD}.json", f"intents/{DEAD}-4-18a3c0de5f2b1c00.json",
+                        stale_probe},
             "kept": {fresh, live_obj, live_unnamed, keys.part_key("ckpt/step_9", LIVE),
-                     f"members/@{LIVE}.json"}}
+                     f"members/@{LIVE}.json", probing}}
 
 
 def test_fsck_lists_garbage_and_repair_deletes_exactly_it(file_store, tmp_path):

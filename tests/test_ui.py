@@ -231,6 +231,8 @@ def test_status_shows_sets_and_the_data_at_risk(mount_factory, tmp_path, monkeyp
     assert f"pid {m.pid}" in line_of(text, "mount ")
     assert "3 files" in line_of(text, "cache dir ") and "disk free" in text
     assert f"file://{m.store_dir}: normal" in line_of(text, "store ")
+    assert "; conditional writes honoured (If-None-Match, If-Match" in line_of(text, "store ")
+    assert tiering(m)["store"]["conditional_writes"]["honoured"] is True
     # Nothing is durable: both sets, all their bytes, are at risk.
     risk = line_of(text, "at risk ")
     assert f"{ui.human(total + 2 * MiB)} in 2 sets committed but not yet durable" in risk, risk

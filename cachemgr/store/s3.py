@@ -37,6 +37,7 @@ import botocore.config
 import botocore.exceptions
 import trio
 
+from ..keys import PROBE_PREFIX
 from .base import (
     ConditionalWrites,
     NotFound,
@@ -56,9 +57,7 @@ from .base import (
 log = logging.getLogger(__name__)
 
 META_CRC = "ckptfs-crc32c"
-# Scratch objects of the conditional-write probe (docs/FORMAT.md "Layout"): written and deleted
-# by the probe, never read by anyone else.
-PROBE_PREFIX = "probe/"
+
 _TRANSIENT_CODES = {
     "SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "RequestTimeTooSkewed",
     "InternalError", "ServiceUnavailable", "503", "500", "502", "504",
