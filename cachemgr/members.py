@@ -12,7 +12,7 @@ A asks:
   * **membership**: every mount PUTs `members/@<node>.json` before it serves its first request
     (`register`, at mount), renews it every lease/4 in the background and DELETEs it at a clean
     unmount once its records are all in the store (`leave`). A member whose record was last
-    written more than `lease_s` (its own, from the record) + `_SKEW` ago is gone;
+    written more than `lease_s` (its own, from the record) + `LEASE_SKEW_S` ago is gone;
   * **intent**: the committer lists `members/`. No other live member: nothing more (a single
     node pays one LIST). Else it PUTs `intents/<id>.json` naming the set's paths and the live
     members it waits for;
@@ -76,7 +76,7 @@ log = logging.getLogger(__name__)
 MEMBERS = "members/"
 INTENTS = "intents/"
 ACKS = "acks/"
-_SKEW = 10.0  # seconds of clock difference (store vs node) a lease check allows for
+LEASE_SKEW_S = 10.0  # seconds of clock difference (store vs node) a lease check allows for
 
 
 def member_key(node: str) -> str:
@@ -214,7 +214,7 @@ class Members:
             node = parse_member_key(info.key)
             if node is None or node == self.node:
                 continue
-            if info.mtime + self.lease + _SKEW >= now:
+            if info.mtime + self.lease + LEASE_SKEW_S >= now:
                 out[node] = info.mtime
                 continue
             # Expired by this node's lease: its own may be longer.
@@ -223,7 +223,7 @@ class Members:
             except NotFound:
                 continue
             lease = doc["lease_s"] if doc else 0.0
-            if info.mtime + lease + _SKEW >= now:
+            if info.mtime + lease + LEASE_SKEW_S >= now:
                 out[node] = info.mtime
         return out
 

@@ -20,6 +20,20 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 PREFETCH_MODES = ("auto", "set", "file", "reads", "none")
 
 
+def _is_endpoint_url(url: str) -> bool:
+    """http(s)://host[:port][/path]: what botocore takes as an endpoint (checked here so that a
+    malformed value is a usage error, exit 2, not a store that fails at mount, exit 7)."""
+    import urllib.parse
+
+    try:
+        u = urllib.parse.urlsplit(url)
+        u.port  # noqa: B018 - raises ValueError on a bad port
+    except ValueError:
+        return False
+    return u.scheme in ("http", "https") and bool(u.hostname) and not any(
+        c.isspace() for c in url)
+
+
 class ConfigError(ValueError):
     """A bad option value. The CLI prints it as one line and exits with EXIT_USAGE."""
 
@@ -188,6 +202,9 @@ class MountConfig:
         if self.store is not None and self.store.startswith("s3://") and \
                 len(self.store) <= len("s3://"):
             raise ConfigError("--store s3:// needs a bucket name")
+        if self.s3_endpoint is not None and not _is_endpoint_url(self.s3_endpoint):
+            raise ConfigError(f"--s3-endpoint must be an http:// or https:// URL with a host "
+                              f"(and optional port), not {self.s3_endpoint!r}")
         if self.compress not in ("auto", "lz4", "off"):
             raise ConfigError("--compress must be auto, lz4 or off")
         if not (5 << 20 <= self.part_size <= 5 << 30):

@@ -743,13 +743,25 @@ class _Fsck:
                 bar.close()
         return len(todo)
 
+    def _lease_runs(self, info) -> bool:
+        """Whether the member record `info` is within the lease it states (cachemgr.members:
+        the same test committers use to wait for a node)."""
+        try:
+            raw = self.view.get(info.key, validate.MAX_PROTOCOL_BYTES)
+            lease = validate.protocol_doc(raw, "member")["lease_s"] if raw else 0.0
+        except (validate.DocumentError, storeread.CorruptError):
+            return False  # not a member record ckptfs can read: liveness by age only
+        return self.now - info.mtime <= lease + mem.LEASE_SKEW_S
+
     def garbage(self, data: dict) -> tuple[list, int, dict]:
         """(garbage [(key, size, kind, why)], unreferenced objects kept, live nodes)."""
         member_infos = self.view.infos(mem.MEMBERS)
         live: dict[str, float] = {}
         for i in member_infos:
             n = mem.parse_member_key(i.key)
-            if n is not None and self.now - i.mtime < self.older:
+            # Live: renewed within --older-than, or within its own lease (a mounted node renews
+            # every lease/4: its records are never garbage, whatever --older-than says).
+            if n is not None and (self.now - i.mtime < self.older or self._lease_runs(i)):
                 live[n] = max(live.get(n, 0.0), i.mtime)
         out = []
         records = [i for p in (prt.PREFIX, mem.INTENTS, mem.ACKS) for i in self.view.infos(p)]

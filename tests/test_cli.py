@@ -103,9 +103,15 @@ def test_help() -> None:
         (["--io-threads", "-1"], "--io-threads"),
         (["--read-ahead-kb", "1000000"], "--read-ahead-kb"),
         (["--no-such-option"], "--no-such-option"),
+        # a malformed endpoint is a usage error, not "store unusable" (exit 7)
+        (["--store", "s3://b/p", "--s3-endpoint", "not a url"], "--s3-endpoint"),
+        (["--store", "s3://b/p", "--s3-endpoint", "ftp://127.0.0.1:9"], "--s3-endpoint"),
+        (["--store", "s3://b/p", "--s3-endpoint", "http://"], "--s3-endpoint"),
+        (["--store", "s3://b/p", "--s3-endpoint", "http://h:99999"], "--s3-endpoint"),
     ],
     ids=["log-level", "attr-timeout-neg", "attr-timeout-nan", "attr-timeout-big", "io-threads-big",
-         "io-threads-neg", "read-ahead-big", "unknown-option"],
+         "io-threads-neg", "read-ahead-big", "unknown-option", "endpoint-words",
+         "endpoint-scheme", "endpoint-no-host", "endpoint-bad-port"],
 )
 def test_bad_option_values(tmp_path: Path, args: list[str], needle: str) -> None:
     mp = tmp_path / "mp"

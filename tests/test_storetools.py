@@ -29,6 +29,7 @@ import pytest
 from ckpt_restore import FileStoreView, S3StoreView, manifests
 from conftest import REPO, ckptfs_cmd, run_cli
 
+import ckptfs
 from cachemgr import keys, storeread, validate
 from ckptfs import cli, storetools
 
@@ -587,3 +588,23 @@ def test_restore_of_a_large_file_runs_in_bounded_memory(tmp_path):
     peak_mib = int(r.stderr.split()[-1]) // 1024
     assert peak_mib < 200, f"peak RSS {peak_mib} MiB"
     assert (tmp_path / "d" / "big.pt").stat().st_size == size
+
+
+def test_fsck_never_calls_a_mounted_nodes_records_garbage(mount_factory):
+    """Liveness comes from the lease, not from --older-than: at --older-than 0 the member
+    record of a node mounted right now (renewed every lease/4) is not garbage, and --repair
+    leaves it; its lease is what says it is alive."""
+    m = mount_factory("live")
+    m.start()
+    (m.path / "model.pt").write_bytes(b"x" * 1000)
+    ckptfs.wait_durable(m.path / "model.pt", timeout=60)
+    node = m.status()["tiering"]["store"]["node"]
+    url = f"file://{m.store_dir}"
+    member = f"members/@{node}.json"
+    assert member in store_keys(m.store_dir)
+    r = run_cli("fsck", url, "--older-than", "0", "--repair")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert member not in r.stdout, r.stdout
+    assert member in store_keys(m.store_dir)
+    m.stop()  # a clean unmount deletes its own record
+    assert member not in store_keys(m.store_dir)
