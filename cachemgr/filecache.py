@@ -104,6 +104,15 @@ class FileCache:
 
     # -- files ---------------------------------------------------------------------------------
 
+    def sync_data_dir(self) -> None:
+        """fsync the data directory: the names of cache files created since are durable. Any
+        thread (it touches no state of this object)."""
+        dfd = os.open(self.data_dir, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+
     def create(self, ino: int) -> None:
         """An empty, private cache file for `ino` (truncated if it exists)."""
         os.close(open_private(self.path(ino), os.O_WRONLY | os.O_TRUNC))

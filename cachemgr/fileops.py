@@ -271,24 +271,38 @@ class FileOps:
             self.wiring.hooks.announce_dir(h.inode)
 
     @retry_when_full
+    # fsync (docs/SEMANTICS.md "fsync"): the file's data, the name of its cache file and its
+    # metadata in the index, durable on the cache disk, in that order. `Filesystem.fsync` runs
+    # the three syncs in worker threads (so the fsyncs of several ranks overlap and the loop
+    # answers other requests meanwhile) around the two steps below, which stay on the loop
+    # thread; `fsync` here does it all on the calling thread (in-process callers). The handle's
+    # fd stays open throughout: the kernel sends no RELEASE while an fsync of it is in flight.
+
     def fsync(self, fh: int, datasync: bool) -> None:
-        h = self.handles.get(fh)
-        node = h.inode
-        self.handles.take_in_writes(node)
+        fd, new_file = self.fsync_begin(fh)
         if datasync:
-            os.fdatasync(h.fd)
+            os.fdatasync(fd)
         else:
-            os.fsync(h.fd)
-        if node.new_file:
-            dfd = os.open(self.files.data_dir, os.O_RDONLY | os.O_DIRECTORY)
-            try:
-                os.fsync(dfd)
-            finally:
-                os.close(dfd)
+            os.fsync(fd)
+        if new_file:
+            self.files.sync_data_dir()
+        self.fsync_end(fh, new_file)
+        self.index.sync_wal()
+
+    def fsync_begin(self, fh: int) -> tuple[int, bool]:
+        """What the kernel wrote through a passthrough handle taken in; (the fd to sync,
+        whether the cache file's name must be synced too: created since its last fsync)."""
+        h = self.handles.get(fh)
+        self.handles.take_in_writes(h.inode)
+        return h.fd, h.inode.new_file
+
+    def fsync_end(self, fh: int, synced_name: bool) -> None:
+        """The file's metadata committed to the index (the caller then syncs the WAL)."""
+        node = self.handles.get(fh).inode
+        if synced_name:
             node.new_file = False
         with self.table.tx(node):
             self.table.persist(node)
-        self.index.sync()
         self.stats.fsyncs += 1
 
     def release(self, fh: int) -> None:

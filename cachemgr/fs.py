@@ -465,6 +465,17 @@ class Filesystem:
         core.stats.bytes_read += len(data)
         return data
 
+    async def fsync(self, fh: int, datasync: bool) -> None:
+        """fsync with its syscalls in worker threads (cachemgr.fileops "fsync"): ranks that
+        fsync at once overlap, and the loop answers other requests meanwhile."""
+        ops = self.core.fileops
+        fd, new_file = ops.fsync_begin(fh)
+        await trio.to_thread.run_sync(os.fdatasync if datasync else os.fsync, fd)
+        if new_file:
+            await trio.to_thread.run_sync(self.core.files.sync_data_dir)
+        ops.fsync_end(fh, new_file)
+        await trio.to_thread.run_sync(self.core.index.sync_wal)
+
     async def write(self, fh: int, off: int, buf: bytes) -> int:
         core = self.core
         note_foreground()  # uploads hold back while the trainer writes (cachemgr.transfer)

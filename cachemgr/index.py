@@ -515,6 +515,21 @@ class Index(TreeQueries, ContentQueries):
         finally:
             self.conn.execute("PRAGMA synchronous=NORMAL")
 
+    def sync_wal(self) -> None:
+        """Make every committed transaction durable on the cache disk, as `sync` does, from any
+        thread: it fsyncs the WAL through a descriptor of its own and never touches the
+        connection (the loop thread's). Under synchronous=NORMAL a commit is in the WAL, not yet
+        synced; a checkpoint syncs the WAL before it and the database after it, so what was
+        checkpointed (or a WAL gone with it) is durable already."""
+        try:
+            fd = os.open(f"{self.path}-wal", os.O_RDONLY)
+        except FileNotFoundError:
+            return
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
     # -- inodes ------------------------------------------------------------------------------
 
     def get_inode(self, ino: int) -> tuple[Any, ...] | None:

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
+from . import background
 from .commit import Committer
 from .fetch import Fetcher
 from .gather import Gatherer
@@ -274,7 +275,8 @@ class Tiering:
                       "last_error": h.last_error, "consecutive_failures": h.consecutive_failures,
                       "retries": getattr(retry, "retries", 0),
                       "retry_failures": getattr(retry, "failures", 0)},
-            "uploads": self.uploads.status(),
+            # upload threads at idle CPU and I/O priority (cachemgr.background; root only)
+            "uploads": {**self.uploads.status(), "idle_priority": background.enabled()},
             "restore": self.restorer.status(),
             "filecache": self.core.files.statistics(),
             "remote": self.remote.status(),

@@ -11,9 +11,11 @@ Threads and state
     Everything here runs on the caller's trio loop except the byte work, which goes to
     `trio.to_thread` workers: an upload's `_Producer.next_part` (pread, CRC, lz4; one call at a
     time per upload, the upload awaits each, so the producer's fields have one user at a time),
-    `should_compress` sampling, and a download's `_write_range` / chunk decoding (each worker
-    thread gets its own range and writes only that range's bytes of the destination file; the
-    per-range CRCs are stored by the loop, after the thread returns). `UploadStats` and an
+    `should_compress` sampling (both at idle CPU and I/O priority: `cachemgr.background`, so
+    the next checkpoint's save gets the machine first), and a download's `_write_range` /
+    chunk decoding (each worker thread gets its own range and writes only that range's bytes
+    of the destination file; the per-range CRCs are stored by the loop, after the thread
+    returns). `UploadStats` and an
     upload's part table are touched only by the loop. The foreground signal
     (`note_foreground`) is set by the FUSE handlers on the same loop. Nothing here is durable:
     a crash mid-upload leaves at most an incomplete multipart upload (the bucket lifecycle rule
@@ -92,6 +94,7 @@ from typing import TypeVar
 
 import trio
 
+from .background import run_idle
 from .compress import (
     DEFAULT_FRAME_SIZE,
     MODES,
@@ -494,7 +497,7 @@ class Uploader:
         if mode == "lz4":
             return True
         return await trio.to_thread.run_sync(
-            should_compress, lambda off, n: _pread_sample(fd, off, n), size)
+            run_idle, should_compress, lambda off, n: _pread_sample(fd, off, n), size)
 
     async def _upload(self, fd: int, key: str, size: int, still_valid: Callable[[], bool],
                       progress: Callable[[int], None] | None) -> StoredObject:
@@ -524,7 +527,7 @@ class Uploader:
         await yield_to_foreground()
         token = await self._acquire(job.sem)
         try:
-            chunk = await trio.to_thread.run_sync(job.prod.next_part)
+            chunk = await trio.to_thread.run_sync(run_idle, job.prod.next_part)
             self._check(job.still_valid, job.key)
         except BaseException:
             self._release(job.sem, token)

@@ -144,6 +144,12 @@ class FuseOps(pyfuse3.Operations):
     # container), at the price of this mount not being stackable itself.
     enable_passthrough = False
     max_backing_stack_depth = 1
+    # FUSE_HANDLE_KILLPRIV_V2 (patched pyfuse3): the daemon clears set-id bits itself on an
+    # unprivileged write, truncate and truncating open (cachemgr.inodes `kill_setid`), and chown
+    # brings its mode from the VFS; granted, the kernel sets SB_NOSEC, so a write(2) to a file
+    # without set-id bits stops asking the daemon for security.capability (one GETXATTR per
+    # write before: docs/ARCHITECTURE.md "Data path").
+    enable_killpriv_v2 = True
 
     def __init__(self, fs: Filesystem, *, attr_timeout: float = 10.0) -> None:
         super().__init__()
@@ -193,6 +199,10 @@ class FuseOps(pyfuse3.Operations):
     # -- lifecycle ---------------------------------------------------------------------------
 
     def init(self) -> None:
+        killpriv = getattr(pyfuse3, "killpriv_v2_active", lambda: False)()
+        log.info("FUSE_HANDLE_KILLPRIV_V2 %s", "granted: no security.capability lookup per"
+                 " write" if killpriv else "not granted (an unpatched pyfuse3 or an old"
+                 " kernel): the kernel asks for security.capability at each write")
         b = self.core.backings
         if b.on and not (self.enable_passthrough and pyfuse3.passthrough_active()):
             b.turn_off("the kernel did not grant FUSE passthrough (needs Linux 6.9+ built with"
@@ -317,7 +327,7 @@ class FuseOps(pyfuse3.Operations):
 
     @_guarded
     async def fsync(self, fh, datasync):
-        self.core.fsync(fh, bool(datasync))
+        await self.fs.fsync(fh, bool(datasync))
 
     @_guarded
     async def release(self, fh):

@@ -20,7 +20,7 @@ PYFUSE3_VERSION=3.5.0
 PYFUSE3_SHA256=88399a9494b88603230bba300f4ba9ad63fece5ed514ca3633d555a0c6a42b24
 PATCH="$HERE/pyfuse3-3.5.0-passthrough.patch"
 # The local version label marks the patched build; pip sees it as satisfying pyfuse3>=3.3,<4.
-WHEEL_VERSION="$PYFUSE3_VERSION+ckptfs.passthrough1"
+WHEEL_VERSION="$PYFUSE3_VERSION+ckptfs.passthrough2"
 
 [ "${CKPTFS_NO_NATIVE_BUILD:-0}" = "1" ] && { echo "setup: native build skipped (CKPTFS_NO_NATIVE_BUILD=1)"; exit 0; }
 
@@ -28,7 +28,7 @@ want="$( (echo "$LIBFUSE_VERSION $LIBFUSE_SHA256 $PYFUSE3_VERSION $PYFUSE3_SHA25
           cat "$PATCH" "${BASH_SOURCE[0]}") | sha256sum | cut -d' ' -f1)"
 stamp="$NATIVE/.stamp"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] \
-   && "$VENV/bin/python" -c "import pyfuse3; pyfuse3.passthrough_open" 2>/dev/null; then
+   && "$VENV/bin/python" -c "import pyfuse3; pyfuse3.passthrough_open, pyfuse3.killpriv_v2_active" 2>/dev/null; then
     exit 0
 fi
 
@@ -99,7 +99,7 @@ whl="$(ls "$wheels"/pyfuse3-*.whl)"
     || fail "installing the pyfuse3 wheel"
 "$VENV/bin/python" - "$prefix" >>"$log" 2>&1 <<'EOF' || fail "the installed pyfuse3 does not load the built libfuse"
 import sys, pyfuse3
-pyfuse3.passthrough_open  # the patched API
+pyfuse3.passthrough_open, pyfuse3.killpriv_v2_active  # the patched API
 maps = open("/proc/self/maps").read()
 assert sys.argv[1] + "/lib/libfuse3.so" in maps, "libfuse not loaded from " + sys.argv[1]
 EOF

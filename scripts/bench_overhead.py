@@ -1,0 +1,319 @@
+#!/usr/bin/env python3
+"""ckptfs's own overhead on the write path, measured where the disk cannot hide it: the raw
+directory and the cache dir both on ext4 over a RAM-backed loop device (a file on /dev/shm),
+so the ratio mount/raw is ckptfs's cost and not this VM's disk, which swings 2-4x from minute
+to minute.
+
+    python scripts/bench_overhead.py                       # 5 interleaved rounds, ~3 minutes
+    python scripts/bench_overhead.py --rounds 9 --size 512M --json out.json
+    python scripts/bench_overhead.py --mount-opt=--no-passthrough
+
+Each round runs every workload on the raw directory and on the mount, in an order that
+alternates from round to round, each run starting with the mount idle (every upload done) and
+the previous run's files removed. Reported per workload: the median ratio mount/raw (throughput;
+for times, raw/mount, so that > 1 is always "ckptfs faster") and its spread over the rounds, a
+warning when the spread is wider than the gap from 1.0 the median reports; the FUSE requests
+the daemon answered per MiB written and per file, by operation (from its --metrics endpoint);
+and the daemon's CPU seconds per GiB: on the request path (during the workload) and including
+the upload to the file:// store (until the mount is idle again).
+
+Workloads: fio sequential writes with end_fsync (64 KiB and 1 MiB blocks; 1, 4, 8 writers), a
+read of those files right after (page cache), 4 ranks torch.save + fsync, and "save while the
+previous checkpoint uploads" (ratio: idle-mount save time / busy-mount save time; raw runs the
+same save twice). Needs root (loop device, mount, FUSE), fio and torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+PY = sys.executable
+MiB = 1 << 20
+
+TORCH_SAVE = r"""
+import os, sys, time, torch
+path, mib, rank = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+g = torch.Generator().manual_seed(rank)
+sd = {"w": torch.randn(mib * (1 << 20) // 4, generator=g)}
+t0 = time.perf_counter()
+with open(path, "wb") as f:
+    torch.save(sd, f)
+    f.flush()
+    os.fsync(f.fileno())
+print(time.perf_counter() - t0)
+"""
+
+
+def sh(*cmd: str, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, check=True, capture_output=True, text=True, **kw)
+
+
+def parse_size(s: str) -> int:
+    m = re.fullmatch(r"(\d+)([KMG]?)", s.upper())
+    if not m:
+        raise argparse.ArgumentTypeError(f"bad size {s!r}")
+    return int(m.group(1)) << {"": 0, "K": 10, "M": 20, "G": 30}[m.group(2)]
+
+
+class RamDisk:
+    """ext4 on a loop device over a file in /dev/shm, mounted at `path`."""
+
+    def __init__(self, size: int, where: Path) -> None:
+        self.img = Path(tempfile.mktemp(prefix="ckptfs-bench-", suffix=".img", dir="/dev/shm"))
+        self.path = where
+        with open(self.img, "wb") as f:
+            f.truncate(size)
+        sh("mkfs.ext4", "-q", "-F", "-E", "lazy_itable_init=0,lazy_journal_init=0", str(self.img))
+        self.dev = sh("losetup", "--find", "--show", str(self.img)).stdout.strip()
+        where.mkdir(parents=True, exist_ok=True)
+        sh("mount", self.dev, str(where))
+
+    def close(self) -> None:
+        subprocess.run(["umount", str(self.path)], capture_output=True)
+        subprocess.run(["losetup", "-d", self.dev], capture_output=True)
+        self.img.unlink(missing_ok=True)
+
+
+class Mount:
+    def __init__(self, root: Path, opts: list[str]) -> None:
+        self.path = root / "mnt"
+        self.cache = root / "disk" / "cache"
+        self.store = root / "store"  # on /dev/shm's tmpfs: the store costs no cache-disk I/O
+        for p in (self.path, self.store):
+            p.mkdir(parents=True, exist_ok=True)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        r = sh(PY, "-m", "ckptfs", "mount", str(self.path), "--cache-dir", str(self.cache),
+               "--store", f"file://{self.store}", "--metrics", f"127.0.0.1:{self.port}", *opts,
+               cwd=REPO)
+        self.pid = int(re.search(r"pid (\d+)", r.stdout).group(1))
+        st = self.status()
+        self.data_path = st["data_path"]["mode"]
+
+    def status(self) -> dict:
+        return json.loads(sh(PY, "-m", "ckptfs", "status", str(self.path), "--json",
+                             cwd=REPO).stdout)
+
+    def wait_idle(self, timeout: float = 300) -> None:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            t = self.status()["tiering"]
+            if not (t["pending_sets"] or t["uploads"]["running"] or t["uploads"]["queued"]):
+                return
+            time.sleep(0.1)
+        raise RuntimeError("the mount did not become idle")
+
+    def requests(self) -> dict[str, float]:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics",
+                                      timeout=10).read().decode()
+        return {m.group(1): float(m.group(2)) for m in re.finditer(
+            r'^ckptfs_fuse_requests_total\{op="([a-z_]+)"\} ([0-9.e+]+)$', text, re.M)}
+
+    def cpu(self) -> float:
+        f = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+
+    def close(self) -> None:
+        subprocess.run([PY, "-m", "ckptfs", "umount", str(self.path)], capture_output=True,
+                       cwd=REPO, timeout=600)
+
+
+def clear(d: Path) -> None:
+    for p in list(d.iterdir()) if d.exists() else []:
+        shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+
+
+def fio(d: Path, rw: str, bs: str, jobs: int, size: int) -> float:
+    """MB/s of a fio run in `d` (bytes over the whole run, end_fsync included)."""
+    r = sh("fio", "--name=b", f"--directory={d}", f"--rw={rw}", f"--bs={bs}",
+           f"--numjobs={jobs}", f"--size={size // jobs}", "--ioengine=psync",
+           "--end_fsync=1" if rw == "write" else "--invalidate=0", "--group_reporting",
+           "--output-format=json")
+    job = json.loads(r.stdout)["jobs"][0]
+    side = job["write" if rw == "write" else "read"]
+    return side["io_bytes"] / (side["runtime"] / 1000) / 1e6 if side["runtime"] else 0.0
+
+
+def torch_save(d: Path, ranks: int, mib: int, tag: str) -> float:
+    """Seconds until every rank's torch.save + fsync returned (ranks in parallel)."""
+    t0 = time.perf_counter()
+    procs = [subprocess.Popen([PY, "-c", TORCH_SAVE, str(d / f"{tag}_rank{r}.pt"), str(mib),
+                               str(r)], stdout=subprocess.PIPE) for r in range(ranks)]
+    for p in procs:
+        p.communicate()
+        if p.returncode:
+            raise RuntimeError("torch.save failed")
+    return time.perf_counter() - t0
+
+
+class Bench:
+    def __init__(self, a: argparse.Namespace) -> None:
+        self.a = a
+        self.results: dict[str, dict[str, list[float]]] = {}
+        self.requests: dict[str, dict[str, list[float]]] = {}
+        self.cpu: dict[str, dict[str, list[float]]] = {}
+
+    def workloads(self) -> list[tuple[str, object, int, int]]:
+        """(name, fn(dir) -> value, bytes written, files written); value: MB/s or seconds."""
+        a, size = self.a, self.a.size
+        out: list = [("fio 64 KiB writes, 1 writer", lambda d: fio(d, "write", "64k", 1, size),
+                      size, 1)]
+        for j in a.jobs:
+            out.append((f"fio 1 MiB writes, {j} writers",
+                        lambda d, j=j: fio(d, "write", "1m", j, size), size, j))
+            out.append((f"read right after, {j} writers",
+                        lambda d, j=j: (fio(d, "write", "1m", j, size),
+                                        fio(d, "read", "1m", j, size))[1], size, j))
+        out.append((f"{a.ranks} ranks torch.save + fsync (s)",
+                    lambda d: torch_save(d, a.ranks, a.torch_mib, "s"),
+                    a.ranks * a.torch_mib * MiB, a.ranks))
+        return out
+
+    def one(self, name: str, fn, target: str, d: Path, m: Mount | None) -> None:
+        clear(d)
+        if m is not None:
+            m.wait_idle()
+            req0, cpu0 = m.requests(), m.cpu()
+        value = fn(d)
+        self.results.setdefault(name, {}).setdefault(target, []).append(value)
+        if m is not None:
+            req1, cpu1 = m.requests(), m.cpu()
+            m.wait_idle()
+            cpu2 = m.cpu()
+            delta = {op: req1.get(op, 0) - req0.get(op, 0) for op in req1}
+            self.requests.setdefault(name, {}).update(
+                {op: self.requests.get(name, {}).get(op, []) + [v] for op, v in delta.items()})
+            self.cpu.setdefault(name, {}).setdefault("request", []).append(cpu1 - cpu0)
+            self.cpu[name].setdefault("with upload", []).append(cpu2 - cpu0)
+
+    def save_while_uploading(self, target: str, d: Path, m: Mount | None) -> None:
+        """The same save on an idle target, then right after a first save (the mount then
+        uploads the first while the second is written)."""
+        a = self.a
+        clear(d)
+        if m is not None:
+            m.wait_idle()
+        idle = torch_save(d, a.ranks, a.torch_mib, "idle")
+        if m is not None:
+            m.wait_idle()
+        torch_save(d, a.ranks, a.torch_mib, "n")
+        busy = torch_save(d, a.ranks, a.torch_mib, "n1")
+        name = "save while the previous one uploads (idle/busy)"
+        self.results.setdefault(name, {}).setdefault(target, []).append(idle / busy)
+
+    def run(self) -> dict:
+        a = self.a
+        work = Path(tempfile.mkdtemp(prefix="ckptfs-overhead-", dir="/dev/shm"))
+        disk = RamDisk(a.disk, work / "disk")
+        raw = work / "disk" / "raw"
+        raw.mkdir()
+        m = None
+        try:
+            m = Mount(work, a.mount_opt)
+            print(f"bench_overhead: ext4 on a {a.disk >> 20} MiB RAM-backed loop device; "
+                  f"mount data path {m.data_path}; {a.rounds} rounds", flush=True)
+            for rnd in range(a.rounds):
+                order = [("raw", raw, None), ("mount", m.path, m)]
+                if rnd % 2:
+                    order.reverse()
+                for name, fn, _n, _f in self.workloads():
+                    for target, d, mm in order:
+                        self.one(name, fn, target, d, mm)
+                for target, d, mm in order:
+                    self.save_while_uploading(target, d, mm)
+                print(f"  round {rnd + 1}/{a.rounds} done", flush=True)
+                clear(raw)
+                clear(m.path)
+        finally:
+            if m is not None:
+                m.close()
+            disk.close()
+            shutil.rmtree(work, ignore_errors=True)
+        return self.report()
+
+    def report(self) -> dict:
+        rows = []
+        sizes = {name: (n, f) for name, _fn, n, f in self.workloads()}
+        for name, by in self.results.items():
+            raw, mnt = by.get("raw", []), by.get("mount", [])
+            if name.startswith("save while"):
+                ratios = mnt  # already idle/busy on the mount
+            elif name.endswith("(s)"):
+                ratios = [r / x for r, x in zip(raw, mnt, strict=True)]  # times: raw/mount
+            else:
+                ratios = [x / r for r, x in zip(raw, mnt, strict=True)]
+            med = statistics.median(ratios)
+            spread = (min(ratios), max(ratios))
+            row = {"workload": name, "median": round(med, 3),
+                   "spread": [round(spread[0], 3), round(spread[1], 3)],
+                   "raw": [round(v, 3) for v in raw], "mount": [round(v, 3) for v in mnt],
+                   "warning": spread[1] - spread[0] > abs(1 - med)}
+            if name in sizes:
+                nbytes, nfiles = sizes[name]
+                req = {op: statistics.median(v) for op, v in self.requests.get(name, {}).items()}
+                row["requests_per_mib"] = {op: round(v / (nbytes / MiB), 3)
+                                           for op, v in req.items() if v}
+                row["requests_per_file"] = {op: round(v / nfiles, 1)
+                                            for op, v in req.items() if v}
+                cpu = self.cpu.get(name, {})
+                gib = nbytes / (1 << 30)
+                row["daemon_cpu_s_per_gib"] = {k: round(statistics.median(v) / gib, 3)
+                                               for k, v in cpu.items()}
+            rows.append(row)
+        return {"args": dict(vars(self.a)), "rows": rows}
+
+
+def print_report(rep: dict) -> None:
+    print(f"\n{'workload':52} {'median':>7}  spread        requests/MiB (per file)   "
+          f"daemon CPU s/GiB (request path / with upload)")
+    for r in rep["rows"]:
+        req = ", ".join(f"{op} {v}" for op, v in r.get("requests_per_mib", {}).items()) or "-"
+        per_file = ", ".join(f"{op} {v}" for op, v in r.get("requests_per_file", {}).items())
+        cpu = r.get("daemon_cpu_s_per_gib", {})
+        warn = "  WARNING: spread wider than the gap" if r["warning"] else ""
+        print(f"{r['workload']:52} {r['median']:7.3f}  {r['spread'][0]:.2f}-{r['spread'][1]:.2f}"
+              f"  {req} ({per_file})  {cpu.get('request', '-')} / {cpu.get('with upload', '-')}"
+              f"{warn}")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--size", type=parse_size, default=parse_size("256M"),
+                   help="bytes per fio run (all writers together; default 256M)")
+    p.add_argument("--jobs", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 8])
+    p.add_argument("--ranks", type=int, default=4)
+    p.add_argument("--torch-mib", type=int, default=96, help="MiB per rank (default 96)")
+    p.add_argument("--disk", type=parse_size, default=parse_size("3G"),
+                   help="size of the RAM-backed ext4 (default 3G)")
+    p.add_argument("--mount-opt", action="append", default=[],
+                   help="extra `ckptfs mount` option (repeatable), e.g. "
+                   "--mount-opt=--no-passthrough")
+    p.add_argument("--json", help="write the report here as JSON")
+    a = p.parse_args()
+    if os.geteuid() != 0:
+        print("bench_overhead: needs root (loop device, mount, FUSE)", file=sys.stderr)
+        return 2
+    rep = Bench(a).run()
+    print_report(rep)
+    if a.json:
+        Path(a.json).write_text(json.dumps(rep, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
