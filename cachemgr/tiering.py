@@ -145,7 +145,7 @@ class Tiering:
             core=self.core, index=self.index, sets=self.sets, uploader=self.uploader,
             node=self.node, signals=self.signals, health=self.store_health, mark_dir=parts.mark,
             dir_published=lambda ino: ino in parts.published, ready=self.publisher.publish,
-            spawn=self.publisher.spawn, retry_pause=cfg.retry_pause)
+            gc=self.publisher.gc, spawn=self.publisher.spawn, retry_pause=cfg.retry_pause)
         self.commits = Committer(
             core=self.core, index=self.index, sets=self.sets, uploads=self.uploads,
             publisher=self.publisher, signals=self.signals, forget=restorer.forget,

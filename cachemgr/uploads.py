@@ -74,7 +74,8 @@ class UploadQueue:
     def __init__(self, *, core: CacheFs, index: Index, sets: SetRegistry, uploader: Uploader,
                  node: str, signals: Signals, health: StoreHealth,
                  mark_dir: Callable[[int], object], dir_published: Callable[[int], bool],
-                 ready: Callable[[int], None], spawn: Spawn, retry_pause: float) -> None:
+                 ready: Callable[[int], None], gc: Callable[[], None], spawn: Spawn,
+                 retry_pause: float) -> None:
         self.core = core
         self.index = index
         self.sets = sets
@@ -85,6 +86,7 @@ class UploadQueue:
         self._mark_dir = mark_dir            # cachemgr.parts: a directory's record is stale
         self._dir_published = dir_published  # cachemgr.parts: it has a record in the store
         self._ready = ready                  # cachemgr.publish: set `seq` has all its objects
+        self._gc = gc                        # cachemgr.publish: collect unreferenced objects
         self._spawn = spawn                  # a helper task (the requeue after a pause)
         self.retry_pause = retry_pause
         self._jobs: dict[tuple[int, int], _Job] = {}
@@ -218,11 +220,27 @@ class UploadQueue:
             self._fail_sets(job, f"upload of {key} failed: internal error {e!r}")
         finally:
             self._running.pop((ino, version), None)
+            if not self._valid(ino, version):
+                try:
+                    self._orphan_check(key, ino, version, size)
+                except Exception:  # a full index disk: the orphan waits for fsck, we go on
+                    log.exception("cannot record the object of %s for collection", key)
         if obj is None:
             if job.cancel.cancelled_caught:
                 self.uploads_cancelled += 1
             return
         self._uploaded(ino, version, obj)
+
+    def _orphan_check(self, key: str, ino: int, version: int, size: int) -> None:
+        """The content changed or went while its upload ran: the object may have landed in the
+        store all the same (a PUT in flight, a lost reply), after a GC pass had already
+        forgotten its row (it was garbage then, but not in the store yet). Its row again, and a
+        GC pass, so that it is collected, not left unreferenced for ever."""
+        if self.sets.object_key(ino, version) is None:
+            with self.index.tx():
+                self.sets.add_object(key, ino, version, size)
+        self._gc()
+        self.signals.wake_ns()  # the namespace worker runs the GC pass
 
     def _uploaded(self, ino: int, version: int, obj: StoredObject) -> None:
         self.health.succeeded()

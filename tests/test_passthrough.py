@@ -286,8 +286,9 @@ def test_concurrent_writers_and_readers(pt):
 
 def test_daemon_killed_under_a_passthrough_writer(pt):
     """kill -9 of the daemon: an open passthrough descriptor still writes the cache file, its
-    close reports ENOTCONN, and the remount shows every byte it wrote (not committed: it was
-    never closed while the daemon ran)."""
+    close reports ENOTCONN (or ECONNABORTED: a FLUSH queued before the kernel saw the daemon's
+    /dev/fuse close is ended with that one), and the remount shows every byte it wrote (not
+    committed: it was never closed while the daemon ran)."""
     a, b = rand(2 * MiB, 20), rand(2 * MiB, 21)
     f = open(pt.path / "w.bin", "wb", buffering=0)  # noqa: SIM115
     f.write(a)
@@ -295,7 +296,7 @@ def test_daemon_killed_under_a_passthrough_writer(pt):
     assert f.write(b) == len(b)  # the kernel writes the cache file, no daemon involved
     with pytest.raises(OSError) as e:
         f.close()
-    assert e.value.errno == errno.ENOTCONN
+    assert e.value.errno in (errno.ENOTCONN, errno.ECONNABORTED), e.value
     pt.start()
     assert (pt.path / "w.bin").read_bytes() == a + b
     res = run_cli("wait", str(pt.path / "w.bin"), "--timeout", "5")

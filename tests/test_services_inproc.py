@@ -57,6 +57,7 @@ class Recorder(LocalStore):
         self.gates: dict[str, trio.Event] = {}
         self.held: set[str] = set()
         self.refused: set[str] = set()  # PUTs of keys with these prefixes are refused for good
+        self.shield = False  # PUTs ignore their caller's cancellation (see put)
 
     def gate(self, prefix: str) -> trio.Event:
         ev = self.gates[prefix] = trio.Event()
@@ -66,15 +67,20 @@ class Recorder(LocalStore):
         for prefix, ev in self.gates.items():
             if key.startswith(prefix) and not ev.is_set():
                 self.held.add(key)
-                await ev.wait()
-                self.held.discard(key)
+                try:
+                    await ev.wait()
+                finally:
+                    self.held.discard(key)
 
     async def put(self, key, data, **kw):
-        await self._hold(key)
-        if any(key.startswith(p) for p in self.refused):
-            raise StoreError(f"AccessDenied: Access Denied ({key})", key=key)  # not transient
-        out = await super().put(key, data, **kw)
-        self.log.append(("put", key))
+        # shielded (`shield`): like a boto3 call in a worker thread, a request runs to its end
+        # even if its caller is cancelled meanwhile
+        with trio.CancelScope(shield=self.shield):
+            await self._hold(key)
+            if any(key.startswith(p) for p in self.refused):
+                raise StoreError(f"AccessDenied: Access Denied ({key})", key=key)  # for good
+            out = await super().put(key, data, **kw)
+            self.log.append(("put", key))
         return out
 
     async def complete_multipart(self, key, upload_id, parts, crc32c):
@@ -276,6 +282,36 @@ def test_a_set_superseded_while_its_upload_runs_is_never_published(node, store):
     assert store.puts(is_manifest_key) == [manifest_key("model.pt")]
     assert read_manifest(store, "model.pt")["files"][0]["size"] == 9000
     assert node.state("model.pt") == "durable"
+
+
+def test_an_object_landing_after_its_file_went_is_collected(node, store):
+    """The file is deleted while its object's PUT is in flight: the GC pass the deletion runs
+    finds nothing in the store and forgets the object; then the PUT lands. The object must
+    still be collected, not left unreferenced for ever (found under load by the crash loop:
+    an unreferenced __0_0.distcp 120 s later)."""
+    node.write("model.pt", b"old" * 2000)
+    data = f"data/{node.t.node}/"
+    store.shield = True  # the cancelled upload's PUT still lands, as a boto3 call does
+
+    async def body():
+        gate = store.gate(data)
+        await until(lambda: store.held, "the object's PUT to be held")
+        node.core.unlink(ROOT_INO, b"model.pt")  # its GC pass runs while the PUT is held
+        await until(lambda: node.sets.garbage() == [], "the GC pass of the deletion")
+        gate.set()
+        await until(lambda: not store.held and node.quiet(), "the upload to end")
+        await until(lambda: not _data_keys(store), "the orphan's GC")
+    run_nodes([node], body)
+
+    assert store.puts(lambda k: k.startswith(data)), "the PUT landed (the race was provoked)"
+    assert _data_keys(store) == []
+
+
+def _data_keys(store: LocalStore) -> list[str]:
+    """The data objects in the store (its files under objects/data/, temp files aside)."""
+    top = store.root / "objects"
+    return sorted(p.relative_to(top).as_posix() for p in (top / "data").rglob("*")
+                  if p.is_file() and not p.name.startswith(".tmp-"))
 
 
 def test_a_deleted_set_is_unpublished(node, store):
