@@ -92,6 +92,10 @@ class Gatherer:
         """The lowest seq of the sets that wait for other nodes (None: none)."""
         return min(self._waiting) if self._waiting else None
 
+    def gathering(self, seq: int) -> bool:
+        """A `gather` task runs for set `seq` now (status: what a stuck set waits for)."""
+        return seq in self._gathering
+
     def statistics(self) -> dict[str, int]:
         return {"gathering": len(self._gathering), "waiting": len(self._waiting),
                 "ready": len(self._foreign)}

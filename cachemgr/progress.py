@@ -6,7 +6,11 @@ or ends; a directory that is not (inside) one set is waited for as a whole (`_wa
 docs/SEMANTICS.md "Waiting for a directory"); `set_rows` gives status its recent sets with
 their progress, what each waits for (cachemgr.gather) and which earlier set it is published
 after (cachemgr.publish); `failed_sets` the failed sets that nothing has replaced since, over
-every set (status and metrics count them as at risk).
+every set (status and metrics count them as at risk); `stuck_sets` the sets pending (committed or
+uploading) longer than a threshold (`STUCK_AFTER_S`), over every set whatever its age or
+position, each with what it waits for (`waits_for`, one of `WAITS_FOR`) and why, in one line:
+the same per-set facts as `set_rows`, and what the upload queue, the store's health, the
+gatherer and the namespace FIFO say about it (`Probes`, handed in by cachemgr.tiering per call).
 
 Waiting: every wait request sleeps on `Signals.changed` (woken at every set state change, and
 at closes and removals, `Signals.wake_waiters`) and re-reads what it waits for from the index
@@ -22,6 +26,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -33,7 +38,7 @@ from .sets import KEPT_STATES, LIVE_STATES, SetRegistry, SetRow
 if TYPE_CHECKING:
     from .fs import CacheFs
     from .index import Index
-    from .signals import Signals
+    from .signals import Signals, StoreHealth
 
 log = logging.getLogger("cachemgr.tiering")  # the log lines as they were before the split
 
@@ -44,6 +49,56 @@ Reply = dict[str, Any]
 _ENDED = ("superseded", "failed", "deleting", "deleted")
 _ALL_STATES = ("committed", "uploading", "durable", "failed", "superseded", "replaced",
                "deleting", "deleted")
+
+# A set pending (committed or uploading) longer than this is *stuck*: status (plain and --json)
+# and the metrics name it with what it waits for, whatever its age or position among the sets.
+# 120 s: longer than what a healthy set waits for anything but its own bytes (the store's
+# retries give up within a minute, a commit waits for another node's acknowledgement one poll
+# interval, 10 s by default), and the default --lease, after which a node that died is no longer
+# waited for; a set pending past it waits for something that does not end by itself, or for a
+# very large upload (then named with its bytes uploaded so far, which is worth seeing too). A
+# mount whose --commit-timeout is shorter than 4 x 120 s names a set at a quarter of it
+# (`stuck_after`): a commit that waits for other nodes is named well before it fails.
+STUCK_AFTER_S = 120.0
+# status --json lists at most this many stuck sets, oldest first (`stuck_sets` counts them all)
+STUCK_SHOWN = 20
+# What a stuck set waits for (`waits_for`), the most precise the code knows, in this order:
+#   open_for_writing  a file of the set is still open for writing here: its upload starts at its
+#                     last close (a commit that came before a writer's close)
+#   content_gone      a file's committed content is no longer in the cache and nothing
+#                     superseded the set: it can never be uploaded (a bug)
+#   store             the store fails (StoreHealth: consecutive failures, last error), while the
+#                     set needs it (uploads, publication, other nodes' records)
+#   uploads           files not in the store yet, their uploads queued or running
+#   upload_lost       files not in the store yet and nothing queued or running to upload them
+#                     (a bug: a remount queues them again)
+#   other_nodes       files other nodes write, not durable yet (cachemgr.gather)
+#   acks              other nodes' acknowledgements of the commit (cachemgr.members)
+#   gathering         the gatherer is reading .metadata, part records or acknowledgements
+#   commit_order      published after an earlier set this node committed (cachemgr.publish)
+#   publish_queued    its publication is queued in the namespace FIFO
+#   unknown           none of the above: nothing known will make it durable (a bug), unless the
+#                     namespace worker is in its manifest PUT right now
+WAITS_FOR = ("open_for_writing", "content_gone", "store", "uploads", "upload_lost",
+             "other_nodes", "acks", "gathering", "commit_order", "publish_queued", "unknown")
+# the waits_for that no wait will end: status shows them in red, not yellow
+STUCK_FOR_GOOD = ("content_gone", "upload_lost", "unknown")
+
+
+def stuck_after(commit_timeout: float) -> float:
+    """The stuck threshold of a mount with --commit-timeout `commit_timeout` (seconds):
+    STUCK_AFTER_S, or a quarter of the commit timeout where that is shorter."""
+    return min(STUCK_AFTER_S, commit_timeout / 4)
+
+
+@dataclass(frozen=True)
+class Probes:
+    """What `Progress.stuck_sets` asks the services Progress is not built with (cachemgr.tiering
+    hands them in per call; each is read, never changed)."""
+    uploads: dict[str, Any]                   # UploadQueue.status(): queued, running, rate
+    health: StoreHealth                       # consecutive failures, last error
+    gathering: Callable[[int], bool]          # Gatherer.gathering: a gather task runs for seq
+    publish_queued: Callable[[int], int | None]  # Publisher.publish_queued: events ahead of it
 
 
 class Progress:
@@ -68,25 +123,146 @@ class Progress:
         sets = []
         pending = 0
         for s in self.sets.recent(limit):
-            files = self.sets.files(s.seq)
-            total = sum(f[3] for f in files)
-            done = sum(json.loads(f[6])["size"] for f in files if f[6])
+            row = self._row(s, self.sets.files(s.seq))
             if s.state in LIVE_STATES:
-                pending += total - done
-            row = {"seq": s.seq, "path": s.path, "kind": s.kind, "state": s.state,
-                   "reason": s.reason, "files": len(files), "bytes": total,
-                   "bytes_uploaded": done, "committed_ns": s.committed_ns,
-                   "durable_ns": s.durable_ns, "error": s.error, "origin": s.origin}
-            waiting = self._waiting_for(s.seq)
-            if waiting is not None:
-                # waited_s as of now, not as of the gather loop's last look
-                row["waiting_for"] = dict(waiting, waited_s=round(
-                    (time.time_ns() - s.committed_ns) / 1e9, 1))
-            after = self._blocked_by(s.seq)
-            if after is not None and s.state in LIVE_STATES:
-                row["after_set"] = after  # published once that one is
+                pending += row["bytes"] - row["bytes_uploaded"]
             sets.append(row)
         return sets, pending
+
+    def _row(self, s: SetRow, files: list[tuple[Any, ...]]) -> dict[str, Any]:
+        """Set `s` (with its `files`) as status shows it: progress, what it waits for
+        (cachemgr.gather) and the set it is published after (cachemgr.publish)."""
+        total = sum(f[3] for f in files)
+        done = sum(json.loads(f[6])["size"] for f in files if f[6])
+        row = {"seq": s.seq, "path": s.path, "kind": s.kind, "state": s.state,
+               "reason": s.reason, "files": len(files), "bytes": total,
+               "bytes_uploaded": done, "committed_ns": s.committed_ns,
+               "durable_ns": s.durable_ns, "error": s.error, "origin": s.origin}
+        waiting = self._waiting_for(s.seq)
+        if waiting is not None:
+            # waited_s as of now, not as of the gather loop's last look
+            row["waiting_for"] = dict(waiting, waited_s=round(
+                (time.time_ns() - s.committed_ns) / 1e9, 1))
+        after = self._blocked_by(s.seq)
+        if after is not None and s.state in LIVE_STATES:
+            row["after_set"] = after  # published once that one is
+        return row
+
+    # -- stuck sets: pending longer than a threshold, over every set --------------------------
+
+    def stuck_sets(self, after_s: float, probes: Probes,
+                   limit: int = STUCK_SHOWN) -> tuple[int, list[dict[str, Any]]]:
+        """The sets pending (committed or uploading) for `after_s` seconds or more, over every
+        set: how many, and the oldest `limit` of them, oldest first, each a `set_rows` row with
+        `age_s`, `waits_for` (one of WAITS_FOR) and `why` (one line for a person) added. A set
+        published after another in commit order also names the oldest pending set
+        (`behind_set`: the head of the queue it is in) and what that one waits for."""
+        now = time.time_ns()
+        cut = now - int(after_s * 1e9)
+        live = self.sets.by_states(LIVE_STATES)  # seq order: the first is the head of the queue
+        old = sorted((s for s in live if s.committed_ns <= cut),
+                     key=lambda s: (s.committed_ns, s.seq))
+        rows = []
+        head: tuple[SetRow, str, str] | None = None
+        for s in old[:limit]:
+            files = self.sets.files(s.seq)
+            row = self._row(s, files)
+            row["age_s"] = round((now - s.committed_ns) / 1e9, 1)
+            kind, why = self._why(s, row, files, probes)
+            if kind == "commit_order" and live and live[0].seq < s.seq:
+                if head is None:
+                    h = live[0]
+                    hfiles = self.sets.files(h.seq)
+                    head = (h, *self._why(h, self._row(h, hfiles), hfiles, probes))
+                h, hkind, hwhy = head
+                row["behind_set"] = h.seq
+                row["head_waits_for"] = hkind
+                why += f"; the oldest pending set, {h.seq} ({h.path}), waits for: {hwhy}"
+            row["waits_for"], row["why"] = kind, why
+            rows.append(row)
+        return len(old), rows
+
+    def _why(self, s: SetRow, row: dict[str, Any], files: list[tuple[Any, ...]],
+             probes: Probes) -> tuple[str, str]:
+        """What set `s` (its status `row`, its `files`) waits for (`WAITS_FOR`) and one line
+        saying so, the most precise the code knows (see WAITS_FOR for the order)."""
+        h = probes.health
+        failing = (f"the store is failing ({h.consecutive_failures} failure(s) in a row; last"
+                   f" error: {h.last_error or '?'})") if h.consecutive_failures else ""
+        missing = [(f[0], f[1], f[2]) for f in files if not f[6]]
+        if missing:
+            return self._why_uploads(s, row, missing, probes, failing)
+        w = row.get("waiting_for")
+        if w is not None:
+            unreachable = "(store unreachable)"
+            if unreachable in w.get("acks_from", []) or unreachable in w.get("files", []):
+                return "store", (f"the store cannot be read for other nodes' records or"
+                                 f" acknowledgements{'; ' + failing if failing else ''}")
+            timeout = f"{w['waited_s']:.0f}s of its {w['timeout_s']:.0f}s commit timeout"
+            if w.get("acks_from"):
+                return "acks", (f"acknowledgements of the commit from node(s)"
+                                f" {', '.join(w['acks_from'][:10])} ({timeout})")
+            return "other_nodes", (f"{w['missing']} file(s) other nodes write, not durable"
+                                   f" yet: {_some(w['files'], 5)} ({timeout}; node(s) seen:"
+                                   f" {', '.join(w['nodes_seen']) or 'none'})")
+        if probes.gathering(s.seq):
+            return "gathering", ("gathering other nodes' files of it (reading its .metadata,"
+                                 " their part records or acknowledgements)"
+                                 + (f"; {failing}" if failing else ""))
+        after = row.get("after_set")
+        if after is not None:
+            a = self.sets.get(after)
+            if a is not None and a.state in LIVE_STATES:
+                return "commit_order", (f"published after set {after} ({a.path}, {a.state}),"
+                                        " committed before it (commit order)")
+            # That one ended: this one is released at the namespace worker's next look.
+            return "commit_order", (f"published after set {after}, which is"
+                                    f" {a.state if a is not None else 'gone'} now: released"
+                                    " at the namespace worker's next look")
+        ahead = probes.publish_queued(s.seq)
+        if failing:
+            return "store", f"its publication: {failing}"
+        if ahead is not None:
+            return "publish_queued", (f"its publication is queued behind {ahead} namespace"
+                                      " event(s)")
+        return "unknown", ("NOTHING KNOWN: every file is uploaded, and nothing gathers, holds or"
+                           " queues its publication; unless the namespace worker is in its"
+                           " manifest PUT now, nothing will make it durable (a bug; a remount"
+                           " queues it again)")
+
+    def _why_uploads(self, s: SetRow, row: dict[str, Any], missing: list[tuple[str, int, int]],
+                     probes: Probes, failing: str) -> tuple[str, str]:
+        """A set with files not in the store yet (`missing`: rel, ino, version): why not."""
+        n, total = len(missing), row["files"]
+        progress = (f"{n} of {total} file(s) not in the store yet ({_size(row['bytes_uploaded'])}"
+                    f" of {_size(row['bytes'])} uploaded)")
+        writing: list[str] = []
+        gone: list[str] = []
+        for rel_, ino, version in missing:
+            rel = f"{s.path}/{rel_}" if rel_ else s.path  # its path in the mount
+            node = self.core.inode_if_loaded(ino)
+            if node is not None and node.writers:
+                writing.append(rel)
+                continue
+            fields = self.index.inode_fields(ino, "version", "nlink", "cached")
+            if fields is None or fields[0] != version or fields[1] == 0 or fields[2] != 1:
+                gone.append(rel)
+        if writing:
+            return "open_for_writing", (f"{progress}: {_some(writing, 5)} still open for"
+                                        " writing here (its upload starts at its last close)")
+        if gone:
+            return "content_gone", (f"{progress}: the committed content of {_some(gone, 5)} is"
+                                    " no longer in the cache and the set was not superseded:"
+                                    " nothing can upload it (a bug)")
+        q = probes.uploads
+        queue = (f"upload queue: {q['queued']} queued, {q['running']} running,"
+                 f" {_size(q['rate_bytes_per_s'])}/s")
+        if failing:
+            return "store", f"{progress}; {failing}; {queue}"
+        if q["queued"] or q["running"]:
+            return "uploads", f"{progress}; {queue}"
+        return "upload_lost", (f"NOTHING KNOWN: {progress} and no upload queued or running"
+                               " (a lost upload: a bug; a remount queues it again)")
 
     def failed_sets(self) -> list[dict[str, Any]]:
         """The unresolved failed sets, over every set (not only the recent ones), oldest first:
@@ -310,6 +486,15 @@ class Progress:
                 return self._dir_step(pending, durable, writing)
             # A directory set one of whose files was rewritten: waits for its next commit.
         return None
+
+
+def _size(n: float) -> str:
+    """A byte count for a person: 512 B, 1.5 KiB, ... (as ckptfs.fmt.human)."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
 
 
 def _some(paths: list[str], n: int = 5) -> str:

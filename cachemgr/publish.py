@@ -166,6 +166,14 @@ class Publisher:
     def deletes_waiting(self) -> int:
         return len(self._blocked_unpublish)
 
+    def publish_queued(self, seq: int) -> int | None:
+        """How many namespace events are ahead of set `seq`'s queued publish (None: no publish
+        of it is queued). Status: what a stuck set waits for."""
+        for i, ev in enumerate(self._events):
+            if ev[0] == "publish" and ev[1] == seq:
+                return i
+        return None
+
     def statistics(self) -> dict[str, int]:
         return {"events": len(self._events), "blocked": len(self._blocked),
                 "deletes_waiting": len(self._blocked_unpublish),

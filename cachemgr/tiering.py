@@ -257,9 +257,18 @@ class Tiering:
                 "gather": self.gatherer.statistics(), "space": self.space.statistics(),
                 "fetch": self.fetcher.statistics(), "progress": self.progress.statistics()}
 
-    def status(self, limit: int = 50) -> dict[str, Any]:
+    def status(self, limit: int = 50, stuck_after: float | None = None) -> dict[str, Any]:
+        """`ckptfs status --json`'s "tiering". `stuck_after`: the stuck threshold in seconds
+        (None: the mount's, cachemgr.progress.stuck_after of --commit-timeout)."""
+        from .progress import Probes
+        from .progress import stuck_after as threshold
+
         sets, pending = self.progress.set_rows(limit)
         live = self.sets.by_states(LIVE_STATES)
+        after_s = threshold(self.cfg.commit_timeout) if stuck_after is None else stuck_after
+        nstuck, stuck = self.progress.stuck_sets(after_s, Probes(
+            uploads=self.uploads.status(), health=self.store_health,
+            gathering=self.gatherer.gathering, publish_queued=self.publisher.publish_queued))
         failed = self.progress.failed_sets()
         retry = getattr(self.store, "stats", None)  # RetryingStore: transient errors ridden out
         first_waiting = self.gatherer.first_waiting()
@@ -295,20 +304,40 @@ class Tiering:
             "failed_sets": len(failed),
             "failed_bytes": sum(f["bytes"] for f in failed),
             "failed": failed[:FAILED_SHOWN],  # each {seq, path, bytes, error, committed_ns}
+            # when the oldest pending set was committed (None: none), whatever its position
+            "oldest_pending_committed_ns": min((s.committed_ns for s in live), default=None),
+            # pending longer than stuck_after_s (cachemgr.progress.stuck_sets), over every set:
+            # how many, and the oldest STUCK_SHOWN, each a row of "sets" with age_s, waits_for
+            # (cachemgr.progress.WAITS_FOR) and why (one line) added
+            "stuck_after_s": after_s,
+            "stuck_sets": nstuck,
+            "stuck": stuck,
             "sets": sets,
             "services": self.services(),
         }
 
-    def statistics(self) -> dict[str, Any]:
+    def statistics(self, stuck_after: float | None = None) -> dict[str, Any]:
         """Counters and totals for metrics (ckptfs.metrics): what `status` shows, over every set
-        instead of the recent ones, and without per-set detail. Plain data, copied: the caller
-        may keep it after the loop has moved on."""
+        instead of the recent ones, and without per-set detail but the stuck sets' names and
+        why (at most STUCK_SHOWN). Plain data, copied: the caller may keep it after the loop
+        has moved on. `stuck_after` as in `status`."""
+        from .progress import Probes
+        from .progress import stuck_after as threshold
+
         retry = getattr(self.store, "stats", None)  # RetryingStore; absent: a bare store
         r = self.restorer.statistics()
         failed = self.progress.failed_sets()
+        after_s = threshold(self.cfg.commit_timeout) if stuck_after is None else stuck_after
+        nstuck, stuck = self.progress.stuck_sets(after_s, Probes(
+            uploads=self.uploads.status(), health=self.store_health,
+            gathering=self.gatherer.gathering, publish_queued=self.publisher.publish_queued))
         return {
             "sets": {**self.sets.statistics(), "failed_sets": len(failed),
-                     "failed_bytes": sum(f["bytes"] for f in failed)},
+                     "failed_bytes": sum(f["bytes"] for f in failed),
+                     "stuck_after_s": after_s, "stuck_sets": nstuck,
+                     "stuck": [{k: x[k] for k in ("seq", "path", "state", "committed_ns",
+                                                  "age_s", "waits_for", "why")}
+                               for x in stuck]},
             "store": {"health": self.store_health.health(),
                       "consecutive_failures": self.store_health.consecutive_failures,
                       "requests": dict(getattr(retry, "by_op", {})),

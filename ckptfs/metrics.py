@@ -239,6 +239,7 @@ def _tiering_families(t: dict, now_ns: int) -> Iterator[Metric]:
                             value=sets["failed_sets"])
     yield GaugeMetricFamily("ckptfs_failed_bytes", "Bytes of the files of those failed sets "
                             "(ckptfs_failed_sets)", value=sets["failed_bytes"])
+    yield from _stuck_families(sets, now_ns)
 
     up = t["uploads"]
     yield _counter("ckptfs_upload_bytes_total", "Bytes of file data uploaded (before "
@@ -294,6 +295,33 @@ def _tiering_families(t: dict, now_ns: int) -> Iterator[Metric]:
     if t["cache_size"] is not None:
         yield GaugeMetricFamily("ckptfs_cache_size_limit_bytes", "--cache-size",
                                 value=t["cache_size"])
+
+
+def _stuck_families(sets: dict, now_ns: int) -> Iterator[Metric]:
+    """The sets pending longer than the stuck threshold (cachemgr.progress.stuck_sets): how
+    many, the oldest one's age, and each of the oldest 20 by name with what it waits for."""
+    stuck = sets.get("stuck", [])  # absent from a snapshot of an older Tiering: none
+    yield GaugeMetricFamily("ckptfs_stuck_sets", "Committed sets pending (not durable yet) "
+                            "longer than ckptfs_stuck_threshold_seconds, over every set; 0 when "
+                            "none. `ckptfs status` names each with what it waits for",
+                            value=sets.get("stuck_sets", 0))
+    if "stuck_after_s" in sets:
+        yield GaugeMetricFamily("ckptfs_stuck_threshold_seconds", "How long a set may be "
+                                "pending before it counts as stuck (120 s, or a quarter of "
+                                "--commit-timeout if shorter)", value=sets["stuck_after_s"])
+    oldest = min((x["committed_ns"] for x in stuck), default=None)
+    yield GaugeMetricFamily("ckptfs_oldest_stuck_set_age_seconds", "Seconds since the oldest "
+                            "stuck set was committed; 0 when no set is stuck",
+                            value=0.0 if oldest is None else max(0.0, (now_ns - oldest) / 1e9))
+    m = GaugeMetricFamily("ckptfs_stuck_set_age_seconds", "Each stuck set (the oldest 20), by "
+                          "seq and path, with what it waits for (waits_for: open_for_writing, "
+                          "content_gone, store, uploads, upload_lost, other_nodes, acks, "
+                          "gathering, commit_order, publish_queued, unknown): seconds since "
+                          "its commit", labels=("seq", "path", "state", "waits_for"))
+    for x in stuck:
+        m.add_metric([str(x["seq"]), x["path"], x["state"], x["waits_for"]],
+                     max(0.0, (now_ns - x["committed_ns"]) / 1e9))
+    yield m
 
 
 def _errno_name(err: int) -> str:

@@ -71,6 +71,10 @@ PLAIN_WIDTH = 1 << 16
 AT_RISK = ("committed", "uploading")
 # The failed sets named, each on a line of its own, under "at risk" (status --json lists 20).
 FAILED_NAMED = 5
+# The stuck sets named, each on a line of its own, in the "stuck" row (status --json lists 20).
+STUCK_NAMED = 5
+# What a stuck set waits for that no wait will end (cachemgr.progress.STUCK_FOR_GOOD): red.
+STUCK_FOR_GOOD = ("content_gone", "upload_lost", "unknown")
 STATE_STYLE = {"durable": "green", "committed": "yellow", "uploading": "cyan",
                "failed": "bold red", "deleting": "dim", "deleted": "dim", "replaced": "dim"}
 # Below this many columns a terminal gets the sets one above the other: the five number and
@@ -184,6 +188,8 @@ def _at_risk(t: dict, now: float) -> Text:
     if n:
         live = [s["committed_ns"] for s in t.get("sets", []) if s["state"] in AT_RISK
                 and s.get("committed_ns")]
+        if t.get("oldest_pending_committed_ns"):  # over every set, not only the recent ones
+            live.append(t["oldest_pending_committed_ns"])
         words = f"{human(pending)} in {_plural(n, 'set')} committed but not yet durable"
         if live:
             words += f", the oldest committed {duration(now - min(live) / 1e9)} ago"
@@ -202,6 +208,29 @@ def _at_risk(t: dict, now: float) -> Text:
                        style="red")
         if nfailed > len(shown):
             out.append(f"\n  and {nfailed - len(shown)} more", style="red")
+    return out
+
+
+def _stuck(t: dict) -> Text | None:
+    """The sets pending longer than the stuck threshold, whatever their age or position (the
+    first STUCK_NAMED, oldest first), each on a line of its own with what it waits for; None
+    when there is none (or the daemon is older than this CLI)."""
+    n = t.get("stuck_sets", 0)
+    if not n:
+        return None
+    shown = t.get("stuck", [])[:STUCK_NAMED]
+    bad = any(x.get("waits_for") in STUCK_FOR_GOOD for x in t.get("stuck", []))
+    style = "bold red" if bad else "bold yellow"
+    out = Text(f"{_plural(n, 'set')} pending longer than "
+               f"{duration(t.get('stuck_after_s', 0))}, oldest first:", style=style)
+    for x in shown:
+        out.append(f"\n  set {x['seq']} {safe(x['path'])} ({x['state']} "
+                   f"{duration(x.get('age_s', 0))}, {x.get('waits_for', '?')}): "
+                   f"{safe(x.get('why', ''))}",
+                   style="bold red" if x.get("waits_for") in STUCK_FOR_GOOD else "yellow")
+    if n > len(shown):
+        out.append(f"\n  and {n - len(shown)} more (`ckptfs status --json` lists "
+                   f"{len(t.get('stuck', []))})", style=style)
     return out
 
 
@@ -244,6 +273,9 @@ def _summary(st: dict, now: float) -> Table:
             line.append(f"; last error: {safe(store['last_error'])}")
         g.add_row("store", line)
         g.add_row("at risk", _at_risk(t, now))
+        stuck = _stuck(t)
+        if stuck is not None:
+            g.add_row("stuck", stuck)
         g.add_row("uploads", Text(
             f"{up['running']} running, {up['queued']} queued, "
             f"{human(up['rate_bytes_per_s'])}/s; {up['done']} done, {up['cancelled']} "

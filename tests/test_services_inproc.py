@@ -12,6 +12,10 @@ wait, it polls a condition (`until`).
      order (a later set whose objects are in waits for an earlier one still uploading); a
      superseded set is never published, also when it is superseded while its upload runs;
      a deleted set's manifest goes.
+  1b. stuck sets: every set pending longer than a threshold (lowered here) is named by
+     status and the metrics' statistics, whatever its position, with what it waits for: a
+     held upload, an earlier set in commit order, a failing store, a file still open for
+     writing, a lost upload job, another node's file.
   2. gathering: a directory written by two nodes and renamed into place on one of them is
      published with the other node's file, once that node has closed it (not before).
   3. restore: a second node restores a published set; `Restorer.ensure_range` fills only the
@@ -390,6 +394,138 @@ def test_a_failed_set_is_at_risk_until_its_path_is_committed_again(node, store):
 
 
 # ----------------------------------------------------------------------------------------------
+# 1b. stuck sets: every set pending longer than a threshold is named, with what it waits for
+
+
+STUCK = 0.2  # the threshold these tests give status/statistics (the mount's is 120 s)
+
+
+def stuck(node: Node) -> dict[str, dict]:
+    """The stuck sets status names, by path; status' count agrees, and the metrics' statistics
+    (taken a moment later: a set may have passed the threshold since) name them too."""
+    st = node.t.status(stuck_after=STUCK)
+    stats = node.t.statistics(stuck_after=STUCK)["sets"]
+    assert st["stuck_sets"] == len(st["stuck"]), st["stuck"]
+    assert stats["stuck_sets"] == len(stats["stuck"]) >= st["stuck_sets"], stats
+    shown = {x["seq"]: x for x in stats["stuck"]}
+    for x in st["stuck"]:
+        assert (shown[x["seq"]]["path"], shown[x["seq"]]["committed_ns"]) == \
+            (x["path"], x["committed_ns"]), (x, shown)
+        assert shown[x["seq"]]["waits_for"] and shown[x["seq"]]["why"], shown
+    for x in st["stuck"]:
+        assert x["state"] in ("committed", "uploading") and x["age_s"] >= STUCK, x
+        assert x["why"] and "\n" not in x["why"], x
+    return {x["path"]: x for x in st["stuck"]}
+
+
+def test_a_set_stuck_behind_a_held_upload_is_named_whatever_its_position(node, store):
+    """`old.pt`'s upload is held in the store; 55 commits of `churn.pt` come after it, so the
+    50 sets status lists are all newer (and superseded, but the last, which commit order holds
+    back behind old.pt). Status and the metrics' statistics name both, oldest first: old.pt
+    waits for its upload (running, bytes so far), churn.pt for old.pt (commit order, naming
+    what old.pt waits for). Under the threshold nothing is stuck; once old.pt is durable
+    nothing is."""
+    node.write("old.pt", b"o" * 9000)
+    old = node.sets.newest_at("old.pt").seq
+    gate_key = f"data/{node.t.node}/{node.core.index.resolve('old.pt')}/"
+
+    async def body():
+        gate = store.gate(gate_key)
+        await until(lambda: store.held, "old.pt's upload to be held")
+        for i in range(55):
+            node.write("churn.pt", bytes([i]) * 3000)
+        churn = node.sets.newest_at("churn.pt").seq
+        st = node.t.status()
+        assert old not in [r["seq"] for r in st["sets"]]  # not among the recent 50
+        assert st["pending_sets"] == 2
+        assert node.t.status(stuck_after=3600)["stuck_sets"] == 0  # not yet, at an hour
+        assert node.t.status()["stuck"] == [] and st["stuck_after_s"] == 120.0
+        got = await until(lambda: (g := stuck(node)) and len(g) == 2 and
+                          g["churn.pt"]["waits_for"] == "commit_order" and g,
+                          "both sets to be named stuck")
+        assert list(got) == ["old.pt", "churn.pt"]  # oldest first
+        o, c = got["old.pt"], got["churn.pt"]
+        assert o["seq"] == old and o["waits_for"] == "uploads", o
+        assert o["why"].startswith("1 of 1 file(s) not in the store yet (0 B of 8.8 KiB"
+                                   " uploaded); upload queue: 0 queued, 1 running"), o
+        assert c["seq"] == churn and c["after_set"] == old and c["behind_set"] == old, c
+        assert c["head_waits_for"] == "uploads", c
+        assert c["why"].startswith(f"published after set {old} (old.pt, uploading),"
+                                   " committed before it (commit order); the oldest pending"
+                                   f" set, {old} (old.pt), waits for: 1 of 1 file(s)"), c
+        assert node.t.statistics(stuck_after=STUCK)["sets"]["stuck"][0]["path"] == "old.pt"
+        gate.set()
+        await until(node.quiet, "both sets to settle")
+        assert stuck(node) == {}
+        assert node.t.status()["oldest_pending_committed_ns"] is None
+    run_nodes([node], body)
+
+
+def test_a_set_stuck_on_a_failing_store_says_so(tmp_path, store):
+    """Every data PUT fails with a transient 503: the set stays pending (retried), and what it
+    waits for is the store, with its last error."""
+    faulty = FaultyStore(store)
+    n = Node(tmp_path / "a", faulty)
+    try:
+        faulty.fail_next("put", 10**6)
+        faulty.fail_next("create_multipart", 10**6)
+        n.write("model.pt", b"m" * 5000)
+
+        async def body():
+            got = await until(lambda: (g := stuck(n)) and g["model.pt"]["waits_for"] ==
+                              "store" and g, "the set to be named stuck on the store")
+            why = got["model.pt"]["why"]
+            assert why.startswith("1 of 1 file(s) not in the store yet (0 B of 4.9 KiB"
+                                  " uploaded); the store is failing ("), why
+            assert "injected 503 SlowDown" in why, why
+            faulty._next.clear()  # the store answers again
+            await until(lambda: n.state("model.pt") == "durable", "the set to be durable")
+            assert stuck(n) == {}
+        run_nodes([n], body)
+    finally:
+        n.core.close()
+
+
+def test_a_set_committed_while_a_file_is_open_and_a_lost_upload_are_named(node, store):
+    """A DCP commit (rename to .metadata) while a storage file is still open for writing here:
+    the set waits for that file's last close. A set whose upload job is lost (dropped from the
+    queue without superseding the set; nothing else would ever upload it) is named loudly,
+    as nothing known will finish it."""
+    node.mkdir("ck")
+
+    async def body():
+        # (once the services run: recovery at their start treats a file open for writing as
+        # one a crash interrupted)
+        fh = node.open_write("ck/__0_0.distcp")
+        node.core.write(fh, 0, b"s" * 4000)
+        node.core.flush(fh)  # not released: still open for writing
+        node.write("ck/.metadata.tmp", b"not a pickle")
+        node.core.rename(node.split("ck/.metadata.tmp")[0], b".metadata.tmp",
+                         node.split("ck/.metadata")[0], b".metadata", 0)
+        dcp = node.sets.newest_at("ck")
+        assert dcp is not None and dcp.reason == "dcp" and dcp.state == "committed"
+        got = await until(lambda: (g := stuck(node)) and "ck" in g and g, "ck to be stuck")
+        x = got["ck"]
+        assert x["waits_for"] == "open_for_writing", x
+        assert "ck/__0_0.distcp still open for writing here" in x["why"], x
+        node.close(fh)
+        await until(lambda: node.state("ck") == "durable", "ck to be durable once closed")
+        # A lost upload: the job of lost.pt's content is dropped, nothing supersedes its set.
+        gate = store.gate(f"data/{node.t.node}/")
+        node.write("lost.pt", b"l" * 3000)
+        ino = node.core.index.resolve("lost.pt")
+        await until(lambda: store.held, "lost.pt's upload to be held")
+        node.t.uploads.drop(ino, node.core.inode(ino).version)  # cancels it: lost
+        got = await until(lambda: (g := stuck(node)) and "lost.pt" in g and
+                          g["lost.pt"]["waits_for"] == "upload_lost" and g,
+                          "lost.pt to be named")
+        assert got["lost.pt"]["why"].startswith("NOTHING KNOWN: 1 of 1 file(s) not in the"
+                                                " store yet"), got
+        gate.set()
+    run_nodes([node], body)
+
+
+# ----------------------------------------------------------------------------------------------
 # 2. gathering: a set written by two nodes
 
 
@@ -431,6 +567,37 @@ def test_a_directory_renamed_into_place_gathers_the_other_nodes_file(tmp_path, s
             assert c.core.check_consistency() == []
         finally:
             c.core.close()
+    finally:
+        for n in (a, b):
+            n.core.close()
+
+
+def test_a_set_stuck_waiting_for_another_nodes_file_is_named(tmp_path, store):
+    """A directory renamed into place on A holds a file B still writes (announced by its
+    flush): A's set is named stuck, waiting for B's file by name, until B closes it."""
+    a = Node(tmp_path / "a", store)
+    b = Node(tmp_path / "b", store)
+    for n in (a, b):
+        n.mkdir("step.tmp")
+    a.write("step.tmp/x", b"x" * 5000)
+
+    async def body():
+        fh = b.open_write("step.tmp/y")
+        b.core.write(fh, 0, b"y" * 3000)
+        b.core.flush(fh)  # announces it (cachemgr.parts)
+        a.core.rename(ROOT_INO, b"step.tmp", ROOT_INO, b"step", 0)
+        got = await until(lambda: (g := stuck(a)) and "step" in g and
+                          g["step"]["waits_for"] == "other_nodes" and g,
+                          "A's set to be named stuck on B's file")
+        why = got["step"]["why"]
+        assert why.startswith("1 file(s) other nodes write, not durable yet: y ("), why
+        assert "s commit timeout" in why, why
+        assert got["step"]["waiting_for"]["files"] == ["y"]
+        b.close(fh)
+        await until(lambda: a.state("step") == "durable", "A to publish the set")
+        assert stuck(a) == {}
+    try:
+        run_nodes([a, b], body)
     finally:
         for n in (a, b):
             n.core.close()

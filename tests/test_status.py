@@ -2,6 +2,8 @@
 writes reach the daemon as large requests (direct_io; not split into 4 KiB pages) when the
 daemon serves file data. A set the store refuses for good is at risk (status, plain and
 --json, the metrics, `ckptfs wait`, `ckptfs umount`) until a new commit of its path is
+durable. A set pending longer than the stuck threshold is named, with what it waits for,
+whatever its position among the sets (status plain and --json, the metrics), until it is
 durable."""
 
 import json
@@ -78,10 +80,11 @@ def _metrics(port: int) -> dict[tuple[str, frozenset], float]:
             for fam in text_string_to_metric_families(text) for x in fam.samples}
 
 
-def _at_risk(text: str) -> list[str]:
-    """The "at risk" line of a plain status page and the lines under it that belong to it."""
+def _at_risk(text: str, label: str = "at risk") -> list[str]:
+    """The "at risk" line (or another row's) of a plain status page and the lines under it
+    that belong to it."""
     lines = text.splitlines()
-    i = next(i for i, ln in enumerate(lines) if ln.startswith("at risk "))
+    i = next(i for i, ln in enumerate(lines) if ln.startswith(label + " "))
     out = [lines[i]]
     for ln in lines[i + 1:]:
         if not ln.startswith("  "):  # the next row of the summary
@@ -176,3 +179,86 @@ def test_a_set_the_store_refuses_is_at_risk_until_saved_again(mount_factory, mot
         assert res.returncode == EXIT_OK and "2 sets durable" in res.stdout, res
         m.stop()
         assert not m.unexpected_errors()
+
+
+# ----------------------------------------------------------------------------------------------
+# a set pending longer than the stuck threshold
+
+
+def test_a_set_pending_past_the_threshold_is_named_stuck(mount_factory, monkeypatch, tmp_path):
+    """Uploads are held in the store (CKPTFS_FAULTS hold). --commit-timeout 4 makes the stuck
+    threshold 1 s (a quarter of it; 120 s by default). old.pt is written, then churn.pt 55
+    times (each commit supersedes the one before), so old.pt is not among the 50 sets status
+    lists: status --json (tiering.stuck, stuck_sets), plain status (the "stuck" row) and the
+    metrics (ckptfs_stuck_sets, ckptfs_stuck_set_age_seconds by path) still name it, with
+    what it waits for (its upload, running), oldest first; churn.pt waits for it in commit
+    order. Once the store takes the uploads, nothing is stuck any more."""
+    gate = tmp_path / "uploads-held"
+    gate.touch()
+    monkeypatch.setenv("CKPTFS_FAULTS", f"put@data/=hold:{gate},create_multipart@data/=hold:"
+                       f"{gate},upload_part@data/=hold:{gate}")
+    port = _free_port()
+    m = mount_factory()
+    m.start("--commit-timeout", "4", "--metrics", str(port))
+    monkeypatch.delenv("CKPTFS_FAULTS")
+    got = _metrics(port)
+    assert got[("ckptfs_stuck_sets", frozenset())] == 0
+    assert got[("ckptfs_oldest_stuck_set_age_seconds", frozenset())] == 0
+    assert got[("ckptfs_stuck_threshold_seconds", frozenset())] == 1.0
+    t = status(m)["tiering"]
+    assert (t["stuck_after_s"], t["stuck_sets"], t["stuck"]) == (1.0, 0, [])
+    assert "\nstuck " not in run_cli("status", str(m.path)).stdout
+
+    (m.path / "old.pt").write_bytes(os.urandom(300_000))
+    for i in range(55):
+        (m.path / "churn.pt").write_bytes(bytes([i]) * 1000)
+
+    def both_stuck():
+        t = status(m)["tiering"]
+        return t if t["stuck_sets"] == 2 else None
+
+    t = wait_for(both_stuck, timeout=60, what="both pending sets to be named stuck")
+    assert t["pending_sets"] == 2
+    assert "old.pt" not in [s["path"] for s in t["sets"]]  # older than the 50 listed
+    old, churn = t["stuck"]  # oldest first
+    assert (old["path"], old["state"], old["waits_for"]) == ("old.pt", "uploading", "uploads")
+    assert old["age_s"] >= 1.0 and old["committed_ns"] == t["oldest_pending_committed_ns"]
+    assert old["why"].startswith("1 of 1 file(s) not in the store yet (0 B of 293.0 KiB"
+                                 " uploaded); upload queue: "), old
+    assert churn["path"] == "churn.pt" and churn["waits_for"] in ("uploads", "commit_order")
+
+    res = run_cli("status", str(m.path))
+    assert res.returncode == EXIT_OK, res.stderr
+    rows = _at_risk(res.stdout, "stuck")
+    assert rows[0] == "stuck      2 sets pending longer than 1s, oldest first:", rows
+    assert rows[1].startswith(f"set {old['seq']} old.pt (uploading "), rows
+    assert ", uploads): 1 of 1 file(s) not in the store yet (0 B of 293.0 KiB uploaded)" \
+        in rows[1], rows
+    assert rows[2].startswith(f"set {churn['seq']} churn.pt ("), rows
+    risk = _at_risk(res.stdout)[0]
+    age = int(risk.split("the oldest committed ")[1].split("s ago")[0])
+    assert age >= 1, risk  # old.pt's age, though it is not among the sets listed
+
+    got = _metrics(port)
+    assert got[("ckptfs_stuck_sets", frozenset())] == 2
+    assert got[("ckptfs_oldest_stuck_set_age_seconds", frozenset())] >= 1
+    named = {dict(labels)["path"]: (dict(labels), v) for (name, labels), v in got.items()
+             if name == "ckptfs_stuck_set_age_seconds"}
+    assert set(named) == {"old.pt", "churn.pt"}, named
+    labels, age = named["old.pt"]
+    assert labels == {"seq": str(old["seq"]), "path": "old.pt", "state": "uploading",
+                      "waits_for": "uploads"} and age >= 1, named
+
+    gate.unlink()  # the store takes the uploads
+    for p in ("old.pt", "churn.pt"):
+        res = run_cli("wait", str(m.path / p), "--timeout", "60")
+        assert res.returncode == EXIT_OK, res.stderr
+    t = status(m)["tiering"]
+    assert (t["stuck_sets"], t["stuck"], t["oldest_pending_committed_ns"]) == (0, [], None)
+    res = run_cli("status", str(m.path))
+    assert "\nstuck " not in res.stdout and "every committed set is durable" in res.stdout
+    got = _metrics(port)
+    assert got[("ckptfs_stuck_sets", frozenset())] == 0
+    assert not [k for k in got if k[0] == "ckptfs_stuck_set_age_seconds"]
+    m.stop()
+    assert not m.unexpected_errors()

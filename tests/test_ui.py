@@ -546,3 +546,52 @@ def test_notes_invalid_manifests_and_jobs_render_plain_and_narrow(mnt):
     out = re.sub(r"\s+", "", strip_ansi(narrow.file.getvalue()))
     for word in ("w.pt", "waiting12s", "publishedafterset", "bad.pt", bad_key, "ck/x"):
         assert word in out, (word, out)
+
+
+def test_stuck_sets_render_plain_coloured_and_narrow(mnt):
+    """In process, on a real status reply: the "stuck" row names the first 5 stuck sets (oldest
+    first) with what each waits for and why, then "and N more"; absent when none is stuck. On
+    a terminal it is yellow, red when one waits for something no wait will end; a narrow
+    terminal folds it without a traceback. (A real stuck set: tests/test_status.py.)"""
+    (mnt.path / "s.pt").write_bytes(b"s" * 10)
+    wait_for(lambda: set_row(mnt, "s.pt"), timeout=30, what="the set")
+    st = ckptfs.status(mnt.path)
+    t = st["tiering"]
+    assert t["stuck_sets"] == 0 and t["stuck"] == [] and t["stuck_after_s"] == 120.0
+    text = ui.plain(ui.status_view(st, fancy=False))
+    assert not any(ln.startswith("stuck ") for ln in text.splitlines()), text
+
+    def row(seq: int, path: str, waits_for: str, why: str) -> dict:
+        return {"seq": seq, "path": path, "state": "uploading", "committed_ns": 1,
+                "age_s": 754.2, "waits_for": waits_for, "why": why}
+
+    t["stuck"] = [row(3, "ckpt/dcp_3", "uploads", "1 of 2 file(s) not in the store yet"),
+                  row(4, "evil\nname", "commit_order", "published after set 3")]
+    t["stuck"] += [row(10 + i, f"ckpt/s{i}.pt", "commit_order", "published after set 3")
+                   for i in range(5)]
+    t["stuck_sets"] = 9
+    lines = ui.plain(ui.status_view(st, fancy=False)).splitlines()
+    i = next(i for i, ln in enumerate(lines) if ln.startswith("stuck "))
+    assert lines[i] == "stuck      9 sets pending longer than 2m00s, oldest first:", lines[i]
+    assert lines[i + 1].strip() == ("set 3 ckpt/dcp_3 (uploading 12m34s, uploads): 1 of 2 "
+                                    "file(s) not in the store yet"), lines[i + 1]
+    assert lines[i + 2].strip() == ("set 4 evil\\x0aname (uploading 12m34s, commit_order): "
+                                    "published after set 3"), lines[i + 2]
+    assert [ln.split()[1] for ln in lines[i + 3:i + 6]] == ["10", "11", "12"]
+    assert lines[i + 6].strip() == "and 4 more (`ckptfs status --json` lists 7)", lines[i + 6]
+    assert ESC not in "\n".join(lines)
+
+    def coloured(width: int) -> str:
+        con = Console(file=io.StringIO(), width=width, color_system="truecolor",
+                      force_terminal=True)
+        con.print(ui.status_view(st, fancy=True, width=width))
+        return con.file.getvalue()
+
+    yellow = coloured(200)
+    assert "\x1b[1;33m9 sets pending longer than" in yellow, yellow
+    t["stuck"][0] = row(3, "ckpt/dcp_3", "unknown", "NOTHING KNOWN: every file is uploaded")
+    red = coloured(200)
+    assert "\x1b[1;31m9 sets pending longer than" in red, red
+    narrow = re.sub(r"\s+", "", strip_ansi(coloured(12)))
+    assert "Traceback" not in narrow and "ckpt/dcp_3" in narrow and "NOTHINGKNOWN" in narrow
+
