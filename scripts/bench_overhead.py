@@ -290,6 +290,39 @@ def print_report(rep: dict) -> None:
               f"{warn}")
 
 
+def markdown(rep: dict, argv: list[str]) -> str:
+    """The report as docs/bench/overhead.md: the command, the machine, the table."""
+    import platform
+
+    a = rep["args"]
+    lines = [
+        "# ckptfs write-path overhead (scripts/bench_overhead.py)", "",
+        (f"_Written by `{' '.join(['python', 'scripts/bench_overhead.py', *argv])}` on "
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; kernel {platform.release()}, "
+        f"{os.cpu_count()} CPUs, load average at the end {os.getloadavg()[0]:.2f}._"), "",
+        (f"Raw directory and cache dir on ext4 over a {a['disk'] >> 20} MiB RAM-backed loop "
+        f"device; {a['rounds']} interleaved rounds (the order alternates), the mount idle "
+        f"before each run; {a['size'] >> 20} MiB per fio run, {a['ranks']} ranks x "
+        f"{a['torch_mib']} MiB per save; mount options: {' '.join(a['mount_opt']) or 'defaults'}."),
+        ("Ratio: mount/raw throughput (for the save, raw time / mount time; for the save while "
+        "uploading, idle-mount time / busy-mount time), so > 1 is ckptfs faster; median and "
+        "[min-max] over the rounds. FUSE requests the daemon answered (its metrics), per MiB "
+        "written and per file; daemon CPU seconds per GiB during the workload and until the "
+        "upload to the file:// store was done."), "",
+        ("| workload | median | spread | requests per MiB | requests per file | daemon CPU s/GiB "
+        "(request path / with upload) |"),
+        "|---|---:|---|---|---|---|"]
+    for r in rep["rows"]:
+        req = ", ".join(f"{op} {v}" for op, v in r.get("requests_per_mib", {}).items()) or "-"
+        pf = ", ".join(f"{op} {v}" for op, v in r.get("requests_per_file", {}).items()) or "-"
+        cpu = r.get("daemon_cpu_s_per_gib", {})
+        warn = " (spread wider than the gap)" if r["warning"] else ""
+        lines.append(f"| {r['workload']} | {r['median']:.3f} | {r['spread'][0]:.2f}-"
+                     f"{r['spread'][1]:.2f}{warn} | {req} | {pf} | {cpu.get('request', '-')} / "
+                     f"{cpu.get('with upload', '-')} |")
+    return "\n".join(lines) + "\n"
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=5)
@@ -304,6 +337,8 @@ def main() -> int:
                    help="extra `ckptfs mount` option (repeatable), e.g. "
                    "--mount-opt=--no-passthrough")
     p.add_argument("--json", help="write the report here as JSON")
+    p.add_argument("--markdown", help="write the report here as markdown "
+                   "(docs/bench/overhead.md)")
     a = p.parse_args()
     if os.geteuid() != 0:
         print("bench_overhead: needs root (loop device, mount, FUSE)", file=sys.stderr)
@@ -312,6 +347,8 @@ def main() -> int:
     print_report(rep)
     if a.json:
         Path(a.json).write_text(json.dumps(rep, indent=1))
+    if a.markdown:
+        Path(a.markdown).write_text(markdown(rep, sys.argv[1:]))
     return 0
 
 
