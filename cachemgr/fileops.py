@@ -36,7 +36,17 @@ from .filecache import FileCache
 from .handles import Handle, Handles, OpenResult
 from .hooks import Wiring
 from .index import Index
-from .inodes import SETID, Caller, Inode, InodeTable, kill_setid, now_ns, retry_when_full, retrying
+from .inodes import (
+    SETID,
+    Caller,
+    Inode,
+    InodeTable,
+    kill_setid,
+    kill_setid_on_chown,
+    now_ns,
+    retry_when_full,
+    retrying,
+)
 from .namespace import Namespace
 
 
@@ -92,6 +102,9 @@ class FileOps:
                 changed.append("mode")
             if size is not None and kill_setid(node, caller):
                 changed.append("mode")  # after an explicit mode: the kernel's own kill is in it
+            if (uid is not None or gid is not None) and not stat.S_ISDIR(node.mode) and \
+                    kill_setid_on_chown(node):
+                changed.append("mode")
             for name, value in (("uid", uid), ("gid", gid), ("atime_ns", atime_ns),
                                 ("mtime_ns", mtime_ns)):
                 if value is not None:

@@ -141,6 +141,21 @@ def in_group(caller: Caller, gid: int) -> bool:
     return False
 
 
+def kill_setid_on_chown(node: Inode) -> bool:
+    """A chown of a file that is not a directory: S_ISUID goes, and S_ISGID if group-execute
+    is set (chown(2); the VFS's chown_common). Under FUSE_HANDLE_KILLPRIV_V2 the kernel leaves
+    this to the server (its FATTR_KILL_SUIDGID; ckptfs.fuse `enable_killpriv_v2`); without it
+    the kernel's own mode arrives in the same SETATTR and this finds nothing left to clear.
+    True if the mode changed."""
+    kill = node.mode & stat.S_ISUID
+    if node.mode & stat.S_ISGID and node.mode & stat.S_IXGRP:
+        kill |= stat.S_ISGID
+    if not kill:
+        return False
+    node.mode &= ~kill
+    return True
+
+
 def kill_setid(node: Inode, caller: Caller | None) -> bool:
     """A change of `node`'s data by `caller` (a write, a truncate, a truncating open): remove
     the set-id bits Linux removes on its local filesystems (fs/attr.c
