@@ -102,8 +102,10 @@ class FileOps:
                 changed.append("mode")
             if size is not None and kill_setid(node, caller):
                 changed.append("mode")  # after an explicit mode: the kernel's own kill is in it
-            if (uid is not None or gid is not None) and not stat.S_ISDIR(node.mode) and \
-                    kill_setid_on_chown(node):
+            # A chown. With a mode in the same SETATTR, that mode is the kernel's, set-id bits
+            # already cleared (no FUSE_HANDLE_KILLPRIV_V2); without one, the daemon clears them.
+            if (uid is not None or gid is not None) and mode is None and \
+                    not stat.S_ISDIR(node.mode) and kill_setid_on_chown(node):
                 changed.append("mode")
             for name, value in (("uid", uid), ("gid", gid), ("atime_ns", atime_ns),
                                 ("mtime_ns", mtime_ns)):
