@@ -145,8 +145,8 @@ class FuseOps(pyfuse3.Operations):
     enable_passthrough = False
     max_backing_stack_depth = 1
     # FUSE_HANDLE_KILLPRIV_V2 (patched pyfuse3): the daemon clears set-id bits itself on an
-    # unprivileged write, truncate and truncating open (cachemgr.inodes `kill_setid`), and chown
-    # brings its mode from the VFS; granted, the kernel sets SB_NOSEC, so a write(2) to a file
+    # unprivileged write, truncate and truncating open (cachemgr.inodes `kill_setid`) and on
+    # chown (`kill_setid_on_chown`); granted, the kernel sets SB_NOSEC, so a write(2) to a file
     # without set-id bits stops asking the daemon for security.capability (one GETXATTR per
     # write before: docs/ARCHITECTURE.md "Data path").
     enable_killpriv_v2 = True
