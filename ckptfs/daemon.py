@@ -45,6 +45,7 @@ from typing import Any
 
 from .config import MountConfig, default_store_note, default_store_url
 from .control import READ, WRITE, Peer, check_access
+from .stallwatch import StallWatch
 from .mount import (
     EXIT_CACHE_DIR,
     EXIT_ERROR,
@@ -136,12 +137,14 @@ class Services:
     core: Any     # cachemgr.fs.CacheFs
     tiering: Any  # cachemgr.tiering.Tiering
     started: float  # time.time() when the services started (status: uptime_s)
+    stallwatch: Any = None  # ckptfs.stallwatch.StallWatch (status: loop)
 
 
 async def op_status(svc: Services, req: dict) -> dict:
     return {"pid": os.getpid(), "mountpoint": str(svc.cfg.mountpoint),
             "cache_dir": str(svc.cfg.cache_dir), "uptime_s": time.time() - svc.started,
-            **svc.core.status()}
+            **svc.core.status(),
+            **({"loop": svc.stallwatch.statistics()} if svc.stallwatch is not None else {})}
 
 
 async def op_prefetch(svc: Services, req: dict) -> dict:
@@ -220,6 +223,7 @@ class _Daemon:
         self.ops: Any = None
         self.main: Callable[[], Awaitable[None]] | None = None  # the FUSE loop, once mounted
         self.mounted = False
+        self.stallwatch = StallWatch()  # logs a stalled trio loop with its stack
 
     def tell(self, code: int, msg: str) -> None:
         """Tell the parent how the mount went: once, the first answer wins."""
@@ -345,9 +349,12 @@ class _Daemon:
 
         from . import control
 
-        svc = Services(self.cfg, self.core, self.tiering, started=time.time())
+        svc = Services(self.cfg, self.core, self.tiering, started=time.time(),
+                       stallwatch=self.stallwatch)
         assert self.main is not None
         async with trio.open_nursery() as nursery:
+            await nursery.start(self.stallwatch.beat)
+            self.stallwatch.start()
             await nursery.start(partial(control.serve, mode=control_mode()),
                                 control_path(self.cfg.mountpoint), partial(dispatch, svc))
             await nursery.start(self.tiering.run)
@@ -416,6 +423,7 @@ class _Daemon:
         """Undo the start steps that ran, in reverse; a failing step is logged, the rest run."""
         from . import fuse
 
+        self.stallwatch.stop()
         if self.metrics_server is not None:
             try:
                 self.metrics_server.close()  # first: no scrape waits on a loop that has ended

@@ -239,8 +239,12 @@ def _summary(st: dict, now: float) -> Table:
     g.add_column(style="bold", no_wrap=True)
     g.add_column(overflow="fold")  # a terminal too narrow for a path folds it, never cuts it
     c, io_ = st["cache"], st["io"]
-    g.add_row("mount", Text(f"{safe(st['mountpoint'])} (pid {st['pid']}, up "
-                            f"{duration(st['uptime_s'])})"))
+    mount = Text(f"{safe(st['mountpoint'])} (pid {st['pid']}, up {duration(st['uptime_s'])})")
+    loop = st.get("loop") or {}
+    if loop.get("stalls"):
+        mount.append(f"; its event loop stalled {loop['stalls']} times, the longest "
+                     f"{loop['longest_s']:.1f}s (the daemon's log says where)", style="yellow")
+    g.add_row("mount", mount)
     g.add_row("cache dir", Text(
         f"{safe(st['cache_dir'])}: {c['files']} files, {c['dirs']} dirs, {c['symlinks']} "
         f"symlinks, {human(c['bytes'])} ({human(c.get('cached_bytes', c['bytes']))} "

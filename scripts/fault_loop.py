@@ -401,7 +401,15 @@ class Node:
 
     def status(self) -> dict:
         import ckptfs
-        return ckptfs.status(self.mountpoint)["tiering"]
+        try:
+            return ckptfs.status(self.mountpoint)["tiering"]
+        except ckptfs.CkptfsError as e:
+            # a daemon that does not answer: what its log said last (a stalled loop is logged
+            # with the code it was in, ckptfs/stallwatch.py)
+            tail = self.log_file.read_text(errors="replace").splitlines()[-40:] \
+                if self.log_file.exists() else []
+            raise ckptfs.CkptfsError(f"{e}; node {self.name}'s log ends:\n" + "\n".join(tail),
+                                     e.code) from None
 
     def tracebacks(self) -> list[str]:
         return log_tracebacks(self.log_file)

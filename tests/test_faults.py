@@ -214,7 +214,8 @@ def run_loop(tmp_path, seed: int, iterations: int, faults: str, timeout: float =
     lines = [ln for ln in out.splitlines() if ln.startswith(("VIOLATION", "replay:",
                                                              "fault loop"))]
     if proc.returncode != 0:
-        pytest.fail("\n".join(lines) or out[-4000:], pytrace=False)
+        pytest.fail("\n".join(lines) + "\n--- the loop's output ends ---\n" + out[-6000:],
+                    pytrace=False)
     rep = json.loads(report.read_text())
     assert rep["result"] == "ok"
     return rep

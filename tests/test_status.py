@@ -51,6 +51,7 @@ def test_status_reports_cache_contents(mnt):
     assert st["cache"]["dirs"] == 2  # root and d
     assert st["cache"]["symlinks"] == 1
     assert st["cache"]["bytes"] == 1000
+    assert set(st["loop"]) == {"stalls", "longest_s", "stalled_now_s"}  # the stall watchdog runs
     human = run_cli("status", str(mnt.path))
     assert human.returncode == 0 and "1 files" in human.stdout
 

@@ -1,0 +1,112 @@
+"""Loop-stall watchdog: says so, with where the loop was, when the daemon's trio loop stops
+running.
+
+Every FUSE request, every control request (`ckptfs status`, `wait`) and every tiering decision
+runs on the one trio thread. A synchronous call that blocks it (a slow syscall on a busy disk,
+a lock, a long computation holding the GIL) stalls all of them at once, and from outside it only
+looks like a daemon that does not answer. The watchdog makes such a stall a log line that names
+the code the loop was in:
+
+  - `beat()`, a trio task, stamps the time every `period` seconds;
+  - a daemon thread wakes every `period` seconds and, when the stamp is older than
+    `threshold`, logs one warning with the loop thread's stack; when the loop runs again it
+    logs how long the stall lasted.
+
+State: `_beat` is written by the loop task only and read by the watchdog thread (one float
+store: atomic under the GIL); the counters (`stalls`, `longest_s`, `stalled_since`) are written
+by the watchdog thread only, under `_lock`, and read through `statistics()` from any thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import time
+import traceback
+
+log = logging.getLogger(__name__)
+
+DEFAULT_THRESHOLD_S = 2.0
+
+
+class StallWatch:
+    def __init__(self, threshold: float = DEFAULT_THRESHOLD_S, period: float | None = None,
+                 clock=time.monotonic) -> None:
+        self.threshold = threshold
+        self.period = period if period is not None else threshold / 4
+        self._clock = clock
+        self._beat = clock()
+        self._loop_thread: int | None = None
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        # guarded by _lock, written by the watchdog thread
+        self.stalls = 0
+        self.longest_s = 0.0
+        self.stalled_since: float | None = None
+
+    # -- the loop side ------------------------------------------------------------------------
+
+    async def beat(self, task_status=None) -> None:
+        """Run on the trio loop: stamp the time every `period` s, until cancelled."""
+        import trio
+
+        self._loop_thread = threading.get_ident()
+        self._beat = self._clock()
+        if task_status is not None:
+            task_status.started()
+        while True:
+            await trio.sleep(self.period)
+            self._beat = self._clock()
+
+    # -- the watchdog thread ------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._watch, name="ckptfs-stallwatch",
+                                        daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.period):
+            self.check()
+
+    def check(self) -> None:
+        """One look at the stamp (the watchdog thread calls it every `period` s)."""
+        now = self._clock()
+        beat = self._beat
+        age = now - beat
+        with self._lock:
+            since = self.stalled_since
+            if age > self.threshold and since is None:
+                self.stalled_since = beat
+                self.stalls += 1
+                where = self._loop_stack()
+                log.warning("event loop stalled: no turn for %.1fs (FUSE and control requests "
+                            "wait meanwhile); it is in:\n%s", age, where)
+            elif since is not None and beat > since:
+                # the loop stamped again: the stall ended at most `period` before that stamp
+                took = beat - since
+                self.longest_s = max(self.longest_s, took)
+                self.stalled_since = None
+                log.warning("event loop ran again after a stall of %.1fs", took)
+
+    def _loop_stack(self) -> str:
+        tid = self._loop_thread
+        frame = sys._current_frames().get(tid) if tid is not None else None
+        if frame is None:
+            return "  (loop thread not found)"
+        return "".join(traceback.format_stack(frame, limit=12)).rstrip()
+
+    def statistics(self) -> dict:
+        with self._lock:
+            now = self._clock()
+            current = now - self.stalled_since if self.stalled_since is not None else 0.0
+            return {"stalls": self.stalls,
+                    "longest_s": round(max(self.longest_s, current), 3),
+                    "stalled_now_s": round(current, 3)}

@@ -1,0 +1,75 @@
+"""The loop-stall watchdog (ckptfs/stallwatch.py): a blocked trio loop is logged with the code
+it is in, once per stall, and the stall's length when it ends."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import trio
+
+from ckptfs.stallwatch import StallWatch
+
+
+class _Seen(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[str] = []
+        self.stalled = threading.Event()
+        self.recovered = threading.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        msg = record.getMessage()
+        self.records.append(msg)
+        if "stalled" in msg:
+            self.stalled.set()
+        if "ran again" in msg:
+            self.recovered.set()
+
+
+def test_a_blocked_loop_is_logged_with_its_stack_and_its_length():
+    sw = StallWatch(threshold=0.2, period=0.02)
+    seen = _Seen()
+    logger = logging.getLogger("ckptfs.stallwatch")
+    logger.addHandler(seen)
+    try:
+        def blocking_call_on_the_loop() -> None:
+            # blocks the loop thread until the watchdog has reported it: gated, not timed
+            assert seen.stalled.wait(20), "the watchdog never reported the blocked loop"
+
+        async def main() -> None:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(sw.beat)
+                sw.start()
+                assert sw.statistics()["stalls"] == 0
+                blocking_call_on_the_loop()
+                assert await trio.to_thread.run_sync(seen.recovered.wait, 20), \
+                    "the end of the stall was never reported"
+                nursery.cancel_scope.cancel()
+
+        trio.run(main)
+    finally:
+        sw.stop()
+        logger.removeHandler(seen)
+    stalled = [m for m in seen.records if "stalled" in m]
+    assert len(stalled) == 1, seen.records          # one line per stall, not one per check
+    assert "blocking_call_on_the_loop" in stalled[0]  # where the loop was
+    st = sw.statistics()
+    assert st["stalls"] == 1
+    assert st["longest_s"] >= 0.2
+    assert st["stalled_now_s"] == 0
+
+
+def test_a_loop_that_turns_is_never_reported():
+    now = [0.0]
+    sw = StallWatch(threshold=2.0, period=0.5, clock=lambda: now[0])
+    for _ in range(20):      # the loop stamps every period; the watchdog checks in between
+        now[0] += 0.5
+        sw._beat = now[0]
+        sw.check()
+    assert sw.statistics() == {"stalls": 0, "longest_s": 0.0, "stalled_now_s": 0.0}
+    now[0] += 3.0            # no stamp for 3 s
+    sw.check()
+    assert sw.statistics()["stalls"] == 1 and sw.statistics()["stalled_now_s"] == 3.0
+    sw.check()               # still the same stall
+    assert sw.statistics()["stalls"] == 1
