@@ -45,7 +45,6 @@ from typing import Any
 
 from .config import MountConfig, default_store_note, default_store_url
 from .control import READ, WRITE, Peer, check_access
-from .stallwatch import StallWatch
 from .mount import (
     EXIT_CACHE_DIR,
     EXIT_ERROR,
@@ -63,6 +62,7 @@ from .mount import (
     tune_readahead,
     unregister,
 )
+from .stallwatch import StallWatch
 
 log = logging.getLogger(__name__)
 
