@@ -72,7 +72,7 @@ class Committer:
     def on_content_change(self, ino: int, old_version: int) -> None:
         """A file's content (ino, old_version) is about to change (write-open or truncate)."""
         for seq in self.sets.supersede_content(ino, old_version, "a file was modified before"
-                                               " the set became durable"):
+                                               " the set became durable", uploaded_too=True):
             log.info("set %d superseded: content of inode %d changed", seq, ino)
         self._forget(ino)
         self.uploads.drop(ino, old_version)
@@ -135,15 +135,16 @@ class Committer:
                 # published. Deleting that set now would take its manifest out of the store
                 # before its successor is in: a crash in between would leave no `latest.pt`.
                 replaced = [x for x in replaced if x.path != new_path]
-            gone = moved + replaced
-            if gone:
-                self.delete_sets(gone, f"renamed away ({old_path} -> {new_path})")
+            paths = [old_path] if old_path else []
+            if dst is not None and not commits_at_close:
+                paths.append(new_path)
+            self.delete_sets(moved + replaced, f"renamed away ({old_path} -> {new_path})",
+                             paths)
 
     def on_remove(self, node: Inode, path: str) -> None:
         """`path` (a file, empty directory or symlink) was unlinked/removed."""
-        victims = self.sets.at_or_under(path, KEPT_STATES)
-        if victims:
-            self.delete_sets(victims, "deleted through the mount")
+        self.delete_sets(self.sets.at_or_under(path, KEPT_STATES), "deleted through the mount",
+                         [path])
         self._mark_all()
         if stat.S_ISREG(node.mode):
             # A set that still needed this file's upload can never be published as committed.
@@ -207,9 +208,10 @@ class Committer:
                     self.sets.set_state(s.seq, "superseded", f"absorbed by set {seq} ({path})")
                 self.publisher.absorb(seq, s.seq, s.path)
                 self.publisher.inherit(seq, s.seq)
-            # Earlier sets of this path that will never be durable (superseded by this commit
-            # or by a change of their content): what they absorbed goes when this one is durable.
-            self.publisher.inherit_superseded(seq, path)
+            # Earlier sets at this path or at what it absorbs that will never be durable
+            # (superseded by this commit or by a change of their content): what they absorbed
+            # goes when this one is durable.
+            self.publisher.inherit_superseded(seq, [path, *[p for p in absorb_paths or [] if p]])
             missing = self.sets.missing_uploads(seq)
         for ino, version, _size in missing:
             self.uploads.enqueue(ino, version, prio=seq)
@@ -221,7 +223,11 @@ class Committer:
         self.signals.changed_now()
         return seq
 
-    def delete_sets(self, victims: list[SetRow], why: str) -> None:
+    def delete_sets(self, victims: list[SetRow], why: str,
+                    paths: list[str] | None = None) -> None:
+        """Delete `victims` (the sets at or under `paths`, the paths deleted or renamed away;
+        by default the victims' own paths), and what those paths' sets that will never be
+        durable were to take from the store (Publisher.unpublish_absorbed)."""
         for s in victims:
             # Durable: its manifest must go from the store. Live ones too: a crash between a
             # manifest PUT and the index recording it leaves a live set whose manifest is in
@@ -235,6 +241,14 @@ class Committer:
             self.publisher.unpublish(s.seq, s.path, self.sets.max_seq())
             self.deletes += 1
             log.info("set %d (%s) %s", s.seq, s.path, why)
+        absorbed = self.publisher.unpublish_absorbed(
+            paths if paths is not None else [s.path for s in victims], self.sets.max_seq(),
+            f"{why}: what took its place is gone")
+        for seq in absorbed:
+            self.deletes += 1
+            log.info("set %d deleted with the set that absorbed it (%s)", seq, why)
+        if not victims and not absorbed:
+            return
         self.signals.poke()
         self.signals.changed_now()
 

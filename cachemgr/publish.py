@@ -20,7 +20,10 @@ workers and recovery, synchronously, and consumed only by the worker — no lock
   * set states only move forward: committed -> uploading -> durable -> replaced/deleting ->
     deleted; committed/uploading -> superseded/failed/deleted;
   * a commit replacing sets at *other* paths (moves, nested sets) records them in `_absorb`;
-    they are unpublished when it becomes durable;
+    they are unpublished when it becomes durable; a set that will not become durable hands
+    them on: to the commit that supersedes or absorbs it (`inherit`), to the next commit at
+    or over its path after a rewrite superseded it (`inherit_superseded`), or to the deletion
+    of its path (`unpublish_absorbed`), so a path renamed away never stays in the store;
   * garbage keys the store refused to delete for good (`_gc_refused`) are not tried again
     until a restart.
 
@@ -118,13 +121,38 @@ class Publisher:
         if moved:
             self._absorb.setdefault(seq, set()).update(moved)
 
-    def inherit_superseded(self, seq: int, path: str) -> None:
-        """Set `seq` at `path` inherits from every earlier superseded set of the same path
-        (`inherit`). Looks only at the sets with something absorbed: few, in memory."""
+    def inherit_superseded(self, seq: int, paths: list[str]) -> None:
+        """Set `seq` inherits (`inherit`) from every earlier superseded set at or under one of
+        `paths` (its own path, the paths it absorbs: a set superseded by a rewrite of its file,
+        then renamed on, or re-committed). Looks only at the sets with something absorbed:
+        few, in memory."""
         for old_seq in [k for k in self._absorb if k < seq]:
             old = self.sets.get(old_seq)
-            if old is not None and old.path == path and old.state == "superseded":
+            if old is not None and old.state == "superseded" and \
+                    any(_at_or_under(old.path, p) for p in paths):
                 self.inherit(seq, old_seq)
+
+    def unpublish_absorbed(self, paths: list[str], horizon: int, why: str) -> list[int]:
+        """The sets at or under `paths` are deleted or renamed away and will never be durable
+        (call after marking them `deleting`): the durable sets they were to take from the
+        store once durable (`absorb`: the path a set was renamed from, sets it absorbed or
+        inherited) go now, each deleted like them, after every set with seq <= `horizon`.
+        Else a path renamed away, then its new name removed before the rename's set was
+        durable, would stay in the store for good: nothing would ever take it out, and the
+        path is in no tree to remove it from. Returns the seqs now `deleting`."""
+        gone: list[int] = []
+        for seq in sorted(self._absorb):
+            s = self.sets.get(seq)
+            if s is None or s.state in (*LIVE_STATES, "durable") or \
+                    not any(_at_or_under(s.path, p) for p in paths):
+                continue
+            for old_seq, old_path in sorted(self._absorb.pop(seq)):
+                prev = self.sets.get(old_seq)
+                if prev is not None and prev.state == "durable":
+                    self.sets.set_state(old_seq, "deleting", why)
+                    self._events.append(("unpublish", old_seq, old_path, horizon))
+                    gone.append(old_seq)
+        return gone
 
     def spawn(self, fn: Callable[[], Awaitable[None]]) -> None:
         """Run `fn` as a helper task in the worker's nursery."""
@@ -475,6 +503,10 @@ class Publisher:
         self.gc_deleted += done
         if done:
             log.info("gc: deleted %d unreferenced objects", done)
+
+
+def _at_or_under(path: str, root: str) -> bool:
+    return path == root or path.startswith(root + "/")
 
 
 def _gathers(s: SetRow) -> bool:

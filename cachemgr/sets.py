@@ -229,13 +229,19 @@ class SetRegistry:
             f" {KEPT_STATES} ORDER BY s.seq DESC LIMIT 1", (ino, current[0])).fetchone()
         return SetRow(*r) if r else None
 
-    def supersede_content(self, ino: int, version: int, why: str) -> list[int]:
+    def supersede_content(self, ino: int, version: int, why: str, *,
+                          uploaded_too: bool = False) -> list[int]:
         """A file's content (ino, version) is about to change or go away: every live set that
-        still needs to upload it can no longer become durable as committed. (A set whose copy
-        of it is already in the store is unaffected: it publishes exactly what was committed.)"""
+        still needs to upload it can no longer become durable as committed. A set whose copy
+        of it is already in the store is unaffected (it publishes exactly what was committed)
+        unless `uploaded_too`: a rewrite of the file supersedes every live set holding the old
+        content, uploaded or not (docs/SEMANTICS.md "What a set goes through": a rewrite of one
+        of its files before it is durable supersedes it; whether the upload had finished must
+        not decide what the store shows)."""
+        uploaded = "" if uploaded_too else " AND f.obj IS NULL"
         seqs = [r[0] for r in self.conn.execute(
             f"SELECT DISTINCT s.seq FROM sets s JOIN set_files f ON f.seq = s.seq"
-            f" WHERE f.ino=? AND f.version=? AND f.obj IS NULL AND s.state IN {LIVE_STATES}",
+            f" WHERE f.ino=? AND f.version=?{uploaded} AND s.state IN {LIVE_STATES}",
             (ino, version))]
         for seq in seqs:
             self.set_state(seq, "superseded", why)

@@ -28,32 +28,47 @@ equals the model's, and `CacheFs.check_consistency()` is clean.
 
 The model of the store: a commit records the content of its path at that moment (the files'
 identities too). A commit is dropped when one of its files is opened for writing or removed
-before it is published (superseded), when a later commit absorbs its path (a rename away, a
+before it is published (superseded: docs/SEMANTICS.md "What a set goes through", whether or
+not its upload had finished), when a later commit absorbs its path (a rename away, a
 directory committed over it) or when its path is deleted. What a commit dropped by a later
 commit had absorbed, that commit removes; what a commit dropped by a content change had
-absorbed, the next commit of its path removes. Settle applies what is left, in commit order: a
-commit puts its content at its path and removes what it absorbed; a deletion removes the path.
-A crash forgets the absorbed paths a commit would remove (they are in memory only:
-cachemgr/publish.py keeps `_absorb` in memory, "visible but never torn"); everything else in
-the model survives it (the index is durable).
+absorbed, the next commit of its path, or of a path it is renamed to, removes, or the
+deletion of its path; what a commit dropped by a deletion had absorbed, the deletion removes.
+Settle applies what is left, in commit order: a commit puts its content at its path and
+removes what it absorbed; a deletion removes the path. A removal never takes out a set
+committed after what it removes (cachemgr/publish.py `_unpublish` leaves a newer set's
+manifest alone). A crash forgets the absorbed paths a commit would remove (they are in memory
+only: cachemgr/publish.py keeps `_absorb` in memory, "visible but never torn"); everything else
+in the model survives it (the index is durable). A crash inside the service leaves each
+pending commit published or not; one that is then dropped by a content change may stay in the
+store (a durable set is not superseded), until a later commit or deletion of its path.
 
-Deterministic (derandomize, no example database) and bounded: a run takes seconds.
+`test_core_reftest` is deterministic (derandomize, no example database) and bounded: a run takes
+seconds. `test_core_reftest_random` runs new random seeds for CKPTFS_REFTEST_BUDGET_S seconds
+(default 75) in a child process, printing each seed and the command that replays it.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import errno
 import functools
 import os
+import random
 import shutil
 import sqlite3
 import stat
+import subprocess
+import sys
 import tempfile
+import time
+import traceback
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import hypothesis
 import pytest
 import trio
 from hypothesis import HealthCheck, Phase, settings
@@ -217,7 +232,10 @@ class Commit:
     path: str
     content: object                    # bytes (a file) or {name: bytes} (a directory)
     ids: frozenset[int]                # the files' identities (inodes) in it
-    absorb: list[str] = field(default_factory=list)
+    serial: int = 0                    # the order of commits and deletions (a set's seq)
+    maybe_done: bool = False           # a service that crashed may have published it
+    # (path, serial of the commit that absorbed it): what goes from the store with this set
+    absorb: list[tuple[str, int]] = field(default_factory=list)
 
 
 ABSENT = None  # no manifest at a path
@@ -249,12 +267,18 @@ class CoreMachine(RuleBasedStateMachine):
         self.ids: dict[str, int] = {}       # path -> identity (kept by renames)
         self.dirs: set[str] = set()
         self.open: dict[str, int] = {}      # path -> fh of the one writer
-        self.pending: list[tuple] = []      # ("commit", Commit) | ("delete", path), in order
+        # ("commit", Commit) | ("maybe", Commit) | ("delete", path, serial, absorbed), in order
+        self.pending: list[tuple] = []
         # set path -> what its manifest in the store may hold: contents (frozen), ABSENT
         self.store: dict[str, set] = {}
         # path -> what commits of it dropped by a content change had absorbed: the next commit
         # of that path removes it (cachemgr.publish: Publisher.inherit_superseded)
-        self.orphans: dict[str, list[str]] = {}
+        self.orphans: dict[str, list[tuple[str, int]]] = {}
+        # path -> serial of the newest commit put there (put_serial), or maybe put there by a
+        # service that crashed (maybe_serial): what a deletion of older sets leaves alone
+        self.put_serial: dict[str, int] = {}
+        self.maybe_serial: dict[str, int] = {}
+        self.serial = 0
         self.next_id = 0
         self.restores = 0
 
@@ -284,26 +308,53 @@ class CoreMachine(RuleBasedStateMachine):
         content = {p[len(path) + 1:]: self.files[p] for p in self.under(path)}
         return Commit(path, content, frozenset(self.ids[p] for p in self.under(path)))
 
+    def next_serial(self) -> int:
+        self.serial += 1
+        return self.serial
+
+    def take_orphans(self, paths: list[str]) -> list[tuple[str, int]]:
+        """What commits at or under `paths` dropped by a content change had absorbed."""
+        out: list[tuple[str, int]] = []
+        for k in [k for k in self.orphans if any(_at_or_under(k, p) for p in paths)]:
+            out += self.orphans.pop(k)
+        return out
+
     def commit(self, path: str, absorb: list[str]) -> None:
         c = self.snapshot(path)
-        # Live commits at or under an absorbed path (other than this path's own) are
-        # superseded; the store's sets there go when this one is published.
-        # What a commit dropped here had absorbed, this one removes (Publisher.inherit).
-        keep, inherited = [], self.orphans.pop(path, [])
+        c.serial = self.next_serial()
+        absorb = [p for p in absorb if p]
+        # Live commits at or under this path or an absorbed path are superseded, earlier
+        # commits of this very path included (docs/SEMANTICS.md "What a set goes through":
+        # a newer commit of the same path supersedes a set not yet durable, for good, even
+        # if the newer one never becomes durable either); the store's sets there go when this
+        # one is published. One a crashed service may have published stays possible.
+        # What a commit dropped here had absorbed, this one removes (Publisher.inherit), and
+        # so does what commits at or under its path or an absorbed path dropped by a content
+        # change had absorbed (Publisher.inherit_superseded).
+        keep, inherited = [], self.take_orphans([path, *absorb])
         for op in self.pending:
-            if op[0] == "commit" and op[1].path != path and \
-                    any(_at_or_under(op[1].path, p) for p in absorb + [path]):
+            if op[0] == "commit" and any(_at_or_under(op[1].path, p) for p in absorb + [path]):
                 inherited += op[1].absorb
+                if op[1].maybe_done:
+                    keep.append(("maybe", op[1]))
                 continue
             keep.append(op)
         self.pending = keep
-        c.absorb = [p for p in absorb if p] + inherited
+        c.absorb = [(p, c.serial) for p in absorb] + inherited
         self.pending.append(("commit", c))
 
     def delete(self, path: str) -> None:
-        self.pending = [op for op in self.pending
-                        if not (op[0] == "commit" and _at_or_under(op[1].path, path))]
-        self.pending.append(("delete", path))
+        """`path` is removed or renamed away: the commits at or under it are dropped, and what
+        they had absorbed goes from the store with the path (Publisher.unpublish_absorbed: a
+        path renamed away must not outlive the removal of its new name); so does what commits
+        there dropped by a content change had absorbed."""
+        keep, absorbed = [], self.take_orphans([path])
+        for op in self.pending:
+            if op[0] == "commit" and _at_or_under(op[1].path, path):
+                absorbed += op[1].absorb
+            else:
+                keep.append(op)
+        self.pending = keep + [("delete", path, self.next_serial(), absorbed)]
 
     def content_changes(self, ident: int) -> None:
         """A file's content is about to change or it is gone: commits holding it never
@@ -312,6 +363,12 @@ class CoreMachine(RuleBasedStateMachine):
         for op in self.pending:
             if op[0] == "commit" and ident in op[1].ids:
                 self.orphans.setdefault(op[1].path, []).extend(op[1].absorb)
+                if op[1].maybe_done:
+                    # It may be durable already (a crashed service may have published it),
+                    # and a rewrite supersedes a set only before it is durable
+                    # (docs/SEMANTICS.md "What a set goes through"): until a later commit
+                    # replaces it or a deletion takes it out, the store may hold it.
+                    keep.append(("maybe", op[1]))
             else:
                 keep.append(op)
         self.pending = keep
@@ -503,23 +560,37 @@ class CoreMachine(RuleBasedStateMachine):
     def apply(self, *, maybe: bool) -> None:
         """The store after the pending work ran: all of it, in order; or (`maybe`) any part of
         it (each manifest may or may not have been written or removed yet)."""
-        def put(k: str, v) -> None:
-            if maybe:
+        def put(k: str, v, surely: bool = True) -> None:
+            if maybe or not surely:
                 self.store.setdefault(k, {ABSENT}).add(v)
             else:
                 self.store[k] = {v}
+
+        def remove(root: str, since: int, but: str | None = None, surely: bool = True) -> None:
+            """The sets at or under `root` committed before `since` go. A deletion never
+            takes out a newer set's manifest (docs/SEMANTICS.md "Many nodes, one store":
+            deleting a set deletes its manifest only if the store still holds the one this
+            node knows; cachemgr/publish.py `_unpublish`): a commit put there later stays, and
+            one a crashed service may have put there may stay."""
+            for k in [k for k in self.store if _at_or_under(k, root) and k != but]:
+                if self.put_serial.get(k, 0) < since:
+                    put(k, ABSENT, surely=surely and self.maybe_serial.get(k, 0) < since)
         for op in self.pending:
             if op[0] == "delete":
-                for k in [k for k in self.store if _at_or_under(k, op[1])]:
-                    put(k, ABSENT)
-            else:
-                c = op[1]
-                for p in c.absorb:
-                    for k in [k for k in self.store if _at_or_under(k, p) and k != c.path]:
-                        put(k, ABSENT)
-                for k in [k for k in self.store if _at_or_under(k, c.path) and k != c.path]:
-                    put(k, ABSENT)
-                put(c.path, freeze(c.content))
+                remove(op[1], op[2])
+                for p, since in op[3]:
+                    remove(p, since)
+                continue
+            c = op[1]
+            surely = op[0] == "commit"  # else "maybe": published or not before its drop
+            for p, since in c.absorb:
+                remove(p, since, but=c.path, surely=surely)
+            remove(c.path, c.serial, but=c.path, surely=surely)
+            put(c.path, freeze(c.content), surely=surely)
+            if maybe:
+                c.maybe_done = True
+            serials = self.put_serial if surely and not maybe else self.maybe_serial
+            serials[c.path] = max(serials.get(c.path, 0), c.serial)
         if not maybe:
             self.pending = []
 
@@ -578,7 +649,7 @@ class CoreMachine(RuleBasedStateMachine):
         self.node.crash()
         self.open.clear()  # the writers died with the daemon; their data is in the page cache
         for op in self.pending:
-            if op[0] == "commit":
+            if op[0] in ("commit", "maybe"):
                 op[1].absorb = []  # Publisher._absorb is in memory
         self.orphans.clear()
         self.node = Node(self.root / "cache", self.root / "store")
@@ -700,7 +771,116 @@ def test_core_reftest(fast_tmp):
                  "commit_path", "settle with work", "evict", "read of evicted data",
                  "crash with writers", "crash with work pending", "crash in the service",
                  "restore of sets"):
-        assert SEEN[what] > 0, (what, dict(SEEN))
+        # (by prefix: "crash with writers with work pending" is a crash with writers too)
+        assert sum(n for k, n in SEEN.items() if k.startswith(what)) > 0, (what, dict(SEEN))
+
+
+# ----------------------------------------------------------------------------------------------
+# random runs for a time budget: new sequences in every CI run, each seed printed for a replay
+
+# Seconds of random examples (CKPTFS_REFTEST_BUDGET_S raises it for long runs and the fault loop),
+# examples per seed, and one seed to replay (then the budget is not used).
+BUDGET_S = float(os.environ.get("CKPTFS_REFTEST_BUDGET_S", "75"))
+SEED_EXAMPLES = int(os.environ.get("CKPTFS_REFTEST_SEED_EXAMPLES", "25"))
+REPLAY_SEED = os.environ.get("CKPTFS_REFTEST_SEED")
+REPO = Path(__file__).resolve().parent.parent
+
+
+def replay_command(seed: int, examples: int) -> str:
+    """The command that runs exactly what seed `seed` ran (add --shrink to shrink it: no
+    pytest timeout applies to it)."""
+    return (f"cd {REPO} && {sys.executable} -m tests.test_core_reftest --seed {seed}"
+            f" --examples {examples}")
+
+
+def random_runs(base: Path, *, seconds: float, examples: int, seed: int | None = None,
+                shrink: bool = False) -> int:
+    """Run the machine, `examples` examples per seed, with fresh random seeds until `seconds`
+    have passed (or with `seed` alone). Every seed is printed before it runs; the first one
+    that fails ends the runs with its replay command. 0 if none failed, else 1."""
+    deadline = time.monotonic() + seconds
+    rng = random.SystemRandom()
+    n_seeds = n_examples = n_steps = 0
+    while True:
+        s = seed if seed is not None else rng.getrandbits(32)
+        print(f"reftest seed {s}: {examples} examples; replay: {replay_command(s, examples)}",
+              flush=True)
+        TMP.base, TMP.n = Path(tempfile.mkdtemp(prefix=f"seed{s}-", dir=base)), 0
+        SEEN.clear()
+        machine = hypothesis.seed(s)(type("CoreMachineSeeded", (CoreMachine,), {}))
+        t0 = time.monotonic()
+        try:
+            run_state_machine_as_test(machine, settings=settings(
+                REFTEST, max_examples=examples, derandomize=False, print_blob=True,
+                phases=tuple(Phase) if shrink else (Phase.explicit, Phase.generate)))
+        except Exception:  # noqa: BLE001 - any failure of a seed: reported with the seed
+            traceback.print_exc()
+            print(f"reftest seed {s}: FAILED in example {SEEN['example']} after"
+                  f" {time.monotonic() - t0:.0f}s; replay: {replay_command(s, examples)}",
+                  flush=True)
+            return 1
+        finally:
+            shutil.rmtree(TMP.base, ignore_errors=True)
+        n_seeds += 1
+        n_examples += SEEN["example"]
+        n_steps += SEEN["step"]
+        print(f"reftest seed {s}: ok, {SEEN['example']} examples, {SEEN['step']} steps in"
+              f" {time.monotonic() - t0:.0f}s", flush=True)
+        if seed is not None or time.monotonic() >= deadline:
+            break
+    print(f"reftest: {n_seeds} seeds, {n_examples} examples, {n_steps} steps, no failure",
+          flush=True)
+    return 0
+
+
+@pytest.mark.timeout(max(300, BUDGET_S + 240))
+def test_core_reftest_random(fast_tmp):
+    """The machine with random seeds for CKPTFS_REFTEST_BUDGET_S seconds (default 75): new
+    sequences in every run, where the derandomized test repeats the same ones. It runs in a
+    child process (`python -m tests.test_core_reftest`): a run stopped half-way (its own time
+    limit, or a hang) is killed there, and never inside this process's trio.run, which a
+    timeout there once left unable to run trio (every later in-process test failed). Every
+    seed is printed with the command that replays it; a failure names its seed."""
+    cmd = [sys.executable, "-m", "tests.test_core_reftest", "--base", str(fast_tmp),
+           "--seconds", str(BUDGET_S), "--examples", str(SEED_EXAMPLES)]
+    if REPLAY_SEED:
+        cmd += ["--seed", REPLAY_SEED]
+    limit = BUDGET_S + 180  # past the budget: the seed under way, then the report
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=limit)
+        out, rc = proc.stdout + proc.stderr, proc.returncode
+    except subprocess.TimeoutExpired as e:  # killed: the seed under way hung
+        out, rc = _text(e.stdout) + _text(e.stderr), None
+    seeds = [line for line in out.splitlines() if line.startswith("reftest")]
+    print("\n".join(seeds))
+    if rc == 0:
+        return
+    started = [line.split()[2].rstrip(":") for line in seeds if "examples; replay:" in line]
+    what = "failed" if rc is not None else f"did not finish within {limit:.0f}s"
+    pytest.fail(f"random reftest seed {started[-1] if started else '?'} {what}: replay with"
+                f" the command printed for it (add --shrink to shrink)\n{out[-20000:]}")
+
+
+def _text(b: bytes | str | None) -> str:
+    return b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
+
+
+def _main() -> int:
+    p = argparse.ArgumentParser(description="random runs of CoreMachine (see random_runs)")
+    p.add_argument("--seconds", type=float, default=BUDGET_S)
+    p.add_argument("--examples", type=int, default=SEED_EXAMPLES)
+    p.add_argument("--seed", type=int, help="run this seed only")
+    p.add_argument("--shrink", action="store_true", help="shrink a failure (may take long)")
+    p.add_argument("--base", type=Path, help="for the temporary directories (else /dev/shm)")
+    a = p.parse_args()
+    shm = Path("/dev/shm")
+    base = a.base or (shm if shm.is_dir() and os.access(shm, os.W_OK) else None)
+    base = Path(tempfile.mkdtemp(prefix="ckptfs-reftest-", dir=base))
+    try:
+        return random_runs(base, seconds=a.seconds, examples=a.examples, seed=a.seed,
+                           shrink=a.shrink)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -763,3 +943,337 @@ def test_renamed_away_path_leaves_the_store_when_the_rename_set_never_becomes_du
         assert seen == want, seen
     finally:
         node.core.close()
+
+
+def write_top(node: Node, name: bytes, data: bytes, *, close: bool = True) -> int | None:
+    """Write `data` at offset 0 of top-level file `name` (created if absent, else opened for
+    writing without O_TRUNC); the fh if not `close`d."""
+    try:
+        ino = node.core.lookup(ROOT_INO, name).ino
+    except FsError:
+        res, _ = node.core.create(ROOT_INO, name, 0o644, O_W, 0, 0)
+    else:
+        node.fill(ino)
+        res = node.core.open(ino, os.O_WRONLY)
+    node.core.write(res.fh, 0, data)
+    if not close:
+        return res.fh
+    node.core.flush(res.fh)
+    node.core.release(res.fh)
+    return None
+
+
+@pytest.mark.parametrize("then", ["close", "crash-while-writing"])
+def test_a_set_committed_by_request_and_rewritten_before_it_is_durable_is_not_published(
+        fast_tmp, then):
+    """Shape (c) of the random runs: `ckptfs commit t.tmp` of a file whose content was already
+    uploaded (closed, then the service ran), then a rewrite of t.tmp before the set is durable.
+    A rewrite supersedes the set (docs/SEMANTICS.md "What a set goes through"); the store
+    published it all the same, with the content the file no longer has, because the rewrite
+    superseded only sets still waiting for the upload of the old content. (t.tmp is a
+    temporary name: its close commits nothing, so nothing ever replaced that manifest.)"""
+    node = Node(fast_tmp / "cache", fast_tmp / "store")
+    try:
+        write_top(node, b"t.tmp", b"v1")
+        node.settle()  # v1 is uploaded; no set holds it
+        node.t.commit_path("t.tmp")  # a set whose objects are all in: queued for publication
+        fh = write_top(node, b"t.tmp", b"v2", close=then == "close")
+        if then == "crash-while-writing":
+            assert fh is not None
+            node.crash()
+            node = Node(fast_tmp / "cache", fast_tmp / "store")
+            node.core.recover()
+        node.settle()
+        assert node.sets.newest_at("t.tmp").state == "superseded"
+        seen = seen_by_another_node(fast_tmp)
+        assert seen == [], seen
+    finally:
+        with contextlib.suppress(sqlite3.ProgrammingError):
+            node.core.close()
+
+
+
+
+def test_a_file_renamed_into_place_and_rewritten_before_its_set_is_durable_keeps_the_old_set(
+        fast_tmp):
+    """Random seeds 2360012042 and 2110877611 (60 examples): the same with a set committed by a
+    rename (torch.save's `t.tmp` -> `b`) of a file whose content was uploaded, then `b` opened
+    for writing and the daemon killed. The rename's set was published all the same, and a
+    second node showed that content at `b`; the rewrite superseded it, so the store keeps the
+    `b` it had (docs/SEMANTICS.md "What a set goes through")."""
+    node = Node(fast_tmp / "cache", fast_tmp / "store")
+    try:
+        write_top(node, b"b", b"old b")
+        write_top(node, b"t.tmp", b"new b")
+        node.settle()  # b durable; t.tmp uploaded, in no set
+        node.core.rename(ROOT_INO, b"t.tmp", ROOT_INO, b"b", 0)  # commits b: all uploaded
+        assert write_top(node, b"b", b"NEW", close=False) is not None
+        node.crash()
+        node = Node(fast_tmp / "cache", fast_tmp / "store")
+        node.core.recover()
+        node.settle()
+        other = Node(fast_tmp / "other", fast_tmp / "store")
+        try:
+            trio.run(other.t.remote.sync_once)
+            assert other.read(other.resolve("b")) == b"old b"
+        finally:
+            other.core.close()
+    finally:
+        with contextlib.suppress(sqlite3.ProgrammingError):
+            node.core.close()
+
+
+@pytest.mark.parametrize("then", ["remove", "rename-to-a-temporary-name"])
+def test_renamed_away_path_leaves_the_store_when_its_new_name_goes_before_it_is_durable(
+        fast_tmp, then):
+    """Shape (a) of the random runs (seed 2275615589, 25 examples): `b` durable, renamed to
+    `a` (a commits, absorbing b), then `a` removed (or renamed to a temporary name, which
+    commits nothing) before the rename's set is durable. The rename's set is deleted, and
+    what it was to take from the store once durable went with it: `b` stayed in the store
+    for good, a checkpoint shown by every other node that no tree holds any more (nothing
+    could remove it through this mount)."""
+    node = Node(fast_tmp / "cache", fast_tmp / "store")
+    try:
+        write_top(node, b"b", b"v1")
+        node.settle()
+        assert node.sets.newest_at("b").state == "durable"
+        node.core.rename(ROOT_INO, b"b", ROOT_INO, b"a", 0)  # commits a, absorbing b
+        if then == "remove":
+            node.core.unlink(ROOT_INO, b"a")
+        else:
+            node.core.rename(ROOT_INO, b"a", ROOT_INO, b"t.tmp", 0)
+        node.settle()
+        seen = seen_by_another_node(fast_tmp)
+        assert seen == [], seen
+    finally:
+        node.core.close()
+
+
+def write_in(node: Node, d: bytes, name: bytes, data: bytes) -> None:
+    """Create or rewrite (without O_TRUNC) top-level directory `d`'s file `name`, and close."""
+    dino = node.core.lookup(ROOT_INO, d).ino
+    try:
+        ino = node.core.lookup(dino, name).ino
+    except FsError:
+        res, _ = node.core.create(dino, name, 0o644, O_W, 0, 0)
+    else:
+        res = node.core.open(ino, os.O_WRONLY)
+    node.core.write(res.fh, 0, data)
+    node.core.flush(res.fh)
+    node.core.release(res.fh)
+
+
+@pytest.mark.parametrize("then", ["remove", "rename-on"])
+def test_renamed_away_directory_leaves_the_store_after_a_rewrite_supersedes_the_rename(
+        fast_tmp, then):
+    """The same loss when the rename's set ends by a rewrite of one of its files: `ck1`
+    durable, renamed to `ck.tmp` (ck.tmp commits, absorbing ck1), `ck.tmp/x` rewritten (the
+    set is superseded: what it absorbed waits for the next commit of ck.tmp), then ck.tmp
+    removed, or renamed on to `ck2` (which commits ck2, absorbing ck.tmp). Neither took what
+    the superseded set had absorbed: ck1 stayed in the store."""
+    node = Node(fast_tmp / "cache", fast_tmp / "store")
+    try:
+        node.core.mkdir(ROOT_INO, b"ck1", 0o755, 0, 0)
+        write_in(node, b"ck1", b"x", b"v1")
+        node.t.commit_path("ck1")
+        node.settle()
+        assert node.sets.newest_at("ck1").state == "durable"
+        node.core.rename(ROOT_INO, b"ck1", ROOT_INO, b"ck.tmp", 0)  # commits ck.tmp
+        write_in(node, b"ck.tmp", b"x", b"v2")  # supersedes it
+        assert node.sets.newest_at("ck.tmp").state == "superseded"
+        if then == "remove":
+            dino = node.core.lookup(ROOT_INO, b"ck.tmp").ino
+            node.core.unlink(dino, b"x")
+            node.core.rmdir(ROOT_INO, b"ck.tmp")
+            want = []
+        else:
+            node.core.rename(ROOT_INO, b"ck.tmp", ROOT_INO, b"ck2", 0)  # commits ck2
+            want = ["ck2"]
+        node.settle()
+        seen = seen_by_another_node(fast_tmp)
+        assert seen == want, seen
+    finally:
+        node.core.close()
+
+
+
+# -- sequences of the machine itself, replayed step by step -------------------------------------
+
+
+class Draws:
+    """The values a rule draws from its `st.data()` argument, in order (a sequence the machine
+    ran, replayed without hypothesis). Each must be one the rule could have drawn."""
+
+    def __init__(self, *values) -> None:
+        self.values = list(values)
+
+    def draw(self, strategy, label=None):
+        value = self.values.pop(0)
+        elements = getattr(strategy, "elements", None)
+        assert elements is None or value in elements, (value, elements)
+        return value
+
+
+def replay(tmp: Path, steps: list[tuple[str, dict]]) -> CoreMachine:
+    """Run `steps` ((rule name, its arguments)) on a CoreMachine as hypothesis runs a
+    sequence: the invariants after the start and after every step, teardown at the end."""
+    TMP.base, TMP.n = tmp, 0
+    machine = CoreMachine()
+    try:
+        machine.start()
+        for name, kwargs in [("", {}), *steps]:
+            if name:
+                getattr(machine, name)(**kwargs)
+            machine.consistent()
+            machine.tree_matches()
+    finally:
+        machine.teardown()
+    return machine
+
+
+def test_model_a_path_a_rename_absorbed_keeps_what_is_committed_there_later(fast_tmp):
+    """Random seed 1293966045 (60 examples), a fault of the model: `ck2` renamed to `ck1`
+    (ck1's commit absorbs the path ck2), `ck.tmp` renamed to a new `ck2`, then `ck1` renamed
+    to `ck.tmp` before anything was durable (ck.tmp's commit takes over what ck1's had
+    absorbed). The model, which recorded absorbed *paths*, removed the new ck2 from the store
+    with them; the product absorbs *sets* (cachemgr/commit.py: the sets at the path at the
+    commit), and a deletion never takes out a newer set's manifest (cachemgr/publish.py
+    `_unpublish`), so ck2 stays (docs/SEMANTICS.md "What the store guarantees": the store
+    shows every durable set). The model now records when a path was absorbed."""
+    replay(fast_tmp, [
+        ("mkdir", {"name": "ck2"}),
+        ("mkdir", {"name": "ck.tmp"}),
+        ("rename_dir", {"data": Draws("ck2", "ck1")}),
+        ("mkdir", {"name": "ck2"}),
+        ("rename_dir", {"data": Draws("ck.tmp", "ck2")}),
+        ("rename_dir", {"data": Draws("ck1", "ck.tmp")}),
+        ("restore", {}),
+    ])
+
+
+
+def test_model_a_path_a_rewritten_rename_absorbed_keeps_what_is_committed_there_later(fast_tmp):
+    """Random seeds 3149713760 and 730230201 (60 examples): the same fault of the model by the
+    way of a rewrite. `t.tmp` renamed to `b`, `b` renamed to `a` (a's commit absorbs b), a new
+    `b` written (committed), then `a` truncated: its rename's set is superseded and the commit
+    of the truncate takes over what it had absorbed, the path b among it. The model removed
+    the new b with it when that commit was applied; the product's absorbed set at b is the
+    one the rename took (superseded, never durable), and the new b stays."""
+    replay(fast_tmp, [
+        ("write", {"pick": Draws("t.tmp"), "off": 0, "data": b"v1", "then_close": True}),
+        ("rename_file", {"data": Draws("t.tmp", "b")}),
+        ("rename_file", {"data": Draws("b", "a")}),
+        ("write", {"pick": Draws("b"), "off": 0, "data": b"v2", "then_close": True}),
+        ("truncate", {"data": Draws("a"), "size": 1}),
+        ("settle", {}),
+        ("restore", {}),
+    ])
+
+
+def test_model_a_deletion_left_pending_by_a_crash_spares_a_set_published_after_it(fast_tmp):
+    """Random seed 2309853593 (60 examples), a fault of the model: `b` durable, renamed to
+    t.tmp (its set deleted) and back (b committed again), the service killed after it had
+    done both (the manifest deleted, the new one published), then `b` rewritten. The model
+    kept the deletion pending (it could not know it was done), dropped the commit after it
+    (the rewrite), and applied the deletion again at the next settle: b absent. The product
+    shows the commit, durable before the rewrite (a rewrite supersedes only a set not yet
+    durable, docs/SEMANTICS.md "What a set goes through"), and a deletion never takes out a
+    newer set's manifest (cachemgr/publish.py `_unpublish`)."""
+    replay(fast_tmp, [
+        ("write", {"pick": Draws("b"), "off": 0, "data": b"v1", "then_close": True}),
+        ("settle", {}),
+        ("rename_file", {"data": Draws("b", "t.tmp")}),
+        ("rename_file", {"data": Draws("t.tmp", "b")}),
+        ("crash_in_service", {"budget": 8}),
+        ("write", {"pick": Draws("b"), "off": 0, "data": b"v2", "then_close": False}),
+        ("crash", {}),
+        ("restore", {}),
+    ])
+
+
+def test_model_a_deletion_left_pending_by_a_crash_spares_a_set_absorbed_after_it(fast_tmp):
+    """Random seed 1030344987 (60 examples), the same fault of the model by another way: the
+    commit after the pending deletion is absorbed by a rename (ck2 -> ck1) instead of
+    rewritten, and a crash then forgets what the rename's set was to take from the store
+    (cachemgr/publish.py: `_absorb` is in memory, "visible, never torn"). ck2, published by
+    the crashed service, stays; the model applied the deletion again and said absent."""
+    replay(fast_tmp, [
+        ("mkdir", {"name": "ck2"}),
+        ("commit_path", {"data": Draws("ck2")}),
+        ("settle", {}),
+        ("remove", {"data": Draws("ck2")}),
+        ("mkdir", {"name": "ck2"}),
+        ("commit_path", {"data": Draws("ck2")}),
+        ("crash_in_service", {"budget": 8}),
+        ("rename_dir", {"data": Draws("ck2", "ck1")}),
+        ("crash", {}),
+        ("restore", {}),
+    ])
+
+
+def test_model_a_later_commit_of_a_path_supersedes_an_earlier_one_for_good(fast_tmp):
+    """Random seed 48732167 (25 examples), a fault of the model (shape (b) of the issue: a set
+    the model holds durable is not in the store): `ckptfs commit ck.tmp` (empty), a file
+    written in it, `ckptfs commit ck.tmp` again, then that file rewritten. The model kept the
+    first commit pending behind the second (the later one would overwrite it), so when the
+    rewrite dropped the second, the first came back: ck.tmp = {} in the store. A newer commit
+    of the same path supersedes the earlier one for good (docs/SEMANTICS.md "What a set goes
+    through"), and the rewrite supersedes the newer: nothing of ck.tmp is published."""
+    replay(fast_tmp, [
+        ("mkdir", {"name": "ck.tmp"}),
+        ("commit_path", {"data": Draws("ck.tmp")}),
+        ("write", {"pick": Draws("ck.tmp/x"), "off": 0, "data": b"v1", "then_close": True}),
+        ("commit_path", {"data": Draws("ck.tmp")}),
+        ("write", {"pick": Draws("ck.tmp/x"), "off": 0, "data": b"v2", "then_close": True}),
+        ("restore", {}),
+    ])
+
+
+def test_the_recorded_failure_of_a_request_commit_rewritten_before_it_is_durable(fast_tmp):
+    """The failure recorded in the issue (hypothesis 6.170.17, `@reproduce_failure` blob
+    'AXicNU+xDcJADLTzHyAkhAakLMAY...'), step by step: t.tmp (b's content, b renamed to it) is
+    committed by `ckptfs commit`, then rewritten; with crashes and other sets in between, a
+    second node showed t.tmp with the content of the commit the rewrite had superseded
+    (test_a_set_committed_by_request_and_rewritten_before_it_is_durable_is_not_published)."""
+    w = "write"
+    replay(fast_tmp, [
+        ("mkdir", {"name": "ck2"}),
+        ("rename_dir", {"data": Draws("ck2", "ck.tmp")}),
+        (w, {"pick": Draws("b"), "off": 1, "then_close": False,
+             "data": b"\x91=\x05\xfdY\xff\xbf\x0cn\xeeq\xb2\xe9\xc8\xb8\x9e"}),
+        (w, {"pick": Draws("b"), "off": 1, "then_close": True, "data": b"?\x7f"}),
+        ("crash_in_service", {"budget": 8}),
+        ("mkdir", {"name": "ck.tmp"}),
+        ("evict", {"off": 0, "pick": 2, "then_read": True}),
+        ("rename_file", {"data": Draws("b", "t.tmp")}),
+        ("rename_dir", {"data": Draws("ck.tmp", "ck1")}),
+        ("rename_dir", {"data": Draws("ck1", "ck2")}),
+        ("rename_dir", {"data": Draws("ck2", "ck1")}),
+        ("crash", {}),
+        ("crash_in_service", {"budget": 0}),
+        ("crash_in_service", {"budget": 2}),
+        ("commit_path", {"data": Draws("t.tmp")}),
+        (w, {"pick": Draws("t.tmp"), "off": 1, "then_close": True, "data": b"\x04\xa2"}),
+        ("rename_dir", {"data": Draws("ck1", "ck2")}),
+        (w, {"pick": Draws("t.tmp"), "off": 4096, "then_close": False,
+             "data": b"\x14\xe1\x0f\x15\xe2\x18\x82\x18\xd6\xac\xffF\xad\xbb"}),
+        ("crash", {}),
+        ("evict", {"off": 4096, "pick": 2, "then_read": False}),
+        ("truncate", {"data": Draws("t.tmp"), "size": 6000}),
+        ("truncate", {"data": Draws("t.tmp"), "size": 6000}),
+        ("crash", {}),
+        ("commit_path", {"data": Draws("ck2")}),
+        ("truncate", {"data": Draws("t.tmp"), "size": 1}),
+        ("evict", {"off": 5000, "pick": 0, "then_read": True}),
+        ("read", {"data": Draws("t.tmp"), "off": 4095, "size": 1}),
+        ("commit_path", {"data": Draws("ck1")}),
+        ("evict", {"off": 1, "pick": 2, "then_read": False}),
+        ("evict", {"off": 5000, "pick": 1, "then_read": True}),
+        (w, {"pick": Draws("b"), "off": 4095, "then_close": True, "data": b"\x9a[%\xef"}),
+        ("settle", {}),
+        ("restore", {}),
+    ])
+
+
+if __name__ == "__main__":
+    sys.exit(_main())
