@@ -64,6 +64,8 @@ FAULT_GROUPS = {
     "all": list(FAULTS),
 }
 KEEP = 2                  # rotation keeps the newest KEEP checkpoints of each kind
+STATUS_TRIES = 3          # a status request is asked this many times (10 s each) before failing
+MAX_STALL_S = 30.0        # a daemon's event loop making no turn longer than this is a violation
 BUCKET = "ckpt-faults"
 PREFIX = "p"
 
@@ -347,6 +349,8 @@ class Node:
         self.log_file = work / f"{name}.log"
         self.args = store_args
         self.pid: int | None = None
+        self.slow_answers = 0  # status requests that timed out (asked again)
+        self._log_seen = 0     # bytes of log_file read by new_stalls
         self.mountpoint.mkdir(parents=True, exist_ok=True)
 
     @property
@@ -400,16 +404,35 @@ class Node:
         self.pid = None
 
     def status(self) -> dict:
+        """The daemon's tiering status. A request that times out (10 s) is asked again, up to
+        STATUS_TRIES in all: a daemon whose loop stalls that long is recorded (`slow_answers`;
+        its log names where the loop was, ckptfs/stallwatch.py, and `check_logs` judges the
+        stall's length), one that never answers is an error with its log's tail."""
         import ckptfs
-        try:
-            return ckptfs.status(self.mountpoint)["tiering"]
-        except ckptfs.CkptfsError as e:
-            # a daemon that does not answer: what its log said last (a stalled loop is logged
-            # with the code it was in, ckptfs/stallwatch.py)
-            tail = self.log_file.read_text(errors="replace").splitlines()[-40:] \
-                if self.log_file.exists() else []
-            raise ckptfs.CkptfsError(f"{e}; node {self.name}'s log ends:\n" + "\n".join(tail),
-                                     e.code) from None
+        for attempt in range(STATUS_TRIES):
+            try:
+                return ckptfs.status(self.mountpoint)["tiering"]
+            except ckptfs.CkptfsError as e:
+                if "not answering" not in str(e) or not self.alive():
+                    raise
+                self.slow_answers += 1
+                if attempt == STATUS_TRIES - 1:
+                    tail = self.log_file.read_text(errors="replace").splitlines()[-40:] \
+                        if self.log_file.exists() else []
+                    raise ckptfs.CkptfsError(
+                        f"{e} ({STATUS_TRIES} tries); node {self.name}'s log ends:\n"
+                        + "\n".join(tail), e.code) from None
+        raise AssertionError("unreachable")
+
+    def new_stalls(self) -> list[float]:
+        """Lengths of the loop stalls the daemon logged since the last call."""
+        if not self.log_file.exists():
+            return []
+        with open(self.log_file, "rb") as f:
+            f.seek(self._log_seen)
+            new = f.read()
+        self._log_seen += len(new)
+        return [float(m) for m in re.findall(rb"ran again after a stall of ([0-9.]+)s", new)]
 
     def tracebacks(self) -> list[str]:
         return log_tracebacks(self.log_file)
@@ -1105,8 +1128,16 @@ class Loop:
                             f"{lost}")
 
     def check_logs(self) -> None:
-        """No tracebacks in any daemon's log (each reported once)."""
+        """No tracebacks in any daemon's log (each reported once); no event-loop stall longer
+        than MAX_STALL_S (shorter ones are recorded in the report)."""
         for n in (self.a, self.b):
+            stalls = n.new_stalls()
+            if stalls:
+                self.report.setdefault("loop_stalls_s", {}).setdefault(n.name, []).extend(stalls)
+                if max(stalls) > MAX_STALL_S:
+                    raise Violation(f"daemon_responsive: node {n.name}'s event loop made no turn "
+                                    f"for {max(stalls):.0f}s (limit {MAX_STALL_S:.0f}s); its log "
+                                    f"{n.log_file} says where it was")
             for tb in n.tracebacks():
                 if tb not in self.seen_tracebacks:
                     self.seen_tracebacks.add(tb)

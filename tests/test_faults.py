@@ -311,3 +311,17 @@ def test_log_scan_and_exception_lines(tmp_path):
     assert fl.log_tracebacks(tmp_path / "none.log") == []
     e = RuntimeError("rank 0:\nTraceback ...\nFileNotFoundError: [Errno 2] gone: 'x'\n")
     assert fl.short_exc(e) == "RuntimeError: FileNotFoundError: [Errno 2] gone: 'x'"
+
+
+def test_loop_reads_each_logged_stall_once(tmp_path):
+    import fault_loop as fl
+
+    n = fl.Node("a", tmp_path, tmp_path / "cache", [])
+    assert n.new_stalls() == []      # no log yet
+    n.log_file.write_text("x event loop stalled: no turn for 2.1s\n"
+                          "x event loop ran again after a stall of 3.5s\n")
+    assert n.new_stalls() == [3.5]
+    with open(n.log_file, "a") as f:
+        f.write("x event loop ran again after a stall of 31.0s\n")
+    assert n.new_stalls() == [31.0]  # only what was logged since
+    assert n.new_stalls() == []
