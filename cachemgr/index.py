@@ -298,6 +298,7 @@ class Index(TreeQueries, ContentQueries):
         self._next_ino: int | None = None  # see insert_inode
         self._undo: list[Callable[[], None]] = []    # on_rollback() of the open transaction
         self._after: list[Callable[[], None]] = []   # after_commit() of the open transaction
+        self._serial = 0  # counts outermost transactions: names the open one (tx_serial)
         self.reserve_path = path.with_name(RESERVE_NAME)
         self.reserve_bytes = reserve_bytes
         self.reserve_held = False
@@ -454,6 +455,7 @@ class Index(TreeQueries, ContentQueries):
         self._undo.clear()
         self._after.clear()
         self._depth = 1
+        self._serial += 1
         try:
             self.conn.execute("BEGIN IMMEDIATE")
             yield self.conn
@@ -501,6 +503,20 @@ class Index(TreeQueries, ContentQueries):
         """Run `fn` once the open transaction committed (not at all if it rolls back)."""
         assert self._depth, "after_commit() outside a transaction"
         self._after.append(fn)
+
+    def when_committed(self, fn: Callable[[], None]) -> None:
+        """Run `fn` now outside a transaction, else once the open one committed: a change to
+        memory that follows an index change takes effect only if that change does."""
+        if self._depth:
+            self._after.append(fn)
+        else:
+            fn()
+
+    @property
+    def tx_serial(self) -> int | None:
+        """A number naming the open transaction (None outside one): owners of memory state
+        that must roll back with it record their undo once per transaction (on_rollback)."""
+        return self._serial if self._depth else None
 
     def sync(self) -> None:
         """Make every committed transaction durable on the cache disk (syncs the WAL)."""

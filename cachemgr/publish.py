@@ -90,6 +90,7 @@ class Publisher:
         self._blocked: dict[int, int] = {}
         self._blocked_unpublish: list[Event] = []
         self._gc_refused: set[str] = set()
+        self._guarded: int | None = None  # the index transaction whose undo is registered
         self.published = 0
         self.unpublished = 0
         self.gc_deleted = 0
@@ -97,26 +98,51 @@ class Publisher:
 
     # -- queueing (synchronous) ---------------------------------------------------------------
 
+    def _guard(self) -> None:
+        """Call before changing `_events` or `_absorb`. Inside an index transaction (the commit
+        hooks, recording a publication) the first change records both as they were, put back
+        if the transaction rolls back: an event or an absorbed set must not outlive the set
+        records it follows (an unpublish queued by a rename that failed would delete a durable
+        set's manifest; an absorb recorded under a seq that rolled back would be inherited by
+        the next commit, which reuses the seq). The worker never runs inside a transaction, so
+        nothing is taken from the FIFO between the record and a rollback."""
+        serial = self.index.tx_serial
+        if serial is None or serial == self._guarded:
+            return
+        self._guarded = serial
+        events = deque(self._events)
+        absorb = {k: set(v) for k, v in self._absorb.items()}
+
+        def undo() -> None:
+            self._events = events
+            self._absorb = absorb
+        self.index.on_rollback(undo)
+
     def publish(self, seq: int) -> None:
         """Queue the publish of set `seq` (its objects are all uploaded)."""
+        self._guard()
         self._events.append(("publish", seq))
 
     def unpublish(self, seq: int, path: str, horizon: int) -> None:
         """Queue the deletion of set `seq`'s manifest at `path`, once every set with seq <=
         `horizon` is published or gone."""
+        self._guard()
         self._events.append(("unpublish", seq, path, horizon))
 
     def gc(self) -> None:
+        self._guard()
         self._events.append(("gc",))
 
     def absorb(self, seq: int, old_seq: int, old_path: str) -> None:
         """Set `old_seq` at `old_path` goes from the store once set `seq` is durable."""
+        self._guard()
         self._absorb.setdefault(seq, set()).add((old_seq, old_path))
 
     def inherit(self, seq: int, old_seq: int) -> None:
         """Set `old_seq` will not become durable in place of set `seq` (superseded by it, or
         absorbed into it): what it was to take from the store once durable, set `seq` takes
         (a renamed-away path's manifest must not outlive the rename's later re-commit)."""
+        self._guard()
         moved = self._absorb.pop(old_seq, None)
         if moved:
             self._absorb.setdefault(seq, set()).update(moved)
@@ -140,6 +166,7 @@ class Publisher:
         Else a path renamed away, then its new name removed before the rename's set was
         durable, would stay in the store for good: nothing would ever take it out, and the
         path is in no tree to remove it from. Returns the seqs now `deleting`."""
+        self._guard()
         gone: list[int] = []
         for seq in sorted(self._absorb):
             s = self.sets.get(seq)
@@ -168,6 +195,7 @@ class Publisher:
         if (self._blocked or self._blocked_unpublish) and ("release",) not in self._events:
             # A set may have left the live states: sets published in commit order after it
             # are looked at again, in the namespace FIFO.
+            self._guard()
             self._events.append(("release",))
             self.signals.wake_ns()
 
@@ -316,6 +344,7 @@ class Publisher:
         replaces. False if it was deleted while the PUT was in flight (then unpublished)."""
         seq = s.seq
         with self.index.tx():
+            self._guard()
             s2 = self.sets.get(seq)
             # Superseded while the PUT was in flight (a later commit of the same path, its
             # content changed, absorbed): its manifest is now the store's at its path, in place

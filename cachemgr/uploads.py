@@ -100,9 +100,16 @@ class UploadQueue:
 
     # -- the queue (synchronous: the commit hooks and recovery call these) --------------------
 
+    # Inside an index transaction (the commit hooks), a queue change takes effect when the
+    # transaction commits (Index.when_committed): one that rolls back (the operation failed)
+    # neither queues content that never closed nor cancels an upload a set still needs.
+
     def enqueue(self, ino: int, version: int, prio: int | None = None) -> None:
         """Queue the upload of content (ino, version): `prio` is the seq of the set that needs
         it; None: the live set holding it, else after every committed set, in close order."""
+        self.index.when_committed(lambda: self._enqueue(ino, version, prio))
+
+    def _enqueue(self, ino: int, version: int, prio: int | None) -> None:
         key = (ino, version)
         if prio is None:
             live = self.sets.live_commit_seq(ino, version)
@@ -123,6 +130,9 @@ class UploadQueue:
 
     def drop(self, ino: int, version: int) -> None:
         """Content (ino, version) is changing: no upload of it (one in flight is cancelled)."""
+        self.index.when_committed(lambda: self._drop(ino, version))
+
+    def _drop(self, ino: int, version: int) -> None:
         job = self._running.get((ino, version))
         if job is not None and job.cancel is not None:
             job.cancel.cancel()
@@ -130,6 +140,9 @@ class UploadQueue:
 
     def drop_inode(self, ino: int) -> None:
         """File `ino` is gone: no upload of any of its content."""
+        self.index.when_committed(lambda: self._drop_inode(ino))
+
+    def _drop_inode(self, ino: int) -> None:
         for key in list(self._jobs):
             if key[0] == ino:
                 self._jobs.pop(key, None)

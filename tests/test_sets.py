@@ -262,3 +262,53 @@ def test_publication_waits_for_the_set_committed_before_it(tmp_path):
     assert st["uploads"]["done"] == 2 and st["pending_sets"] == 0
     assert st["services"]["commit"]["commits"] == 2
     assert core.check_consistency() == []
+
+
+def _queues(t: Tiering) -> tuple:
+    p, u = t.publisher, t.uploads
+    return (list(p._events), {k: set(v) for k, v in p._absorb.items()},
+            {k: j.prio for k, j in u._jobs.items()})
+
+
+def _failing_after(monkeypatch, obj, name: str) -> None:
+    """Make hook `name` of `obj` do all its work, then fail: the operation's transaction rolls
+    back after the hook queued whatever it queues (as a full cache disk at COMMIT would)."""
+    real = getattr(obj, name)
+
+    def hook(*a, **kw):
+        real(*a, **kw)
+        raise RuntimeError("injected: the operation fails after its hook")
+    monkeypatch.setattr(obj, name, hook)
+
+
+def test_an_operation_that_rolls_back_queues_nothing(fs, tiering, monkeypatch):
+    """Tiering work queued by a commit hook takes effect only if the operation's transaction
+    commits: a rename that fails after its hook ran leaves no unpublish of the set it would have
+    moved, no absorbed set under a seq that never was, and the upload queue as it was."""
+    d = mkdir(fs, ROOT, b"step_1.tmp")
+    write_file(fs, d, b"a.bin", b"a" * 100)
+    fs.rename(ROOT, b"step_1.tmp", ROOT, b"step_1")
+    f = write_file(fs, ROOT, b"model.pt", b"m" * 100)
+    before = _queues(tiering)
+    assert before[2], "the committed files' uploads are queued (the service is not running)"
+    assert sets(fs) == {"step_1": "committed", "model.pt": "committed"}
+
+    _failing_after(monkeypatch, tiering.commits, "on_rename")
+    with pytest.raises(RuntimeError, match="injected"):
+        fs.rename(ROOT, b"step_1", ROOT, b"step_2")
+    assert sets(fs) == {"step_1": "committed", "model.pt": "committed"}
+    assert _queues(tiering) == before
+
+    # a rewrite that fails after its content-change hook: the old content's upload stays queued
+    # (the set that needs it is still committed)
+    _failing_after(monkeypatch, tiering.commits, "on_content_change")
+    with pytest.raises(RuntimeError, match="injected"):
+        fs.open(f, os.O_WRONLY | os.O_TRUNC)
+    assert sets(fs) == {"step_1": "committed", "model.pt": "committed"}
+    assert _queues(tiering) == before
+
+    # and once the operations succeed, they queue as before
+    monkeypatch.undo()
+    fs.rename(ROOT, b"step_1", ROOT, b"step_2")
+    assert sets(fs)["step_2"] == "committed"
+    assert _queues(tiering) != before
