@@ -78,6 +78,7 @@ class RawTree:
                 self.index.update_inode(ino, mtime_ns=mtime_ns)
             if stat.S_ISREG(mode):
                 self.files.create(ino)
+                self.index.on_rollback(lambda: self.files.unlink(ino))  # as Namespace.new_inode
                 self.index.set_restored_object(ino, obj)
             self.index.add_dentry(parent, name, ino)
             if is_dir:
@@ -185,9 +186,9 @@ class Residency:
             return False  # a fill (a damaged chunk being repaired) is writing it
         if self.index.uploaded_version(ino) != version:
             return False  # never evict data that is not uploaded
-        with self.index.tx():
-            node.cached = 0
+        with self.index.tx():  # memory follows the index only once the index has changed
             self.index.set_cached(ino, 0)
+        node.cached = 0
         freed = self.files.evicted(ino, node.size)
         self.stats.evictions += 1
         self.stats.evicted_bytes += freed
@@ -200,8 +201,8 @@ class Residency:
     def fetched(self, ino: int, size: int) -> None:
         """The cache file of an evicted inode was refilled from the store."""
         node = self.table.get(ino)
-        with self.index.tx():
-            node.cached = 1
+        with self.index.tx():  # memory follows the index only once the index has changed
             self.index.set_cached(ino, 1)
+        node.cached = 1
         self.files.refilled(ino, node.size)
         node.gen += 1

@@ -892,3 +892,39 @@ def test_filesystem_read_through_and_backpressure(fs):
     assert fs.cached_bytes == 2 * len(data) + 10
     assert fs.statistics()["files"]["cached_bytes"] == fs.cached_bytes
     assert fs.check_consistency() == []
+
+
+def test_residency_and_restored_entries_change_memory_only_with_the_index(fs, monkeypatch):
+    """evict, fetched and raw_create change the inode table and the cache files only when their
+    index transaction commits: a full index leaves memory, index and cache files agreeing."""
+    from cachemgr.index import IndexFull
+
+    ino = mkfile(fs, ROOT, b"f", b"data" * 100)
+    node = fs.inode(ino)
+    fs.index.set_uploaded(ino, node.version, "{}")   # its content is in the store
+    real = fs.index.set_cached
+
+    def full(*a):
+        raise IndexFull("injected: cache disk full", released=False)
+    monkeypatch.setattr(fs.index, "set_cached", full)
+    with pytest.raises(IndexFull):
+        fs.evict(ino, node.version)
+    assert node.cached == 1 and os.path.getsize(fs.files.path(ino)) == 400
+    assert fs.check_consistency() == []
+    monkeypatch.setattr(fs.index, "set_cached", real)
+    assert fs.evict(ino, node.version) and node.cached == 0
+    monkeypatch.setattr(fs.index, "set_cached", full)
+    with pytest.raises(IndexFull):
+        fs.fetched(ino, 400)
+    assert node.cached == 0
+    assert fs.check_consistency() == []
+    monkeypatch.setattr(fs.index, "set_cached", real)
+
+    # a restored file whose entry cannot be recorded leaves no cache file behind
+    monkeypatch.setattr(fs.index, "add_dentry", full)
+    before = set(os.listdir(fs.files.path(ino).rsplit("/", 1)[0]))
+    with pytest.raises(IndexFull):
+        fs.raw_create(ROOT, b"r", stat.S_IFREG | 0o644, size=10, obj="{}")
+    assert set(os.listdir(fs.files.path(ino).rsplit("/", 1)[0])) == before
+    assert fs.index.lookup(ROOT, b"r") is None
+    assert fs.check_consistency() == []
