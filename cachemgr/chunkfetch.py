@@ -345,6 +345,10 @@ class ChunkFetcher:
         def still_valid() -> bool:
             return not self.core.inode(ino).cached and self.obj_of(ino) == obj
 
+        if not self.index.data_may_take(self.core.cache_dir, sum(len(r) for _, r in chunks)):
+            # the index reserve is released: what is left is for the index (Index.data_may_take)
+            raise OSError(errno.ENOSPC, "the cache disk is full (what is left is kept for the "
+                          "index)")
         wrote = await self.core.files.fill(
             ino, [(chunk_span(obj, i)[0], raw) for i, raw in chunks], size=obj.size,
             still_valid=still_valid)

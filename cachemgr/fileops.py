@@ -249,12 +249,9 @@ class FileOps:
           does not pass on), so it is decided here from the opener's credentials; through the
           page cache the kernel already did it.
         """
-        index = self.index
-        if not index.reserve_held and index.reserve_bytes:
-            st = os.statvfs(self.cache_dir)
-            if st.f_bavail * st.f_frsize < index.reserve_bytes + n:
-                raise FsError(errno.ENOSPC, "cache disk full (what is left is kept for the"
-                              " index: delete files to make room)")
+        if not self.index.data_may_take(self.cache_dir, n):
+            raise FsError(errno.ENOSPC, "cache disk full (what is left is kept for the"
+                          " index: delete files to make room)")
         if h.opener is not None and h.inode.mode & SETID:
             retrying(self.table.kill_setid_now, h.inode, h.opener)
 

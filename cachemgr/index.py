@@ -356,6 +356,17 @@ class Index(TreeQueries, ContentQueries):
             log.info("cache disk has room again: index reserve of %d MiB made again",
                      self.reserve_bytes >> 20)
 
+    def data_may_take(self, directory: str | os.PathLike[str], n: int) -> bool:
+        """May `n` more bytes of file data be written on the cache disk (`directory` on it)?
+        While the reserve is released (the disk was full), only if the disk has the reserve's
+        size free besides them: the room that freed is for the index writes of the deletes
+        that make room. Every writer of cache file data asks: the trainer's writes
+        (FileOps.before_write) and restored chunks (cachemgr.chunkfetch)."""
+        if self.reserve_held or not self.reserve_bytes:
+            return True
+        st = os.statvfs(directory)
+        return st.f_bavail * st.f_frsize >= self.reserve_bytes + n
+
     def _release_reserve(self) -> bool:
         if not self.reserve_held:
             return False

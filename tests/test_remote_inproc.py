@@ -1345,3 +1345,35 @@ def test_part_publisher_keeps_its_last_error_and_reports_it(h):
     assert pp.published == {} and pp.statistics()["deletes"] == 1
     assert h.core.index.meta("part:999") is None
     assert part_key("gone/dir", node) not in [i.key for i in trio.run(h.store.list, "parts/")]
+
+
+def test_restored_chunks_keep_off_the_released_index_reserve(h, monkeypatch):
+    """While the index reserve is released (the cache disk was full), restored chunks are not
+    written into the room it freed, as the trainer's writes are not (Index.data_may_take): the
+    read fails to cache (ENOSPC, served from the store by the FUSE read), nothing is marked
+    present, and once the disk has room again the chunks come in."""
+    from types import SimpleNamespace
+
+    import cachemgr.index as index_mod
+
+    big = bytes(range(40))
+    h.publish(h.manifest("ckpt/step", {"big": big}, chunk_size=8))
+    h.sync()
+    ino = resolve(h.core, "ckpt/step/big")
+    r = h.t.restorer
+    idx = h.core.index
+    free = [idx.reserve_bytes + 4]   # less than the reserve plus one 8-byte chunk
+
+    def statvfs(p):  # a small disk: the prefetch reserve (5% of it, ChunkFetcher.disk_room)
+        # is below what is free; the index reserve is not
+        return SimpleNamespace(f_bavail=free[0], f_frsize=1, f_blocks=100)
+    monkeypatch.setattr(index_mod.os, "statvfs", statvfs)
+    monkeypatch.setattr(idx, "reserve_held", False)
+    with pytest.raises(OSError) as e:
+        trio.run(r.ensure_range, ino, 0, 8)
+    assert e.value.errno == errno.ENOSPC
+    assert r.chunks.partial == {} and h.core.cached_bytes == 0
+    assert idx.inode_fields(ino, "present")[0] is None
+    free[0] = idx.reserve_bytes + 1000
+    trio.run(r.ensure_range, ino, 0, 8)
+    assert r.chunks.partial == {ino: 8} and h.core.cached_bytes == 8
