@@ -295,8 +295,21 @@ class Members:
             roots = doc["roots"]
             dirs = self._dirs_under(roots)
             await self.parts.sync(dirs)
-            await self.store.put(ack_key(iid, self.node), _doc(
+            akey = ack_key(iid, self.node)
+            await self.store.put(akey, _doc(
                 "ack", node=self.node, intent=iid, acked_ns=time.time_ns(), dirs=len(dirs)))
+            try:
+                await self.store.head(key)
+            except NotFound:
+                # The committer deleted the intent, then listed its acks (drop_intent), while
+                # this ack was on its way: had its listing seen the ack, it would have deleted
+                # it; it did not, so the intent was gone before this PUT and this HEAD sees
+                # that. The ack is taken back: nothing else ever would (only fsck).
+                await self.store.delete(akey)
+                self._acked.add((key, etag))
+                log.info("node %s's commit of %s ended before this ack landed: ack removed",
+                         doc["node"], doc["path"])
+                return
             self.acks_sent += 1
             self._acked.add((key, etag))
             log.info("acknowledged node %s's commit of %s (%d directories here)",
@@ -322,6 +335,8 @@ class Members:
 
 
 async def drop_intent(store: ObjectStore, iid: str) -> None:
+    # The intent first, then the acks listed: an ack PUT after that listing finds the intent
+    # gone when its node checks (Membership._ack) and is taken back there.
     await store.delete(intent_key(iid))
     for info in await store.list(acks_prefix(iid)):
         await store.delete(info.key)

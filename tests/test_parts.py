@@ -86,3 +86,67 @@ def test_dcp_metadata_reader_runs_nothing_from_the_file(tmp_path):
     assert not marker.exists()
     for junk in (b"", b"garbage", pickle.dumps([1, 2, 3])[:-3]):
         assert storage_files(junk) is None
+
+
+def test_an_ack_that_lands_after_its_intent_went_is_taken_back(tmp_path):
+    """The committer deletes its intent, then lists and deletes the acks (drop_intent). An ack
+    PUT after that listing would stay in the store for good: the acknowledging node checks the
+    intent after its PUT and takes the ack back. The interleaving is gated: the ack's PUT waits
+    until the committer has dropped the intent."""
+    import trio
+
+    from cachemgr.fs import CacheFs
+    from cachemgr.sets import SetRegistry
+    from cachemgr.store import LocalStore
+
+    store = LocalStore(tmp_path / "store")
+    core = CacheFs.load(tmp_path / "cache")
+    iid = "a41be007-7-1"
+
+    class Parts:
+        def __init__(self):
+            self.published: set[int] = set()
+
+        async def sync(self, dirs):
+            return None
+
+    class Gated:
+        """The store, with the PUT of this node's ack held until `dropped` is set."""
+
+        def __init__(self):
+            self.waiting = trio.Event()   # the ack's PUT is held
+            self.dropped = trio.Event()   # the committer dropped the intent
+
+        def __getattr__(self, name):
+            return getattr(store, name)
+
+        async def put(self, key, data, **kw):
+            if key == members.ack_key(iid, "b0b0b0b0"):
+                self.waiting.set()
+                await self.dropped.wait()
+            return await store.put(key, data, **kw)
+
+    gated = Gated()
+    m = members.Members(store=gated, node="b0b0b0b0", index=core.index,
+                        sets=SetRegistry(core.index), parts=Parts(), lease=30, poll=1,
+                        register_timeout=5)
+
+    async def main():
+        key = members.intent_key(iid)
+        await store.put(key, members._doc("intent", node="a41be007", path="step_7",
+                                          roots=["step_7"], nodes=["b0b0b0b0"],
+                                          written_ns=1))
+        etag = (await store.head(key)).etag
+        async with trio.open_nursery() as n:
+            n.start_soon(m._ack, key, etag)
+            await gated.waiting.wait()               # the node read the intent; its ack is due
+            await members.drop_intent(store, iid)   # the committer: intent, then the acks
+            gated.dropped.set()
+        assert [i.key for i in await store.list(members.acks_prefix(iid))] == []
+        assert m.acks_sent == 0
+        await store.aclose()
+
+    try:
+        trio.run(main)
+    finally:
+        core.close()
