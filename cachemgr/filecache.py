@@ -182,6 +182,21 @@ class FileCache:
         if delta < 0:
             self._freed()
 
+    def filled(self, ino: int, n: int) -> None:
+        """`n` bytes were written below the old end of `ino`, which has a hole: they count now,
+        at most the hole's size (they may have overwritten data instead: `hole_settled`
+        recounts exactly at the last close), so --cache-size sees a writer filling a sparse
+        file as it writes, not only when it closes."""
+        hole = self._holes.get(ino, 0)
+        take = min(n, hole)
+        if take <= 0:
+            return
+        if hole - take:
+            self._holes[ino] = hole - take
+        else:
+            self._holes.pop(ino, None)
+        self.cached_bytes += take
+
     def resized(self, ino: int, old: int, size: int) -> None:
         """A cached file was truncated from `old` to `size`: growing adds a hole (no block is
         written), shrinking cuts the hole first (it is at the end)."""

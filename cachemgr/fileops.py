@@ -258,6 +258,8 @@ class FileOps:
     def wrote(self, h: Handle, off: int, n: int) -> None:
         node = h.inode
         end = off + n
+        if off < node.size and self.files.has_hole(node.ino):
+            self.files.filled(node.ino, min(end, node.size) - off)
         if end > node.size:
             self.files.grew(end - node.size)
             node.size = end

@@ -928,3 +928,24 @@ def test_residency_and_restored_entries_change_memory_only_with_the_index(fs, mo
     assert set(os.listdir(fs.files.path(ino).rsplit("/", 1)[0])) == before
     assert fs.index.lookup(ROOT, b"r") is None
     assert fs.check_consistency() == []
+
+
+def test_bytes_written_into_a_hole_count_as_they_are_written(fs):
+    """A file truncated up (a hole: no block) and then written below its end: the written
+    bytes count in cached_bytes at each write (--cache-size backpressure sees them), not only
+    at the close, which then recounts from the blocks exactly."""
+    MiB = 1 << 20
+    res, node = fs.create(ROOT, b"sparse", 0o644, os.O_RDWR | os.O_CREAT, UID, GID)
+    fs.setattr(node.ino, size=16 * MiB)
+    base = fs.cached_bytes
+    assert fs.files.hole(node.ino) == 16 * MiB
+    fs.write(res.fh, 0, b"a" * (4 * MiB))
+    assert fs.cached_bytes == base + 4 * MiB
+    fs.write(res.fh, 0, b"b" * (4 * MiB))   # the same range again: counted at most the hole
+    assert base + 4 * MiB <= fs.cached_bytes <= base + 8 * MiB
+    fs.write(res.fh, 14 * MiB, b"c" * (4 * MiB))   # half in the hole, half past the end
+    fs.flush(res.fh)
+    fs.release(res.fh)
+    blocks = os.stat(fs.files.path(node.ino)).st_blocks * 512
+    assert fs.cached_bytes == base + blocks        # the close's recount: exactly the blocks
+    assert fs.check_consistency() == []
