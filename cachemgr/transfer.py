@@ -219,6 +219,7 @@ class TransferConfig:
     compress: str = "auto"                 # "auto" | "lz4" | "off"
     frame_size: int = DEFAULT_FRAME_SIZE
     single_put_max: int | None = None      # None: part_size
+    stage_files: bool = True               # whole-file copy where the store can (file://)
 
     def __post_init__(self) -> None:
         if not S3_MIN_PART <= self.part_size <= S3_MAX_PART:
@@ -312,7 +313,7 @@ class _Producer:
         self.chunk_crcs.append(crc)
         self._done_crc = crc32c_combine(self._done_crc, crc, n)
 
-    def _checksum(self, data: bytes, last: bool) -> None:
+    def _checksum(self, data: bytes | memoryview, last: bool) -> None:
         """Chunk CRCs of the next uncompressed raw bytes (memoryview slices, no copies)."""
         mv = memoryview(data)
         pos, end, cs = 0, len(mv), self.frame_size
@@ -369,6 +370,7 @@ class UploadStats:
     raw_bytes: int = 0
     stored_bytes: int = 0
     superseded: int = 0
+    staged: int = 0      # whole files copied in by the store (file://: copy_file_range)
     aborted: int = 0
     abort_failures: int = 0
     parts_in_flight: int = 0
@@ -505,6 +507,8 @@ class Uploader:
         st = self.stats
         st.uploads += 1
         compressed = await self._decide(fd, size)
+        if not compressed and cfg.stage_files and self.store.stages_files:
+            return await self._upload_staged(fd, key, size, still_valid, progress)
         put_max = cfg.single_put_max
         assert put_max is not None  # TransferConfig.__post_init__ sets it
         target = math.inf if size <= put_max else self.part_size_for(size, compressed)
@@ -519,6 +523,43 @@ class Uploader:
                 await self._abort(key, job.upload_id)
             raise
         return await self._finish(job, size, compressed, info)
+
+    async def _upload_staged(self, fd: int, key: str, size: int,
+                             still_valid: Callable[[], bool],
+                             progress: Callable[[int], None] | None) -> StoredObject:
+        """An uncompressed file to a store that copies local files in whole (file://): the
+        kernel copies it (no read into buffers, no parts), the chunk CRCs are computed over the
+        copy, and the copy is published only if the source did not change meanwhile (the check
+        follows the copy, as it follows each part's read on the other path)."""
+        cfg = self.cfg
+        await yield_to_foreground()
+        self._check(still_valid, key)
+        prod = _Producer(fd, size, False, cfg.frame_size, math.inf)
+
+        def inspect(mv: memoryview) -> int:
+            prod._checksum(mv, True)
+            return prod.crc_raw
+        staged = await self.store.stage_file(key, fd, size, inspect)
+        try:
+            if staged.size != size:
+                raise SourceChanged(f"cache file for {key} is {staged.size} bytes, not {size}")
+            self._check(still_valid, key)
+            info = await self.store.publish_staged(staged)
+        except BaseException as e:
+            if isinstance(e, Superseded):
+                self.stats.superseded += 1
+            with trio.CancelScope(shield=True):
+                await self.store.discard_staged(staged)
+            raise
+        prod.raw_off = size
+        prod.stored = size
+        prod.crc_stored = prod.crc_raw
+        self.stats.single_puts += 1
+        self.stats.staged += 1
+        if progress is not None:
+            progress(size)
+        job = _Job(key, prod, trio.Semaphore(1), still_valid, progress)
+        return await self._finish(job, size, False, info)
 
     async def _next_chunk(self, job: _Job) -> tuple[_Chunk, object]:
         """Once the trainer pauses (or waited long enough) and a part token is free, read the

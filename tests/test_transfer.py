@@ -48,7 +48,10 @@ SIZES = [0, 1, PART - 1, PART, 3 * PART + 123]
 
 
 def cfg(**kw) -> TransferConfig:
-    base = {"part_size": PART, "max_parts_in_flight": 4, "compress": "off", "frame_size": FRAME}
+    # stage_files off: these tests are of the part machinery, on both stores; the file://
+    # whole-file copy has its own tests (test_staged_*)
+    base = {"part_size": PART, "max_parts_in_flight": 4, "compress": "off", "frame_size": FRAME,
+            "stage_files": False}
     base.update(kw)
     return TransferConfig(**base)
 
@@ -809,4 +812,93 @@ def test_ckpt_restore_checks_chunk_crcs(tmp_path):
             del d["chunk_crcs"], d["chunk_size"]
             assert decode(d, stored) == data
 
+    trio.run(go)
+
+
+# ----------------------------------------------------------------------------------------------
+# file:// stores: the whole file copied in by the kernel (ObjectStore.stage_file)
+
+
+@pytest.mark.parametrize("cross_fs", [False, True])
+def test_staged_uploads_match_the_part_path_bit_for_bit(tmp_path, monkeypatch, cross_fs):
+    """An uncompressed upload to a file:// store is one kernel copy (copy_file_range, or
+    sendfile where the two filesystems refuse it), no parts: the same object, CRC and chunk
+    CRCs as the part path, read back bit-exactly, and nothing left in the store but it."""
+    from cachemgr.store import local
+
+    if cross_fs:
+        def refuse(*a, **kw):
+            raise OSError(18, "Invalid cross-device link")
+        monkeypatch.setattr(local.os, "copy_file_range", refuse)
+    staged = LocalStore(tmp_path / "staged")
+    parts = LocalStore(tmp_path / "parts")
+
+    async def go():
+        up = Uploader(staged, cfg(stage_files=True))
+        ref = Uploader(parts, cfg())
+        for i, size in enumerate(SIZES):
+            data = mixed(size, seed=i)
+            src = write(tmp_path, f"in{i}", data)
+            sent: list[int] = []
+            obj = await up.upload_file(src, f"k{i}", size=size, progress=sent.append)
+            want = await ref.upload_file(src, f"k{i}", size=size)
+            assert obj == want                       # key, sizes, CRC, chunk CRCs
+            assert sum(sent) == size
+            assert await read_range(staged, obj, 0, size + 10) == data
+        st = up.statistics()
+        assert st.staged == len(SIZES) and st.multipart == 0 and st.parts == 0
+        assert sorted(i.key for i in await staged.list()) == [f"k{i}" for i in range(len(SIZES))]
+    trio.run(go)
+    leftovers = [n for _d, _s, files in os.walk(tmp_path / "staged") for n in files
+                 if n.startswith(".tmp-")]
+    assert leftovers == []
+
+
+def test_staged_upload_is_dropped_when_the_file_changes_during_the_copy(tmp_path):
+    """The source is checked after the copy, as after each part's read: a file rewritten while
+    the kernel copied it is Superseded, and nothing is published or left behind. Gated: the
+    change happens inside the store's copy."""
+    store = LocalStore(tmp_path / "store")
+    src = write(tmp_path, "in", mixed(3 * PART))
+    valid = [True]
+
+    class Changing(_Wrapper):
+        async def stage_file(self, key, fd, size, inspect):
+            staged = await self.inner.stage_file(key, fd, size, inspect)
+            valid[0] = False                        # a writer opened the file meanwhile
+            return staged
+
+    async def go():
+        up = Uploader(Changing(store), cfg(stage_files=True))
+        with pytest.raises(Superseded):
+            await up.upload_file(src, "k", size=3 * PART, still_valid=lambda: valid[0])
+        assert up.statistics().superseded == 1
+        assert await store.list() == []
+        # a source shorter than the size asked for: SourceChanged, nothing published
+        valid[0] = True
+        with pytest.raises(OSError):
+            await Uploader(store, cfg(stage_files=True)).upload_file(src, "k2",
+                                                                     size=3 * PART + 1)
+        assert await store.list() == []
+    trio.run(go)
+    leftovers = [n for _d, _s, files in os.walk(tmp_path / "store") for n in files
+                 if n.startswith(".tmp-")]
+    assert leftovers == []
+
+
+def test_staging_is_off_for_compression_and_for_fault_injection(tmp_path):
+    """lz4 frames are made in user space (the part path); a FaultyStore keeps uploads on the
+    operations its rules name."""
+    store = LocalStore(tmp_path / "store")
+    assert store.stages_files and RetryingStore(store).stages_files
+    assert not FaultyStore(store).stages_files
+    src = write(tmp_path, "in", mixed(PART))
+
+    async def go():
+        up = Uploader(store, cfg(stage_files=True, compress="lz4"))
+        obj = await up.upload_file(src, "k", size=PART)
+        assert obj.compression == "lz4" and up.statistics().staged == 0
+        up = Uploader(FaultyStore(store), cfg(stage_files=True))
+        await up.upload_file(src, "k2", size=PART)
+        assert up.statistics().staged == 0 and up.statistics().single_puts == 1
     trio.run(go)

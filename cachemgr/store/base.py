@@ -20,7 +20,9 @@ import abc
 import base64
 import builtins
 import errno
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import crc32c as _crc32c
 
@@ -54,6 +56,19 @@ class Part:
     etag: str
     crc32c: int
     size: int
+
+
+@dataclass(frozen=True, slots=True)
+class Staged:
+    """A local file copied into a store that can take one whole (`ObjectStore.stage_file`),
+    not yet visible under `key`: `publish_staged` makes it the object, `discard_staged` drops
+    it. `size` is what was copied (short if the source shrank), `crc32c` what `inspect`
+    returned for the copy."""
+
+    key: str
+    handle: Any   # the backend's own (file://: the temp file's name and stat)
+    size: int
+    crc32c: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,6 +204,29 @@ class ObjectStore(abc.ABC):
     @abc.abstractmethod
     async def abort_multipart(self, key: str, upload_id: str) -> None:
         """Drop an unfinished multipart upload and its parts (idempotent)."""
+
+    # -- whole local files (file://): copied in by the kernel, not through user space --------
+
+    @property
+    def stages_files(self) -> bool:
+        """True if `stage_file` works: the upload of an uncompressed cache file then copies it
+        in whole (copy_file_range) instead of reading it into buffers and writing parts."""
+        return False
+
+    async def stage_file(self, key: str, fd: int, size: int,
+                         inspect: Callable[[memoryview], int]) -> Staged:
+        """Copy the first `size` bytes of the local file `fd` in, not yet visible; call
+        `inspect` on the copy (read-only, in the store's worker thread) for its CRC32C. The
+        caller then checks the source was not changed meanwhile and publishes or discards."""
+        raise NotImplementedError
+
+    async def publish_staged(self, staged: Staged) -> ObjectInfo:
+        """Make a staged copy the object at its key (unconditionally, atomically)."""
+        raise NotImplementedError
+
+    async def discard_staged(self, staged: Staged) -> None:
+        """Drop a staged copy (idempotent)."""
+        raise NotImplementedError
 
     async def aclose(self) -> None:
         return None

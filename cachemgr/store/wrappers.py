@@ -14,12 +14,20 @@ import builtins
 import logging
 import os
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import trio
 
-from .base import ConditionalWrites, ObjectInfo, ObjectStore, Part, TransientStoreError
+from .base import (
+    ConditionalWrites,
+    ObjectInfo,
+    ObjectStore,
+    Part,
+    Staged,
+    TransientStoreError,
+)
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +112,22 @@ class _Wrapper(ObjectStore):
     async def abort_multipart(self, key: str, upload_id: str) -> None:
         await self._do("abort_multipart", key, upload_id)
 
+    @property
+    def stages_files(self) -> bool:
+        return self.inner.stages_files
+
+    async def stage_file(self, key: str, fd: int, size: int,
+                         inspect: Callable[[memoryview], int]) -> Staged:
+        staged: Staged = await self._do("stage_file", key, fd, size, inspect)
+        return staged
+
+    async def publish_staged(self, staged: Staged) -> ObjectInfo:
+        info: ObjectInfo = await self._do("publish_staged", staged)
+        return info
+
+    async def discard_staged(self, staged: Staged) -> None:
+        await self._do("discard_staged", staged)
+
     async def aclose(self) -> None:
         await self.inner.aclose()
 
@@ -149,6 +173,12 @@ class FaultyStore(_Wrapper):
     """Injects failures: `fail_next(op, n, exc)` makes the next n calls of `op` raise `exc`
     (default: a transient 503 SlowDown) before reaching the inner store; `fail_every(op, k)`
     makes every k-th call fail."""
+
+    @property
+    def stages_files(self) -> bool:
+        # Uploads through a fault-injecting store keep to put and the multipart calls, the
+        # operations its rules name.
+        return False
 
     def __init__(self, inner: ObjectStore) -> None:
         super().__init__(inner)
