@@ -333,6 +333,7 @@ class Publisher:
         if not self._record_published(s, etag, foreign):
             return
         self.published += 1
+        self.health.succeeded()  # a store that took a manifest is up again, uploads or not
         log.info("set %d durable: %s (%d files, %d bytes)", seq, s.path, len(files),
                  m["total_bytes"])
         self.signals.changed_now()
@@ -494,6 +495,7 @@ class Publisher:
             if s is not None and s.state == "deleting":
                 self.sets.set_state(seq, "deleted")
         self.unpublished += 1
+        self.health.succeeded()
         self.signals.changed_now()
         self._events.append(("gc",))
 

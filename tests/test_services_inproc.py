@@ -41,7 +41,14 @@ from cachemgr.fs import CacheFs
 from cachemgr.index import ROOT_INO
 from cachemgr.keys import is_manifest_key, manifest_key
 from cachemgr.sets import SetRegistry
-from cachemgr.store import FaultyStore, LocalStore, RetryingStore, RetryPolicy, StoreError
+from cachemgr.store import (
+    FaultyStore,
+    LocalStore,
+    RetryingStore,
+    RetryPolicy,
+    StoreError,
+    TransientStoreError,
+)
 from cachemgr.tiering import Tiering, TieringConfig
 from cachemgr.transfer import TransferConfig
 
@@ -61,6 +68,7 @@ class Recorder(LocalStore):
         self.gates: dict[str, trio.Event] = {}
         self.held: set[str] = set()
         self.refused: set[str] = set()  # PUTs of keys with these prefixes are refused for good
+        self.flaky: dict[str, int] = {}  # prefix -> how many more PUTs of it fail (503)
         self.shield = False  # PUTs ignore their caller's cancellation (see put)
 
     def gate(self, prefix: str) -> trio.Event:
@@ -83,6 +91,10 @@ class Recorder(LocalStore):
             await self._hold(key)
             if any(key.startswith(p) for p in self.refused):
                 raise StoreError(f"AccessDenied: Access Denied ({key})", key=key)  # for good
+            for p, n in self.flaky.items():
+                if key.startswith(p) and n > 0:
+                    self.flaky[p] = n - 1
+                    raise TransientStoreError(f"503 SlowDown ({key})", key=key)
             out = await super().put(key, data, **kw)
             self.log.append(("put", key))
         return out
@@ -234,6 +246,26 @@ def test_manifest_is_put_after_every_object_it_names(node, store):
     assert all(order.index(k) < at for k in keys), order
     for f in m["files"]:  # each object is whole in the store, as the manifest says
         assert trio.run(store.head, f["object"]["key"]).size == f["object"]["stored_size"]
+
+
+def test_store_health_recovers_with_a_publish_alone(node, store):
+    """Manifest PUTs that fail make the store `down`; the first one that succeeds makes it
+    `normal` again, with no upload in between (it stayed `down` until an upload succeeded)."""
+    node.write("up", b"u" * 5000)
+
+    async def settle():
+        await until(node.quiet, "the set to settle")
+    run_nodes([node], settle)
+    assert node.t.store_health.health() == "normal"
+    store.flaky[manifest_key("m")] = 6
+    node.write("m", b"m" * 5000)   # its object goes in, then its manifest fails 6 times
+
+    async def body():
+        await until(lambda: store.flaky[manifest_key("m")] == 0, "6 failed manifest PUTs")
+        await until(node.quiet, "the set to settle")
+    run_nodes([node], body)
+    assert node.sets.newest_at("m").state == "durable"
+    assert node.t.store_health.health() == "normal"
 
 
 def test_sets_are_published_in_commit_order(node, store):
