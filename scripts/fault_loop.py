@@ -1092,11 +1092,18 @@ class Loop:
         try:
             wait_for(settled, self.args.durable_timeout, "nodes a and b to settle")
         except Violation:
-            pend = [(n.name, s["path"], s["state"], s.get("waiting_for"))
-                    for n in (self.a, self.b) for s in n.status()["sets"]
-                    if s["state"] in ("committed", "uploading")]
+            pend, why = [], []
+            for n in (self.a, self.b):
+                t = n.status()
+                pend += [(n.name, s["path"], s["state"], s.get("waiting_for"))
+                         for s in t["sets"] if s["state"] in ("committed", "uploading")]
+                up = t["uploads"]
+                stuck = [(x["seq"], x["path"], x.get("waits_for"), x.get("why"))
+                         for x in t.get("stuck", [])]
+                why.append(f"node {n.name}: {t['pending_sets']} pending sets, uploads "
+                           f"{up['queued']} queued / {up['running']} running, stuck {stuck}")
             raise Violation(f"nodes did not settle within {self.args.durable_timeout:.0f}s; "
-                            f"pending: {pend}") from None
+                            f"pending: {pend}; " + "; ".join(why)) from None
 
     def check_store(self) -> None:
         """The store against the reference (deletions may still be on their way)."""
