@@ -1,10 +1,11 @@
 """The file data operations of the filesystem core: open, read, write, truncate, flush, fsync,
 release, and the content versions they begin and close.
 
-`FileOps` owns no state of its own beyond the I/O counters (`CoreStats`): handles belong to
-`Handles`, inodes to `InodeTable`, cache-file accounting to `FileCache`. All of it runs on the
-trio loop thread (blocking I/O inline: measured faster than worker threads here, see
-docs/ARCHITECTURE.md).
+`FileOps` owns no state of its own beyond the I/O counters (`CoreStats`) and `_unclosed`
+(the contents whose last close could not be recorded on a full disk, closed again later):
+handles belong to `Handles`, inodes to `InodeTable`, cache-file accounting to `FileCache`.
+All of it runs on the trio loop thread (blocking I/O inline: measured faster than worker
+threads here, see docs/ARCHITECTURE.md).
 
 Invariants, and what guards them:
 
@@ -26,12 +27,13 @@ directory (once per new file) and the index WAL, so every fsync'd file survives 
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import stat
 import time
 from dataclasses import dataclass, field
 
-from .errors import FsError
+from .errors import FsError, IndexFull
 from .filecache import FileCache
 from .handles import Handle, Handles, OpenResult
 from .hooks import Wiring
@@ -48,6 +50,8 @@ from .inodes import (
     retrying,
 )
 from .namespace import Namespace
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -78,6 +82,11 @@ class FileOps:
         self.wiring = wiring
         self.stats = stats
         self.cache_dir = cache_dir
+        # ino -> (version, passthrough): a content whose last writer's release could not be
+        # recorded (IndexFull even after the reserve). The kernel does not retry a release, so
+        # it is closed again (`retry_unclosed`) at the next release and at unmount; else its
+        # set would never be committed. Loop thread only.
+        self._unclosed: dict[int, tuple[int, bool]] = {}
 
     # -- attributes --------------------------------------------------------------------------
 
@@ -339,8 +348,40 @@ class FileOps:
             node.writers -= 1
         try:
             retrying(self._released, node, h.writable, h.passthrough)
+        except IndexFull:
+            if h.writable and not node.writers and node.nlink > 0:
+                self._unclosed[node.ino] = (node.version, h.passthrough)
+                log.warning("cache disk full: the close of inode %d is not recorded yet; it is "
+                            "retried at the next close and at unmount", node.ino)
+            raise
         finally:
             self.table.maybe_drop(node)
+        if self._unclosed:
+            self.retry_unclosed()
+
+    def retry_unclosed(self) -> None:
+        """Close again every content whose last close could not be recorded (`_unclosed`):
+        unless a new writer opened it since (its close will), or it is gone. Stops at the
+        first that still fails (the disk is still full)."""
+        for ino, (version, passthrough) in list(self._unclosed.items()):
+            try:
+                node = self.table.get(ino)
+            except FsError:
+                del self._unclosed[ino]  # deleted meanwhile
+                continue
+            try:
+                if node.version != version or node.writers or not node.writing \
+                        or node.nlink == 0:
+                    del self._unclosed[ino]
+                    continue
+                try:
+                    retrying(self._released, node, True, passthrough)
+                except IndexFull:
+                    return
+                del self._unclosed[ino]
+                log.info("the close of inode %d is recorded now", ino)
+            finally:
+                self.table.maybe_drop(node)
 
     def _released(self, node: Inode, writable: bool, passthrough: bool = False) -> None:
         with self.table.tx(node):

@@ -184,6 +184,7 @@ class CacheFs:
         """Persist everything and release the index. Called after the kernel unmounted, so every
         lookup count is implicitly zero and unlinked inodes can go."""
         self.handles.close_all()
+        self.fileops.retry_unclosed()  # a close the full disk kept from being recorded
         retrying(self.table.persist_all)
         self.index.sync()
         self.index.close()

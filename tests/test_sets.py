@@ -312,3 +312,30 @@ def test_an_operation_that_rolls_back_queues_nothing(fs, tiering, monkeypatch):
     fs.rename(ROOT, b"step_1", ROOT, b"step_2")
     assert sets(fs)["step_2"] == "committed"
     assert _queues(tiering) != before
+
+
+def test_a_close_the_full_disk_kept_from_being_recorded_is_recorded_at_the_next(fs, monkeypatch):
+    """The last close of a file whose release transaction fails (the cache disk full even after
+    the index reserve) is not lost: the kernel does not retry a release, so the core closes the
+    content again at the next release, and its set is committed then."""
+    from cachemgr.errors import IndexFull
+
+    res, node = fs.create(ROOT, b"model.pt", 0o644, O_W, 0, 0)
+    fs.write(res.fh, 0, b"w" * 1000)
+    fs.flush(res.fh)
+    real = fs.fileops._released
+    fail = [True]
+
+    def released(*a, **kw):
+        if fail[0]:
+            raise IndexFull("injected: cache disk full", released=False)
+        return real(*a, **kw)
+    monkeypatch.setattr(fs.fileops, "_released", released)
+    with pytest.raises(IndexFull):
+        fs.release(res.fh)
+    assert sets(fs) == {}                     # not committed: the close is not recorded
+    fail[0] = False                           # the user deleted something: room again
+    write_file(fs, ROOT, b"other.pt")         # any later close retries it
+    assert sets(fs) == {"model.pt": "committed", "other.pt": "committed"}
+    assert fs.inode(node.ino).writing == 0
+    assert fs.fileops._unclosed == {}
