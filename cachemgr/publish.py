@@ -242,7 +242,7 @@ class Publisher:
         async with trio.open_nursery() as helpers:
             while True:
                 while self._spawn:
-                    helpers.start_soon(self._spawn.pop(0))
+                    helpers.start_soon(self._helper, self._spawn.pop(0))
                 if not self._events:
                     await self.signals.wait_ns()
                     continue
@@ -262,6 +262,35 @@ class Publisher:
                         await self._gc()
                 except StoreError as e:
                     await self._event_failed(ev, e)
+                except Exception as e:  # a bug: it must not take the queue and helpers along
+                    log.exception("namespace event %s failed", ev)
+                    await self._event_crashed(ev, e)
+
+    async def _helper(self, fn: Callable[[], Awaitable[None]]) -> None:
+        """A helper task (a gather, a requeue): a bug in it is logged and shown in status; it
+        does not cancel the worker and the other helpers with it."""
+        try:
+            await fn()
+        except Exception as e:
+            self.health.failed(f"internal: {e!r}")
+            log.exception("namespace helper task %s failed", getattr(fn, "__name__", fn))
+
+    async def _event_crashed(self, ev: Event, e: Exception) -> None:
+        """An event whose handling raised something other than a store error (a bug). A
+        publish fails its set with the reason (visible, never silently stuck); an unpublish is
+        tried again after a pause (a manifest must not outlive its deletion); a gc is dropped
+        (the next one redoes it)."""
+        self.health.failed(f"internal: {e!r}")
+        if ev[0] == "publish":
+            with self.index.tx():
+                s = self.sets.get(ev[1])
+                if s is not None and s.state in LIVE_STATES:
+                    self.sets.set_state(ev[1], "failed", f"internal error while publishing: "
+                                        f"{e!r}")
+            self.signals.changed_now()
+        elif ev[0] == "unpublish":
+            await trio.sleep(self.retry_pause)
+            self._events.append(ev)
 
     async def _event_failed(self, ev: Event, e: StoreError) -> None:
         self.health.failed(f"{ev[0]}: {e}")
