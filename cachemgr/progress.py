@@ -77,10 +77,12 @@ STUCK_SHOWN = 20
 #   gathering         the gatherer is reading .metadata, part records or acknowledgements
 #   commit_order      published after an earlier set this node committed (cachemgr.publish)
 #   publish_queued    its publication is queued in the namespace FIFO
-#   unknown           none of the above: nothing known will make it durable (a bug), unless the
-#                     namespace worker is in its manifest PUT right now
+#   publishing        the namespace worker is publishing it now (its objects' HEADs, its
+#                     manifest PUT)
+#   unknown           none of the above: nothing known will make it durable (a bug)
 WAITS_FOR = ("open_for_writing", "content_gone", "store", "uploads", "upload_lost",
-             "other_nodes", "acks", "gathering", "commit_order", "publish_queued", "unknown")
+             "other_nodes", "acks", "gathering", "commit_order", "publish_queued", "publishing",
+             "unknown")
 # the waits_for that no wait will end: status shows them in red, not yellow
 STUCK_FOR_GOOD = ("content_gone", "upload_lost", "unknown")
 
@@ -99,6 +101,7 @@ class Probes:
     health: StoreHealth                       # consecutive failures, last error
     gathering: Callable[[int], bool]          # Gatherer.gathering: a gather task runs for seq
     publish_queued: Callable[[int], int | None]  # Publisher.publish_queued: events ahead of it
+    publishing: Callable[[int], bool] = lambda seq: False  # Publisher.publishing: in hand now
 
 
 class Progress:
@@ -220,15 +223,18 @@ class Progress:
                                     f" {a.state if a is not None else 'gone'} now: released"
                                     " at the namespace worker's next look")
         ahead = probes.publish_queued(s.seq)
+        if probes.publishing(s.seq):
+            return "publishing", ("the namespace worker is publishing it now (checking its"
+                                  " objects, writing its manifest)"
+                                  + (f"; {failing}" if failing else ""))
         if failing:
             return "store", f"its publication: {failing}"
         if ahead is not None:
             return "publish_queued", (f"its publication is queued behind {ahead} namespace"
                                       " event(s)")
-        return "unknown", ("NOTHING KNOWN: every file is uploaded, and nothing gathers, holds or"
-                           " queues its publication; unless the namespace worker is in its"
-                           " manifest PUT now, nothing will make it durable (a bug; a remount"
-                           " queues it again)")
+        return "unknown", ("NOTHING KNOWN: every file is uploaded, and nothing gathers, holds,"
+                           " queues or publishes it: nothing will make it durable (a bug; a"
+                           " remount queues it again)")
 
     def _why_uploads(self, s: SetRow, row: dict[str, Any], missing: list[tuple[str, int, int]],
                      probes: Probes, failing: str) -> tuple[str, str]:

@@ -91,6 +91,7 @@ class Publisher:
         self._blocked_unpublish: list[Event] = []
         self._gc_refused: set[str] = set()
         self._guarded: int | None = None  # the index transaction whose undo is registered
+        self._current: Event | None = None  # the event the worker is handling now
         self.published = 0
         self.unpublished = 0
         self.gc_deleted = 0
@@ -219,6 +220,11 @@ class Publisher:
         """The earlier set that set `seq` is published after (commit order), if held back."""
         return self._blocked.get(seq)
 
+    def publishing(self, seq: int) -> bool:
+        """Is the worker publishing set `seq` right now? Status: what a stuck set waits for."""
+        cur = self._current
+        return cur is not None and cur[0] == "publish" and cur[1] == seq
+
     def deletes_waiting(self) -> int:
         return len(self._blocked_unpublish)
 
@@ -250,6 +256,7 @@ class Publisher:
                 if ev[0] == "release":
                     self._release_blocked()
                     continue
+                self._current = ev
                 try:
                     if ev[0] == "publish":
                         await self._publish(ev[1])
@@ -265,6 +272,8 @@ class Publisher:
                 except Exception as e:  # a bug: it must not take the queue and helpers along
                     log.exception("namespace event %s failed", ev)
                     await self._event_crashed(ev, e)
+                finally:
+                    self._current = None
 
     async def _helper(self, fn: Callable[[], Awaitable[None]]) -> None:
         """A helper task (a gather, a requeue): a bug in it is logged and shown in status; it

@@ -268,7 +268,8 @@ class Tiering:
         after_s = threshold(self.cfg.commit_timeout) if stuck_after is None else stuck_after
         nstuck, stuck = self.progress.stuck_sets(after_s, Probes(
             uploads=self.uploads.status(), health=self.store_health,
-            gathering=self.gatherer.gathering, publish_queued=self.publisher.publish_queued))
+            gathering=self.gatherer.gathering, publish_queued=self.publisher.publish_queued,
+            publishing=self.publisher.publishing))
         failed = self.progress.failed_sets()
         retry = getattr(self.store, "stats", None)  # RetryingStore: transient errors ridden out
         first_waiting = self.gatherer.first_waiting()
@@ -330,7 +331,8 @@ class Tiering:
         after_s = threshold(self.cfg.commit_timeout) if stuck_after is None else stuck_after
         nstuck, stuck = self.progress.stuck_sets(after_s, Probes(
             uploads=self.uploads.status(), health=self.store_health,
-            gathering=self.gatherer.gathering, publish_queued=self.publisher.publish_queued))
+            gathering=self.gatherer.gathering, publish_queued=self.publisher.publish_queued,
+            publishing=self.publisher.publishing))
         return {
             "sets": {**self.sets.statistics(), "failed_sets": len(failed),
                      "failed_bytes": sum(f["bytes"] for f in failed),

@@ -528,6 +528,23 @@ def test_a_set_stuck_behind_a_held_upload_is_named_whatever_its_position(node, s
     run_nodes([node], body)
 
 
+def test_a_set_whose_manifest_put_hangs_is_named_publishing(node, store):
+    """The namespace worker has the set in hand (its manifest PUT hangs): status names it
+    `publishing`, not `unknown` (nothing known, a bug)."""
+    node.write("m.pt", b"m" * 5000)
+
+    async def body():
+        gate = store.gate(manifest_key("m.pt"))
+        await until(lambda: store.held, "the manifest PUT to be held")
+        got = await until(lambda: (g := stuck(node)) and g, "the set to be named stuck")
+        assert got["m.pt"]["waits_for"] == "publishing", got
+        assert "publishing it now" in got["m.pt"]["why"]
+        gate.set()
+        await until(node.quiet, "the set to settle")
+        assert stuck(node) == {}
+    run_nodes([node], body)
+
+
 def test_a_set_stuck_on_a_failing_store_says_so(tmp_path, store):
     """Every data PUT fails with a transient 503: the set stays pending (retried), and what it
     waits for is the store, with its last error."""
