@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import io
 import json
@@ -83,6 +84,19 @@ class Reader(threading.Thread):
             return self.buf.decode(errors="replace")
 
 
+@contextlib.contextmanager
+def _default_sigint():
+    """Children started inside get SIGINT as a terminal's Ctrl-C finds it. A suite started in
+    the background by a non-interactive shell inherits SIGINT ignored, which a child keeps
+    across exec, and a Python started so keeps ignoring it (POSIX: a background job is not
+    interrupted): the tests that send SIGINT would wait for nothing."""
+    old = signal.signal(signal.SIGINT, signal.SIG_DFL)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
 class Run:
     """A `ckptfs` command whose stderr (and stdout unless `stdout_tty=False`) is a pseudo-
     terminal `cols` wide, or, with `tty=False`, pipes. `.tty` collects the terminal's output,
@@ -90,6 +104,10 @@ class Run:
 
     def __init__(self, *args: str, tty: bool = True, stdout_tty: bool = True,
                  cols: int = 120) -> None:
+        with _default_sigint():
+            self._start(args, tty, stdout_tty, cols)
+
+    def _start(self, args: tuple[str, ...], tty: bool, stdout_tty: bool, cols: int) -> None:
         self.tty = self.out = self.err = None
         if tty:
             master, slave = pty.openpty()
