@@ -392,12 +392,19 @@ class Publisher:
             # `latest.pt` gone from the store). It stays, as durable; its successor replaces it
             # in commit order.
             kept = s2 is not None and s2.state == "superseded"
-            if s2 is None or (s2.state not in LIVE_STATES and not kept):
+            # ... unless its path left the tree meanwhile (removed, or renamed away, after the
+            # supersession and before any later set of it): then nothing will ever replace
+            # this manifest, and the removed path would be listed by every node for good.
+            orphan = kept and self.index.resolve(s.path) is None
+            if s2 is None or (s2.state not in LIVE_STATES and not kept) or orphan:
                 # Deleted while the PUT was in flight: take the manifest back out.
                 self.sets.set_etag(seq, etag)
                 self._events.appendleft(("unpublish", seq, s.path))
                 if s2 is not None and s2.state == "deleted":
                     self.sets.set_state(seq, "deleting")
+                if orphan:
+                    log.info("set %d (%s): its path went while its manifest was on its way: "
+                             "taking the manifest back out", seq, s.path)
                 return False
             self.sets.set_state(seq, "durable")
             self.sets.set_etag(seq, etag)

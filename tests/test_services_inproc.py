@@ -44,6 +44,7 @@ from cachemgr.sets import SetRegistry
 from cachemgr.store import (
     FaultyStore,
     LocalStore,
+    NotFound,
     RetryingStore,
     RetryPolicy,
     StoreError,
@@ -543,6 +544,32 @@ def test_a_set_whose_manifest_put_hangs_is_named_publishing(node, store):
         await until(node.quiet, "the set to settle")
         assert stuck(node) == {}
     run_nodes([node], body)
+
+
+def test_a_path_removed_while_its_superseded_manifest_is_in_flight_leaves_no_manifest(
+        node, store):
+    """Set 1's manifest PUT is under way (held) when its file is opened for writing (set 1 is
+    superseded: it stays durable once its PUT lands, standing in for the older manifest) and
+    then removed before that writer's close (so no later set of the path comes). The PUT then
+    lands: the path is gone from the tree, so the manifest must go too, or the removed file
+    would be listed by every other node for good."""
+    node.write("m.pt", b"1" * 5000)
+    seq1 = node.sets.newest_at("m.pt").seq
+
+    async def body():
+        gate = store.gate(manifest_key("m.pt"))
+        await until(lambda: store.held, "set 1's manifest PUT to be held")
+        fh = node.open_write("m.pt")          # set 1 superseded (its content changes)
+        assert node.sets.get(seq1).state == "superseded"
+        parent, name = node.split("m.pt")
+        node.core.unlink(parent, name)        # removed before the writer's close
+        node.close(fh)
+        gate.set()
+        await until(lambda: not store.held and node.quiet(), "the PUT to land and settle")
+    run_nodes([node], body)
+    with pytest.raises(NotFound):
+        trio.run(store.head, manifest_key("m.pt"))
+    assert node.sets.get(seq1).state in ("deleted", "superseded")
 
 
 def test_a_set_stuck_on_a_failing_store_says_so(tmp_path, store):
