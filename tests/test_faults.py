@@ -202,7 +202,7 @@ def run_loop(tmp_path, seed: int, iterations: int, faults: str, timeout: float =
     report = tmp_path / "report.json"
     cmd = [sys.executable, "scripts/fault_loop.py", "--seed", str(seed), "--iterations",
            str(iterations), "--faults", faults, "--report", str(report),
-           "--workdir", str(tmp_path)]
+           "--workdir", str(tmp_path), "--keep-workdir"]  # logs stay for a post-mortem
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
     try:
