@@ -33,17 +33,33 @@ not waited for (a node that never comes back does not block commits after its le
 was live then and dies is waited for until it comes back (same cache dir: it acknowledges) or
 the commit times out, because it may have died between a close and that close's record.
 
-State, its owner and its guards: `Members` owns this node's member record (`registered`,
-renewed by `run` every lease/4), the intents it has acknowledged (`_acked`: (key, etag), so each
-version of an intent is acknowledged once; `_acking`: those being acknowledged now, so one
-intent has one acknowledging task) and the ids of this node's own intents in use (`mine`, so a
-poll deletes only intents left over by an earlier daemon). `CommitAcks` owns one commit's list
-of nodes to wait for, persisted in the index (`meta` row `intent:<seq>`) before the intent is
-written, so a restarted committer asks the same nodes again. Everything runs on the daemon's
-trio thread: one task (`run`) renews and polls; each intent is acknowledged in a task of its
-own (a slow store for the records never delays the renewals); `CommitAcks` runs inside the
-committer's gathering task. Invariant: an ack is PUT only after `PartPublisher.sync` returned
-for every directory under the intent's roots here (the records it needs are in the store).
+The fence (a lease a node no longer holds is never acted on): `Lease` owns this node's member
+record. The lease runs for `lease_s` from the moment the PUT that last renewed it in time was
+*sent* (the store stamps it later, so no other node can count it gone earlier). A renewal that
+comes back after that (the store was unreachable or slow for longer than the lease) landed when
+other nodes may already have taken this node for gone: the node then registers again under a new
+*generation* (a number that only grows, kept in the index) before it does anything else in the
+protocol. Every ack, intent, part record and manifest this node writes first checks, without a
+request, that the lease holds (`Lease.ensure`; re-registering if it does not), and carries the
+generation. After a new generation the node rewrites every part record and acknowledges again
+every open intent that names it, and committers count an acknowledgement only when its
+generation is the node's current one (they read the member record): what a node said under a
+lease that ran out is ignored, not trusted. What the fence cannot do is make a close that did
+not wait for the store count on a node cut off longer than its lease: see docs/SEMANTICS.md.
+
+State, its owner and its guards: `Lease` owns the member record (`registered`, `generation`,
+`_sent`); `renew` runs under `_lock`, so one PUT of the record is in flight at a time and a new
+generation is taken once. `Members` owns the intents it has acknowledged (`_acked`: (key, etag),
+so each version of an intent is acknowledged once per generation; `_acking`: those being
+acknowledged now, so one intent has one acknowledging task) and the ids of this node's own
+intents in use (`mine`, so a poll deletes only intents left over by an earlier daemon).
+`CommitAcks` owns one commit's list of nodes to wait for, persisted in the index (`meta` row
+`intent:<seq>`) before the intent is written, so a restarted committer asks the same nodes
+again. Everything runs on the daemon's trio thread: one task renews (`_renew_loop`), one polls
+the intents (a slow listing never delays a renewal); each intent is acknowledged in a task of
+its own; `CommitAcks` runs inside the committer's gathering task. Invariant: an ack is PUT only
+after `PartPublisher.sync` returned for every directory under the intent's roots here (the
+records it needs are in the store), under the generation the ack names, with the lease held.
 
 Crash states: a member record whose node died stays until its lease expires (committers that
 listed it while live wait for it, or time out); an intent of this node left by a crash is
@@ -134,41 +150,91 @@ def _load(data: bytes, kind: str) -> dict[str, Any] | None:
         return None
 
 
-class Members:
-    """This node's membership, and its acknowledgements of other nodes' commit intents."""
+class Lease:
+    """This node's member record: registration, renewals, and the generation that fences a
+    lease that ran out (see the module docstring)."""
 
-    def __init__(self, *, store: ObjectStore, node: str, index: Index, sets: SetRegistry,
-                 parts: PartPublisher, lease: float, poll: float,
+    def __init__(self, *, store: ObjectStore, node: str, index: Index, lease: float,
                  register_timeout: float) -> None:
         self.store = store
         self.node = node
         self.index = index
-        self.sets = sets
-        self.parts = parts
         self.lease = lease
-        self.poll = poll
         self.register_timeout = register_timeout
         self.registered = False
-        self._renewed = 0.0               # monotonic time of the last successful PUT
-        self._acked: set[tuple[str, str]] = set()    # (intent key, etag) acknowledged
-        self._acking: set[str] = set()    # intent keys being acknowledged now
-        self.mine: set[str] = set()       # ids of this node's intents in use now
+        self.generation = 0               # 0: not registered yet
+        self._sent = 0.0                  # monotonic send time of the last in-time renewal
+        self._lock = trio.Lock()          # one PUT of the record at a time
         # statistics
         self.renewals = 0
-        self.acks_sent = 0
-        self.intents_written = 0
+        self.lapses = 0
+        self.last_lapse: str | None = None
 
-    # -- membership ---------------------------------------------------------------------------
+    def holds(self) -> bool:
+        """Whether no other node can count this one gone yet (no request: its own clock)."""
+        return self.registered and time.monotonic() - self._sent < self.lease
 
-    async def _put_member(self) -> None:
+    def left_s(self) -> float:
+        return max(0.0, self._sent + self.lease - time.monotonic()) if self.registered else 0.0
+
+    async def _put(self, generation: int) -> float:
+        """PUT the record; the monotonic time it was sent."""
+        sent = time.monotonic()
         await self.store.put(member_key(self.node), _doc(
             "member", node=self.node, lease_s=self.lease, renewed_ns=time.time_ns(),
-            pid=os.getpid()))
-        self._renewed = time.monotonic()
-        self.renewals += 1
-        if not self.registered:
-            self.registered = True
-            log.info("registered as node %s in the store (lease %.0fs)", self.node, self.lease)
+            pid=os.getpid(), generation=generation))
+        return sent
+
+    def _next_generation(self) -> int:
+        """Larger than any this node's cache dir used before (the index keeps the last)."""
+        last = int(self.index.meta("lease_generation") or 0)
+        gen = max(time.time_ns(), last + 1, self.generation + 1)
+        with self.index.tx():
+            self.index.set_meta("lease_generation", str(gen))
+        return gen
+
+    async def renew(self, *, only_if_lapsed: bool = False) -> bool:
+        """Register, renew, or (the lease ran out) register again under a new generation.
+        True if a new generation began (the first registration included). StoreError if the
+        store did not take it."""
+        async with self._lock:
+            if only_if_lapsed and self.holds():
+                return False  # renewed by another task meanwhile
+            if self.holds():
+                sent = await self._put(self.generation)
+                if time.monotonic() - self._sent < self.lease:
+                    self._sent = sent  # answered before the lease ran out: it never lapsed
+                    self.renewals += 1
+                    return False
+                # Answered after the lease ran out: it may have landed when other nodes had
+                # already taken this node for gone. Fall through: a new generation.
+            was = self.registered
+            lapsed_s = time.monotonic() - self._sent - self.lease if was else 0.0
+            gen = self._next_generation()
+            sent = await self._put(gen)
+            self.generation, self._sent, self.registered = gen, sent, True
+            self.renewals += 1
+            if was:
+                self.lapses += 1
+                self.last_lapse = time.strftime("%H:%M:%S")
+                log.warning("node %s's lease (%.0fs) ran out %.1fs before the store took a"
+                            " renewal: registered again as generation %d; what it said under"
+                            " the old one is ignored, its part records are written again and"
+                            " open commits acknowledged again", self.node, self.lease,
+                            max(0.0, lapsed_s), gen)
+            else:
+                log.info("registered as node %s in the store (lease %.0fs, generation %d)",
+                         self.node, self.lease, gen)
+            return True
+
+    async def ensure(self) -> None:
+        """Before any write of the protocol: the lease holds, or the node registers again
+        first. StoreError if it cannot (the caller retries later, having written nothing)."""
+        if self.holds():
+            return
+        await self.renew(only_if_lapsed=True)
+        if not self.holds():
+            raise StoreError(f"node {self.node}'s lease ran out again while it registered")
 
     async def register(self) -> None:
         """At mount, before the first request is served (so no file can be closed here before
@@ -177,7 +243,7 @@ class Members:
         err = f"no answer in {self.register_timeout:.0f}s"
         with trio.move_on_after(self.register_timeout):
             try:
-                await self._put_member()
+                await self.renew()
                 return
             except StoreError as e:
                 err = str(e)
@@ -185,18 +251,59 @@ class Members:
                     " Until then a directory committed on another node may miss files closed"
                     " here", self.node, err)
 
+    async def drop(self) -> None:
+        async with self._lock:
+            await self.store.delete(member_key(self.node))
+            self.registered = False
+
+    def statistics(self) -> dict[str, Any]:
+        return {"registered": self.registered, "lease_s": self.lease,
+                "lease_held": self.holds(), "lease_left_s": round(self.left_s(), 1),
+                "generation": self.generation, "renewals": self.renewals,
+                "lease_lapses": self.lapses, "last_lapse": self.last_lapse}
+
+
+class Members:
+    """This node's membership, and its acknowledgements of other nodes' commit intents."""
+
+    def __init__(self, *, store: ObjectStore, node: str, index: Index, sets: SetRegistry,
+                 parts: PartPublisher, lease: Lease, poll: float) -> None:
+        self.store = store
+        self.node = node
+        self.index = index
+        self.sets = sets
+        self.parts = parts
+        self.lease = lease
+        self.poll = poll
+        self._acked: set[tuple[str, str]] = set()    # (intent key, etag) acknowledged
+        self._acked_gen = 0               # the generation `_acked` was acknowledged under
+        self._acking: set[str] = set()    # intent keys being acknowledged now
+        self.mine: set[str] = set()       # ids of this node's intents in use now
+        # statistics
+        self.acks_sent = 0
+        self.acks_ignored = 0             # other nodes' acks from a generation not current
+        self.intents_written = 0
+
+    @property
+    def registered(self) -> bool:
+        return self.lease.registered
+
+    # -- membership ---------------------------------------------------------------------------
+
+    async def register(self) -> None:
+        await self.lease.register()
+
     async def leave(self) -> None:
         """At a clean unmount: once every part record is in the store, drop the member record
         (committers stop waiting for this node). If the records cannot be written, the member
         record stays: committers then wait for this node to come back, or time out."""
         if not self.registered:
             return
-        with trio.move_on_after(max(1.0, min(10.0, self.register_timeout))) as scope:
+        with trio.move_on_after(max(1.0, min(10.0, self.lease.register_timeout))) as scope:
             try:
                 for d in sorted(self.parts.pending()):
                     await self.parts.sync_dir(d)
-                await self.store.delete(member_key(self.node))
-                self.registered = False
+                await self.lease.drop()
                 log.info("left the store's members (node %s)", self.node)
                 return
             except StoreError as e:
@@ -214,7 +321,7 @@ class Members:
             node = parse_member_key(info.key)
             if node is None or node == self.node:
                 continue
-            if info.mtime + self.lease + LEASE_SKEW_S >= now:
+            if info.mtime + self.lease.lease + LEASE_SKEW_S >= now:
                 out[node] = info.mtime
                 continue
             # Expired by this node's lease: its own may be longer.
@@ -231,17 +338,41 @@ class Members:
 
     async def run(self) -> None:
         async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._renew_loop)
             while True:
                 try:
-                    if not self.registered or \
-                            time.monotonic() - self._renewed >= self.lease / 4:
-                        await self._put_member()
-                    await self._poll(nursery)
+                    if self.registered:
+                        await self._poll(nursery)
                 except StoreError as e:
                     log.warning("members: %s; retrying", e)
-                await trio.sleep(min(self.poll, self.lease / 4))
+                await trio.sleep(min(self.poll, self.lease.lease / 4))
+
+    async def _renew_loop(self) -> None:
+        """Renew every lease/4 (sooner while not registered or lapsed); its own task, so a slow
+        listing of intents never makes the lease run out."""
+        lease = self.lease
+        while True:
+            try:
+                if not lease.holds() or lease.left_s() <= lease.lease * 3 / 4:
+                    if await lease.renew():
+                        self._new_generation()
+            except StoreError as e:
+                log.warning("members: renewing node %s's lease: %s; retrying", self.node, e)
+                await trio.sleep(min(1.0, lease.lease / 8))
+                continue
+            await trio.sleep(max(0.05, lease.left_s() - lease.lease * 3 / 4))
+
+    def _new_generation(self) -> None:
+        """After registering under a new generation: every record written again, every open
+        intent that names this node acknowledged again (under the new generation)."""
+        if self._acked_gen != self.lease.generation:
+            if self._acked_gen:
+                self.parts.mark_all()
+            self._acked = set()
+            self._acked_gen = self.lease.generation
 
     async def _poll(self, nursery: trio.Nursery) -> None:
+        self._new_generation()
         listed = set()
         for info in await self.store.list(INTENTS):
             iid = parse_intent_key(info.key)
@@ -293,11 +424,27 @@ class Members:
                 self._acked.add((key, etag))  # registered after it: nothing closed before it
                 return
             roots = doc["roots"]
-            dirs = self._dirs_under(roots)
-            await self.parts.sync(dirs)
+            while True:
+                # The records first, then the ack, both under one generation with the lease
+                # held: if it ran out meanwhile, again under the new one.
+                await self.lease.ensure()
+                self._new_generation()
+                gen = self.lease.generation
+                dirs = self._dirs_under(roots)
+                await self.parts.sync(dirs)
+                await self.lease.ensure()
+                if self.lease.generation == gen:
+                    break
             akey = ack_key(iid, self.node)
             await self.store.put(akey, _doc(
-                "ack", node=self.node, intent=iid, acked_ns=time.time_ns(), dirs=len(dirs)))
+                "ack", node=self.node, intent=iid, acked_ns=time.time_ns(), dirs=len(dirs),
+                generation=gen))
+            if self.lease.generation != gen or not self.lease.holds():
+                # The lease ran out while the ack was on its way: the committer ignores it
+                # once this node registers again; the next poll acknowledges again.
+                log.info("acknowledgement of %s sent as the lease ran out: sent again under"
+                         " the next generation", key)
+                return
             try:
                 await self.store.head(key)
             except NotFound:
@@ -329,9 +476,9 @@ class Members:
         return self.statistics()
 
     def statistics(self) -> dict[str, Any]:
-        return {"registered": self.registered, "lease_s": self.lease,
-                "renewals": self.renewals, "acks_sent": self.acks_sent,
-                "intents_written": self.intents_written, "intents_open": len(self.mine)}
+        return {**self.lease.statistics(), "acks_sent": self.acks_sent,
+                "acks_ignored": self.acks_ignored, "intents_written": self.intents_written,
+                "intents_open": len(self.mine)}
 
 
 async def drop_intent(store: ObjectStore, iid: str) -> None:
@@ -354,6 +501,7 @@ class CommitAcks:
         self.roots = roots
         self.nodes: set[str] | None = None  # None: not decided yet
         self.acked: set[str] = set()
+        self._ignored: set[tuple[str, str]] = set()  # (ack key, etag) of acks that do not count
         self.written = False
         self.done = False
 
@@ -376,6 +524,7 @@ class CommitAcks:
                 index.set_meta(self._meta, json.dumps(sorted(self.nodes)))
         if not self.written:
             self.m.mine.add(self.iid)
+            await self.m.lease.ensure()
             await store.put(intent_key(self.iid), _doc(
                 "intent", node=self.m.node, path=self.path, roots=self.roots,
                 nodes=sorted(self.nodes), written_ns=time.time_ns()))
@@ -385,7 +534,8 @@ class CommitAcks:
                      ", ".join(sorted(self.nodes)))
         for info in await store.list(acks_prefix(self.iid)):
             parsed = parse_ack_key(info.key)
-            if parsed is not None:
+            if parsed is not None and parsed[1] in self.nodes and parsed[1] not in self.acked \
+                    and await self._counts(info.key, info.etag, parsed[1]):
                 self.acked.add(parsed[1])
         left = self.nodes - self.acked
         if left:
@@ -401,6 +551,34 @@ class CommitAcks:
             self.done = True
             await self.close()
         return sorted(left)
+
+    async def _counts(self, key: str, etag: str, node: str) -> bool:
+        """Whether `node`'s ack counts: written under the generation its member record holds
+        now (an ack from a generation whose lease ran out is ignored: the node acknowledges
+        again under its new one). A node whose record is gone left cleanly: its ack counts."""
+        store = self.m.store
+        if (key, etag) in self._ignored:
+            return False
+        try:
+            ack = _load(await store.get(key), "ack")
+        except NotFound:
+            return False
+        if ack is None:
+            self._ignored.add((key, etag))
+            log.warning("commit of %s: ignoring %s: not a valid ckptfs ack", self.path, key)
+            return False
+        try:
+            member = _load(await store.get(member_key(node)), "member")
+        except NotFound:
+            return True
+        if member is not None and member["generation"] != ack["generation"]:
+            self._ignored.add((key, etag))
+            self.m.acks_ignored += 1
+            log.info("commit of %s: ignoring node %s's acknowledgement from generation %d (it"
+                     " registered again as %d after its lease ran out)", self.path, node,
+                     ack["generation"], member["generation"])
+            return False
+        return True
 
     @property
     def _meta(self) -> str:

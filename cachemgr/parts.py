@@ -70,6 +70,7 @@ from .store import NotFound, ObjectStore, StoreError
 if TYPE_CHECKING:
     from .index import Index
     from .inodes import Inode
+    from .members import Lease
 
 log = logging.getLogger(__name__)
 
@@ -101,11 +102,14 @@ def parse_key(key: str) -> tuple[str, str] | None:
     return head, last[1:-len(".json")]
 
 
-def build(node: str, dir_path: str, files: list[dict[str, Any]]) -> dict[str, Any]:
-    """`dir_path` and the files' names in the escaped form (cachemgr.names)."""
+def build(node: str, dir_path: str, files: list[dict[str, Any]],
+          generation: int = 0) -> dict[str, Any]:
+    """`dir_path` and the files' names in the escaped form (cachemgr.names); `generation`: the
+    writer's lease generation (cachemgr.members.Lease)."""
     escaped = is_escaped(dir_path) or any(is_escaped(f["name"]) for f in files)
     return {"format": FORMAT, "version": ESCAPED_VERSION if escaped else FORMAT_VERSION,
-            "node": node, "dir": dir_path, "updated_ns": time.time_ns(), "files": files}
+            "node": node, "dir": dir_path, "updated_ns": time.time_ns(),
+            "generation": generation, "files": files}
 
 
 def dumps(rec: dict[str, Any]) -> bytes:
@@ -133,15 +137,17 @@ class _Waiter:
 class PartPublisher:
     """Keeps this node's part records in the store in step with its files."""
 
-    def __init__(self, *, index: Index, store: ObjectStore, node: str,
+    def __init__(self, *, index: Index, store: ObjectStore, node: str, lease: Lease,
                  inode_if_loaded: Callable[[int], Inode | None], retry_pause: float,
                  report_error: Callable[[str], None] | None = None) -> None:
         """`inode_if_loaded`: the in-memory inode of a file if the core has it loaded (sizes
         of open files live there: CacheFs.inode_if_loaded). `report_error`: told the text of
-        each failed pass (the store's last error in `ckptfs status`)."""
+        each failed pass (the store's last error in `ckptfs status`). `lease`: no record is
+        written or deleted unless it holds, and each names its generation."""
         self.index = index
         self.store = store
         self.node = node
+        self.lease = lease
         self._inode_if_loaded = inode_if_loaded
         self.retry_pause = retry_pause
         self._report_error = report_error
@@ -215,13 +221,18 @@ class PartPublisher:
         files = self.files_of(dir_ino) if path else []
         old = self.published.get(dir_ino)
         if files and path:
+            gen = self.lease.generation
             # mtimes of files being written change with every write; the digest leaves them
-            # out so a record is rewritten when what a committer needs changes.
+            # out so a record is rewritten when what a committer needs changes (or the lease
+            # generation: after a lapse every record is written again under the new one).
             digest = hashlib.sha1(json.dumps(
-                [path, [(f["name"], f["object"] and f["object"]["key"]) for f in files]],
+                [path, [(f["name"], f["object"] and f["object"]["key"]) for f in files], gen],
                 sort_keys=True).encode()).hexdigest()
             if old is None or old["path"] != path or old["digest"] != digest:
-                body = dumps(build(self.node, path, files))
+                await self.lease.ensure()
+                if self.lease.generation != gen:
+                    return await self.sync_dir(dir_ino)  # registered again meanwhile
+                body = dumps(build(self.node, path, files, gen))
                 await self.store.put(part_key(path, self.node), body)
                 self.puts += 1
                 if old is not None and old["path"] != path:
@@ -232,6 +243,7 @@ class PartPublisher:
                 with self.index.tx():
                     self.index.set_meta(f"{_META}{dir_ino}", json.dumps(rec))
         elif old is not None:
+            await self.lease.ensure()
             await self.store.delete(part_key(old["path"], self.node))
             self.deletes += 1
             del self.published[dir_ino]

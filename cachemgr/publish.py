@@ -72,7 +72,10 @@ class Publisher:
                  signals: Signals, health: StoreHealth, gatherer: Gatherer,
                  complete_local: Callable[[int, int, list[dict[str, Any]]], object],
                  keys_named_elsewhere: Callable[[str, set[str]], set[str]],
-                 retention: Callable[[], None], retry_pause: float) -> None:
+                 retention: Callable[[], None], retry_pause: float,
+                 fence: Callable[[], Awaitable[None]]) -> None:
+        """`fence`: awaited before every manifest PUT or DELETE (cachemgr.members.Lease.ensure:
+        no set is published or unpublished on a lease this node no longer holds)."""
         self.index = index
         self.sets = sets
         self.store = store
@@ -84,6 +87,7 @@ class Publisher:
         self._keys_named_elsewhere = keys_named_elsewhere  # cachemgr.remote: last listing
         self._retention = retention            # cachemgr.space: --keep-local
         self.retry_pause = retry_pause
+        self._fence = fence
         self._events: deque[Event] = deque()
         self._spawn: list[Callable[[], Awaitable[None]]] = []
         self._absorb: dict[int, set[tuple[int, str]]] = {}
@@ -463,6 +467,7 @@ class Publisher:
         Returns the new manifest's etag."""
         key = mf.manifest_key(s.path)
         data = mf.dumps(m)
+        await self._fence()
         if not self.store.supports_conditional_put:
             return (await self.store.put(key, data)).etag
         expect = self.sets.known_etag(s.path)
@@ -532,6 +537,7 @@ class Publisher:
             except NotFound:
                 pass
         if not newer:
+            await self._fence()
             await self.store.delete(mf.manifest_key(path))
             if s is not None and s.origin != "local":
                 await self._delete_foreign_objects(s, path)

@@ -44,7 +44,7 @@ from . import background
 from .commit import Committer
 from .fetch import Fetcher
 from .gather import Gatherer
-from .members import Members
+from .members import Lease, Members
 from .parts import PartPublisher
 from .progress import Progress
 from .publish import Publisher
@@ -103,14 +103,15 @@ class Tiering:
         # The services tiering's own services are given as collaborators. The room and fetch
         # calls go through this object's delegations because Space and Fetcher are built after
         # the restorer (they take its `forget`): a cycle broken at composition time only.
+        self.lease = Lease(store=store, node=self.node, index=self.index, lease=cfg.lease,
+                           register_timeout=cfg.register_timeout)
         self.parts = PartPublisher(index=self.index, store=store, node=self.node,
-                                   inode_if_loaded=core.inode_if_loaded,
+                                   lease=self.lease, inode_if_loaded=core.inode_if_loaded,
                                    retry_pause=cfg.retry_pause,
                                    report_error=self.store_health.record)
         self.members = Members(store=store, node=self.node, index=self.index, sets=self.sets,
-                               parts=self.parts, lease=cfg.lease,
-                               poll=cfg.refresh_interval if cfg.refresh_interval > 0 else 10.0,
-                               register_timeout=cfg.register_timeout)
+                               parts=self.parts, lease=self.lease,
+                               poll=cfg.refresh_interval if cfg.refresh_interval > 0 else 10.0)
         self.restorer = Restorer(core=core, index=self.index, sets=self.sets, store=store,
                                  cache_size=cfg.cache_size, make_room=self.make_room,
                                  fetch_whole=self.fetch,
@@ -140,7 +141,8 @@ class Tiering:
             signals=self.signals, health=self.store_health, gatherer=self.gatherer,
             complete_local=self.remote.complete_local,
             keys_named_elsewhere=self.remote.keys_named_elsewhere,
-            retention=self.space.retention, retry_pause=cfg.retry_pause)
+            retention=self.space.retention, retry_pause=cfg.retry_pause,
+            fence=self.lease.ensure)
         self.uploads = UploadQueue(
             core=self.core, index=self.index, sets=self.sets, uploader=self.uploader,
             node=self.node, signals=self.signals, health=self.store_health, mark_dir=parts.mark,

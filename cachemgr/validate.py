@@ -419,6 +419,7 @@ def part_record(data: bytes, key: str | None = None) -> dict[str, Any]:
                           obj, frozenset({node}), size, what="file object", error=E)})
     return {"format": r["format"], "version": v, "node": node, "dir": d,
             "updated_ns": _int(r.get("updated_ns", 0), "updated_ns", 0, _INT64 - 1, E),
+            "generation": _int(r.get("generation", 0), "generation", 0, _INT64 - 1, E),
             "files": files}
 
 
@@ -430,7 +431,8 @@ MAX_LEASE_S = 3600.0  # a member claiming a longer lease is taken at this one
 def protocol_doc(data: bytes, kind: str) -> dict[str, Any]:
     """A member, intent or ack document (docs/FORMAT.md "Members, intents,
     acknowledgements"), validated: DocumentError if it must not be used. Returns the fields a
-    reader uses: member {node, lease_s}; intent {node, path, roots, nodes}; ack {node}."""
+    reader uses: member {node, lease_s, generation}; intent {node, path, roots, nodes}; ack
+    {node, generation}. A document without a generation (written before generations) has 0."""
     E = DocumentError
     if len(data) > MAX_PROTOCOL_BYTES:
         raise E(f"{kind} is {len(data)} bytes (at most {MAX_PROTOCOL_BYTES})")
@@ -447,7 +449,12 @@ def protocol_doc(data: bytes, kind: str) -> dict[str, Any]:
         if type(lease) not in (int, float) or not 0 <= lease < float("inf"):
             raise E(f"member lease_s {_short(lease)} is not a duration")
         out["lease_s"] = min(float(lease), MAX_LEASE_S)
-    elif kind == "intent":
+    if kind in ("member", "ack"):
+        gen = d.get("generation", 0)
+        if type(gen) is not int or not 0 <= gen < 1 << 63:
+            raise E(f"{kind} generation {_short(gen)} is not a generation number")
+        out["generation"] = gen
+    if kind == "intent":
         out["path"] = path(d.get("path"), 2, "intent path", E)
         roots = d.get("roots")
         if not isinstance(roots, list) or len(roots) > 1000:

@@ -197,6 +197,11 @@ def _add_mount_store(m: argparse.ArgumentParser) -> None:
                    help="seconds a commit waits for files written by other nodes (a DCP "
                    "checkpoint saved by several nodes) before the set fails; the previous "
                    "checkpoint stays (default 1800)")
+    o.add_argument("--lease", type=_nonneg_float, default=120.0,
+                   help="seconds after its last renewal in the store that a node counts as gone "
+                   "to the others' directory commits; renewed every quarter of it. A node "
+                   "that cannot renew in time registers again under a new generation "
+                   "(default 120)")
     o.add_argument("--allow-empty-namespace", action="store_true",
                    help="mount even if the store's sets cannot be listed: the mount then shows "
                    "only this cache's sets until a listing succeeds (default: fail with exit "
@@ -275,6 +280,7 @@ def cmd_mount(a: argparse.Namespace) -> int:
             prefetch_concurrency=a.prefetch_concurrency,
             prefetch_range=a.prefetch_range,
             refresh_interval=a.refresh_interval, commit_timeout=a.commit_timeout,
+            lease=a.lease,
             allow_empty_namespace=a.allow_empty_namespace,
             store_ignores_conditions=a.store_ignores_conditions,
             metrics=a.metrics,

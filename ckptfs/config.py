@@ -186,6 +186,7 @@ class MountConfig:
     prefetch_range: int = 64 << 20  # bytes per prefetch GET (docs/ARCHITECTURE.md: measured)
     refresh_interval: float = 10.0  # seconds between listings of the store's manifests
     commit_timeout: float = 1800.0  # a multi-node commit fails after waiting this long
+    lease: float = 120.0            # a node not renewed for this long is gone (cachemgr.members)
     # Mount even when the store's sets cannot be listed (the namespace then holds only this
     # cache's sets until a listing succeeds); default: such a mount fails with exit 7.
     allow_empty_namespace: bool = False
@@ -225,6 +226,8 @@ class MountConfig:
             raise ConfigError("--refresh-interval must be between 0 and 86400 seconds")
         if not (1 <= self.commit_timeout <= 7 * 86400):
             raise ConfigError("--commit-timeout must be between 1 second and 7 days")
+        if not (2 <= self.lease <= 3600):
+            raise ConfigError("--lease must be between 2 and 3600 seconds")
         if self.keep_local is not None and self.keep_local < 0:
             raise ConfigError("--keep-local must be >= 0")
         if self.log_level not in LOG_LEVELS:

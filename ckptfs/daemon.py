@@ -318,7 +318,8 @@ class _Daemon:
             file_concurrency=cfg.upload_files, cache_size=cfg.cache_size,
             keep_local=cfg.keep_local, prefetch=cfg.prefetch,
             prefetch_concurrency=cfg.prefetch_concurrency, prefetch_range=cfg.prefetch_range,
-            refresh_interval=cfg.refresh_interval, commit_timeout=cfg.commit_timeout))
+            refresh_interval=cfg.refresh_interval, commit_timeout=cfg.commit_timeout,
+            lease=cfg.lease))
         core.connect(hooks=tiering, reads=tiering.restorer, room=tiering,
                      cache_size=cfg.cache_size, kernel=fuse.KERNEL, status=tiering.status)
         ops = fuse.FuseOps(Filesystem(core, io_threads=cfg.io_threads),

@@ -292,6 +292,14 @@ def _tiering_families(t: dict, now_ns: int) -> Iterator[Metric]:
     yield m
     yield GaugeMetricFamily("ckptfs_store_consecutive_failures", "Store operations failed in a "
                             "row since the last success", value=st["consecutive_failures"])
+    mem = t.get("members") or {}
+    if mem:
+        yield GaugeMetricFamily("ckptfs_lease_held", "1 while this node's lease in the store "
+                                "runs (other nodes' directory commits wait for it), else 0",
+                                value=1.0 if mem["lease_held"] else 0.0)
+        yield _counter("ckptfs_lease_lapses_total", "Times this node's lease ran out before a "
+                       "renewal reached the store (it then registered under a new generation)",
+                       mem["lease_lapses"])
     if t["cache_size"] is not None:
         yield GaugeMetricFamily("ckptfs_cache_size_limit_bytes", "--cache-size",
                                 value=t["cache_size"])

@@ -275,6 +275,16 @@ def _summary(st: dict, now: float) -> Table:
                     style="" if cw is None or cw["honoured"] else "bold red")
         if store.get("last_error"):
             line.append(f"; last error: {safe(store['last_error'])}")
+        mem = t.get("members") or {}
+        if mem.get("registered") and not mem.get("lease_held"):
+            line.append(f"; lease of {mem['lease_s']:.0f}s ran out: other nodes' directory "
+                        "commits no longer wait for this node", style="bold red")
+        elif not mem.get("registered", True):
+            line.append("; not registered in the store yet", style="yellow")
+        if mem.get("lease_lapses"):
+            line.append(f"; lease ran out {mem['lease_lapses']} times (last at "
+                        f"{mem['last_lapse']}), now generation {mem['generation']}",
+                        style="yellow")
         g.add_row("store", line)
         g.add_row("at risk", _at_risk(t, now))
         stuck = _stuck(t)

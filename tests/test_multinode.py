@@ -580,6 +580,69 @@ def test_directory_commit_waits_for_files_another_node_closed_before_it(cluster)
              timeout=30, what="the intent and the acks to go")
 
 
+def test_a_node_cut_off_past_its_lease_acts_again_only_under_a_new_generation(cluster):
+    """The fence (cachemgr.members.Lease). In the middle of a multi-node commit, node B's
+    acknowledgement is on its way when B is cut off from the store past its lease. When B gets
+    through again it registers under a new generation before anything else; its old
+    acknowledgement, landing after that, is ignored by the committer; B acknowledges again under
+    the new generation, and only then is the set published, whole. Gates order every step."""
+    gates = {k: cluster.tmp / f"b-{k}-held" for k in ("acks", "renewals", "intents")}
+    a = cluster("a", "--lease", "4")
+    b = cluster("b", "--lease", "4", env={"CKPTFS_FAULTS": ",".join((
+        f"put@acks/=hold:{gates['acks']}", f"put@members/=hold:{gates['renewals']}",
+        f"list@intents/=hold:{gates['intents']}"))})
+    b_id = node_id(b)
+    written = {}
+    for r, m in enumerate((a, b)):
+        written[f"rank{r}.pt"] = rank_file(m, f"run/step_9.tmp/rank{r}.pt", r)
+    wait_for(lambda: any(f"@{b_id}" in k for k in cluster.view.keys("parts/run/step_9.tmp/")),
+             timeout=30, what="B's part record")
+    gen1 = status(b)["members"]["generation"]
+    assert gen1 > 0 and status(b)["members"]["lease_held"]
+
+    # 1. A commits while B's lease runs: A asks B; B's acknowledgement is held on its way.
+    gates["acks"].touch()
+    os.rename(a.path / "run" / "step_9.tmp", a.path / "run" / "step_9")
+    wait_for(lambda: "holding put acks/" in b.log_text(), timeout=30,
+             what="B's acknowledgement to be on its way")
+    # 2. B is cut off (its renewals held) until its own clock says its lease ran out.
+    gates["renewals"].touch()
+    wait_for(lambda: not status(b)["members"]["lease_held"], timeout=30,
+             what="B's lease to run out")
+    out = run_cli("status", str(b.path)).stdout
+    assert "lease of 4s ran out" in out, out
+    # 3. B gets through: the renewal that was held answers after the lease ran out, so B
+    #    registers again under a new generation, before it acknowledges anything.
+    gates["intents"].touch()  # (B's next look at the intents waits: step 5 decides when)
+    gates["renewals"].unlink()
+    wait_for(lambda: status(b)["members"]["lease_lapses"] == 1, timeout=30,
+             what="B to register under a new generation")
+    mem = status(b)["members"]
+    assert mem["generation"] > gen1 and mem["lease_held"] and mem["acks_sent"] == 0
+    member = json.loads(cluster.view.get(f"members/@{b_id}.json"))
+    assert member["generation"] == mem["generation"]
+    # 4. B's old acknowledgement lands now: A ignores it and goes on waiting for B.
+    gates["acks"].unlink()
+    wait_for(lambda: status(a)["members"]["acks_ignored"] == 1, timeout=60,
+             what="A to ignore B's acknowledgement from the old generation")
+    row = set_row(a, "run/step_9")
+    assert row["waiting_for"]["acks_from"] == [b_id], row
+    assert "run/step_9" not in manifests(cluster.view)
+    # 5. B looks at the intents again and acknowledges under its new generation: the set is
+    #    published, whole, with B's record written again under the new generation.
+    gates["intents"].unlink()
+    ckptfs.wait_durable(a.path / "run" / "step_9", timeout=120)
+    m = manifest(cluster.view, "run/step_9")
+    assert sorted(f["path"] for f in m["files"]) == sorted(written)
+    assert restore(cluster.view, m) == written
+    assert status(b)["members"]["acks_sent"] == 1
+    assert status(a)["members"]["acks_ignored"] == 1
+    assert "registered again as generation" in b.log_text()
+    for key in cluster.view.keys("parts/"):
+        if f"@{b_id}" in key:
+            assert json.loads(cluster.view.get(key))["generation"] == mem["generation"], key
+
+
 def test_directory_commit_waits_for_a_node_that_died_before_its_record(cluster):
     gate = cluster.tmp / "b-records-held"
     a = cluster("a")

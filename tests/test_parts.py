@@ -127,9 +127,10 @@ def test_an_ack_that_lands_after_its_intent_went_is_taken_back(tmp_path):
             return await store.put(key, data, **kw)
 
     gated = Gated()
+    lease = members.Lease(store=gated, node="b0b0b0b0", index=core.index, lease=30,
+                          register_timeout=5)
     m = members.Members(store=gated, node="b0b0b0b0", index=core.index,
-                        sets=SetRegistry(core.index), parts=Parts(), lease=30, poll=1,
-                        register_timeout=5)
+                        sets=SetRegistry(core.index), parts=Parts(), lease=lease, poll=1)
 
     async def main():
         key = members.intent_key(iid)
@@ -144,6 +145,76 @@ def test_an_ack_that_lands_after_its_intent_went_is_taken_back(tmp_path):
             gated.dropped.set()
         assert [i.key for i in await store.list(members.acks_prefix(iid))] == []
         assert m.acks_sent == 0
+        await store.aclose()
+
+    try:
+        trio.run(main)
+    finally:
+        core.close()
+
+
+def test_a_renewal_answered_after_the_lease_ran_out_starts_a_new_generation(tmp_path):
+    """cachemgr.members.Lease: a renewal PUT the store answers after the lease ran out may have
+    landed when other nodes already counted this node gone, so the node registers again under
+    a new, larger generation (kept in the index, so a restart never reuses one); `ensure`,
+    called before every write of the protocol, does the same once the lease ran out, and
+    nothing at all while it holds. The renewal's lateness is gated, not slept through."""
+    import trio
+
+    from cachemgr.fs import CacheFs
+    from cachemgr.store import LocalStore
+
+    store = LocalStore(tmp_path / "store")
+    core = CacheFs.load(tmp_path / "cache")
+
+    class Gated:
+        def __init__(self):
+            self.held = None  # a trio.Event the next member PUT waits for, once
+            self.puts = 0
+
+        def __getattr__(self, name):
+            return getattr(store, name)
+
+        async def put(self, key, data, **kw):
+            self.puts += 1
+            if self.held is not None:
+                ev, self.held = self.held, None
+                await ev.wait()
+            return await store.put(key, data, **kw)
+
+    gated = Gated()
+    lease = members.Lease(store=gated, node="b0b0b0b0", index=core.index, lease=2,
+                          register_timeout=5)
+
+    async def stored() -> dict:
+        return json.loads(await store.get(members.member_key("b0b0b0b0")))
+
+    async def main():
+        assert not lease.holds()
+        assert await lease.renew()  # the first registration is a new generation
+        gen1 = lease.generation
+        assert lease.holds() and (await stored())["generation"] == gen1 and lease.lapses == 0
+        assert not await lease.renew()  # answered in time: same generation
+        puts = gated.puts
+        await lease.ensure()  # holds: no request
+        assert gated.puts == puts
+        # A renewal held until the lease ran out by the node's own clock.
+        gate = trio.Event()
+        gated.held = gate
+        async with trio.open_nursery() as n:
+            n.start_soon(lease.renew)
+            while lease.holds():
+                await trio.sleep(0.05)
+            gate.set()
+        assert lease.lapses == 1 and lease.generation > gen1 and lease.holds()
+        assert (await stored())["generation"] == lease.generation
+        assert int(core.index.meta("lease_generation")) == lease.generation
+        # Out of time without any renewal: ensure registers again first.
+        gen2 = lease.generation
+        lease._sent -= 10
+        assert not lease.holds()
+        await lease.ensure()
+        assert lease.lapses == 2 and lease.generation > gen2 and lease.holds()
         await store.aclose()
 
     try:

@@ -46,7 +46,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cachemgr import manifest as mf
-from cachemgr import parts, validate
+from cachemgr import members, parts, validate
 from cachemgr.errors import FsError, IndexFull
 from cachemgr.fs import CacheFs
 from cachemgr.index import ROOT_INO
@@ -1325,7 +1325,9 @@ def test_part_publisher_keeps_its_last_error_and_reports_it(h):
     store = FaultyStore(h.store)
     store.fail_next("delete", 1, StoreError("injected refusal"))
     reported: list[str] = []
-    pp = parts.PartPublisher(index=h.core.index, store=store, node=node,
+    lease = members.Lease(store=store, node=node, index=h.core.index, lease=30,
+                          register_timeout=5)
+    pp = parts.PartPublisher(index=h.core.index, store=store, node=node, lease=lease,
                              inode_if_loaded=h.core.inode_if_loaded, retry_pause=0,
                              report_error=reported.append)
     assert pp.published == {999: rec} and pp.statistics()["last_error"] is None
