@@ -353,9 +353,9 @@ class Members:
         lease = self.lease
         while True:
             try:
-                if not lease.holds() or lease.left_s() <= lease.lease * 3 / 4:
-                    if await lease.renew():
-                        self._new_generation()
+                due = not lease.holds() or lease.left_s() <= lease.lease * 3 / 4
+                if due and await lease.renew():
+                    self._new_generation()
             except StoreError as e:
                 log.warning("members: renewing node %s's lease: %s; retrying", self.node, e)
                 await trio.sleep(min(1.0, lease.lease / 8))
