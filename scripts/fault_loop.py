@@ -351,6 +351,7 @@ class Node:
         self.pid: int | None = None
         self.slow_answers = 0  # status requests that timed out (asked again)
         self._log_seen = 0     # bytes of log_file read by new_stalls
+        self.lease_lapses = 0  # "registered again as generation" lines read by new_stalls
         self.mountpoint.mkdir(parents=True, exist_ok=True)
 
     @property
@@ -432,6 +433,8 @@ class Node:
             f.seek(self._log_seen)
             new = f.read()
         self._log_seen += len(new)
+        # (lease lapses are counted here too: the fence at work, cachemgr.members.Lease)
+        self.lease_lapses += len(re.findall(rb"registered again as generation", new))
         return [float(m) for m in re.findall(rb"ran again after a stall of ([0-9.]+)s", new)]
 
     def tracebacks(self) -> list[str]:
@@ -747,7 +750,8 @@ class Loop:
         self.cleanups.append(lambda: subprocess.run(["umount", "-l", str(self.tmpfs)],
                                                     capture_output=True))
         store = ["--store", f"s3://{BUCKET}/{PREFIX}", "--s3-endpoint", self.proxy.url,
-                 "--s3-path-style", "--refresh-interval", "1", "--part-size", "5M"]
+                 "--s3-path-style", "--refresh-interval", "1", "--part-size", "5M",
+                 "--lease", str(self.args.lease)]
         self.store_args = store
         self.a = Node("a", self.work, self.tmpfs / "cache", store)
         self.b = Node("b", self.work, self.work / "b-cache", store)
@@ -1139,6 +1143,8 @@ class Loop:
         than MAX_STALL_S (shorter ones are recorded in the report)."""
         for n in (self.a, self.b):
             stalls = n.new_stalls()
+            if n.lease_lapses:
+                self.report.setdefault("lease_lapses", {})[n.name] = n.lease_lapses
             if stalls:
                 self.report.setdefault("loop_stalls_s", {}).setdefault(n.name, []).extend(stalls)
                 if max(stalls) > MAX_STALL_S:
@@ -1557,6 +1563,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fault-hold", type=float, default=3.0,
                    help="seconds a store fault stays on after the saves returned")
     p.add_argument("--durable-timeout", type=float, default=90.0)
+    p.add_argument("--lease", type=float, default=10.0,
+                   help="the nodes' --lease: short, so that store outages (5-10 s) run some "
+                   "past it and the fence (a new generation) is exercised")
     a = p.parse_args(argv)
     try:
         a.workloads = parse_list(a.workloads_arg or ",".join(WORKLOADS), WORKLOADS)
