@@ -79,6 +79,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from . import validate
+from .errors import IndexFull
 from .sets import LIVE_STATES
 from .store import NotFound, ObjectStore, StoreError
 
@@ -189,8 +190,13 @@ class Lease:
         """Larger than any this node's cache dir used before (the index keeps the last)."""
         last = int(self.index.meta("lease_generation") or 0)
         gen = max(time.time_ns(), last + 1, self.generation + 1)
-        with self.index.tx():
-            self.index.set_meta("lease_generation", str(gen))
+        try:
+            with self.index.tx():
+                self.index.set_meta("lease_generation", str(gen))
+        except IndexFull:
+            # A full cache disk: the generation still grows in this process, and from the
+            # clock across restarts; it is kept in the index at the next registration.
+            log.warning("cache disk full: lease generation %d not kept in the index", gen)
         return gen
 
     async def renew(self, *, only_if_lapsed: bool = False) -> bool:
@@ -358,7 +364,7 @@ class Members:
                     self._new_generation()
             except StoreError as e:
                 log.warning("members: renewing node %s's lease: %s; retrying", self.node, e)
-                await trio.sleep(min(1.0, lease.lease / 8))
+                await trio.sleep(min(5.0, lease.lease / 8))
                 continue
             await trio.sleep(max(0.05, lease.left_s() - lease.lease * 3 / 4))
 

@@ -29,6 +29,7 @@ import argparse
 import json
 import os
 import re
+import resource
 import shutil
 import socket
 import statistics
@@ -124,8 +125,19 @@ class Mount:
             r'^ckptfs_fuse_requests_total\{op="([a-z_]+)"\} ([0-9.e+]+)$', text, re.M)}
 
     def cpu(self) -> float:
+        return sum(self.cpu_split())
+
+    def cpu_split(self) -> tuple[float, float]:
+        """The daemon's (user, system) CPU seconds so far (all its threads)."""
         f = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+        tck = os.sysconf("SC_CLK_TCK")
+        return int(f[11]) / tck, int(f[12]) / tck
+
+
+def children_cpu() -> float:
+    """User + system CPU seconds of this process's waited-for children (fio, the ranks)."""
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
 
     def close(self) -> None:
         subprocess.run([PY, "-m", "ckptfs", "umount", str(self.path)], capture_output=True,
@@ -166,6 +178,8 @@ class Bench:
         self.results: dict[str, dict[str, list[float]]] = {}
         self.requests: dict[str, dict[str, list[float]]] = {}
         self.cpu: dict[str, dict[str, list[float]]] = {}
+        # CPU seconds of the workload's own processes, by workload and target (raw, mount)
+        self.wcpu: dict[str, dict[str, list[float]]] = {}
 
     def workloads(self) -> list[tuple[str, object, int, int]]:
         """(name, fn(dir) -> value, bytes written, files written); value: MB/s or seconds."""
@@ -187,11 +201,14 @@ class Bench:
         clear(d)
         if m is not None:
             m.wait_idle()
-            req0, cpu0 = m.requests(), m.cpu()
+            req0, cpu0, (user0, _s) = m.requests(), m.cpu(), m.cpu_split()
+        w0 = children_cpu()
         value = fn(d)
+        self.wcpu.setdefault(name, {}).setdefault(target, []).append(children_cpu() - w0)
         self.results.setdefault(name, {}).setdefault(target, []).append(value)
         if m is not None:
-            req1, cpu1 = m.requests(), m.cpu()
+            req1, cpu1, (user1, _s) = m.requests(), m.cpu(), m.cpu_split()
+            self.cpu.setdefault(name, {}).setdefault("user", []).append(user1 - user0)
             m.wait_idle()
             cpu2 = m.cpu()
             delta = {op: req1.get(op, 0) - req0.get(op, 0) for op in req1}
@@ -273,13 +290,26 @@ class Bench:
                 gib = nbytes / (1 << 30)
                 row["daemon_cpu_s_per_gib"] = {k: round(statistics.median(v) / gib, 3)
                                                for k, v in cpu.items()}
+                # What the mount costs in CPU beyond the raw disk, all processes counted: the
+                # workload's own CPU on the mount plus the daemon's (request path), less the
+                # workload's CPU on the raw disk, round by round. The kernel's writeback at an
+                # fsync is charged to whoever calls fsync: fio on the raw disk, the daemon on
+                # the mount; this nets it out.
+                w = self.wcpu.get(name, {})
+                extra = [(wm + dm - wr) / gib for wm, dm, wr in
+                         zip(w.get("mount", []), cpu.get("request", []), w.get("raw", []),
+                             strict=False)]
+                if extra:
+                    row["extra_cpu_s_per_gib"] = round(statistics.median(extra), 3)
+                    row["extra_cpu_spread"] = [round(min(extra), 3), round(max(extra), 3)]
             rows.append(row)
         return {"args": dict(vars(self.a)), "rows": rows}
 
 
 def print_report(rep: dict) -> None:
     print(f"\n{'workload':52} {'median':>7}  spread        requests/MiB (per file)   "
-          f"daemon CPU s/GiB (request path / with upload)")
+          f"daemon CPU s/GiB (request path / with upload; user on the request path)   "
+          f"extra CPU s/GiB over raw")
     for r in rep["rows"]:
         req = ", ".join(f"{op} {v}" for op, v in r.get("requests_per_mib", {}).items()) or "-"
         per_file = ", ".join(f"{op} {v}" for op, v in r.get("requests_per_file", {}).items())
@@ -287,7 +317,14 @@ def print_report(rep: dict) -> None:
         warn = "  WARNING: spread wider than the gap" if r["warning"] else ""
         print(f"{r['workload']:52} {r['median']:7.3f}  {r['spread'][0]:.2f}-{r['spread'][1]:.2f}"
               f"  {req} ({per_file})  {cpu.get('request', '-')} / {cpu.get('with upload', '-')}"
-              f"{warn}")
+              f"; user {cpu.get('user', '-')}   {_extra(r)}{warn}")
+
+
+def _extra(r: dict) -> str:
+    if "extra_cpu_s_per_gib" not in r:
+        return "-"
+    lo, hi = r["extra_cpu_spread"]
+    return f"{r['extra_cpu_s_per_gib']} [{lo}-{hi}]"
 
 
 def markdown(rep: dict, argv: list[str]) -> str:
@@ -308,10 +345,15 @@ def markdown(rep: dict, argv: list[str]) -> str:
         "uploading, idle-mount time / busy-mount time), so > 1 is ckptfs faster; median and "
         "[min-max] over the rounds. FUSE requests the daemon answered (its metrics), per MiB "
         "written and per file; daemon CPU seconds per GiB during the workload and until the "
-        "upload to the file:// store was done."), "",
+        "upload to the file:// store was done, and its user CPU alone during the workload "
+        "(its own work: the rest is the kernel's, such as the writeback an fsync does). Extra "
+        "CPU: the workload's processes plus the daemon during the workload on the mount, less "
+        "the workload's processes on the raw disk, per GiB (median [min-max] over the rounds): "
+        "what the mount costs in CPU, all processes counted, with an fsync's writeback on "
+        "both sides."), "",
         ("| workload | median | spread | requests per MiB | requests per file | daemon CPU s/GiB "
-        "(request path / with upload) |"),
-        "|---|---:|---|---|---|---|"]
+        "(request path / with upload; user on the request path) | extra CPU s/GiB |"),
+        "|---|---:|---|---|---|---|---|"]
     for r in rep["rows"]:
         req = ", ".join(f"{op} {v}" for op, v in r.get("requests_per_mib", {}).items()) or "-"
         pf = ", ".join(f"{op} {v}" for op, v in r.get("requests_per_file", {}).items()) or "-"
@@ -319,7 +361,7 @@ def markdown(rep: dict, argv: list[str]) -> str:
         warn = " (spread wider than the gap)" if r["warning"] else ""
         lines.append(f"| {r['workload']} | {r['median']:.3f} | {r['spread'][0]:.2f}-"
                      f"{r['spread'][1]:.2f}{warn} | {req} | {pf} | {cpu.get('request', '-')} / "
-                     f"{cpu.get('with upload', '-')} |")
+                     f"{cpu.get('with upload', '-')}; user {cpu.get('user', '-')} | {_extra(r)} |")
     return "\n".join(lines) + "\n"
 
 
