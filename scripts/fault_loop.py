@@ -114,6 +114,10 @@ def make_state(seed: int, step: int, kind: str):
             "step": torch.tensor(step)}
 
 
+def _raise(e: OSError) -> None:
+    raise e
+
+
 def trainer_main(rank: int, world: int, init: str, mount: str, seed: int) -> None:
     import torch
     import torch.distributed as dist
@@ -255,7 +259,9 @@ def trainer_main(rank: int, world: int, init: str, mount: str, seed: int) -> Non
             p = root / name
             ev("X", f"ckpt/{name}")
             if p.is_dir() and not p.is_symlink():
-                for dirpath, _dirs, files in os.walk(p, topdown=False):
+                # os.walk swallows a failed listing by default: a daemon killed mid-rotate
+                # (ENOTCONN) then looked like a deletion that returned, with nothing deleted.
+                for dirpath, _dirs, files in os.walk(p, topdown=False, onerror=_raise):
                     for n in sorted(files):
                         os.unlink(Path(dirpath) / n)
                         if do_pause:
