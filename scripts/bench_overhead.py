@@ -133,15 +133,15 @@ class Mount:
         tck = os.sysconf("SC_CLK_TCK")
         return int(f[11]) / tck, int(f[12]) / tck
 
+    def close(self) -> None:
+        subprocess.run([PY, "-m", "ckptfs", "umount", str(self.path)], capture_output=True,
+                       cwd=REPO, timeout=600)
+
 
 def children_cpu() -> float:
     """User + system CPU seconds of this process's waited-for children (fio, the ranks)."""
     r = resource.getrusage(resource.RUSAGE_CHILDREN)
     return r.ru_utime + r.ru_stime
-
-    def close(self) -> None:
-        subprocess.run([PY, "-m", "ckptfs", "umount", str(self.path)], capture_output=True,
-                       cwd=REPO, timeout=600)
 
 
 def clear(d: Path) -> None:
