@@ -74,8 +74,8 @@ class Publisher:
                  keys_named_elsewhere: Callable[[str, set[str]], set[str]],
                  retention: Callable[[], None], retry_pause: float,
                  fence: Callable[[], Awaitable[None]]) -> None:
-        """`fence`: awaited before every manifest PUT or DELETE (cachemgr.members.Lease.ensure:
-        no set is published or unpublished on a lease this node no longer holds)."""
+        """`fence`: awaited before every manifest PUT (cachemgr.members.Lease.ensure: no set is
+        published on a lease this node no longer holds)."""
         self.index = index
         self.sets = sets
         self.store = store
@@ -537,7 +537,8 @@ class Publisher:
             except NotFound:
                 pass
         if not newer:
-            await self._fence()
+            # (not fenced: taking a set out of the store asks nothing of the other nodes, and
+            # must not wait for a registration a store refusing PUTs would never take)
             await self.store.delete(mf.manifest_key(path))
             if s is not None and s.origin != "local":
                 await self._delete_foreign_objects(s, path)
