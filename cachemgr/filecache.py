@@ -51,6 +51,7 @@ operations while a fill is in flight and then release it: the races above, witho
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import time
@@ -64,6 +65,23 @@ from .nodefiles import open_private
 log = logging.getLogger(__name__)
 
 _HOLD_ENV = "CKPTFS_TEST_HOLD_FILL"
+
+# fallocate(2) modes (linux/falloc.h): those FUSE passes on (fs/fuse/file.c
+# fuse_file_fallocate refuses every other with EOPNOTSUPP before asking the daemon).
+FALLOC_FL_KEEP_SIZE = 0x01
+FALLOC_FL_PUNCH_HOLE = 0x02
+FALLOC_FL_ZERO_RANGE = 0x10
+FALLOC_MODES = FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE | FALLOC_FL_ZERO_RANGE
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.fallocate.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
+
+
+def fallocate(fd: int, mode: int, off: int, length: int) -> None:
+    """fallocate(2) with its mode (os.posix_fallocate has none); OSError on failure."""
+    if _libc.fallocate(fd, mode, off, length) != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, os.strerror(e))
 
 
 class FileCache:

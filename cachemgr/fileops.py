@@ -34,7 +34,7 @@ import time
 from dataclasses import dataclass, field
 
 from .errors import FsError, IndexFull
-from .filecache import FileCache
+from .filecache import FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE, FALLOC_MODES, FileCache, fallocate
 from .handles import Handle, Handles, OpenResult
 from .hooks import Wiring
 from .index import Index
@@ -278,6 +278,64 @@ class FileOps:
         st = self.stats
         st.writes += 1
         st.bytes_written += n
+
+    def fallocate_need(self, fh: int, mode: int, off: int, length: int) -> int:
+        """At most how many bytes `fallocate` adds to `cached_bytes` (for --cache-size
+        backpressure): the growth past the end and the hole it may fill, never more than
+        `length`; nothing for a punch."""
+        node = self.handles.get(fh).inode
+        if mode & FALLOC_FL_PUNCH_HOLE:
+            return 0
+        grow = 0 if mode & FALLOC_FL_KEEP_SIZE else max(0, off + length - node.size)
+        return min(length, grow + self.files.hole(node.ino))
+
+    def fallocate(self, fh: int, mode: int, off: int, length: int) -> None:
+        """fallocate(2) on the cache file through the handle's fd (docs/SEMANTICS.md
+        "fallocate"): mode 0 and FALLOC_FL_KEEP_SIZE reserve blocks (mode 0 grows the file to
+        `off + length`), FALLOC_FL_PUNCH_HOLE and FALLOC_FL_ZERO_RANGE zero a range, as the cache
+        disk's filesystem does them (its EOPNOTSUPP, ENOSPC... are answered as they are). Like
+        a write: a writable handle, room kept for the index, set-id bits of an unprivileged
+        opener removed, mtime and ctime set. Inline on the loop thread: allocating marks extents
+        and writes no data. The kernel holds the inode lock for the whole request, so no write
+        or truncate of this file runs meanwhile; the size is taken from the cache file after
+        the call, so a partial allocation on a full disk is counted as it is."""
+        h = self.handles.get(fh)
+        node = h.inode
+        if mode & ~FALLOC_MODES:
+            raise FsError(errno.EOPNOTSUPP, f"fallocate mode {mode:#x}")
+        if not h.writable:
+            raise FsError(errno.EBADF)
+        if off < 0 or length <= 0:
+            raise FsError(errno.EINVAL)
+        if h.passthrough:
+            self.handles.take_in_writes(node)  # what the kernel wrote through it, first
+        if not mode & FALLOC_FL_PUNCH_HOLE and \
+                not self.index.data_may_take(self.cache_dir, length):
+            raise FsError(errno.ENOSPC, "cache disk full (what is left is kept for the"
+                          " index: delete files to make room)")
+        if h.opener is not None and node.mode & SETID:
+            retrying(self.table.kill_setid_now, node, h.opener)
+        try:
+            fallocate(h.fd, mode, off, length)
+        except OSError as e:
+            failed: OSError | None = e
+        else:
+            failed = None
+        size = os.fstat(h.fd).st_size
+        resized = size != node.size
+        if resized:
+            self.files.resized(node.ino, node.size, size)  # grown over: a hole, recounted next
+            node.size = size
+        if failed is None or resized:
+            # Blocks were allocated or punched: the hole is taken from st_blocks again.
+            self.files.hole_settled(node.ino, node.size)
+            node.mtime_ns = node.ctime_ns = time.time_ns()
+            node.dirty = True
+            node.gen += 1
+            if h.passthrough:
+                self.handles.backings.refresh(node.ino)  # the daemon's own change, taken in
+        if failed is not None:
+            raise FsError(failed.errno or errno.EIO, f"fallocate: {failed.strerror}")
 
     # -- closing -------------------------------------------------------------------------------
 

@@ -291,6 +291,9 @@ class CacheFs:
     def wrote(self, h: Handle, off: int, n: int) -> None:
         self.fileops.wrote(h, off, n)
 
+    def fallocate(self, fh: int, mode: int, off: int, length: int) -> None:
+        self.fileops.fallocate(fh, mode, off, length)
+
     def take_in_writes(self, node: Inode) -> None:
         self.handles.take_in_writes(node)
 
@@ -476,6 +479,22 @@ class Filesystem:
             await trio.to_thread.run_sync(self.core.files.sync_data_dir)
         ops.fsync_end(fh, new_file)
         await trio.to_thread.run_sync(self.core.index.sync_wal)
+
+    async def fallocate(self, fh: int, mode: int, off: int, length: int) -> None:
+        """fallocate (FileOps.fallocate) under --cache-size backpressure, like a write: it waits
+        for room for what it may add; a reservation larger than the whole limit is refused."""
+        core = self.core
+        note_foreground()
+        w = core.wiring
+        if w.cache_size is not None and w.room is not None:
+            need = core.fileops.fallocate_need(fh, mode, off, length)
+            if need > w.cache_size:
+                raise FsError(errno.ENOSPC, f"fallocate of {need} bytes: more than --cache-size")
+            if core.files.cached_bytes + need > w.cache_size:
+                await w.room.wait_for_room(need)
+        ino = core.io_handle(fh).inode.ino
+        async with self._changing(ino, True):
+            core.fallocate(fh, mode, off, length)
 
     async def write(self, fh: int, off: int, buf: bytes) -> int:
         core = self.core

@@ -330,6 +330,10 @@ class FuseOps(pyfuse3.Operations):
         await self.fs.fsync(fh, bool(datasync))
 
     @_guarded
+    async def fallocate(self, fh, mode, off, length):
+        await self.fs.fallocate(fh, mode, off, length)
+
+    @_guarded
     async def release(self, fh):
         self.core.release(fh)
 

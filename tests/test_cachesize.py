@@ -5,6 +5,7 @@ a file the store can never hold fails its set with the reason instead of leaving
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 
@@ -75,5 +76,31 @@ def test_a_writer_waiting_for_room_wakes_when_a_file_is_deleted(mount_factory, t
     t.join(60)
     assert done.is_set() and not t.is_alive()
     gate.unlink()
+    m.stop()
+    assert not m.unexpected_errors()
+
+
+def test_fallocate_counts_under_cache_size_and_a_reservation_larger_than_it_is_refused(
+        mount_factory):
+    """A reservation counts like written data: one that can never fit under --cache-size is
+    refused with ENOSPC and changes nothing; one that fits is counted at once."""
+    m = mount_factory()
+    m.start("--cache-size", "64M")
+    p = m.path / "pre.bin"
+    base = _status(m)["cache"]["cached_bytes"]
+    fd = os.open(p, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        with pytest.raises(OSError) as e:
+            os.posix_fallocate(fd, 0, 128 * MiB)
+        assert e.value.errno == errno.ENOSPC
+        assert os.fstat(fd).st_size == 0
+        assert _status(m)["cache"]["cached_bytes"] == base
+        os.posix_fallocate(fd, 0, 16 * MiB)
+        assert os.fstat(fd).st_size == 16 * MiB
+        assert _status(m)["cache"]["cached_bytes"] == base + 16 * MiB
+    finally:
+        os.close(fd)
+    assert p.read_bytes() == bytes(16 * MiB)
+    ckptfs.wait_durable(p, timeout=60)
     m.stop()
     assert not m.unexpected_errors()

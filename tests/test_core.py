@@ -949,3 +949,40 @@ def test_bytes_written_into_a_hole_count_as_they_are_written(fs):
     blocks = os.stat(fs.files.path(node.ino)).st_blocks * 512
     assert fs.cached_bytes == base + blocks        # the close's recount: exactly the blocks
     assert fs.check_consistency() == []
+
+
+def test_fallocate_grows_reserves_and_punches_and_counts_the_blocks(fs):
+    """fallocate on a writable handle does on the cache file what the cache disk does (mode 0
+    grows the file, KEEP_SIZE reserves past the end, PUNCH_HOLE zeroes), and cached_bytes
+    follows the blocks (--cache-size counts what the disk holds); a read-only handle or a mode
+    FUSE does not pass on is refused and changes nothing."""
+    from cachemgr.filecache import FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE
+
+    MiB = 1 << 20
+    res, node = fs.create(ROOT, b"pre", 0o644, os.O_RDWR | os.O_CREAT, UID, GID)
+    path = fs.files.path(node.ino)
+    base = fs.cached_bytes
+    gen, mtime = node.gen, node.mtime_ns
+    fs.fallocate(res.fh, 0, 0, 8 * MiB)
+    assert node.size == os.path.getsize(path) == 8 * MiB and node.dirty
+    assert node.gen > gen and node.mtime_ns >= mtime
+    assert fs.cached_bytes == base + 8 * MiB
+    assert os.stat(path).st_blocks * 512 >= 8 * MiB     # reserved, not a hole
+    fs.write(res.fh, 0, b"a" * (6 * MiB))
+    assert fs.cached_bytes == base + 8 * MiB            # written into reserved blocks
+    fs.fallocate(res.fh, FALLOC_FL_KEEP_SIZE, 8 * MiB, 4 * MiB)
+    assert node.size == os.path.getsize(path) == 8 * MiB
+    fs.fallocate(res.fh, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0, 4 * MiB)
+    assert node.size == 8 * MiB
+    assert fs.read(res.fh, 0, 6 * MiB) == b"\0" * (4 * MiB) + b"a" * (2 * MiB)
+    blocks = os.stat(path).st_blocks * 512
+    assert fs.cached_bytes == base + min(8 * MiB, blocks)
+    refused(errno.EOPNOTSUPP, fs.fallocate, res.fh, 0x08, 0, MiB)    # COLLAPSE_RANGE
+    refused(errno.EINVAL, fs.fallocate, res.fh, 0, 0, 0)
+    fs.flush(res.fh)
+    fs.release(res.fh)
+    ro = fs.open(node.ino, os.O_RDONLY)
+    refused(errno.EBADF, fs.fallocate, ro.fh, 0, 0, 16 * MiB)
+    assert node.size == 8 * MiB
+    fs.release(ro.fh)
+    assert fs.check_consistency() == []

@@ -604,20 +604,52 @@ def fallocate(fd: int, mode: int, off: int, length: int) -> None:
         raise OSError(err, os.strerror(err))
 
 
-def test_fallocate_refused_posix_fallocate_emulated(mnt):
-    """fallocate(2) is not implemented: the kernel answers EOPNOTSUPP (after the daemon's
-    ENOSYS it stops asking). posix_fallocate(3) works all the same: glibc writes instead."""
-    FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE = 1, 2
+def test_fallocate_preallocates_reserves_punches_and_zeroes(mnt, mount_factory):
+    """fallocate(2) does on the cache file what the cache disk's filesystem does: mode 0
+    reserves blocks and grows the file (what fio's layout and posix_fallocate(3) ask), KEEP_SIZE
+    reserves past the end, PUNCH_HOLE and ZERO_RANGE zero a range. Sizes other processes see,
+    the bytes read back, --cache-size's count, and the content another node restores all follow;
+    a read-only descriptor and a mode FUSE does not pass on are refused."""
+    FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE, FALLOC_FL_COLLAPSE_RANGE = 1, 2, 8
+    FALLOC_FL_ZERO_RANGE = 0x10
     p = mnt.path / "f"
+    cached = lambda: mnt.status()["cache"]["cached_bytes"]  # noqa: E731
+    base = cached()
     fd = os.open(p, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        for mode in (0, FALLOC_FL_KEEP_SIZE, FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE):
-            refused(errno.EOPNOTSUPP, fallocate, fd, mode, 0, 1 << 16)
-        assert os.fstat(fd).st_size == 0
-        os.posix_fallocate(fd, 0, 1 << 16)
-        assert os.fstat(fd).st_size == 1 << 16 and os.pread(fd, 1 << 17, 0) == bytes(1 << 16)
+        fallocate(fd, 0, 0, 8 * MiB)
+        assert os.fstat(fd).st_size == os.stat(p).st_size == 8 * MiB
+        assert cached() == base + 8 * MiB  # reserved blocks count, not a hole
+        data = bytearray(payload(6 * MiB, seed=7)) + bytearray(2 * MiB)
+        os.pwrite(fd, bytes(data[: 6 * MiB]), 0)
+        fallocate(fd, FALLOC_FL_KEEP_SIZE, 8 * MiB, 4 * MiB)
+        assert os.fstat(fd).st_size == os.stat(p).st_size == 8 * MiB
+        fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 1 * MiB, 1 * MiB)
+        data[1 * MiB: 2 * MiB] = bytes(MiB)
+        fallocate(fd, FALLOC_FL_ZERO_RANGE, 3 * MiB, MiB // 2)
+        data[3 * MiB: 3 * MiB + MiB // 2] = bytes(MiB // 2)
+        fallocate(fd, 0, 8 * MiB, 2 * MiB)   # past the end: grows it with zeros
+        data += bytes(2 * MiB)
+        assert os.stat(p).st_size == len(data) == 10 * MiB
+        # The kernel refuses what FUSE does not pass on; nothing changed.
+        refused(errno.EOPNOTSUPP, fallocate, fd, FALLOC_FL_COLLAPSE_RANGE, 0, MiB)
+        assert os.pread(fd, len(data) + 1, 0) == bytes(data)
     finally:
         os.close(fd)
+    assert p.read_bytes() == bytes(data)
+    ro = os.open(p, os.O_RDONLY)
+    try:
+        refused(errno.EBADF, fallocate, ro, 0, 0, 16 * MiB)  # the VFS: not open for writing
+    finally:
+        os.close(ro)
+    assert os.stat(p).st_size == 10 * MiB
+    # Uploaded as closed, and restored whole on a node with an empty cache.
+    res = run_cli("wait", str(p), "--timeout", "60")
+    assert res.returncode == 0, res.stderr
+    b = mount_factory("b")
+    b.start("--store", f"file://{mnt.store_dir}")
+    wait_for(lambda: (b.path / "f").exists(), what="f on node B")
+    assert (b.path / "f").read_bytes() == bytes(data)
 
 
 def test_name_length(mnt):

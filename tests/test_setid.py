@@ -1,11 +1,12 @@
 """Set-id bits on unprivileged data changes, through a real mount (pjdfstest chmod/12).
 
-A write, a truncate or a truncating open by a caller without CAP_FSETID removes S_ISUID, and
-S_ISGID when group-execute is set or the caller is not in the file's group, as Linux does for
-its local filesystems. With direct I/O (the default mount) the kernel leaves this to the
-daemon; with `--no-direct-io` the kernel does part of it. The expected modes are what the
-machine's own local filesystem (the one holding the test's temporary directory) does with the
-same operations, so the test checks ckptfs against the running kernel, not a copy of its rules.
+A write, a truncate, a truncating open or a fallocate by a caller without CAP_FSETID removes
+S_ISUID, and S_ISGID when group-execute is set or the caller is not in the file's group, as
+Linux does for its local filesystems. With direct I/O (the default mount) the kernel leaves
+this to the daemon; with `--no-direct-io` the kernel does part of it. The expected modes are
+what the machine's own local filesystem (the one holding the test's temporary directory) does
+with the same operations, so the test checks ckptfs against the running kernel, not a copy of
+its rules.
 """
 
 from __future__ import annotations
@@ -58,8 +59,16 @@ def _ftruncate(p: Path) -> None:
         os.close(fd)
 
 
+def _fallocate(p: Path) -> None:
+    fd = os.open(p, os.O_WRONLY)
+    try:
+        os.posix_fallocate(fd, 0, 64)  # fallocate(2) mode 0: it grows the file
+    finally:
+        os.close(fd)
+
+
 OPS = {"write": _write, "open-trunc": _open_trunc, "ftruncate": _ftruncate,
-       "truncate": lambda p: os.truncate(p, 1)}
+       "truncate": lambda p: os.truncate(p, 1), "fallocate": _fallocate}
 # (mode, group of the file): 0 = root's group, which nobody is not in.
 CASES = [(0o4777, 0), (0o2777, 0), (0o6777, 0), (0o2767, 0), (0o2767, NOBODY), (0o6767, NOBODY),
          (0o4766, 0)]

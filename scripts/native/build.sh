@@ -12,7 +12,7 @@
 # CKPTFS_NO_NATIVE_BUILD=1 skips it.
 set -uo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-VENV="$1"
+VENV="$(realpath -m "$1")"  # absolute: the steps below cd
 NATIVE="$VENV/native"
 LIBFUSE_VERSION=3.17.2
 LIBFUSE_SHA256=3d932431ad94e86179e5265cddde1d67aa3bb2fb09a5bd35c641f86f2b5ed06f
@@ -20,7 +20,7 @@ PYFUSE3_VERSION=3.5.0
 PYFUSE3_SHA256=88399a9494b88603230bba300f4ba9ad63fece5ed514ca3633d555a0c6a42b24
 PATCH="$HERE/pyfuse3-3.5.0-passthrough.patch"
 # The local version label marks the patched build; pip sees it as satisfying pyfuse3>=3.3,<4.
-WHEEL_VERSION="$PYFUSE3_VERSION+ckptfs.passthrough2"
+WHEEL_VERSION="$PYFUSE3_VERSION+ckptfs.passthrough3"
 
 [ "${CKPTFS_NO_NATIVE_BUILD:-0}" = "1" ] && { echo "setup: native build skipped (CKPTFS_NO_NATIVE_BUILD=1)"; exit 0; }
 
@@ -28,7 +28,7 @@ want="$( (echo "$LIBFUSE_VERSION $LIBFUSE_SHA256 $PYFUSE3_VERSION $PYFUSE3_SHA25
           cat "$PATCH" "${BASH_SOURCE[0]}") | sha256sum | cut -d' ' -f1)"
 stamp="$NATIVE/.stamp"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] \
-   && "$VENV/bin/python" -c "import pyfuse3; pyfuse3.passthrough_open, pyfuse3.killpriv_v2_active" 2>/dev/null; then
+   && "$VENV/bin/python" -c "import pyfuse3; pyfuse3.passthrough_open, pyfuse3.killpriv_v2_active, pyfuse3.Operations.fallocate" 2>/dev/null; then
     exit 0
 fi
 
@@ -99,7 +99,7 @@ whl="$(ls "$wheels"/pyfuse3-*.whl)"
     || fail "installing the pyfuse3 wheel"
 "$VENV/bin/python" - "$prefix" >>"$log" 2>&1 <<'EOF' || fail "the installed pyfuse3 does not load the built libfuse"
 import sys, pyfuse3
-pyfuse3.passthrough_open, pyfuse3.killpriv_v2_active  # the patched API
+pyfuse3.passthrough_open, pyfuse3.killpriv_v2_active, pyfuse3.Operations.fallocate  # the patched API
 maps = open("/proc/self/maps").read()
 assert sys.argv[1] + "/lib/libfuse3.so" in maps, "libfuse not loaded from " + sys.argv[1]
 EOF
