@@ -30,8 +30,9 @@ Upload (`Uploader.upload_file`)
     most `single_put_max` goes in one PUT; so does a compressed object whose stored bytes all
     fit in the first part (a GB of zeros is a few KiB). The multipart upload is created lazily,
     once a second part is certain. `still_valid()` is asked after each part is read (just
-    before it is sent) and before completing: a superseded or deleted checkpoint stops costing
-    bandwidth at the next part boundary. Any failure, `Superseded` or trio cancellation aborts
+    before it is sent), after each step of a compressed part (`_Producer.STEP_RAW` raw bytes:
+    a file of zeros is one part however big) and before completing: a superseded or deleted
+    checkpoint stops costing bandwidth at the next part boundary and CPU within a step. Any failure, `Superseded` or trio cancellation aborts
     the multipart upload in a shielded cleanup (bounded by ABORT_TIMEOUT); a bucket lifecycle
     rule (AbortIncompleteMultipartUpload) is the backstop for a process that dies mid-upload.
     After completion, `head()` must report the stored size (and the stored CRC32C when the store
@@ -308,6 +309,10 @@ class _Producer:
         self._done_crc = 0      # CRC32C of the completed chunks
         self._cur_crc = 0       # CRC32C and length of the chunk being filled (uncompressed)
         self._cur_len = 0
+        # The compressed part being built across calls of `next_part` (see STEP_RAW).
+        self._part_start: int | None = None
+        self._pieces: list[bytes] = []
+        self._got = 0
 
     def _chunk_done(self, crc: int, n: int) -> None:
         self.chunk_crcs.append(crc)
@@ -330,27 +335,43 @@ class _Producer:
             self._cur_crc = self._cur_len = 0
         self.crc_raw = crc32c_combine(self._done_crc, self._cur_crc, self._cur_len)
 
-    def next_part(self) -> _Chunk:
-        start = self.raw_off
+    # Raw bytes one call of `next_part` works through at most when compressing: a part of very
+    # compressible data covers far more raw bytes than its stored target (a file of zeros, such
+    # as one just laid out with fallocate, is one part), and a worker thread cannot be
+    # cancelled. Between calls the upload checks `still_valid`, trio cancellation and the
+    # trainer (`yield_to_foreground`), so an upload superseded by the next write-open stops
+    # within this much work instead of finishing the part.
+    STEP_RAW = 16 << 20
+
+    def next_part(self) -> _Chunk | None:
+        """The next part, or None when this call did a step of work (STEP_RAW raw bytes,
+        compressing) and the part is not complete yet: call again."""
         if not self.compressed:
+            start = self.raw_off
             n = int(min(self.target, self.size - start))
             data = _pread_exact(self.fd, n, start)
             self._checksum(data, start + n >= self.size)
             self.crc_stored = self.crc_raw
         else:
-            pieces: list[bytes] = []
-            got = 0
-            while self.raw_off < self.size and got < self.target:
+            if self._part_start is None:
+                self._part_start, self._pieces, self._got = self.raw_off, [], 0
+            start = self._part_start
+            stepped = 0
+            while self.raw_off < self.size and self._got < self.target:
+                if stepped >= self.STEP_RAW:
+                    return None
                 n = min(self.frame_size, self.size - self.raw_off)
                 raw = _pread_exact(self.fd, n, self.raw_off)
                 self._chunk_done(crc32c(raw), n)
                 self.crc_raw = self._done_crc
                 c = compress_frame(raw)
                 del raw  # one raw frame alive at a time
-                pieces.append(c)
+                self._pieces.append(c)
                 self.frames.append(len(c))
-                got += len(c)
+                self._got += len(c)
                 self.raw_off += n
+                stepped += n
+            pieces, self._pieces, self._part_start = self._pieces, [], None
             data = pieces[0] if len(pieces) == 1 else b"".join(pieces)
             del pieces
             self.crc_stored = crc32c(data, self.crc_stored)
@@ -568,8 +589,12 @@ class Uploader:
         await yield_to_foreground()
         token = await self._acquire(job.sem)
         try:
-            chunk = await trio.to_thread.run_sync(run_idle, job.prod.next_part)
-            self._check(job.still_valid, job.key)
+            while True:
+                chunk = await trio.to_thread.run_sync(run_idle, job.prod.next_part)
+                self._check(job.still_valid, job.key)
+                if chunk is not None:
+                    break
+                await yield_to_foreground()  # a step of a long part: a checkpoint between
         except BaseException:
             self._release(job.sem, token)
             raise

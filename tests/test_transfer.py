@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import trio
 
-from cachemgr import compress
+from cachemgr import compress, transfer
 from cachemgr.objects import StoredObject, chunk_count, chunk_span, crc32c_combine, verify_chunk
 from cachemgr.store import (
     FaultyStore,
@@ -37,6 +37,7 @@ from cachemgr.transfer import (
     Superseded,
     TransferConfig,
     Uploader,
+    _Producer,
     download_file,
     fetch_chunk,
     read_range,
@@ -405,6 +406,50 @@ def test_superseded_aborts_and_leaves_nothing(env, tmp_path, valid_calls):
     st = up.statistics()
     assert st.superseded == 1 and st.parts_in_flight == 0
     assert st.aborted == (1 if valid_calls else 0)  # no multipart existed before the first part
+
+
+def test_a_superseded_upload_of_very_compressible_data_stops_within_a_step(tmp_path,
+                                                                          monkeypatch):
+    """A file of zeros (a file just laid out with fallocate) compresses into one part however
+    big it is. The producer works through a part in steps of STEP_RAW raw bytes and the upload
+    asks still_valid after each, so a file rewritten right after its close stops costing CPU
+    within a step; a part built in many steps is stored bit-exact."""
+    monkeypatch.setattr(_Producer, "STEP_RAW", 2 * FRAME)
+    read: list[int] = []
+    real = transfer._pread_exact
+
+    def counting(fd: int, n: int, off: int) -> bytes:
+        read.append(n)
+        return real(fd, n, off)
+    monkeypatch.setattr(transfer, "_pread_exact", counting)
+    store = LocalStore(tmp_path / "store")
+    up = Uploader(store, cfg(compress="lz4"))
+    size = 64 * FRAME
+    calls: list[int] = []
+
+    def still_valid() -> bool:
+        calls.append(1)
+        return len(calls) < 2
+
+    async def go() -> None:
+        with pytest.raises(Superseded):
+            await up.upload_file(write(tmp_path, "zeros", bytes(size)), "k", size=size,
+                                 still_valid=still_valid)
+        assert await store.list("") == []
+        # Two steps read (still_valid said yes after the first), not the 64 MiB of the part.
+        assert sum(read) == 2 * 2 * FRAME
+        # Many steps per part (4 parts of mixed data, 1 MiB steps), all valid: bit-exact.
+        monkeypatch.setattr(_Producer, "STEP_RAW", FRAME)
+        data = mixed(3 * PART + 123, seed=5)
+        obj = await up.upload_file(write(tmp_path, "mixed", data), "m", size=len(data))
+        assert obj.compression == "lz4" and obj.crc32c == crc32c(data)
+        dest = tmp_path / "out"
+        await download_file(store, obj, dest, range_size=2 * FRAME, concurrency=2)
+        assert dest.read_bytes() == data
+
+    trio.run(go)
+    assert len(calls) == 2
+    assert up.stats.superseded == 1
 
 
 def test_cancellation_aborts_multipart(env, tmp_path):
