@@ -32,11 +32,11 @@ Upload (`Uploader.upload_file`)
     once a second part is certain. `still_valid()` is asked after each part is read (just
     before it is sent), after each step of a compressed part (`_Producer.STEP_RAW` raw bytes:
     a file of zeros is one part however big) and before completing: a superseded or deleted
-    checkpoint stops costing bandwidth at the next part boundary and CPU within a step. Any failure, `Superseded` or trio cancellation aborts
-    the multipart upload in a shielded cleanup (bounded by ABORT_TIMEOUT); a bucket lifecycle
-    rule (AbortIncompleteMultipartUpload) is the backstop for a process that dies mid-upload.
-    After completion, `head()` must report the stored size (and the stored CRC32C when the store
-    recorded one), else IntegrityError.
+    checkpoint stops costing bandwidth at the next part boundary and CPU within a step. Any
+    failure, `Superseded` or trio cancellation aborts the multipart upload in a shielded cleanup
+    (bounded by ABORT_TIMEOUT); a bucket lifecycle rule (AbortIncompleteMultipartUpload) is
+    the backstop for a process that dies mid-upload. After completion, `head()` must report the
+    stored size (and the stored CRC32C when the store recorded one), else IntegrityError.
 
 Memory bound
     A part's buffer is allocated only after a token is taken, and the token is given back when
@@ -341,7 +341,7 @@ class _Producer:
     # cancelled. Between calls the upload checks `still_valid`, trio cancellation and the
     # trainer (`yield_to_foreground`), so an upload superseded by the next write-open stops
     # within this much work instead of finishing the part.
-    STEP_RAW = 16 << 20
+    STEP_RAW = 4 << 20
 
     def next_part(self) -> _Chunk | None:
         """The next part, or None when this call did a step of work (STEP_RAW raw bytes,

@@ -4,7 +4,7 @@ directory and the cache dir both on ext4 over a RAM-backed loop device (a file o
 so the ratio mount/raw is ckptfs's cost and not this VM's disk, which swings 2-4x from minute
 to minute.
 
-    python scripts/bench_overhead.py                       # 5 interleaved rounds, ~3 minutes
+    python scripts/bench_overhead.py                       # 5 interleaved rounds, ~8 minutes
     python scripts/bench_overhead.py --rounds 9 --size 512M --json out.json
     python scripts/bench_overhead.py --mount-opt=--no-passthrough
 
@@ -18,9 +18,12 @@ and the daemon's CPU seconds per GiB: on the request path (during the workload) 
 the upload to the file:// store (until the mount is idle again).
 
 Workloads: fio sequential writes with end_fsync (64 KiB and 1 MiB blocks; 1, 4, 8 writers), a
-read of those files right after (page cache), 4 ranks torch.save + fsync, and "save while the
-previous checkpoint uploads" (ratio: idle-mount save time / busy-mount save time; raw runs the
-same save twice). Needs root (loop device, mount, FUSE), fio and torch.
+read of those files right after (page cache) and after sync + drop_caches (the write is not
+timed, and the mount is idle before the read), 4 ranks torch.save + fsync, a DCP save
+(torch.distributed.checkpoint, one process, 4 writer threads, sync_files) of a GPT-like state
+dict, and "save while the previous checkpoint uploads" (ratio: idle-mount save time /
+busy-mount save time; raw runs the same save twice). Needs root (loop device, mount, FUSE, the
+page cache dropped), fio and torch.
 """
 
 from __future__ import annotations
@@ -149,6 +152,37 @@ def clear(d: Path) -> None:
         shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
 
 
+DCP_SAVE = r"""
+import os, sys, time, torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+path, mib = sys.argv[1], int(sys.argv[2])
+g = torch.Generator().manual_seed(0)
+n = mib * (1 << 20) // 4
+# GPT-like: an embedding, 8 blocks of 4 matrices, their Adam moments (fp32)
+shapes = [("emb", n // 2)] + [(f"b{i}.{w}", n // 64) for i in range(8) for w in "qkvo"]
+sd = {}
+for name, numel in shapes:
+    for kind in ("w", "m", "v"):
+        sd[f"{kind}.{name}"] = torch.randn(numel // 3, generator=g)
+t0 = time.perf_counter()
+dcp.save(sd, storage_writer=FileSystemWriter(path, thread_count=4, sync_files=True))
+print(time.perf_counter() - t0)
+"""
+
+
+def drop_caches() -> None:
+    os.sync()
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("3\n")
+
+
+def dcp_save(d: Path, mib: int) -> float:
+    """Seconds of one DCP save of about `mib` MiB into a new directory under `d`."""
+    r = sh(PY, "-c", DCP_SAVE, str(d / "dcp"), str(mib))
+    return float(r.stdout.split()[-1])
+
+
 def fio(d: Path, rw: str, bs: str, jobs: int, size: int) -> float:
     """MB/s of a fio run in `d` (bytes over the whole run, end_fsync included)."""
     r = sh("fio", "--name=b", f"--directory={d}", f"--rw={rw}", f"--bs={bs}",
@@ -181,33 +215,49 @@ class Bench:
         # CPU seconds of the workload's own processes, by workload and target (raw, mount)
         self.wcpu: dict[str, dict[str, list[float]]] = {}
 
-    def workloads(self) -> list[tuple[str, object, int, int]]:
-        """(name, fn(dir) -> value, bytes written, files written); value: MB/s or seconds."""
+    def workloads(self) -> list[tuple[str, object, int, int, object]]:
+        """(name, fn(dir) -> value, bytes, files, prep(dir) or None); value: MB/s or seconds.
+        `prep` runs untimed before `fn` (then the mount goes idle and the page cache is
+        dropped); the bytes and files are what `fn` writes or reads."""
         a, size = self.a, self.a.size
         out: list = [("fio 64 KiB writes, 1 writer", lambda d: fio(d, "write", "64k", 1, size),
-                      size, 1)]
+                      size, 1, None)]
         for j in a.jobs:
             out.append((f"fio 1 MiB writes, {j} writers",
-                        lambda d, j=j: fio(d, "write", "1m", j, size), size, j))
+                        lambda d, j=j: fio(d, "write", "1m", j, size), size, j, None))
             out.append((f"read right after, {j} writers",
                         lambda d, j=j: (fio(d, "write", "1m", j, size),
-                                        fio(d, "read", "1m", j, size))[1], size, j))
+                                        fio(d, "read", "1m", j, size))[1], size, j, None))
+            out.append((f"read after drop_caches, {j} writers",
+                        lambda d, j=j: fio(d, "read", "1m", j, size), size, j,
+                        lambda d, j=j: fio(d, "write", "1m", j, size)))
         out.append((f"{a.ranks} ranks torch.save + fsync (s)",
                     lambda d: torch_save(d, a.ranks, a.torch_mib, "s"),
-                    a.ranks * a.torch_mib * MiB, a.ranks))
+                    a.ranks * a.torch_mib * MiB, a.ranks, None))
+        out.append(("DCP save, 4 threads + sync_files (s)",
+                    lambda d: dcp_save(d, a.ranks * a.torch_mib),
+                    a.ranks * a.torch_mib * MiB, 5, None))
         return out
 
-    def one(self, name: str, fn, target: str, d: Path, m: Mount | None) -> None:
+    def one(self, name: str, fn, target: str, d: Path, m: Mount | None, prep=None) -> None:
         clear(d)
+        if prep is not None:
+            prep(d)
+            if m is not None:
+                m.wait_idle()
+            drop_caches()
         if m is not None:
             m.wait_idle()
-            req0, cpu0, (user0, _s) = m.requests(), m.cpu(), m.cpu_split()
+            req0, (user0, sys0) = m.requests(), m.cpu_split()
+            cpu0 = user0 + sys0
         w0 = children_cpu()
         value = fn(d)
         self.wcpu.setdefault(name, {}).setdefault(target, []).append(children_cpu() - w0)
         self.results.setdefault(name, {}).setdefault(target, []).append(value)
         if m is not None:
-            req1, cpu1, (user1, _s) = m.requests(), m.cpu(), m.cpu_split()
+            # The daemon's CPU before the metrics scrape, which costs it CPU too.
+            (user1, sys1), req1 = m.cpu_split(), m.requests()
+            cpu1 = user1 + sys1
             self.cpu.setdefault(name, {}).setdefault("user", []).append(user1 - user0)
             m.wait_idle()
             cpu2 = m.cpu()
@@ -247,9 +297,9 @@ class Bench:
                 order = [("raw", raw, None), ("mount", m.path, m)]
                 if rnd % 2:
                     order.reverse()
-                for name, fn, _n, _f in self.workloads():
+                for name, fn, _n, _f, prep in self.workloads():
                     for target, d, mm in order:
-                        self.one(name, fn, target, d, mm)
+                        self.one(name, fn, target, d, mm, prep)
                 for target, d, mm in order:
                     self.save_while_uploading(target, d, mm)
                 print(f"  round {rnd + 1}/{a.rounds} done", flush=True)
@@ -264,7 +314,7 @@ class Bench:
 
     def report(self) -> dict:
         rows = []
-        sizes = {name: (n, f) for name, _fn, n, f in self.workloads()}
+        sizes = {name: (n, f) for name, _fn, n, f, _p in self.workloads()}
         for name, by in self.results.items():
             raw, mnt = by.get("raw", []), by.get("mount", [])
             if name.startswith("save while"):
