@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One command for the performance numbers of docs/PERFORMANCE.md:
 #   bash scripts/bench.sh --quick     # < 5 minutes: 256 MiB per workload, 1 repeat
-#   bash scripts/bench.sh [--full]    # fio 1 GiB, 512 MiB checkpoints, 3 repeats (~15 minutes)
+#   bash scripts/bench.sh [--full]    # the write-path overhead on RAM-backed ext4 (7 rounds),
+#                                     # then fio 1 GiB, 512 MiB checkpoints, 3 repeats (~35 min)
 # Extra arguments go to scripts/bench_perf.py (see its --help), e.g. --no-docs.
 # Installs what it needs first, idempotently: scripts/setup.sh (FUSE, fio, the venv, ckptfs),
 # apt packages s3fs and rclone (the FUSE peers), and the `bench` extra of pyproject.toml
@@ -37,4 +38,12 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
 fi
 
 cd "$ROOT"
+# --full (the default) first measures the write path's own overhead on a RAM-backed ext4
+# (scripts/bench_overhead.py, ~15 minutes): docs/bench/overhead.json, a section of
+# docs/PERFORMANCE.md. Not with --quick, --no-docs or --sections.
+case " $* " in
+    *" --quick "*|*" --no-docs "*|*" --sections "*) ;;
+    *) "$VENV/bin/python" "$ROOT/scripts/bench_overhead.py" --rounds 7 \
+           --json "$ROOT/docs/bench/overhead.json" ;;
+esac
 exec "$VENV/bin/python" "$ROOT/scripts/bench_perf.py" "$@"

@@ -18,12 +18,12 @@ and the daemon's CPU seconds per GiB: on the request path (during the workload) 
 the upload to the file:// store (until the mount is idle again).
 
 Workloads: fio sequential writes with end_fsync (64 KiB and 1 MiB blocks; 1, 4, 8 writers), a
-read of those files right after (page cache) and after sync + drop_caches (the write is not
-timed, and the mount is idle before the read), 4 ranks torch.save + fsync, a DCP save
-(torch.distributed.checkpoint, one process, 4 writer threads, sync_files) of a GPT-like state
-dict, and "save while the previous checkpoint uploads" (ratio: idle-mount save time /
-busy-mount save time; raw runs the same save twice). Needs root (loop device, mount, FUSE, the
-page cache dropped), fio and torch.
+read of those files right after (page cache, 4 passes) and after sync + drop_caches (the write
+is not timed, and the mount is idle before the read), 4 ranks torch.save + fsync (the slowest
+rank's own timing), a DCP save (torch.distributed.checkpoint, one process, 4 writer threads,
+sync_files) of a GPT-like state dict, and "save while the previous checkpoint uploads" (ratio:
+idle-mount save time / busy-mount save time; raw runs the same save twice). Needs root (loop
+device, mount, FUSE, the page cache dropped), fio and torch.
 """
 
 from __future__ import annotations
@@ -183,27 +183,32 @@ def dcp_save(d: Path, mib: int) -> float:
     return float(r.stdout.split()[-1])
 
 
-def fio(d: Path, rw: str, bs: str, jobs: int, size: int) -> float:
-    """MB/s of a fio run in `d` (bytes over the whole run, end_fsync included)."""
+def fio(d: Path, rw: str, bs: str, jobs: int, size: int, loops: int = 1) -> float:
+    """MB/s of a fio run in `d` (bytes over the whole run, end_fsync included). `loops`
+    reads the files that many times (a read from the page cache of 512 MiB takes ~0.1 s here:
+    too short to time without it)."""
     r = sh("fio", "--name=b", f"--directory={d}", f"--rw={rw}", f"--bs={bs}",
            f"--numjobs={jobs}", f"--size={size // jobs}", "--ioengine=psync",
            "--end_fsync=1" if rw == "write" else "--invalidate=0", "--group_reporting",
-           "--output-format=json")
+           f"--loops={loops}", "--output-format=json")
     job = json.loads(r.stdout)["jobs"][0]
     side = job["write" if rw == "write" else "read"]
     return side["io_bytes"] / (side["runtime"] / 1000) / 1e6 if side["runtime"] else 0.0
 
 
 def torch_save(d: Path, ranks: int, mib: int, tag: str) -> float:
-    """Seconds until every rank's torch.save + fsync returned (ranks in parallel)."""
-    t0 = time.perf_counter()
+    """Seconds of the slowest rank's torch.save + fsync (ranks in parallel), as each rank
+    timed it: the processes' start, torch's import and the tensor's generation stay out."""
     procs = [subprocess.Popen([PY, "-c", TORCH_SAVE, str(d / f"{tag}_rank{r}.pt"), str(mib),
-                               str(r)], stdout=subprocess.PIPE) for r in range(ranks)]
+                               str(r)], stdout=subprocess.PIPE, text=True)
+             for r in range(ranks)]
+    times = []
     for p in procs:
-        p.communicate()
+        out, _ = p.communicate()
         if p.returncode:
             raise RuntimeError("torch.save failed")
-    return time.perf_counter() - t0
+        times.append(float(out.split()[-1]))
+    return max(times)
 
 
 class Bench:
@@ -214,6 +219,7 @@ class Bench:
         self.cpu: dict[str, dict[str, list[float]]] = {}
         # CPU seconds of the workload's own processes, by workload and target (raw, mount)
         self.wcpu: dict[str, dict[str, list[float]]] = {}
+        self.data_path = "?"  # what the mount reported (status data_path.mode)
 
     def workloads(self) -> list[tuple[str, object, int, int, object]]:
         """(name, fn(dir) -> value, bytes, files, prep(dir) or None); value: MB/s or seconds.
@@ -227,7 +233,8 @@ class Bench:
                         lambda d, j=j: fio(d, "write", "1m", j, size), size, j, None))
             out.append((f"read right after, {j} writers",
                         lambda d, j=j: (fio(d, "write", "1m", j, size),
-                                        fio(d, "read", "1m", j, size))[1], size, j, None))
+                                        fio(d, "read", "1m", j, size, loops=4))[1],
+                        size, j, None))
             out.append((f"read after drop_caches, {j} writers",
                         lambda d, j=j: fio(d, "read", "1m", j, size), size, j,
                         lambda d, j=j: fio(d, "write", "1m", j, size)))
@@ -291,6 +298,7 @@ class Bench:
         m = None
         try:
             m = Mount(work, a.mount_opt)
+            self.data_path = m.data_path
             print(f"bench_overhead: ext4 on a {a.disk >> 20} MiB RAM-backed loop device; "
                   f"mount data path {m.data_path}; {a.rounds} rounds", flush=True)
             for rnd in range(a.rounds):
@@ -353,7 +361,17 @@ class Bench:
                     row["extra_cpu_s_per_gib"] = round(statistics.median(extra), 3)
                     row["extra_cpu_spread"] = [round(min(extra), 3), round(max(extra), 3)]
             rows.append(row)
-        return {"args": dict(vars(self.a)), "rows": rows}
+        head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], text=True,
+                              capture_output=True).stdout.strip()
+        dirty = bool(subprocess.run(["git", "-C", str(REPO), "status", "--porcelain",
+                                     "--untracked-files=no"], text=True,
+                                    capture_output=True).stdout.strip())
+        import platform
+        meta = {"time": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                "git_head": head, "git_dirty": dirty, "kernel": platform.release(),
+                "cpus": os.cpu_count(), "loadavg_end": round(os.getloadavg()[0], 2),
+                "data_path": self.data_path}
+        return {"args": dict(vars(self.a)), "meta": meta, "rows": rows}
 
 
 def print_report(rep: dict) -> None:
@@ -418,8 +436,8 @@ def markdown(rep: dict, argv: list[str]) -> str:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--size", type=parse_size, default=parse_size("256M"),
-                   help="bytes per fio run (all writers together; default 256M)")
+    p.add_argument("--size", type=parse_size, default=parse_size("512M"),
+                   help="bytes per fio run (all writers together; default 512M)")
     p.add_argument("--jobs", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 8])
     p.add_argument("--ranks", type=int, default=4)
     p.add_argument("--torch-mib", type=int, default=96, help="MiB per rank (default 96)")

@@ -1255,6 +1255,11 @@ def main(argv=None) -> int:
         perf.save()
     import bench_report
 
+    # The write-path overhead on RAM-backed ext4 (scripts/bench_overhead.py, which bench.sh
+    # runs first in --full mode): its own section of docs/PERFORMANCE.md, with its commit.
+    ov = REPO / "docs" / "bench" / "overhead.json"
+    if not a.no_docs and ov.exists():
+        perf.res["overhead"] = json.loads(ov.read_text())
     bench_report.write_all(perf.res, perf.out, None if a.no_docs else REPO / "docs")
     perf.progress(f"done: {perf.out / 'results.md'}"
                   + ("" if a.no_docs else ", docs/PERFORMANCE.md, docs/bench/perf.json"))
