@@ -527,6 +527,9 @@ class Uploader:
         cfg = self.cfg
         st = self.stats
         st.uploads += 1
+        # The first read of the file (the compressibility sample) waits for the trainer too:
+        # a file reopened for writing right after its close (a layout) is dropped before it.
+        await yield_to_foreground()
         compressed = await self._decide(fd, size)
         if not compressed and cfg.stage_files and self.store.stages_files:
             return await self._upload_staged(fd, key, size, still_valid, progress)
