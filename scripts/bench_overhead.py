@@ -4,8 +4,8 @@ directory and the cache dir both on ext4 over a RAM-backed loop device (a file o
 so the ratio mount/raw is ckptfs's cost and not this VM's disk, which swings 2-4x from minute
 to minute.
 
-    python scripts/bench_overhead.py                       # 5 interleaved rounds, ~8 minutes
-    python scripts/bench_overhead.py --rounds 9 --size 512M --json out.json
+    python scripts/bench_overhead.py                       # 5 interleaved rounds, ~7 minutes
+    python scripts/bench_overhead.py --rounds 9 --size 512M --json out.json   # quicker, noisier
     python scripts/bench_overhead.py --mount-opt=--no-passthrough
 
 Each round runs every workload on the raw directory and on the mount, in an order that
@@ -436,13 +436,14 @@ def markdown(rep: dict, argv: list[str]) -> str:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--size", type=parse_size, default=parse_size("512M"),
-                   help="bytes per fio run (all writers together; default 512M)")
+    p.add_argument("--size", type=parse_size, default=parse_size("1G"),
+                   help="bytes per fio run (all writers together; default 1G: shorter runs "
+                   "cannot resolve 5%% on a 2-core VM, docs/bench/overhead.md)")
     p.add_argument("--jobs", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 8])
     p.add_argument("--ranks", type=int, default=4)
     p.add_argument("--torch-mib", type=int, default=96, help="MiB per rank (default 96)")
-    p.add_argument("--disk", type=parse_size, default=parse_size("3G"),
-                   help="size of the RAM-backed ext4 (default 3G)")
+    p.add_argument("--disk", type=parse_size, default=parse_size("4G"),
+                   help="size of the RAM-backed ext4 (default 4G)")
     p.add_argument("--mount-opt", action="append", default=[],
                    help="extra `ckptfs mount` option (repeatable), e.g. "
                    "--mount-opt=--no-passthrough")
