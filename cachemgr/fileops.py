@@ -309,12 +309,11 @@ class FileOps:
             raise FsError(errno.EINVAL)
         if h.passthrough:
             self.handles.take_in_writes(node)  # what the kernel wrote through it, first
-        if not mode & FALLOC_FL_PUNCH_HOLE and \
-                not self.index.data_may_take(self.cache_dir, length):
-            raise FsError(errno.ENOSPC, "cache disk full (what is left is kept for the"
-                          " index: delete files to make room)")
-        if h.opener is not None and node.mode & SETID:
-            retrying(self.table.kill_setid_now, node, h.opener)
+        if mode & FALLOC_FL_PUNCH_HOLE:  # frees blocks: no room to keep, set-id bits only
+            if h.opener is not None and node.mode & SETID:
+                retrying(self.table.kill_setid_now, node, h.opener)
+        else:
+            self.before_write(h, length)  # room kept for the index; set-id bits
         try:
             fallocate(h.fd, mode, off, length)
         except OSError as e:
