@@ -398,7 +398,7 @@ class FileOps:
             try:
                 self.handles.take_in_writes(node)  # what the kernel wrote through this handle
             finally:
-                self.handles.backings.release(node.ino, h.writable)
+                self.handles.backings.release(node.ino, h.writable, h.pid)
         os.close(h.fd)
         node.opens -= 1
         if h.writable:

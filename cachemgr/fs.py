@@ -446,6 +446,7 @@ class Filesystem:
 
     async def read(self, fh: int, off: int, size: int) -> bytes:
         core = self.core
+        note_foreground()  # uploads hold back while the trainer reads (cachemgr.transfer)
         reads = core.wiring.reads
         if reads is not None:
             node = core.io_handle(fh).inode

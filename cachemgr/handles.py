@@ -43,6 +43,7 @@ class Handle:
     append: bool
     opener: Caller | None = None  # None: privileged (set-id bits stay on writes)
     passthrough: bool = False     # the kernel does this handle's I/O on the cache file
+    pid: int = 0                  # the opener's pid (0: in-process), for Backings' readers
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,8 +108,10 @@ class Handles:
         fh = self._next_fh
         self._next_fh += 1
         opener = caller if caller is not None and caller.uid != 0 else None
-        h = self._handles[fh] = Handle(fh, node, fd, writable, bool(flags & os.O_APPEND), opener)
-        backing_id = self.passthrough_open(node, writable, opener) if node.is_reg else 0
+        pid = caller.pid if caller is not None else 0
+        h = self._handles[fh] = Handle(fh, node, fd, writable, bool(flags & os.O_APPEND), opener,
+                                       pid=pid)
+        backing_id = self.passthrough_open(node, writable, opener, pid) if node.is_reg else 0
         node.opens += 1
         if writable:
             node.writers += 1
@@ -143,7 +146,8 @@ class Handles:
                     or w.cache_size is not None
                     or (not self.index.reserve_held and self.index.reserve_bytes))
 
-    def passthrough_open(self, node: Inode, writable: bool, opener: Caller | None) -> int:
+    def passthrough_open(self, node: Inode, writable: bool, opener: Caller | None,
+                         pid: int = 0) -> int:
         """The backing id for a passthrough open of `node`, or 0 to serve it in user space.
 
         Passthrough when the file's data is whole in the cache and nobody has it open (an open
@@ -167,7 +171,7 @@ class Handles:
             # the set-id bits, so this open does.
             retrying(self.table.kill_setid_now, node, opener)
         try:
-            return b.acquire(ino, self.files.path(ino), writable)
+            return b.acquire(ino, self.files.path(ino), writable, pid)
         except OSError as e:
             if e.errno in _PASSTHROUGH_FATAL:
                 hint = (" (the cache dir is on a filesystem stacked too deep for passthrough)"

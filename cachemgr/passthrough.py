@@ -20,7 +20,8 @@ writer, and the content version was bumped at the write-open, as for any writer.
 
 Guards: only the event-loop thread calls into this class (FUSE handlers and core, one thread);
 `_by_ino` maps ino -> Backing, created by the first `acquire` of an inode and removed by its
-last `release`. Crash states: none. Backing ids and fds die with the daemon's /dev/fuse fd.
+last `release`; `_readers` maps an opener's pid -> its read-only passthrough handles, the same
+way (the upload scheduler's "the trainer is reading", `read_since_probe`). Crash states: none. Backing ids and fds die with the daemon's /dev/fuse fd.
 
 `register`/`unregister` are the binding's calls (pyfuse3.passthrough_open/close), injected by
 the FUSE adapter so that nothing here imports pyfuse3; tests pass fakes.
@@ -31,6 +32,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +42,27 @@ log = logging.getLogger(__name__)
 # Data-path modes, as `ckptfs status` shows them.
 PASSTHROUGH = "passthrough"
 USER_SPACE = "fuse"
+
+# A process that opened a file in passthrough for reading counts as "the trainer is reading"
+# (`busy_since_probe`) while its read counter (/proc/PID/io rchar) grows, for this long after
+# its latest open: a restore, or a read right after the write, gets the memory bandwidth and
+# CPU before the uploads; a process that keeps a file open while it reads elsewhere (a data
+# loader) stops holding uploads back after this.
+READ_HOLD_S = 60.0
+
+
+def read_counter(pid: int) -> int | None:
+    """`rchar` of /proc/PID/io (bytes the process read by any syscall; the whole thread group
+    for a thread id), or None if it is gone or not ours to read."""
+    try:
+        with open(f"/proc/{pid}/io", "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    for line in data.splitlines():
+        if line.startswith(b"rchar:"):
+            return int(line[6:])
+    return None
 
 
 @dataclass(slots=True)
@@ -53,6 +76,14 @@ class Backing:
     probed: tuple[int, int] = (0, 0)  # (size, mtime) at the last `wrote_since_probe`
 
 
+@dataclass(slots=True)
+class _Reader:
+    """A process with passthrough read-only handles open (key: the opener's pid)."""
+    handles: int
+    since: float          # monotonic time of its latest open
+    rchar: int = -1       # its read counter at the last probe (-1: not read yet)
+
+
 class Backings:
     """Backing files registered with the kernel, by inode; and the data-path mode."""
 
@@ -62,6 +93,9 @@ class Backings:
         self._register = register
         self._unregister = unregister
         self._by_ino: dict[int, Backing] = {}
+        self._readers: dict[int, _Reader] = {}  # opener pid -> its read-only handles
+        self.clock: Callable[[], float] = time.monotonic  # tests move it
+        self.read_counter: Callable[[int], int | None] = read_counter
         # None: on. Otherwise why the daemon serves every byte itself (said once in the log).
         self.off_reason: str | None = off_reason if register is not None else (
             off_reason or "no passthrough binding")
@@ -94,9 +128,10 @@ class Backings:
         b = self._by_ino.get(ino)
         return b is not None and b.writers > 0
 
-    def acquire(self, ino: int, path: str, writable: bool) -> int:
-        """A passthrough open of `ino` (cache file `path`): its backing id (registering it at the
-        inode's first). OSError if the kernel refuses; the caller then serves the open itself."""
+    def acquire(self, ino: int, path: str, writable: bool, pid: int = 0) -> int:
+        """A passthrough open of `ino` (cache file `path`) by process `pid` (0: unknown): its
+        backing id (registering it at the inode's first). OSError if the kernel refuses; the
+        caller then serves the open itself."""
         b = self._by_ino.get(ino)
         if b is None:
             assert self._register is not None
@@ -114,11 +149,25 @@ class Backings:
         b.handles += 1
         if writable:
             b.writers += 1
+        elif pid > 0:
+            r = self._readers.get(pid)
+            if r is None:
+                self._readers[pid] = _Reader(1, self.clock())
+            else:
+                r.handles += 1
+                r.since = self.clock()
         self.opens += 1
         return b.backing_id
 
-    def release(self, ino: int, writable: bool) -> None:
-        """A passthrough handle of `ino` is gone; the last one drops the backing id."""
+    def release(self, ino: int, writable: bool, pid: int = 0) -> None:
+        """A passthrough handle of `ino` is gone (`pid` as given to `acquire`); the last one
+        drops the backing id."""
+        if not writable and pid > 0:
+            r = self._readers.get(pid)
+            if r is not None:
+                r.handles -= 1
+                if r.handles <= 0:
+                    del self._readers[pid]
         b = self._by_ino.get(ino)
         if b is None:
             return
@@ -164,7 +213,31 @@ class Backings:
                     wrote = True
         return wrote
 
+    def read_since_probe(self) -> bool:
+        """Has a process with a passthrough read handle (opened in the last READ_HOLD_S) read
+        since the last call? The daemon sees no read requests of these files either; the
+        process's read counter stands in for them. Its first probe only takes the baseline."""
+        now = self.clock()
+        read = False
+        for pid, r in self._readers.items():
+            if now - r.since > READ_HOLD_S:
+                continue
+            c = self.read_counter(pid)
+            if c is None:
+                continue
+            if r.rchar >= 0 and c != r.rchar:
+                read = True
+            r.rchar = c
+        return read
+
+    def busy_since_probe(self) -> bool:
+        """The upload scheduler's foreground probe: a passthrough writer wrote, or a passthrough
+        reader read, since the last call (both are asked, so both baselines move)."""
+        wrote = self.wrote_since_probe()
+        return self.read_since_probe() or wrote
+
     def close_all(self) -> None:
+        self._readers.clear()
         for ino in list(self._by_ino):
             b = self._by_ino.pop(ino)
             os.close(b.fd)
@@ -172,5 +245,6 @@ class Backings:
     def statistics(self) -> dict[str, Any]:
         return {"mode": self.mode, "off_reason": self.off_reason,
                 "open_backings": len(self._by_ino), "passthrough_opens": self.opens,
+                "passthrough_reader_processes": len(self._readers),
                 "user_space_opens_of_whole_files": self.fallbacks,
                 "attr_refreshes": self.refreshes}

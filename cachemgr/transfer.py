@@ -154,15 +154,18 @@ ABORT_TIMEOUT = 30.0
 _LZ4_FRAME_SLACK = 64
 
 
-# Foreground first: the FUSE write path notes the time of every write here (one monotonic()
-# call), and an upload reads its next part only once the trainer has not written for
-# FOREGROUND_QUIET_S, or after waiting FOREGROUND_MAX_DEFER_S for that part (so a writer that
-# never pauses still lets every upload advance). Measured (docs/PERFORMANCE.md): on a small
-# machine the upload's preads, CRCs and store sends otherwise take about half the daemon's CPU
-# while the trainer is still writing, and the trainer waits for it.
-# Writes the daemon never sees (FUSE passthrough: the kernel writes the cache file) are found
-# by a probe the composition root installs (`set_foreground_probe`: Backings.wrote_since_probe,
-# an fstat per file open for writing in passthrough): True means "written since last asked".
+# Foreground first: the FUSE read and write paths note the time of every read and write here
+# (one monotonic() call), and an upload reads its next part only once the trainer has not
+# written or read for FOREGROUND_QUIET_S, or after waiting FOREGROUND_MAX_DEFER_S for that part
+# (so a trainer that never pauses still lets every upload advance). Measured
+# (docs/PERFORMANCE.md): on a small machine the upload's preads, CRCs and store sends otherwise
+# take about half the daemon's CPU while the trainer is still writing, and the trainer waits
+# for it; a read right after the write lost 10-20% to the upload's copy beside it
+# (docs/bench/overhead.md).
+# I/O the daemon never sees (FUSE passthrough: the kernel reads and writes the cache file) is
+# found by a probe the composition root installs (`set_foreground_probe`:
+# Backings.busy_since_probe, an fstat per file open for writing and a /proc/PID/io read per
+# process reading in passthrough): True means "written or read since last asked".
 # One process-wide signal (one daemon per process), read and written on the trio loop only.
 FOREGROUND_QUIET_S = 0.1
 FOREGROUND_MAX_DEFER_S = 2.0

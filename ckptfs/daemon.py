@@ -326,8 +326,9 @@ class _Daemon:
                            attr_timeout=cfg.attr_timeout)
         ops.enable_writeback_cache = cfg.writeback_cache
         ops.enable_passthrough = core.backings.on  # the kernel's answer: FuseOps.init
-        # Uploads hold back while the trainer writes; passthrough writes are seen by fstat.
-        set_foreground_probe(core.backings.wrote_since_probe)
+        # Uploads hold back while the trainer writes or reads; the daemon sees no passthrough
+        # I/O: writes are found by fstat, reads by the reader's /proc/PID/io.
+        set_foreground_probe(core.backings.busy_since_probe)
         # -- end of the wiring block ----------------------------------------------------------
         self.tiering, self.ops = tiering, ops
 

@@ -171,6 +171,28 @@ print(time.perf_counter() - t0)
 """
 
 
+def copy_floor(src: Path, dst: Path) -> float:
+    """CPU seconds (user + system, of this thread) of copying every file under `src` into
+    `dst` the way the upload to a file:// store copies (cachemgr.store.local.copy_in:
+    copy_file_range, sendfile across filesystems): the least an upload of those bytes costs."""
+    sys.path.insert(0, str(REPO))
+    from cachemgr.store.local import copy_in
+
+    dst.mkdir(parents=True, exist_ok=True)
+    r0 = resource.getrusage(resource.RUSAGE_THREAD)
+    for i, f in enumerate(sorted(p for p in src.rglob("*") if p.is_file())):
+        s_fd = os.open(f, os.O_RDONLY)
+        d_fd = os.open(dst / str(i), os.O_WRONLY | os.O_CREAT, 0o600)
+        try:
+            copy_in(s_fd, d_fd, os.fstat(s_fd).st_size)
+        finally:
+            os.close(s_fd)
+            os.close(d_fd)
+    r1 = resource.getrusage(resource.RUSAGE_THREAD)
+    shutil.rmtree(dst, ignore_errors=True)
+    return (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
+
+
 def drop_caches() -> None:
     os.sync()
     with open("/proc/sys/vm/drop_caches", "w") as f:
@@ -220,6 +242,10 @@ class Bench:
         # CPU seconds of the workload's own processes, by workload and target (raw, mount)
         self.wcpu: dict[str, dict[str, list[float]]] = {}
         self.data_path = "?"  # what the mount reported (status data_path.mode)
+        # CPU seconds of copying what a raw-disk write workload wrote into the store's tmpfs
+        # (`copy_floor`), by workload: the floor under the daemon's upload CPU
+        self.floor: dict[str, list[float]] = {}
+        self.floor_dir: Path | None = None
 
     def workloads(self) -> list[tuple[str, object, int, int, object]]:
         """(name, fn(dir) -> value, bytes, files, prep(dir) or None); value: MB/s or seconds.
@@ -261,6 +287,8 @@ class Bench:
         value = fn(d)
         self.wcpu.setdefault(name, {}).setdefault(target, []).append(children_cpu() - w0)
         self.results.setdefault(name, {}).setdefault(target, []).append(value)
+        if m is None and prep is None and self.floor_dir is not None:
+            self.floor.setdefault(name, []).append(copy_floor(d, self.floor_dir))
         if m is not None:
             # The daemon's CPU before the metrics scrape, which costs it CPU too.
             (user1, sys1), req1 = m.cpu_split(), m.requests()
@@ -282,10 +310,12 @@ class Bench:
         if m is not None:
             m.wait_idle()
         idle = torch_save(d, a.ranks, a.torch_mib, "idle")
+        clear(d)
         if m is not None:
             m.wait_idle()
         torch_save(d, a.ranks, a.torch_mib, "n")
         busy = torch_save(d, a.ranks, a.torch_mib, "n1")
+        clear(d)
         name = "save while the previous one uploads (idle/busy)"
         self.results.setdefault(name, {}).setdefault(target, []).append(idle / busy)
 
@@ -295,6 +325,7 @@ class Bench:
         disk = RamDisk(a.disk, work / "disk")
         raw = work / "disk" / "raw"
         raw.mkdir()
+        self.floor_dir = work / "floor"  # beside the store, on /dev/shm's tmpfs
         m = None
         try:
             m = Mount(work, a.mount_opt)
@@ -306,10 +337,13 @@ class Bench:
                 if rnd % 2:
                     order.reverse()
                 for name, fn, _n, _f, prep in self.workloads():
+                    # A save takes 0.2-0.8 s here: more samples per round than a fio run.
+                    for _ in range(a.save_repeats if name.endswith("(s)") else 1):
+                        for target, d, mm in order:
+                            self.one(name, fn, target, d, mm, prep)
+                for _ in range(a.save_repeats):
                     for target, d, mm in order:
-                        self.one(name, fn, target, d, mm, prep)
-                for target, d, mm in order:
-                    self.save_while_uploading(target, d, mm)
+                        self.save_while_uploading(target, d, mm)
                 print(f"  round {rnd + 1}/{a.rounds} done", flush=True)
                 clear(raw)
                 clear(m.path)
@@ -337,6 +371,11 @@ class Bench:
                    "spread": [round(spread[0], 3), round(spread[1], 3)],
                    "raw": [round(v, 3) for v in raw], "mount": [round(v, 3) for v in mnt],
                    "warning": spread[1] - spread[0] > abs(1 - med)}
+            if name.startswith("save while") and raw:
+                # The control: the same three saves on the raw disk (idle/busy there), what
+                # back-to-back saves cost without ckptfs.
+                row["raw_control"] = round(statistics.median(raw), 3)
+                row["raw_control_spread"] = [round(min(raw), 3), round(max(raw), 3)]
             if name in sizes:
                 nbytes, nfiles = sizes[name]
                 req = {op: statistics.median(v) for op, v in self.requests.get(name, {}).items()}
@@ -348,6 +387,9 @@ class Bench:
                 gib = nbytes / (1 << 30)
                 row["daemon_cpu_s_per_gib"] = {k: round(statistics.median(v) / gib, 3)
                                                for k, v in cpu.items()}
+                if self.floor.get(name):
+                    row["daemon_cpu_s_per_gib"]["copy floor"] = round(
+                        statistics.median(self.floor[name]) / gib, 3)
                 # What the mount costs in CPU beyond the raw disk, all processes counted: the
                 # workload's own CPU on the mount plus the daemon's (request path), less the
                 # workload's CPU on the raw disk, round by round. The kernel's writeback at an
@@ -384,8 +426,21 @@ def print_report(rep: dict) -> None:
         cpu = r.get("daemon_cpu_s_per_gib", {})
         warn = "  WARNING: spread wider than the gap" if r["warning"] else ""
         print(f"{r['workload']:52} {r['median']:7.3f}  {r['spread'][0]:.2f}-{r['spread'][1]:.2f}"
-              f"  {req} ({per_file})  {cpu.get('request', '-')} / {cpu.get('with upload', '-')}"
-              f"; user {cpu.get('user', '-')}   {_extra(r)}{warn}")
+              f"  {req} ({per_file})  {_cpu(cpu)}   {_extra(r)}{warn}{_control(r)}")
+
+
+def _cpu(cpu: dict) -> str:
+    out = f"{cpu.get('request', '-')} / {cpu.get('with upload', '-')}; user {cpu.get('user', '-')}"
+    if "copy floor" in cpu:
+        out += f"; copy floor {cpu['copy floor']}"
+    return out
+
+
+def _control(r: dict) -> str:
+    if "raw_control" not in r:
+        return ""
+    lo, hi = r["raw_control_spread"]
+    return f" (the raw disk, same saves: {r['raw_control']:.3f} [{lo:.2f}-{hi:.2f}])"
 
 
 def _extra(r: dict) -> str:
@@ -418,7 +473,11 @@ def markdown(rep: dict, argv: list[str]) -> str:
         "CPU: the workload's processes plus the daemon during the workload on the mount, less "
         "the workload's processes on the raw disk, per GiB (median [min-max] over the rounds): "
         "what the mount costs in CPU, all processes counted, with an fsync's writeback on "
-        "both sides."), "",
+        "both sides. Copy floor: the CPU of copying the same files from the raw disk into the "
+        "store's tmpfs as the upload does (copy_file_range), per GiB: the least an upload "
+        "costs. The save while uploading shows in parentheses the same three saves on the raw "
+        f"disk (back-to-back saves without ckptfs). Saves run {a.get('save_repeats', 1)} "
+        "times per round."), "",
         ("| workload | median | spread | requests per MiB | requests per file | daemon CPU s/GiB "
         "(request path / with upload; user on the request path) | extra CPU s/GiB |"),
         "|---|---:|---|---|---|---|---|"]
@@ -428,8 +487,8 @@ def markdown(rep: dict, argv: list[str]) -> str:
         cpu = r.get("daemon_cpu_s_per_gib", {})
         warn = " (spread wider than the gap)" if r["warning"] else ""
         lines.append(f"| {r['workload']} | {r['median']:.3f} | {r['spread'][0]:.2f}-"
-                     f"{r['spread'][1]:.2f}{warn} | {req} | {pf} | {cpu.get('request', '-')} / "
-                     f"{cpu.get('with upload', '-')}; user {cpu.get('user', '-')} | {_extra(r)} |")
+                     f"{r['spread'][1]:.2f}{warn}{_control(r)} | {req} | {pf} | {_cpu(cpu)} | "
+                     f"{_extra(r)} |")
     return "\n".join(lines) + "\n"
 
 
@@ -441,6 +500,9 @@ def main() -> int:
                    "cannot resolve 5%% on a 2-core VM, docs/bench/overhead.md)")
     p.add_argument("--jobs", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 8])
     p.add_argument("--ranks", type=int, default=4)
+    p.add_argument("--save-repeats", type=int, default=3,
+                   help="runs of each save workload per round (default 3: a save takes "
+                   "0.2-0.8 s here)")
     p.add_argument("--torch-mib", type=int, default=96, help="MiB per rank (default 96)")
     p.add_argument("--disk", type=parse_size, default=parse_size("4G"),
                    help="size of the RAM-backed ext4 (default 4G)")

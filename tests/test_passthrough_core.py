@@ -167,3 +167,73 @@ def test_backings_off_without_a_binding():
     b = Backings(off_reason="--no-passthrough")
     assert not b.on and b.mode == "fuse" and b.off_reason == "--no-passthrough"
     assert Backings().off_reason == "no passthrough binding"
+
+
+def test_a_passthrough_reader_that_reads_holds_uploads_back_for_a_while(fs, kernel):
+    """The daemon sees no passthrough reads; `busy_since_probe` (the upload scheduler's
+    foreground probe) finds them in the opener's read counter, for READ_HOLD_S after its open,
+    and forgets the process at its last release. Writers' handles are not readers."""
+    from cachemgr.inodes import Caller
+    from cachemgr.passthrough import READ_HOLD_S
+
+    b = fs.backings
+    t = [1000.0]
+    counters = {4242: 0, 4343: 0}
+    b.clock = lambda: t[0]
+    b.read_counter = counters.get
+    res, node = create(fs, b"f")
+    fs.release(res.fh)
+    reader = Caller(1000, 1000, 4242)
+    r1 = fs.open(node.ino, os.O_RDONLY, reader)
+    r2 = fs.open(node.ino, os.O_RDONLY, reader)
+    w = fs.open(node.ino, os.O_WRONLY, Caller(1000, 1000, 4343))
+    assert r1.backing_id and r2.backing_id and w.backing_id
+    b.busy_since_probe()  # the first probe takes the baselines (the reader's counter)
+    assert not b.busy_since_probe()  # nothing read or written since
+    counters[4343] += 10  # the writer's process reads something: not a reader of ours
+    assert not b.busy_since_probe()
+    counters[4242] += 1 << 20
+    assert b.busy_since_probe()
+    assert not b.busy_since_probe()
+    fs.release(r1.fh)  # one of its two handles: still a reader
+    counters[4242] += 1
+    assert b.busy_since_probe()
+    t[0] += READ_HOLD_S + 1  # long after its open: reading elsewhere holds nothing back
+    counters[4242] += 1
+    assert not b.busy_since_probe()
+    r3 = fs.open(node.ino, os.O_RDONLY, reader)  # a new open starts the window again
+    counters[4242] += 1
+    assert b.busy_since_probe()
+    del counters[4242]  # the process is gone (or not ours to read): nothing to say
+    assert not b.busy_since_probe()
+    for h in (r2, r3, w):
+        fs.release(h.fh)
+    assert b._readers == {}
+
+
+def test_read_counter_of_a_real_process():
+    """/proc/PID/io's rchar moves when the process reads, and a gone process reads as None."""
+    import subprocess
+    import sys
+
+    from cachemgr.passthrough import read_counter
+
+    child = subprocess.Popen(
+        [sys.executable, "-c",
+         "import sys\nfor line in sys.stdin:\n    open('/proc/self/stat','rb').read()\n"
+         "    print('ok', flush=True)\n"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        assert child.stdout.readline() == "ok\n"  # started and idle, waiting on stdin
+        before = read_counter(child.pid)
+        assert before is not None and before > 0
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        assert child.stdout.readline() == "ok\n"
+        assert read_counter(child.pid) > before
+    finally:
+        child.stdin.close()
+        child.wait()
+    assert read_counter(child.pid) is None
