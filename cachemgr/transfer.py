@@ -566,7 +566,10 @@ class Uploader:
         def inspect(mv: memoryview) -> int:
             prod._checksum(mv, True)
             return prod.crc_raw
-        staged = await self.store.stage_file(key, fd, size, inspect)
+        def pause() -> None:  # in the store's worker thread, between steps of the copy
+            trio.from_thread.run(yield_to_foreground)
+
+        staged = await self.store.stage_file(key, fd, size, inspect, pause)
         try:
             if staged.size != size:
                 raise SourceChanged(f"cache file for {key} is {staged.size} bytes, not {size}")

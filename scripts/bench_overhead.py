@@ -52,6 +52,8 @@ import os, sys, time, torch
 path, mib, rank = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 g = torch.Generator().manual_seed(rank)
 sd = {"w": torch.randn(mib * (1 << 20) // 4, generator=g)}
+print("ready", flush=True)
+sys.stdin.readline()  # every rank has its tensor: the saves start together
 t0 = time.perf_counter()
 with open(path, "wb") as f:
     torch.save(sd, f)
@@ -219,12 +221,20 @@ def fio(d: Path, rw: str, bs: str, jobs: int, size: int, loops: int = 1) -> floa
 
 
 def torch_save(d: Path, ranks: int, mib: int, tag: str) -> float:
-    """Seconds of the slowest rank's torch.save + fsync (ranks in parallel), as each rank
-    timed it: the processes' start, torch's import and the tensor's generation stay out."""
+    """Seconds of the slowest rank's torch.save + fsync (ranks in parallel, started together
+    once every rank has its tensor), as each rank timed it: the processes' start, torch's
+    import and the tensor's generation stay out (before the barrier, a rank's save overlapped
+    the others' generation by chance, and save times swung 4x)."""
     procs = [subprocess.Popen([PY, "-c", TORCH_SAVE, str(d / f"{tag}_rank{r}.pt"), str(mib),
-                               str(r)], stdout=subprocess.PIPE, text=True)
+                               str(r)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
              for r in range(ranks)]
+    for p in procs:  # a barrier: the ranks' start and tensor generation stay out of the saves
+        if p.stdout.readline() != "ready\n":
+            raise RuntimeError("torch.save rank failed before its save")
     times = []
+    for p in procs:
+        p.stdin.write("go\n")
+        p.stdin.flush()
     for p in procs:
         out, _ = p.communicate()
         if p.returncode:

@@ -908,8 +908,8 @@ def test_staged_upload_is_dropped_when_the_file_changes_during_the_copy(tmp_path
     valid = [True]
 
     class Changing(_Wrapper):
-        async def stage_file(self, key, fd, size, inspect):
-            staged = await self.inner.stage_file(key, fd, size, inspect)
+        async def stage_file(self, key, fd, size, inspect, pause=None):
+            staged = await self.inner.stage_file(key, fd, size, inspect, pause)
             valid[0] = False                        # a writer opened the file meanwhile
             return staged
 
@@ -929,6 +929,55 @@ def test_staged_upload_is_dropped_when_the_file_changes_during_the_copy(tmp_path
     leftovers = [n for _d, _s, files in os.walk(tmp_path / "store") for n in files
                  if n.startswith(".tmp-")]
     assert leftovers == []
+
+
+def test_a_staged_copy_gives_way_to_the_trainer_between_its_steps(tmp_path, monkeypatch):
+    """The kernel's copy of a whole file (file:// stores) goes in steps, and before each step
+    after the first the uploader waits while the trainer reads or writes (the foreground probe
+    says busy): a copy that started just before a read does not run beside all of it. Gated by
+    the probe: the trainer is busy for the first probe asked from inside the copy, then idle."""
+    from cachemgr.store import local
+
+    monkeypatch.setattr(local, "COPY_STEP", 1 << 20)
+    store = LocalStore(tmp_path / "store")
+    data = mixed(5 << 20)
+    src = write(tmp_path, "in", data)
+    in_copy = [False]
+    log: list[str] = []
+
+    class Recording(_Wrapper):
+        async def stage_file(self, key, fd, size, inspect, pause=None):
+            def paused() -> None:
+                in_copy[0] = True
+                log.append("pause")
+                pause()
+            return await self.inner.stage_file(key, fd, size, inspect, paused)
+
+    busy = [1]
+
+    def probe() -> bool:
+        if not in_copy[0]:
+            return False
+        log.append("probe")
+        if busy[0]:
+            busy[0] -= 1
+            log.append("busy")
+            return True
+        return False
+
+    transfer.set_foreground_probe(probe)
+    try:
+        async def go():
+            up = Uploader(Recording(store), cfg(stage_files=True))
+            obj = await up.upload_file(src, "k", size=len(data), still_valid=lambda: True)
+            assert obj.size == len(data)
+            assert await store.get("k") == data
+        trio.run(go)
+    finally:
+        transfer.set_foreground_probe(None)
+    assert log.count("pause") == 4  # 5 steps of 1 MiB
+    # the busy answer made the first pause wait: it asked again before the copy went on
+    assert log[:4] == ["pause", "probe", "busy", "probe"], log
 
 
 def test_staging_is_off_for_compression_and_for_fault_injection(tmp_path):

@@ -214,10 +214,13 @@ class ObjectStore(abc.ABC):
         return False
 
     async def stage_file(self, key: str, fd: int, size: int,
-                         inspect: Callable[[memoryview], int]) -> Staged:
+                         inspect: Callable[[memoryview], int],
+                         pause: Callable[[], None] | None = None) -> Staged:
         """Copy the first `size` bytes of the local file `fd` in, not yet visible; call
         `inspect` on the copy (read-only, in the store's worker thread) for its CRC32C. The
-        caller then checks the source was not changed meanwhile and publishes or discards."""
+        caller then checks the source was not changed meanwhile and publishes or discards.
+        `pause`, if given, is called in the worker thread between steps of the copy (the
+        uploader waits there while the trainer reads or writes)."""
         raise NotImplementedError
 
     async def publish_staged(self, staged: Staged) -> ObjectInfo:

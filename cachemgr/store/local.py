@@ -329,13 +329,13 @@ class LocalStore(ObjectStore):
     def stages_files(self) -> bool:
         return True
 
-    def _stage(self, key: str, fd: int, size: int,
-               inspect: Callable[[memoryview], int]) -> Staged:
+    def _stage(self, key: str, fd: int, size: int, inspect: Callable[[memoryview], int],
+               pause: Callable[[], None] | None) -> Staged:
         from ..background import run_idle  # an upload's copy is background work
 
         dfd, _name = self._tree.object_dir(key, create=True)
         try:
-            tmp, st = fill_tmp(dfd, lambda f: run_idle(copy_in, fd, f.fileno(), size))
+            tmp, st = fill_tmp(dfd, lambda f: run_idle(copy_in, fd, f.fileno(), size, pause))
             try:
                 crc = run_idle(_inspect_tmp, dfd, tmp, st.st_size, inspect)
             except BaseException:
@@ -347,8 +347,9 @@ class LocalStore(ObjectStore):
         return Staged(key, (tmp, st), st.st_size, crc)
 
     async def stage_file(self, key: str, fd: int, size: int,
-                         inspect: Callable[[memoryview], int]) -> Staged:
-        return await self._run(self._stage, key, fd, size, inspect)
+                         inspect: Callable[[memoryview], int],
+                         pause: Callable[[], None] | None = None) -> Staged:
+        return await self._run(self._stage, key, fd, size, inspect, pause)
 
     def _publish_staged(self, staged: Staged) -> ObjectInfo:
         tmp, st = staged.handle
@@ -528,14 +529,22 @@ class LocalStore(ObjectStore):
 
 
 
-def copy_in(src: int, dst: int, size: int) -> int:
+# A staged copy goes in steps of this many bytes, `pause` called between them: a step takes a
+# few milliseconds, so an upload gives way to the trainer's reads and writes within one.
+COPY_STEP = 16 << 20
+
+
+def copy_in(src: int, dst: int, size: int, pause: Callable[[], None] | None = None) -> int:
     """Copy bytes [0, size) of `src` to the same offsets of `dst` in the kernel
-    (copy_file_range; sendfile across filesystems that refuse it). Stops early at the end of a
-    shorter source; returns what was copied."""
+    (copy_file_range; sendfile across filesystems that refuse it), in steps of COPY_STEP with
+    `pause()` before each step after the first. Stops early at the end of a shorter source;
+    returns what was copied."""
     off = 0
     cfr = True
     while off < size:
-        n = size - off
+        if pause is not None and off:
+            pause()
+        n = min(size - off, COPY_STEP)
         if cfr:
             try:
                 got = os.copy_file_range(src, dst, n, off, off)

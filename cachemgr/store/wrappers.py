@@ -117,8 +117,9 @@ class _Wrapper(ObjectStore):
         return self.inner.stages_files
 
     async def stage_file(self, key: str, fd: int, size: int,
-                         inspect: Callable[[memoryview], int]) -> Staged:
-        staged: Staged = await self._do("stage_file", key, fd, size, inspect)
+                         inspect: Callable[[memoryview], int],
+                         pause: Callable[[], None] | None = None) -> Staged:
+        staged: Staged = await self._do("stage_file", key, fd, size, inspect, pause)
         return staged
 
     async def publish_staged(self, staged: Staged) -> ObjectInfo:
