@@ -21,7 +21,8 @@ writer, and the content version was bumped at the write-open, as for any writer.
 Guards: only the event-loop thread calls into this class (FUSE handlers and core, one thread);
 `_by_ino` maps ino -> Backing, created by the first `acquire` of an inode and removed by its
 last `release`; `_readers` maps an opener's pid -> its read-only passthrough handles, the same
-way (the upload scheduler's "the trainer is reading", `read_since_probe`). Crash states: none. Backing ids and fds die with the daemon's /dev/fuse fd.
+way (the upload scheduler's "the trainer is reading", `read_since_probe`). Crash states:
+none. Backing ids and fds die with the daemon's /dev/fuse fd.
 
 `register`/`unregister` are the binding's calls (pyfuse3.passthrough_open/close), injected by
 the FUSE adapter so that nothing here imports pyfuse3; tests pass fakes.

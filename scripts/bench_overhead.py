@@ -80,9 +80,14 @@ class RamDisk:
     def __init__(self, size: int, where: Path) -> None:
         self.img = Path(tempfile.mktemp(prefix="ckptfs-bench-", suffix=".img", dir="/dev/shm"))
         self.path = where
+        # Every page of the image allocated up front, and no discard (mkfs's, or the loop
+        # device's): otherwise a write into a block never written before allocates a tmpfs page
+        # and one into a block freed by a delete does not, and that swung back-to-back saves
+        # 3-4x, on the raw disk as on the mount, by what had been deleted before them.
         with open(self.img, "wb") as f:
-            f.truncate(size)
-        sh("mkfs.ext4", "-q", "-F", "-E", "lazy_itable_init=0,lazy_journal_init=0", str(self.img))
+            os.posix_fallocate(f.fileno(), 0, size)
+        sh("mkfs.ext4", "-q", "-F", "-E", "lazy_itable_init=0,lazy_journal_init=0,nodiscard",
+           str(self.img))
         self.dev = sh("losetup", "--find", "--show", str(self.img)).stdout.strip()
         where.mkdir(parents=True, exist_ok=True)
         sh("mount", self.dev, str(where))
@@ -317,14 +322,13 @@ class Bench:
         uploads the first while the second is written)."""
         a = self.a
         clear(d)
+        # An untimed save first, so that both timed saves follow a save (not a delete: what
+        # was freed just before a save changes its speed here, "Freed memory" in main()).
+        torch_save(d, a.ranks, a.torch_mib, "p")
         if m is not None:
             m.wait_idle()
         idle = torch_save(d, a.ranks, a.torch_mib, "idle")
-        clear(d)
-        if m is not None:
-            m.wait_idle()
-        torch_save(d, a.ranks, a.torch_mib, "n")
-        busy = torch_save(d, a.ranks, a.torch_mib, "n1")
+        busy = torch_save(d, a.ranks, a.torch_mib, "busy")  # the mount uploads "idle" meanwhile
         clear(d)
         name = "save while the previous one uploads (idle/busy)"
         self.results.setdefault(name, {}).setdefault(target, []).append(idle / busy)
@@ -465,6 +469,9 @@ def markdown(rep: dict, argv: list[str]) -> str:
     import platform
 
     a = rep["args"]
+    held = rep.get("meta", {}).get("freed_memory_held_ms")
+    freed = (f"held in the VM for {held} ms (free page reporting delayed)" if held
+             else "returned to the host at once, as this VM does")
     lines = [
         "# ckptfs write-path overhead (scripts/bench_overhead.py)", "",
         (f"_Written by `{' '.join(['python', 'scripts/bench_overhead.py', *argv])}` on "
@@ -473,7 +480,8 @@ def markdown(rep: dict, argv: list[str]) -> str:
         (f"Raw directory and cache dir on ext4 over a {a['disk'] >> 20} MiB RAM-backed loop "
         f"device; {a['rounds']} interleaved rounds (the order alternates), the mount idle "
         f"before each run; {a['size'] >> 20} MiB per fio run, {a['ranks']} ranks x "
-        f"{a['torch_mib']} MiB per save; mount options: {' '.join(a['mount_opt']) or 'defaults'}."),
+        f"{a['torch_mib']} MiB per save; mount options: {' '.join(a['mount_opt']) or 'defaults'}"
+        f"; freed memory {freed}."),
         ("Ratio: mount/raw throughput (for the save, raw time / mount time; for the save while "
         "uploading, idle-mount time / busy-mount time), so > 1 is ckptfs faster; median and "
         "[min-max] over the rounds. FUSE requests the daemon answered (its metrics), per MiB "
@@ -502,6 +510,42 @@ def markdown(rep: dict, argv: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
+# Freed memory: this VM returns free memory to its host at once (virtio-balloon free page
+# reporting, /sys/module/page_reporting/parameters/min_free_ms = 0), and the first touch of a
+# page the host took back faults in the host. So a write into the page cache or tmpfs is 3-4x
+# slower when the memory it gets was freed a while ago than when a delete just freed it
+# (4 ranks x 96 MiB torch.save + fsync: 0.6-0.8 s against 0.17-0.2 s), and every ratio swings
+# by what ran before it. A machine that owns its memory does not do this; the bench holds freed
+# pages in the guest for its length (min_free_ms raised, restored at the end) unless told not.
+PAGE_REPORTING = Path("/sys/module/page_reporting/parameters/min_free_ms")
+
+
+class held_freed_memory:
+    """Raise min_free_ms to `ms` for the block (0 or no such knob: nothing); `as` gives the
+    value in force during the block (None: not held)."""
+
+    def __init__(self, ms: int) -> None:
+        self.ms = ms
+        self.old: str | None = None
+
+    def __enter__(self) -> int | None:
+        if self.ms <= 0 or not PAGE_REPORTING.exists():
+            return None
+        try:
+            self.old = PAGE_REPORTING.read_text().strip()
+            PAGE_REPORTING.write_text(str(self.ms))
+        except OSError as e:
+            print(f"bench_overhead: cannot hold freed memory ({e}); ratios will swing more",
+                  file=sys.stderr)
+            self.old = None
+            return None
+        return self.ms
+
+    def __exit__(self, *exc: object) -> None:
+        if self.old is not None:
+            PAGE_REPORTING.write_text(self.old)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=5)
@@ -519,6 +563,10 @@ def main() -> int:
     p.add_argument("--mount-opt", action="append", default=[],
                    help="extra `ckptfs mount` option (repeatable), e.g. "
                    "--mount-opt=--no-passthrough")
+    p.add_argument("--hold-freed-memory", type=int, default=600_000, metavar="MS",
+                   help="while the bench runs, keep freed pages in this VM for MS ms before "
+                   "they go back to the host (free page reporting; default 600000; 0: leave it "
+                   "as it is)")
     p.add_argument("--json", help="write the report here as JSON")
     p.add_argument("--markdown", help="write the report here as markdown "
                    "(docs/bench/overhead.md)")
@@ -526,7 +574,9 @@ def main() -> int:
     if os.geteuid() != 0:
         print("bench_overhead: needs root (loop device, mount, FUSE)", file=sys.stderr)
         return 2
-    rep = Bench(a).run()
+    with held_freed_memory(a.hold_freed_memory) as held:
+        rep = Bench(a).run()
+    rep["meta"]["freed_memory_held_ms"] = held
     print_report(rep)
     if a.json:
         Path(a.json).write_text(json.dumps(rep, indent=1))

@@ -654,8 +654,8 @@ def overhead_section(ov: dict) -> list[str]:
            "Copy floor: copying the same files from the raw disk into the store's tmpfs as "
            "the upload does (copy_file_range, in the bench's own thread): what any upload of "
            "those bytes costs on this machine, before a checksum or a rename."),
-          "", "| workload | request path | met | user | with upload | met | copy floor | "
-          "extra CPU over raw |", "|---|---:|---|---:|---:|---|---:|---:|"]
+          "", ("| workload | request path | met | user | with upload | met | copy floor | "
+               "extra CPU over raw |"), "|---|---:|---|---:|---:|---|---:|---:|"]
     for r in rows:
         c = r.get("daemon_cpu_s_per_gib")
         if not c or "request" not in c:

@@ -220,8 +220,8 @@ def test_read_counter_of_a_real_process():
 
     child = subprocess.Popen(
         [sys.executable, "-c",
-         "import sys\nfor line in sys.stdin:\n    open('/proc/self/stat','rb').read()\n"
-         "    print('ok', flush=True)\n"],
+         ("import sys\nfor line in sys.stdin:\n    open('/proc/self/stat','rb').read()\n"
+          "    print('ok', flush=True)\n")],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         child.stdin.write("go\n")
