@@ -567,6 +567,7 @@ class Uploader:
             prod._checksum(mv, True)
             return prod.crc_raw
         def pause() -> None:  # in the store's worker thread, between steps of the copy
+            trio.from_thread.check_cancelled()  # an unmount stops the copy here (tmp removed)
             trio.from_thread.run(yield_to_foreground)
 
         staged = await self.store.stage_file(key, fd, size, inspect, pause)

@@ -563,9 +563,10 @@ def main() -> int:
     p.add_argument("--mount-opt", action="append", default=[],
                    help="extra `ckptfs mount` option (repeatable), e.g. "
                    "--mount-opt=--no-passthrough")
-    p.add_argument("--hold-freed-memory", type=int, default=600_000, metavar="MS",
+    p.add_argument("--hold-freed-memory", type=int, default=300_000, metavar="MS",
                    help="while the bench runs, keep freed pages in this VM for MS ms before "
-                   "they go back to the host (free page reporting; default 600000; 0: leave it "
+                   "they go back to the host (free page reporting; default 300000, the most this "
+                   "kernel takes; 0: leave it "
                    "as it is)")
     p.add_argument("--json", help="write the report here as JSON")
     p.add_argument("--markdown", help="write the report here as markdown "

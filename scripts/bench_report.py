@@ -610,7 +610,10 @@ def overhead_section(ov: dict) -> list[str]:
           f"The raw directory and the cache dir are both on ext4 over a "
           f"{(a.get('disk') or 0) >> 20} MiB loop device backed by a file in /dev/shm, so "
           f"the ratio is ckptfs's own cost and not this VM's disk; {a.get('rounds')} "
-          f"interleaved rounds, the mount idle before each run; median [min–max] of the "
+          f"interleaved rounds, the mount idle before each run"
+          + ("; freed memory held in the VM while it ran (free page reporting delayed: "
+             "docs/bench/overhead.md)" if meta.get("freed_memory_held_ms") else "")
+          + "; median [min–max] of the "
           f"per-round ratios. \"inside the spread\": the goal lies between the round's min and "
           f"max, so this machine cannot tell met from missed. The analysis of every figure is "
           f"in [docs/bench/overhead.md](bench/overhead.md)."), "",

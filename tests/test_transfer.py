@@ -980,6 +980,40 @@ def test_a_staged_copy_gives_way_to_the_trainer_between_its_steps(tmp_path, monk
     assert log[:4] == ["pause", "probe", "busy", "probe"], log
 
 
+def test_a_cancelled_staged_copy_stops_at_its_next_step_and_leaves_nothing(tmp_path,
+                                                                            monkeypatch):
+    """An unmount (the upload's scope cancelled) does not wait for the kernel to copy the rest
+    of a large file: the copy stops before its next step and its temp file is removed. Gated:
+    the cancel happens inside the copy's first pause."""
+    from cachemgr.store import local
+
+    monkeypatch.setattr(local, "COPY_STEP", 1 << 20)
+    store = LocalStore(tmp_path / "store")
+    src = write(tmp_path, "in", mixed(5 << 20))
+    scope = trio.CancelScope()
+    pauses = [0]
+
+    class Recording(_Wrapper):
+        async def stage_file(self, key, fd, size, inspect, pause=None):
+            def paused() -> None:
+                pauses[0] += 1
+                if pauses[0] == 1:
+                    trio.from_thread.run_sync(scope.cancel)
+                pause()
+            return await self.inner.stage_file(key, fd, size, inspect, paused)
+
+    async def go():
+        up = Uploader(Recording(store), cfg(stage_files=True))
+        with scope:
+            await up.upload_file(src, "k", size=5 << 20, still_valid=lambda: True)
+        assert scope.cancelled_caught
+        assert await store.list() == []
+    trio.run(go)
+    assert pauses[0] == 1  # stopped at the first step boundary after the cancel
+    leftovers = [n for _d, _s, files in os.walk(tmp_path / "store") for n in files]
+    assert leftovers == []
+
+
 def test_staging_is_off_for_compression_and_for_fault_injection(tmp_path):
     """lz4 frames are made in user space (the part path); a FaultyStore keeps uploads on the
     operations its rules name."""
