@@ -614,9 +614,9 @@ def overhead_section(ov: dict) -> list[str]:
           + ("; freed memory held in the VM while it ran (free page reporting delayed: "
              "docs/bench/overhead.md)" if meta.get("freed_memory_held_ms") else "")
           + "; median [min–max] of the "
-          f"per-round ratios. \"inside the spread\": the goal lies between the round's min and "
-          f"max, so this machine cannot tell met from missed. The analysis of every figure is "
-          f"in [docs/bench/overhead.md](bench/overhead.md)."), "",
+          "per-round ratios. \"inside the spread\": the goal lies between the round's min and "
+          "max, so this machine cannot tell met from missed. The analysis of every figure is "
+          "in [docs/bench/overhead.md](bench/overhead.md)."), "",
          "| workload | ratio | goal | median [min–max] | met |", "|---|---|---:|---:|---|"]
     for r in rows:
         goal = next(((g, what) for pre, g, what in OVERHEAD_GOALS
