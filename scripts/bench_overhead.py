@@ -22,8 +22,12 @@ read of those files right after (page cache, 4 passes) and after sync + drop_cac
 is not timed, and the mount is idle before the read), 4 ranks torch.save + fsync (the slowest
 rank's own timing), a DCP save (torch.distributed.checkpoint, one process, 4 writer threads,
 sync_files) of a GPT-like state dict, and "save while the previous checkpoint uploads" (ratio:
-idle-mount save time / busy-mount save time; raw runs the same save twice). Needs root (loop
-device, mount, FUSE, the page cache dropped), fio and torch.
+idle-mount save time / busy-mount save time, each the second save into an emptied directory;
+the raw disk runs the same sequence as a control). Each save runs --save-repeats times per
+round. The CPU of a plain copy of what each raw run wrote into the store's tmpfs is reported
+beside the daemon's ("copy floor"). While it runs, freed memory stays in the VM (free page
+reporting delayed, restored at the end: "Freed memory" below). Needs root (loop device, mount,
+FUSE, the page cache dropped), fio and torch.
 """
 
 from __future__ import annotations
