@@ -18,8 +18,9 @@ and the daemon's CPU seconds per GiB: on the request path (during the workload) 
 the upload to the file:// store (until the mount is idle again).
 
 Workloads: fio sequential writes with end_fsync (64 KiB and 1 MiB blocks; 1, 4, 8 writers), a
-read of those files right after (page cache, 4 passes) and after sync + drop_caches (the write
-is not timed, and the mount is idle before the read), 4 ranks torch.save + fsync (the slowest
+read of those files right after (page cache, 4 passes), the same read with the mount idle
+before it (the write untimed; what is left when no upload runs beside the readers), and after
+sync + drop_caches (the write is not timed, and the mount is idle before the read), 4 ranks torch.save + fsync (the slowest
 rank's own timing), a DCP save (torch.distributed.checkpoint, one process, 4 writer threads,
 sync_files) of a GPT-like state dict, and "save while the previous checkpoint uploads" (ratio:
 idle-mount save time / busy-mount save time, each the second save into an emptied directory;
@@ -283,6 +284,12 @@ class Bench:
             out.append((f"read after drop_caches, {j} writers",
                         lambda d, j=j: fio(d, "read", "1m", j, size), size, j,
                         lambda d, j=j: fio(d, "write", "1m", j, size)))
+            if j > 1:
+                # The read right after, but with the mount idle (every upload done) before it:
+                # what is left of the gap when no upload runs beside the readers.
+                out.append((f"read with the mount idle first, {j} writers",
+                            lambda d, j=j: fio(d, "read", "1m", j, size, loops=4), size, j,
+                            lambda d, j=j: fio(d, "write", "1m", j, size)))
         out.append((f"{a.ranks} ranks torch.save + fsync (s)",
                     lambda d: torch_save(d, a.ranks, a.torch_mib, "s"),
                     a.ranks * a.torch_mib * MiB, a.ranks, None))
@@ -297,7 +304,8 @@ class Bench:
             prep(d)
             if m is not None:
                 m.wait_idle()
-            drop_caches()
+            if "drop_caches" in name:
+                drop_caches()
         if m is not None:
             m.wait_idle()
             req0, (user0, sys0) = m.requests(), m.cpu_split()
@@ -361,11 +369,14 @@ class Bench:
                 if rnd % 2:
                     order.reverse()
                 for name, fn, _n, _f, prep in self.workloads():
+                    if a.only and not any(o in name for o in a.only):
+                        continue
                     # A save takes 0.2-0.8 s here: more samples per round than a fio run.
                     for _ in range(a.save_repeats if name.endswith("(s)") else 1):
                         for target, d, mm in order:
                             self.one(name, fn, target, d, mm, prep)
-                for _ in range(a.save_repeats):
+                for _ in range(a.save_repeats if not a.only or any(
+                        o in "save while the previous one uploads" for o in a.only) else 0):
                     for target, d, mm in order:
                         self.save_while_uploading(target, d, mm)
                 print(f"  round {rnd + 1}/{a.rounds} done", flush=True)
@@ -578,6 +589,9 @@ def main() -> int:
                    "they go back to the host (free page reporting; default 300000, the most this "
                    "kernel takes; 0: leave it "
                    "as it is)")
+    p.add_argument("--only", action="append", default=[], metavar="TEXT",
+                   help="run only the workloads whose name contains TEXT (repeatable), e.g. "
+                   "--only 'read right after' --only 'mount idle first'")
     p.add_argument("--json", help="write the report here as JSON")
     p.add_argument("--markdown", help="write the report here as markdown "
                    "(docs/bench/overhead.md)")
