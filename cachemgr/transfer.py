@@ -169,6 +169,10 @@ _LZ4_FRAME_SLACK = 64
 # One process-wide signal (one daemon per process), read and written on the trio loop only.
 FOREGROUND_QUIET_S = 0.1
 FOREGROUND_MAX_DEFER_S = 2.0
+# The CRC pass over a staged copy (file:// stores) goes in steps of this many bytes with the
+# same wait between them as the copy's (measured: with only the copy in steps, the daemon still
+# used 0.1-0.5 s of CPU during a 0.6 s read of 1 GiB right after its write, 4 readers).
+STAGED_CRC_STEP = 16 << 20
 
 
 @dataclass
@@ -563,12 +567,19 @@ class Uploader:
         self._check(still_valid, key)
         prod = _Producer(fd, size, False, cfg.frame_size, math.inf)
 
-        def inspect(mv: memoryview) -> int:
-            prod._checksum(mv, True)
-            return prod.crc_raw
-        def pause() -> None:  # in the store's worker thread, between steps of the copy
+        def pause() -> None:  # in the store's worker thread, between steps of the work
             trio.from_thread.check_cancelled()  # an unmount stops the copy here (tmp removed)
             trio.from_thread.run(yield_to_foreground)
+
+        def inspect(mv: memoryview) -> int:  # the chunk CRCs over the copy, in steps too
+            n = len(mv)
+            for off in range(0, n, STAGED_CRC_STEP):
+                if off:
+                    pause()
+                prod._checksum(mv[off:off + STAGED_CRC_STEP], off + STAGED_CRC_STEP >= n)
+            if not n:
+                prod._checksum(mv, True)
+            return prod.crc_raw
 
         staged = await self.store.stage_file(key, fd, size, inspect, pause)
         try:

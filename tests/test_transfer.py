@@ -980,6 +980,40 @@ def test_a_staged_copy_gives_way_to_the_trainer_between_its_steps(tmp_path, monk
     assert log[:4] == ["pause", "probe", "busy", "probe"], log
 
 
+def test_the_crc_pass_over_a_staged_copy_gives_way_between_its_steps(tmp_path, monkeypatch):
+    """After the copy, the chunk CRCs are computed over it in steps with the same wait for the
+    trainer between them, and the CRCs come out the same as in one pass."""
+    from cachemgr.store import local
+
+    monkeypatch.setattr(local, "COPY_STEP", 1 << 30)  # the copy in one step: no pause there
+    monkeypatch.setattr(transfer, "STAGED_CRC_STEP", 1 << 20)
+    waits = [0]
+    real = transfer.yield_to_foreground
+
+    async def counting() -> None:
+        waits[0] += 1
+        await real()
+
+    monkeypatch.setattr(transfer, "yield_to_foreground", counting)
+    data = mixed((5 << 20) + 123)
+    src = write(tmp_path, "in", data)
+    store = LocalStore(tmp_path / "store")
+
+    async def go():
+        up = Uploader(store, cfg(stage_files=True))
+        obj = await up.upload_file(src, "k", size=len(data), still_valid=lambda: True)
+        assert await store.get("k") == data
+        return obj
+    obj = trio.run(go)
+    # two waits before the copy (the upload's first read, the staged path), then one before
+    # each CRC step after the first: 6 steps of 1 MiB
+    assert waits[0] == 2 + 5
+    monkeypatch.setattr(transfer, "STAGED_CRC_STEP", 1 << 30)
+    whole = trio.run(lambda: Uploader(LocalStore(tmp_path / "store2"), cfg(stage_files=True))
+                     .upload_file(src, "k", size=len(data), still_valid=lambda: True))
+    assert obj == whole  # the same chunk CRCs, combined CRC and size
+
+
 def test_a_cancelled_staged_copy_stops_at_its_next_step_and_leaves_nothing(tmp_path,
                                                                             monkeypatch):
     """An unmount (the upload's scope cancelled) does not wait for the kernel to copy the rest
