@@ -17,18 +17,18 @@ the daemon answered per MiB written and per file, by operation (from its --metri
 and the daemon's CPU seconds per GiB: on the request path (during the workload) and including
 the upload to the file:// store (until the mount is idle again).
 
-Workloads: fio sequential writes with end_fsync (64 KiB and 1 MiB blocks; 1, 4, 8 writers), a
-read of those files right after (page cache, 4 passes), the same read with the mount idle
-before it (the write untimed; what is left when no upload runs beside the readers), and after
-sync + drop_caches (the write is not timed, and the mount is idle before the read), 4 ranks
-torch.save + fsync (the slowest rank's own timing), a DCP save (torch.distributed.checkpoint,
-one process, 4 writer threads, sync_files) of a GPT-like state dict, and "save while the previous checkpoint uploads" (ratio:
-idle-mount save time / busy-mount save time, each the second save into an emptied directory;
-the raw disk runs the same sequence as a control). Each save runs --save-repeats times per
-round. The CPU of a plain copy of what each raw run wrote into the store's tmpfs is reported
-beside the daemon's ("copy floor"). While it runs, freed memory stays in the VM (free page
-reporting delayed, restored at the end: "Freed memory" below). Needs root (loop device, mount,
-FUSE, the page cache dropped), fio and torch.
+Workloads: fio sequential writes with end_fsync (64 KiB and 1 MiB blocks; 1, 4, 8 writers), a read
+of those files right after (page cache, 4 passes), the same read with the mount idle before it (the
+write untimed; what is left when no upload runs beside the readers), and after sync + drop_caches
+(the write is not timed, and the mount is idle before the read), 4 ranks torch.save + fsync (the
+slowest rank's own timing), a DCP save (torch.distributed.checkpoint, one process, 4 writer threads,
+sync_files) of a GPT-like state dict, and "save while the previous checkpoint uploads" (ratio:
+idle-mount save time / busy-mount save time, each the second save into an emptied directory; the raw
+disk runs the same sequence as a control). Each save runs --save-repeats times per round. The CPU of
+a plain copy of what each raw run wrote into the store's tmpfs is reported beside the daemon's
+("copy floor"). While it runs, freed memory stays in the VM (free page reporting delayed, restored
+at the end: "Freed memory" below). Needs root (loop device, mount, FUSE, the page cache dropped),
+fio and torch.
 """
 
 from __future__ import annotations
