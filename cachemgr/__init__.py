@@ -1,12 +1,16 @@
 """cachemgr: the cache manager behind ckptfs.
 
-Everything below the FUSE adapter: the durable local state of a mount (the cache index in
-SQLite and the cache files holding file data), the filesystem semantics built on them, and the
-tiering of committed sets to an object store (commit, upload, publish, restore). `ckptfs/` only
-translates kernel requests into calls on this package; docs/ARCHITECTURE.md draws the modules
-and the data flow between them.
+Everything below the FUSE adapter, in layers, each importing only the layers below it
+(scripts/lint.sh checks it with import-linter, `[tool.importlinter]` in pyproject.toml):
 
-The leaves import nothing above them: `store/` (the object-store seam and its backends),
-`objects` (what a stored object is), `transfer` (moving one file to or from one object),
-`compress`, `names`, `keys`, `validate`, `manifest`, `dcp`, `nodefiles`.
+    tiering/    committed sets out to the store, other nodes' sets in (commit, upload, publish)
+    restore/    data from the store into the cache (fetch, chunk reads, prefetch)
+    core/       one cache directory: the index, the cache files, POSIX semantics over them
+    transfer/   one cache file to or from one object (uploads, ranged reads, downloads)
+    format/     what the bytes in the store mean (keys, manifests, objects, validation)
+    store/      the object-store seam and its backends (file://, s3://)
+    host/       the node's OS: private files, idle-priority threads
+
+`core` and `transfer` are independent of each other. `ckptfs/` (the FUSE adapter, the daemon,
+the CLI) sits above all of them; docs/ARCHITECTURE.md draws the data flow.
 """

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
-# --prefetch: the restore policies of cachemgr.restore (MODES there)
+# --prefetch: the restore policies of cachemgr.restore.restorer (MODES there)
 PREFETCH_MODES = ("auto", "set", "file", "reads", "none")
 
 
@@ -179,14 +179,14 @@ class MountConfig:
     upload_files: int = 4           # files uploading at once
     cache_size: int | None = None   # bytes; None: bounded only by the cache disk
     keep_local: int | None = None   # keep only the newest N durable sets' data locally
-    # Restore policy (cachemgr.restore, docs/ARCHITECTURE.md "Restore policy"): auto, set (the
-    # whole set on open), file (the file opened), reads (read-ahead of sequential reads), none.
+    # Restore policy (cachemgr.restore.restorer, docs/ARCHITECTURE.md "Restore policy"): auto, set
+    # (the whole set on open), file (the file opened), reads (read-ahead of sequential reads), none.
     prefetch: str = "auto"
     prefetch_concurrency: int = 8   # GETs in flight per prefetch (memory: x prefetch_range)
     prefetch_range: int = 64 << 20  # bytes per prefetch GET (docs/ARCHITECTURE.md: measured)
     refresh_interval: float = 10.0  # seconds between listings of the store's manifests
     commit_timeout: float = 1800.0  # a multi-node commit fails after waiting this long
-    lease: float = 120.0            # a node not renewed for this long is gone (cachemgr.members)
+    lease: float = 120.0            # a node not renewed for this long is gone (tiering.members)
     # Mount even when the store's sets cannot be listed (the namespace then holds only this
     # cache's sets until a listing succeeds); default: such a mount fails with exit 7.
     allow_empty_namespace: bool = False

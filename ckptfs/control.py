@@ -195,8 +195,8 @@ def check_access(index, peer: Peer, rel: str, want: int) -> None:
     to the mount root) in the cache `index`. A missing component ends the walk: the request then
     answers for itself (ENOENT, "in no committed set"). A symlink is judged by its directory
     (its own mode is always 0777)."""
-    from cachemgr.errors import FsError
-    from cachemgr.index import ROOT_INO
+    from cachemgr.core.errors import FsError
+    from cachemgr.core.index import ROOT_INO
 
     if peer.uid == 0:
         return

@@ -134,8 +134,8 @@ class Services:
     """What the control handlers reach: built once by `_Daemon`, read on the trio loop only."""
 
     cfg: MountConfig
-    core: Any     # cachemgr.fs.CacheFs
-    tiering: Any  # cachemgr.tiering.Tiering
+    core: Any     # cachemgr.core.fs.CacheFs
+    tiering: Any  # cachemgr.tiering.services.Tiering
     started: float  # time.time() when the services started (status: uptime_s)
     stallwatch: Any = None  # ckptfs.stallwatch.StallWatch (status: loop)
 
@@ -179,7 +179,7 @@ CONTROL_OPS: dict[str, ControlOp] = {
 async def dispatch(svc: Services, req: dict, peer: Peer) -> dict:
     """Answer one control request: the caller's permission first, then the op's handler. Every
     failure is a reply (`{"error": ...}`, with `errno` for a filesystem refusal)."""
-    from cachemgr.errors import FsError
+    from cachemgr.core.errors import FsError
 
     op: Any = req.get("op")
     try:
@@ -253,8 +253,8 @@ class _Daemon:
             raise _StartFailed(EXIT_NOT_READY, str(e.strerror)) from e
 
     def open_cache(self) -> None:  # step 3
-        from cachemgr.errors import FsError
-        from cachemgr.fs import CacheFs
+        from cachemgr.core.errors import FsError
+        from cachemgr.core.fs import CacheFs
 
         from . import fuse
 
@@ -304,13 +304,18 @@ class _Daemon:
                 index.set_meta("store_url", store_url)
 
     def build_services(self) -> None:  # step 5
-        from cachemgr.fs import Filesystem
-        from cachemgr.tiering import Tiering, TieringConfig
-        from cachemgr.transfer import TransferConfig, set_foreground_probe
+        from cachemgr.core.fs import Filesystem
+        from cachemgr.host.foreground import Foreground
+        from cachemgr.tiering.services import Tiering, TieringConfig
+        from cachemgr.transfer.upload import TransferConfig
 
         from . import fuse
 
         cfg, core, store = self.cfg, self.core, self.store
+        # Uploads hold back while the trainer writes or reads: the FUSE handlers note what they
+        # serve; passthrough I/O never reaches the daemon: writes are found by fstat, reads by
+        # the reader's /proc/PID/io (Backings.busy_since_probe).
+        foreground = Foreground(core.backings.busy_since_probe)
         # -- the core/tiering wiring: one block, kept as it was in mount.run_daemon -----------
         tiering = Tiering(core, store, TieringConfig(
             transfer=TransferConfig(part_size=cfg.part_size, compress=cfg.compress,
@@ -319,16 +324,13 @@ class _Daemon:
             keep_local=cfg.keep_local, prefetch=cfg.prefetch,
             prefetch_concurrency=cfg.prefetch_concurrency, prefetch_range=cfg.prefetch_range,
             refresh_interval=cfg.refresh_interval, commit_timeout=cfg.commit_timeout,
-            lease=cfg.lease))
+            lease=cfg.lease), foreground=foreground)
         core.connect(hooks=tiering, reads=tiering.restorer, room=tiering,
                      cache_size=cfg.cache_size, kernel=fuse.KERNEL, status=tiering.status)
-        ops = fuse.FuseOps(Filesystem(core, io_threads=cfg.io_threads),
+        ops = fuse.FuseOps(Filesystem(core, foreground, io_threads=cfg.io_threads),
                            attr_timeout=cfg.attr_timeout)
         ops.enable_writeback_cache = cfg.writeback_cache
         ops.enable_passthrough = core.backings.on  # the kernel's answer: FuseOps.init
-        # Uploads hold back while the trainer writes or reads; the daemon sees no passthrough
-        # I/O: writes are found by fstat, reads by the reader's /proc/PID/io.
-        set_foreground_probe(core.backings.busy_since_probe)
         # -- end of the wiring block ----------------------------------------------------------
         self.tiering, self.ops = tiering, ops
 

@@ -1,9 +1,9 @@
 """The FUSE adapter: the only module that imports pyfuse3.
 
-Thin and total: every handler decodes the kernel's arguments, awaits `cachemgr.fs.Filesystem`
+Thin and total: every handler decodes the kernel's arguments, awaits `cachemgr.core.fs.Filesystem`
 (or calls its `CacheFs` for operations that never wait), and encodes the answer. No caching,
 read-through, backpressure, upload or store logic lives here: those are the core's
-(cachemgr.fs). `KERNEL` is the kernel notifier the composition root connects to the core.
+(cachemgr.core.fs). `KERNEL` is the kernel notifier the composition root connects to the core.
 
 Error contract: pyfuse3 only understands `FUSEError`; any other exception escaping a handler stops
 its main loop and leaves a dead mount behind. So every handler runs under `_guarded`:
@@ -34,12 +34,12 @@ from typing import Any
 
 import pyfuse3
 
-from cachemgr.errors import FsError
-from cachemgr.fs import CacheFs, Filesystem
-from cachemgr.handles import OpenResult
-from cachemgr.index import is_disk_full
-from cachemgr.inodes import Caller, Inode
-from cachemgr.passthrough import Backings
+from cachemgr.core.errors import FsError
+from cachemgr.core.fs import CacheFs, Filesystem
+from cachemgr.core.handles import OpenResult
+from cachemgr.core.index import is_disk_full
+from cachemgr.core.inodes import Caller, Inode
+from cachemgr.core.passthrough import Backings
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +122,7 @@ def _brief(args: tuple) -> tuple:
 
 
 class KernelInvalidator:
-    """`cachemgr.hooks.KernelNotifier` for the core: the composition root connects `KERNEL`."""
+    """`cachemgr.core.hooks.KernelNotifier` for the core: the composition root connects `KERNEL`."""
 
     @staticmethod
     def invalidate_entry(parent: int, name: bytes) -> None:
@@ -135,7 +135,7 @@ KERNEL = KernelInvalidator()
 
 
 class FuseOps(pyfuse3.Operations):
-    """pyfuse3 operations backed by a `cachemgr.fs.Filesystem`: decode, await, encode."""
+    """pyfuse3 operations backed by a `cachemgr.core.fs.Filesystem`: decode, await, encode."""
 
     enable_writeback_cache = False  # measured: see docs/ARCHITECTURE.md
     supports_dot_lookup = True
@@ -145,7 +145,7 @@ class FuseOps(pyfuse3.Operations):
     enable_passthrough = False
     max_backing_stack_depth = 1
     # FUSE_HANDLE_KILLPRIV_V2 (patched pyfuse3): the daemon clears set-id bits itself on an
-    # unprivileged write, truncate and truncating open (cachemgr.inodes `kill_setid`) and on
+    # unprivileged write, truncate and truncating open (cachemgr.core.inodes `kill_setid`) and on
     # chown (`kill_setid_on_chown`); granted, the kernel sets SB_NOSEC, so a write(2) to a file
     # without set-id bits stops asking the daemon for security.capability (one GETXATTR per
     # write before: docs/ARCHITECTURE.md "Data path").
@@ -323,7 +323,7 @@ class FuseOps(pyfuse3.Operations):
 
     @_guarded
     async def flush(self, fh):
-        self.core.flush(fh)  # never waits for the store (cachemgr.members)
+        self.core.flush(fh)  # never waits for the store (cachemgr.tiering.members)
 
     @_guarded
     async def fsync(self, fh, datasync):

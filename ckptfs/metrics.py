@@ -56,7 +56,7 @@ POLL_INTERVAL_S = 0.1
 MAX_SNAPSHOTS_IN_FLIGHT = 4
 REQUEST_TIMEOUT_S = 10.0
 
-# Every set state (cachemgr/schema.sql): each is exported, 0 when no set is in it, so an alert
+# Every set state (cachemgr/core/schema.sql): each is exported, 0 when no set is in it, so an alert
 # on `delta(ckptfs_sets{state="failed"}[1h]) > 0` has a series from the first scrape.
 SET_STATES = ("committed", "uploading", "durable", "failed", "superseded", "replaced",
               "deleting", "deleted")
@@ -306,7 +306,7 @@ def _tiering_families(t: dict, now_ns: int) -> Iterator[Metric]:
 
 
 def _stuck_families(sets: dict, now_ns: int) -> Iterator[Metric]:
-    """The sets pending longer than the stuck threshold (cachemgr.progress.stuck_sets): how
+    """The sets pending longer than the stuck threshold (cachemgr.tiering.progress.stuck_sets): how
     many, the oldest one's age, and each of the oldest 20 by name with what it waits for."""
     stuck = sets.get("stuck", [])  # absent from a snapshot of an older Tiering: none
     yield GaugeMetricFamily("ckptfs_stuck_sets", "Committed sets pending (not durable yet) "

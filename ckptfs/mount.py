@@ -37,7 +37,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from cachemgr.nodefiles import FILE_MODE, make_dirs, open_private
+from cachemgr.host.nodefiles import FILE_MODE, make_dirs, open_private
 
 from . import logsafe
 from .config import (
@@ -223,7 +223,7 @@ def check_cache_dir(cache_dir: Path) -> None:
     layout = cache_dir / "layout.json"
     if st is None:
         try:
-            make_dirs(cache_dir)  # 0700: the cache is the daemon's alone (cachemgr.nodefiles)
+            make_dirs(cache_dir)  # 0700: the cache is the daemon's alone (cachemgr.host.nodefiles)
         except OSError as e:
             raise MountError(EXIT_CACHE_DIR, f"cannot create cache dir {cache_dir}: "
                              f"{e.strerror}") from None
@@ -245,7 +245,7 @@ def check_cache_dir(cache_dir: Path) -> None:
                              f"a ckptfs cache (no layout.json; it holds {shown}); ckptfs "
                              "would delete files in it: use an empty or new directory")
     if not os.path.lexists(layout):
-        from cachemgr.fs import LAYOUT
+        from cachemgr.core.fs import LAYOUT
 
         # Written whole under a name of its own, then linked into place: of several mounts
         # racing for one new cache dir, the first link wins and every one sees a whole file.

@@ -3,13 +3,13 @@
 For people who restore, audit and clean up. STORE is a store URL as `ckptfs mount --store`
 takes it, with the same S3 options, and the store is built as the mount builds it
 (cachemgr.store.open_store wrapped in a RetryingStore), so the same credentials, endpoints and
-retries apply. Everything read from the store passes cachemgr.validate (through
-cachemgr.storeread, the implementation shared with scripts/ckpt_restore.py) before use, and no
-document is read past validate.MAX_DOCUMENT_BYTES.
+retries apply. Everything read from the store passes cachemgr.format.validate (through
+cachemgr.format.storeread, the implementation shared with scripts/ckpt_restore.py) before use, and
+no document is read past validate.MAX_DOCUMENT_BYTES.
 
 Threads: the async store runs in a trio loop on a thread of its own (`_Bridge`); the tools are
 plain threads that call into it (trio.from_thread), so the caller's thread keeps Ctrl-C and
-the progress display, and cachemgr.storeread's worker threads read objects in parallel.
+the progress display, and cachemgr.format.storeread's worker threads read objects in parallel.
 State: a `Session` owns its `_Bridge` (the loop thread) and the store view over it; an `_Fsck`
 run's findings (`named`, `protected`, `damage`, counts) are filled by the document reader
 threads under `_Fsck.lock`, and read by the calling thread only after they have all finished.
@@ -39,9 +39,10 @@ import time
 from pathlib import Path
 from typing import Any, Self, cast
 
-from cachemgr import keys, names, storeread, validate
-from cachemgr import members as mem
-from cachemgr import parts as prt
+from cachemgr.format import keys, names, storeread, validate
+from cachemgr.store.base import PROBE_PREFIX
+from cachemgr.tiering import members as mem
+from cachemgr.tiering import parts as prt
 
 from .fmt import human
 from .mount import EXIT_ERROR, EXIT_NO_SET, EXIT_OK, EXIT_STORE, EXIT_USAGE
@@ -53,7 +54,8 @@ COMMANDS = ("ls", "restore", "fsck")
 # docs/FORMAT.md: lifecycle rules may delete protocol keys after a day
 DEFAULT_OLDER_THAN = 86400.0
 # Manifest bytes held at once while reading many (each at most MAX_DOCUMENT_BYTES): what bounds
-# the memory of `ls` and `fsck`, whatever the store holds (as cachemgr.remote's _HOLD_BYTES).
+# the memory of `ls` and `fsck`, whatever the store holds (as cachemgr.tiering.remote's
+# _HOLD_BYTES).
 _HOLD_BYTES = validate.MAX_DOCUMENT_BYTES
 _DOC_READERS = 8          # documents read at once
 _DELETE_BATCH = 500       # garbage deleted between two re-listings of manifests/
@@ -252,7 +254,7 @@ class _Reader:
 
 
 class StoreView:
-    """cachemgr.storeread's view of a store (listing, get, open) over cachemgr.store, plus
+    """cachemgr.format.storeread's view of a store (listing, get, open) over cachemgr.store, plus
     what fsck needs (infos with LastModified, head, delete). Every failure of the store is a
     storeread.StoreError (exit 7), an absent key None."""
 
@@ -744,7 +746,7 @@ class _Fsck:
         return len(todo)
 
     def _lease_runs(self, info) -> bool:
-        """Whether the member record `info` is within the lease it states (cachemgr.members:
+        """Whether the member record `info` is within the lease it states (cachemgr.tiering.members:
         the same test committers use to wait for a node)."""
         try:
             raw = self.view.get(info.key, validate.MAX_PROTOCOL_BYTES)
@@ -780,7 +782,7 @@ class _Fsck:
 
         # Scratch objects of a mount's conditional-write probe (docs/STORES.md), deleted by
         # the probe itself; one older than the limit was left by a crash in the middle of it.
-        for i in self.view.infos(keys.PROBE_PREFIX):
+        for i in self.view.infos(PROBE_PREFIX):
             age = self.now - i.mtime
             if age >= self.older:
                 why = (f"conditional-write probe object, {_age(age)} old (a mount stopped in"

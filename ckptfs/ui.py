@@ -67,13 +67,14 @@ POLL = 0.2
 # PATH_MAX = 4096 bytes, escaped at most 3x; notes name at most 10 nodes or 5 files), so rich
 # never wraps or cuts; lines are right-stripped after rendering.
 PLAIN_WIDTH = 1 << 16
-# States of a set that is committed but not yet durable in the store (cachemgr.sets.LIVE_STATES).
+# States of a set that is committed but not yet durable in the store
+# (cachemgr.core.sets.LIVE_STATES).
 AT_RISK = ("committed", "uploading")
 # The failed sets named, each on a line of its own, under "at risk" (status --json lists 20).
 FAILED_NAMED = 5
 # The stuck sets named, each on a line of its own, in the "stuck" row (status --json lists 20).
 STUCK_NAMED = 5
-# What a stuck set waits for that no wait will end (cachemgr.progress.STUCK_FOR_GOOD): red.
+# What a stuck set waits for that no wait will end (cachemgr.tiering.progress.STUCK_FOR_GOOD): red.
 STUCK_FOR_GOOD = ("content_gone", "upload_lost", "unknown")
 STATE_STYLE = {"durable": "green", "committed": "yellow", "uploading": "cyan",
                "failed": "bold red", "deleting": "dim", "deleted": "dim", "replaced": "dim"}

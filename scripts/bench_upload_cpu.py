@@ -6,8 +6,8 @@ uploader's own cost, the part of "daemon CPU with upload" that is not the reques
     python scripts/bench_upload_cpu.py --size 512M --dir /var/tmp --rounds 5
 
 Each round uploads the same random file (incompressible: `auto` compression samples it and
-stores it raw) with `cachemgr.transfer.Uploader` to a fresh `LocalStore` in `--dir`, once by
-the whole-file kernel copy (`ObjectStore.stage_file`, the default) and once by the part path
+stores it raw) with `cachemgr.transfer.upload.Uploader` to a fresh `LocalStore` in `--dir`, once
+by the whole-file kernel copy (`ObjectStore.stage_file`, the default) and once by the part path
 (parts read into buffers, `stage_files=False`), alternating which goes first. CPU is the
 process's user+system time over the upload (every thread); also a CRC32C pass over 64 MiB in
 memory, for scale. Prints the median and the spread of each.
@@ -46,7 +46,7 @@ def main() -> int:
 
     from cachemgr.store import LocalStore
     from cachemgr.store.base import crc32c
-    from cachemgr.transfer import TransferConfig, Uploader
+    from cachemgr.transfer.upload import TransferConfig, Uploader
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--size", type=size_arg, default=GiB)

@@ -1,14 +1,14 @@
 #!/usr/bin/env python3
 """Restore a checkpoint from a ckptfs store without ckptfs: manifests, objects, lz4 frames and
 CRC32C, exactly as docs/FORMAT.md describes (needs only boto3 for s3://, lz4 and crc32c, and
-cachemgr/{names,keys,validate,storeread}.py of this checkout, which need nothing else: no trio,
-nothing of ckptfs).
+cachemgr/format/{names,keys,validate,storeread}.py of this checkout, which need nothing else: no
+trio, nothing of ckptfs).
 
     python scripts/ckpt_restore.py list    file:///var/lib/ckptfs/store
     python scripts/ckpt_restore.py restore s3://bucket/prefix ckpt/step_100 ./restored \\
         [--endpoint-url URL]
 
-Nothing read from the store is trusted. Every manifest passes cachemgr.validate (the rules
+Nothing read from the store is trusted. Every manifest passes cachemgr.format.validate (the rules
 ckptfs itself reads the store with) before it is used; `list` reports an invalid one on stderr
 in one line and goes on. Every object is streamed to its file a few MiB at a time (lz4 frame by
 frame, each frame bounded by its raw length), its size, CRC32C and chunk CRC32Cs checked as it
@@ -27,15 +27,15 @@ Exit codes (one line on stderr for each failure, never a traceback; the same und
   1  no such set in the store
   2  usage: bad arguments, an unsupported store URL, a SET_PATH that is not a set path
   3  invalid or corrupt data in the store: a manifest that fails validation (or is bigger than
-     cachemgr.validate.MAX_DOCUMENT_BYTES), an object missing, of the wrong size, failing its
+     cachemgr.format.validate.MAX_DOCUMENT_BYTES), an object missing, of the wrong size, failing its
      CRC32C (whole or per chunk), or an lz4 frame that is not exactly its raw length
   4  the destination: the target exists, a symlink or a file is in the way, a write failed
   5  the store cannot be read (I/O error, network, permissions; boto3 missing for s3://)
 
-The implementation is cachemgr/storeread.py, shared with `ckptfs restore` (which adds parallel
-ranged reads, resuming and a progress bar, and reads the store as the mount does). This file is
-its plain command line: it keeps working without ckptfs installed, from a copy of this file and
-those five modules. The tests and the main job use the same functions (re-exported here) to
+The implementation is cachemgr/format/storeread.py, shared with `ckptfs restore` (which adds
+parallel ranged reads, resuming and a progress bar, and reads the store as the mount does). This
+file is its plain command line: it keeps working without ckptfs installed, from a copy of this file
+and those five modules. The tests and the main job use the same functions (re-exported here) to
 check what ckptfs published.
 """
 
@@ -46,16 +46,16 @@ import os
 import sys
 from pathlib import Path
 
-# cachemgr/{names,keys,validate,storeread}.py need only the standard library, lz4 and crc32c.
+# cachemgr/format/{names,keys,validate,storeread}.py need only the standard library, lz4 and crc32c.
 # This checkout's copy is used when ckptfs is not installed (and when it is installed in
 # editable mode from elsewhere: an entry of sys.path comes before the editable finder); a
 # regular install comes first.
 _REPO = Path(__file__).resolve().parent.parent
-if (_REPO / "cachemgr" / "storeread.py").is_file() and str(_REPO) not in sys.path:
+if (_REPO / "cachemgr" / "format" / "storeread.py").is_file() and str(_REPO) not in sys.path:
     sys.path.append(str(_REPO))
-from cachemgr import storeread
-from cachemgr.names import unescape_name, unescape_path  # noqa: F401  (re-exported)
-from cachemgr.storeread import (  # noqa: F401  (re-exported: tests, fault_loop, train_demo)
+from cachemgr.format import storeread
+from cachemgr.format.names import unescape_name, unescape_path  # noqa: F401  (re-exported)
+from cachemgr.format.storeread import (  # noqa: F401  (re-exported: tests, fault_loop, train_demo)
     EXIT_CORRUPT,
     EXIT_DEST,
     EXIT_NO_SET,

@@ -439,7 +439,7 @@ class Node:
             f.seek(self._log_seen)
             new = f.read()
         self._log_seen += len(new)
-        # (lease lapses are counted here too: the fence at work, cachemgr.members.Lease)
+        # (lease lapses are counted here too: the fence at work, cachemgr.tiering.members.Lease)
         self.lease_lapses += len(re.findall(rb"registered again as generation", new))
         return [float(m) for m in re.findall(rb"ran again after a stall of ([0-9.]+)s", new)]
 

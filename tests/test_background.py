@@ -1,4 +1,4 @@
-"""Upload work at idle priority (cachemgr.background): the calling thread is at SCHED_IDLE and
+"""Upload work at idle priority (cachemgr.host.background): the calling thread is at SCHED_IDLE and
 IOPRIO_CLASS_IDLE for the call and back to what it was after it, also when the call raises (trio
 reuses worker threads: the next job on the same thread must not inherit the priority)."""
 
@@ -9,7 +9,7 @@ import os
 import pytest
 import trio
 
-from cachemgr import background
+from cachemgr.host import background
 
 IDLE_IO = 3 << 13  # IOPRIO_CLASS_IDLE, level 0
 

@@ -1,5 +1,5 @@
 """scripts/ckpt_restore.py trusts nothing read from the store: every manifest is validated by
-cachemgr.validate, every path is resolved inside the destination without following a symlink,
+cachemgr.format.validate, every path is resolved inside the destination without following a symlink,
 every check is an explicit exception (the same under `python -O`), and objects are streamed.
 
 The stores here are file:// stores written by hand (`objects/<key>`), so that any document or
@@ -27,7 +27,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cachemgr import keys, names, storeread, validate
+from cachemgr.format import keys, names, storeread, validate
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "ckpt_restore.py"
 NODE = "n1"
@@ -743,7 +743,7 @@ def test_s3_store_restores_by_ranges_and_refuses_a_corrupt_object(s3_bucket, tmp
         if p.is_file():
             s3.put_object(Bucket=bucket, Key="pre/" + str(p.relative_to(
                 tmp_path / "local" / "objects")), Body=p.read_bytes())
-    # many ranges; frames in pieces (the implementation lives in cachemgr.storeread)
+    # many ranges; frames in pieces (the implementation lives in cachemgr.format.storeread)
     monkeypatch.setattr(storeread, "READ_BYTES", 3000)
     url = f"s3://{bucket}/pre"
     rc, out, err = run_main("list", url, "--endpoint-url", endpoint)
@@ -818,16 +818,18 @@ def test_a_256_mib_file_restores_in_bounded_memory(tmp_path, compression):
 # -- without ckptfs installed ------------------------------------------------------------------
 
 def test_the_script_needs_only_the_stdlib_modules_of_cachemgr(tmp_path):
-    """A copy of the script beside only cachemgr/{__init__,names,keys,validate,storeread}.py
+    """A copy of the script beside only cachemgr/__init__.py and
+    cachemgr/format/{__init__,names,keys,validate,storeread}.py
     validates with them (an invalid manifest: one line on stderr in `list`, exit 3 in
     `restore`) and imports nothing else of ckptfs (no trio, no pyfuse3)."""
     repo = Path(__file__).resolve().parent.parent
     copy = tmp_path / "copy"
     (copy / "scripts").mkdir(parents=True)
-    (copy / "cachemgr").mkdir()
+    (copy / "cachemgr" / "format").mkdir(parents=True)
     shutil.copy(SCRIPT, copy / "scripts")
+    shutil.copy(repo / "cachemgr" / "__init__.py", copy / "cachemgr")
     for n in ("__init__.py", "names.py", "keys.py", "validate.py", "storeread.py"):
-        shutil.copy(repo / "cachemgr" / n, copy / "cachemgr")
+        shutil.copy(repo / "cachemgr" / "format" / n, copy / "cachemgr" / "format")
     s = Store(tmp_path / "store")
     s.manifest(doc("ok", "file", [file_entry("", s.obj(b"fine"))]))
     s.manifest(doc("../bad", "file", [file_entry("", s.obj(b"x"))]), key="manifests/bad.json")
@@ -847,8 +849,9 @@ def test_the_script_needs_only_the_stdlib_modules_of_cachemgr(tmp_path):
                        capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert "ok" in r.stdout and f"cachemgr {copy / 'cachemgr' / '__init__.py'}" in r.stdout
-    assert ("loaded ['cachemgr', 'cachemgr.keys', 'cachemgr.names', 'cachemgr.storeread', "
-            "'cachemgr.validate']") in r.stdout
+    assert ("loaded ['cachemgr', 'cachemgr.format', 'cachemgr.format.keys', "
+            "'cachemgr.format.names', 'cachemgr.format.storeread', "
+            "'cachemgr.format.validate']") in r.stdout
     assert one_line(r.stderr) and "manifests/bad.json" in r.stderr, r.stderr
     r = subprocess.run([sys.executable, "-c", probe, "restore", s.url, "bad",
                         str(tmp_path / "d")], check=False, capture_output=True, text=True,

@@ -339,8 +339,8 @@ def test_cache_dir_empty_or_fresh_fs_is_claimed(mount_factory) -> None:
 def test_load_refuses_foreign_dir(tmp_path: Path) -> None:
     """CacheFs.load itself (used by every caller, not only the CLI) never adopts a non-empty
     directory without layout.json, and leaves it as it was."""
-    from cachemgr.errors import FsError
-    from cachemgr.fs import CacheFs
+    from cachemgr.core.errors import FsError
+    from cachemgr.core.fs import CacheFs
 
     d = tmp_path / "d"
     (d / "data").mkdir(parents=True)

@@ -1,4 +1,4 @@
-"""In-process unit tests of `cachemgr.fs.CacheFs`: POSIX semantics without FUSE.
+"""In-process unit tests of `cachemgr.core.fs.CacheFs`: POSIX semantics without FUSE.
 
 Names are bytes, the root is inode 1. Inodes created here carry one kernel lookup reference
 (as after a real create/mkdir), so an unlinked inode stays until `forget`, as in the kernel.
@@ -16,10 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from cachemgr.errors import FsError
-from cachemgr.fs import LAYOUT, CacheFs
-from cachemgr.index import Index
-from cachemgr.namespace import RENAME_EXCHANGE, RENAME_NOREPLACE
+from cachemgr.core.errors import FsError
+from cachemgr.core.fs import LAYOUT, CacheFs
+from cachemgr.core.index import Index
+from cachemgr.core.namespace import RENAME_EXCHANGE, RENAME_NOREPLACE
+from cachemgr.host.foreground import Foreground
 
 ROOT = 1
 UID, GID = 1234, 5678
@@ -786,7 +787,8 @@ def test_layout_version_mismatch_refused(fs, cache):
     fs2.close()
 
 
-# -- the index's tree queries and the async layer (cachemgr.fs.Filesystem) ---------------------
+# -- the index's tree queries and the async layer (cachemgr.core.fs.Filesystem)
+# ---------------------
 
 
 def test_index_tree_queries(fs):
@@ -818,7 +820,7 @@ def test_index_tree_queries(fs):
 
 
 class _Reads:
-    """A stand-in for cachemgr.restore.Restorer: fills a file from `data` when asked."""
+    """A stand-in for cachemgr.restore.restorer.Restorer: fills a file from `data` when asked."""
 
     def __init__(self, fs: CacheFs, data: bytes) -> None:
         self.fs, self.data = fs, data
@@ -864,12 +866,12 @@ class _Room:
 def test_filesystem_read_through_and_backpressure(fs):
     import trio
 
-    from cachemgr.fs import Filesystem
+    from cachemgr.core.fs import Filesystem
 
     data = b"restored bytes"
     ino = fs.raw_create(ROOT, b"r", stat.S_IFREG | 0o644, size=len(data), obj="{}")
     w = fs.raw_create(ROOT, b"w", stat.S_IFREG | 0o644, size=len(data), obj="{}")
-    fsys = Filesystem(fs)
+    fsys = Filesystem(fs, Foreground())
     # Not connected: an evicted file cannot be opened for writing (no store to fetch from).
     with pytest.raises(FsError) as e:
         trio.run(fsys.open, w, os.O_WRONLY, None)
@@ -897,7 +899,7 @@ def test_filesystem_read_through_and_backpressure(fs):
 def test_residency_and_restored_entries_change_memory_only_with_the_index(fs, monkeypatch):
     """evict, fetched and raw_create change the inode table and the cache files only when their
     index transaction commits: a full index leaves memory, index and cache files agreeing."""
-    from cachemgr.index import IndexFull
+    from cachemgr.core.index import IndexFull
 
     ino = mkfile(fs, ROOT, b"f", b"data" * 100)
     node = fs.inode(ino)
@@ -956,7 +958,7 @@ def test_fallocate_grows_reserves_and_punches_and_counts_the_blocks(fs):
     grows the file, KEEP_SIZE reserves past the end, PUNCH_HOLE zeroes), and cached_bytes
     follows the blocks (--cache-size counts what the disk holds); a read-only handle or a mode
     FUSE does not pass on is refused and changes nothing."""
-    from cachemgr.filecache import FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE
+    from cachemgr.core.filecache import FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE
 
     MiB = 1 << 20
     res, node = fs.create(ROOT, b"pre", 0o644, os.O_RDWR | os.O_CREAT, UID, GID)

@@ -1,6 +1,6 @@
 """A reference test of the core and tiering without FUSE (issue 11; Mountpoint-S3's reftests
-are the model): a hypothesis state machine drives a real `CacheFs` (cachemgr.fs) with a real
-`Tiering` (cachemgr.tiering) and a file:// `LocalStore`, in-process, against a plain model.
+are the model): a hypothesis state machine drives a real `CacheFs` (cachemgr.core.fs) with a real
+`Tiering` (cachemgr.tiering.services) and a file:// `LocalStore`, in-process, against a plain model.
 
 What the machine does (rules), on a small name space so that sequences collide often:
 top-level files `a`, `b` (their last close commits them) and `t.tmp` (a temporary name: no
@@ -18,7 +18,7 @@ only; a directory rename commits the directory at its new path).
     fill, as FuseOps.read does);
   * crash: every in-memory object is dropped without a close or release (kill -9 with the page
     cache intact), and the cache directory is opened again with `CacheFs.load` and a new
-    `Tiering` (cachemgr/fs.py and cachemgr/fsck.py crash contract, docs/SEMANTICS.md);
+    `Tiering` (cachemgr/core/fs.py and cachemgr/core/fsck.py crash contract, docs/SEMANTICS.md);
   * restore: a second node (a new cache directory on the same store) lists the store once
     (`RemoteSync.sync_once`): what it sees must be exactly the model's sets in the store, each
     whole, with the content it had at its commit, never torn.
@@ -36,10 +36,10 @@ absorbed, the next commit of its path, or of a path it is renamed to, removes, o
 deletion of its path; what a commit dropped by a deletion had absorbed, the deletion removes.
 Settle applies what is left, in commit order: a commit puts its content at its path and
 removes what it absorbed; a deletion removes the path. A removal never takes out a set
-committed after what it removes (cachemgr/publish.py `_unpublish` leaves a newer set's
+committed after what it removes (cachemgr/tiering/publish.py `_unpublish` leaves a newer set's
 manifest alone). A crash forgets the absorbed paths a commit would remove (they are in memory
-only: cachemgr/publish.py keeps `_absorb` in memory, "visible but never torn"); everything else
-in the model survives it (the index is durable). A crash inside the service leaves each
+only: cachemgr/tiering/publish.py keeps `_absorb` in memory, "visible but never torn"); everything
+else in the model survives it (the index is durable). A crash inside the service leaves each
 pending commit published or not; one that is then dropped by a content change may stay in the
 store (a durable set is not superseded), until a later commit or deletion of its path.
 
@@ -82,13 +82,14 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from cachemgr.errors import FsError
-from cachemgr.fs import CacheFs
-from cachemgr.index import ROOT_INO
-from cachemgr.sets import SetRegistry, is_temp_name
+from cachemgr.core.errors import FsError
+from cachemgr.core.fs import CacheFs
+from cachemgr.core.index import ROOT_INO
+from cachemgr.core.sets import SetRegistry, is_temp_name
+from cachemgr.host.foreground import Foreground
 from cachemgr.store import LocalStore
-from cachemgr.tiering import Tiering, TieringConfig
-from cachemgr.transfer import TransferConfig
+from cachemgr.tiering.services import Tiering, TieringConfig
+from cachemgr.transfer.upload import TransferConfig
 
 TOP_FILES = ("a", "b", "t.tmp")
 DIRS = ("ck.tmp", "ck1", "ck2")
@@ -146,7 +147,7 @@ class Node:
     def __init__(self, cache_dir: Path, store_dir: Path) -> None:
         self.core = CacheFs.load(cache_dir)
         self.store = BudgetStore(store_dir)
-        self.t = Tiering(self.core, self.store, config())
+        self.t = Tiering(self.core, self.store, config(), foreground=Foreground())
         self.core.connect(hooks=self.t, reads=self.t.restorer, room=self.t,
                           cache_size=self.t.cfg.cache_size, status=self.t.status)
         self.sets = SetRegistry(self.core.index)
@@ -272,7 +273,7 @@ class CoreMachine(RuleBasedStateMachine):
         # set path -> what its manifest in the store may hold: contents (frozen), ABSENT
         self.store: dict[str, set] = {}
         # path -> what commits of it dropped by a content change had absorbed: the next commit
-        # of that path removes it (cachemgr.publish: Publisher.inherit_superseded)
+        # of that path removes it (cachemgr.tiering.publish: Publisher.inherit_superseded)
         self.orphans: dict[str, list[tuple[str, int]]] = {}
         # path -> serial of the newest commit put there (put_serial), or maybe put there by a
         # service that crashed (maybe_serial): what a deletion of older sets leaves alone
@@ -570,8 +571,8 @@ class CoreMachine(RuleBasedStateMachine):
             """The sets at or under `root` committed before `since` go. A deletion never
             takes out a newer set's manifest (docs/SEMANTICS.md "Many nodes, one store":
             deleting a set deletes its manifest only if the store still holds the one this
-            node knows; cachemgr/publish.py `_unpublish`): a commit put there later stays, and
-            one a crashed service may have put there may stay."""
+            node knows; cachemgr/tiering/publish.py `_unpublish`): a commit put there later stays,
+            and one a crashed service may have put there may stay."""
             for k in [k for k in self.store if _at_or_under(k, root) and k != but]:
                 if self.put_serial.get(k, 0) < since:
                     put(k, ABSENT, surely=surely and self.maybe_serial.get(k, 0) < since)
@@ -1136,8 +1137,8 @@ def test_model_a_path_a_rename_absorbed_keeps_what_is_committed_there_later(fast
     (ck1's commit absorbs the path ck2), `ck.tmp` renamed to a new `ck2`, then `ck1` renamed
     to `ck.tmp` before anything was durable (ck.tmp's commit takes over what ck1's had
     absorbed). The model, which recorded absorbed *paths*, removed the new ck2 from the store
-    with them; the product absorbs *sets* (cachemgr/commit.py: the sets at the path at the
-    commit), and a deletion never takes out a newer set's manifest (cachemgr/publish.py
+    with them; the product absorbs *sets* (cachemgr/tiering/commit.py: the sets at the path at the
+    commit), and a deletion never takes out a newer set's manifest (cachemgr/tiering/publish.py
     `_unpublish`), so ck2 stays (docs/SEMANTICS.md "What the store guarantees": the store
     shows every durable set). The model now records when a path was absorbed."""
     replay(fast_tmp, [
@@ -1178,7 +1179,7 @@ def test_model_a_deletion_left_pending_by_a_crash_spares_a_set_published_after_i
     (the rewrite), and applied the deletion again at the next settle: b absent. The product
     shows the commit, durable before the rewrite (a rewrite supersedes only a set not yet
     durable, docs/SEMANTICS.md "What a set goes through"), and a deletion never takes out a
-    newer set's manifest (cachemgr/publish.py `_unpublish`)."""
+    newer set's manifest (cachemgr/tiering/publish.py `_unpublish`)."""
     replay(fast_tmp, [
         ("write", {"pick": Draws("b"), "off": 0, "data": b"v1", "then_close": True}),
         ("settle", {}),
@@ -1195,7 +1196,7 @@ def test_model_a_deletion_left_pending_by_a_crash_spares_a_set_absorbed_after_it
     """Random seed 1030344987 (60 examples), the same fault of the model by another way: the
     commit after the pending deletion is absorbed by a rename (ck2 -> ck1) instead of
     rewritten, and a crash then forgets what the rename's set was to take from the store
-    (cachemgr/publish.py: `_absorb` is in memory, "visible, never torn"). ck2, published by
+    (cachemgr/tiering/publish.py: `_absorb` is in memory, "visible, never torn"). ck2, published by
     the crashed service, stays; the model applied the deletion again and said absent."""
     replay(fast_tmp, [
         ("mkdir", {"name": "ck2"}),

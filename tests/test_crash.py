@@ -1,6 +1,6 @@
 """Crash behaviour: `kill -9` of the daemon, then a remount of the same cache dir.
 
-What is asserted is the crash contract of `cachemgr/fs.py` (and docs/SEMANTICS.md): after a
+What is asserted is the crash contract of `cachemgr/core/fs.py` (and docs/SEMANTICS.md): after a
 kill -9 (the OS page cache survives) the remount shows the tree as of the last completed
 operation; every byte whose write() returned is in its file, fsync'd or not (sizes are recovered
 from the cache files); files unlinked while open are gone with their cache files. Afterwards the
@@ -23,8 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from cachemgr.fs import CacheFs
-from cachemgr.index import Index
+from cachemgr.core.fs import CacheFs
+from cachemgr.core.index import Index
 from tests.conftest import REPO, _alive, ckptfs_cmd, is_mounted, run_cli, wait_for
 
 MiB = 1 << 20

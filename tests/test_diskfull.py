@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 from conftest import wait_for
 
-from cachemgr.errors import FsError
-from cachemgr.fs import CacheFs
-from cachemgr.index import INODE_COLUMNS, RESERVE_BYTES, Index
-from cachemgr.namespace import RENAME_EXCHANGE
+from cachemgr.core.errors import FsError
+from cachemgr.core.fs import CacheFs
+from cachemgr.core.index import INODE_COLUMNS, RESERVE_BYTES, Index
+from cachemgr.core.namespace import RENAME_EXCHANGE
 
 ROOT = 1
 UID, GID = 1234, 5678
@@ -123,7 +123,7 @@ def snapshot(fs: CacheFs) -> tuple:
 
 
 def test_full_disk_close_and_delete_use_the_reserve_and_it_comes_back(disk, caplog):
-    caplog.set_level(logging.INFO, "cachemgr.index")
+    caplog.set_level(logging.INFO, "cachemgr.core.index")
     cache = disk / "cache"
     fs = CacheFs.load(cache)
     assert fs.index.reserve_held

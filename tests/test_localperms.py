@@ -151,7 +151,7 @@ def test_redact_keeps_ordinary_lines_and_masks_literal_secrets():
 
 
 def test_modes_are_explicit_and_only_for_own_files_and_dirs(tmp_path):
-    from cachemgr.nodefiles import make_dirs, open_private, restrict
+    from cachemgr.host.nodefiles import make_dirs, open_private, restrict
 
     with umask(0):
         make_dirs(tmp_path / "a" / "b" / "c")

@@ -38,7 +38,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from cachemgr.fs import CacheFs
+from cachemgr.core.fs import CacheFs
 from tests.conftest import Mount, _alive, is_mounted, wait_for
 
 NAMES = ("a", "b", "c")

@@ -1,4 +1,4 @@
-"""File names that are not UTF-8 (Linux names are bytes): the escaped form of cachemgr.names
+"""File names that are not UTF-8 (Linux names are bytes): the escaped form of cachemgr.format.names
 (docs/FORMAT.md "Names"), and sets holding such names through real mounts: uploaded, published
 (S3 keys and strict JSON), restored with their exact byte names on a fresh node and without
 ckptfs, rotated away, with every directory's link count right; plus names with '%' and
@@ -20,10 +20,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ckptfs
-from cachemgr import manifest as mf
-from cachemgr import names, parts
-from cachemgr.fs import CacheFs
+from cachemgr.core.fs import CacheFs
+from cachemgr.format import manifest as mf
+from cachemgr.format import names
 from cachemgr.store import StoreError
+from cachemgr.tiering import parts
 
 # ----------------------------------------------------------------------------------------------
 # the escaping itself
@@ -89,7 +90,7 @@ def test_no_two_names_share_a_form():
 
 
 def test_object_keys_are_valid_utf8_and_plain_names_keep_theirs():
-    from cachemgr.tiering import object_key
+    from cachemgr.tiering.services import object_key
 
     assert object_key("n1", 7, 2, "ckpt/ckpt-é.pt") == "data/n1/7/2/ckpt-é.pt"
     assert object_key("n1", 7, 2, "ckpt/50%.pt") == "data/n1/7/2/50%.pt"
@@ -407,8 +408,8 @@ def test_directory_link_counts_when_non_utf8_directories_move_and_go(mount_facto
 
 
 def test_names_too_long_for_a_plain_key_publish_under_a_hashed_key(mount_factory):
-    """Every valid name maps to a key every store can hold (cachemgr.keys): a 255-byte name of
-    non-UTF-8 bytes escapes to 765 characters, a 253-byte UTF-8 name makes a 258-byte
+    """Every valid name maps to a key every store can hold (cachemgr.format.keys): a 255-byte name
+    of non-UTF-8 bytes escapes to 765 characters, a 253-byte UTF-8 name makes a 258-byte
     `<name>.json`; neither fits a file:// store's 255-byte file names. Both sets (a file, and a
     directory renamed into place) are published under `manifests/%25/<sha256>.json`, a fresh
     node shows and reads them, and their deletion reaches it (it finds a hashed key's path in

@@ -1,7 +1,7 @@
 """Every filesystem operation through a real mount, with the errno of every refusal.
 
 Each test drives the kernel with ordinary `os` calls on a started mount (`mnt`), so the path is
-application -> VFS -> FUSE -> daemon -> cachemgr.fs. Where the kernel's VFS answers a refusal
+application -> VFS -> FUSE -> daemon -> cachemgr.core.fs. Where the kernel's VFS answers a refusal
 itself before the request reaches the daemon (noted at the assertion), the test asserts what
 Linux returns, which is what applications see.
 """

@@ -10,8 +10,8 @@ import pickle
 
 import pytest
 
-from cachemgr import members, parts
-from cachemgr.dcp import storage_files
+from cachemgr.format.dcp import storage_files
+from cachemgr.tiering import members, parts
 
 torch = pytest.importorskip("torch")
 import torch.distributed.checkpoint as dcp
@@ -95,8 +95,8 @@ def test_an_ack_that_lands_after_its_intent_went_is_taken_back(tmp_path):
     until the committer has dropped the intent."""
     import trio
 
-    from cachemgr.fs import CacheFs
-    from cachemgr.sets import SetRegistry
+    from cachemgr.core.fs import CacheFs
+    from cachemgr.core.sets import SetRegistry
     from cachemgr.store import LocalStore
 
     store = LocalStore(tmp_path / "store")
@@ -154,14 +154,14 @@ def test_an_ack_that_lands_after_its_intent_went_is_taken_back(tmp_path):
 
 
 def test_a_renewal_answered_after_the_lease_ran_out_starts_a_new_generation(tmp_path):
-    """cachemgr.members.Lease: a renewal PUT the store answers after the lease ran out may have
-    landed when other nodes already counted this node gone, so the node registers again under
+    """cachemgr.tiering.members.Lease: a renewal PUT the store answers after the lease ran out may
+    have landed when other nodes already counted this node gone, so the node registers again under
     a new, larger generation (kept in the index, so a restart never reuses one); `ensure`,
     called before every write of the protocol, does the same once the lease ran out, and
     nothing at all while it holds. The renewal's lateness is gated, not slept through."""
     import trio
 
-    from cachemgr.fs import CacheFs
+    from cachemgr.core.fs import CacheFs
     from cachemgr.store import LocalStore
 
     store = LocalStore(tmp_path / "store")

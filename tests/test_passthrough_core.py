@@ -1,8 +1,8 @@
-"""In-process tests of the passthrough rules of `CacheFs` (cachemgr/handles.py `passthrough_open`,
-`take_in_writes`) and of `cachemgr.passthrough.Backings`, with a fake kernel: which opens get a
-backing id, that an inode keeps one backing file while it has passthrough opens, what a refused
-registration does, and that the daemon takes in the size and mtime "the kernel" wrote (here: the
-test writing the cache file directly, as the kernel does).
+"""In-process tests of the passthrough rules of `CacheFs` (cachemgr/core/handles.py
+`passthrough_open`, `take_in_writes`) and of `cachemgr.core.passthrough.Backings`, with a fake
+kernel: which opens get a backing id, that an inode keeps one backing file while it has passthrough
+opens, what a refused registration does, and that the daemon takes in the size and mtime "the
+kernel" wrote (here: the test writing the cache file directly, as the kernel does).
 
 The real kernel is in tests/test_passthrough.py.
 """
@@ -14,8 +14,8 @@ import os
 
 import pytest
 
-from cachemgr.fs import CacheFs
-from cachemgr.passthrough import Backings
+from cachemgr.core.fs import CacheFs
+from cachemgr.core.passthrough import Backings
 
 ROOT = 1
 UID, GID = 0, 0
@@ -132,7 +132,7 @@ def test_takes_in_what_the_kernel_wrote(fs, kernel):
 
 
 def test_set_id_writer_is_served_by_the_daemon(fs, kernel):
-    from cachemgr.inodes import Caller
+    from cachemgr.core.inodes import Caller
 
     res, node = create(fs, b"s")
     fs.release(res.fh)
@@ -173,8 +173,8 @@ def test_a_passthrough_reader_that_reads_holds_uploads_back_for_a_while(fs, kern
     """The daemon sees no passthrough reads; `busy_since_probe` (the upload scheduler's
     foreground probe) finds them in the opener's read counter, for READ_HOLD_S after its open,
     and forgets the process at its last release. Writers' handles are not readers."""
-    from cachemgr.inodes import Caller
-    from cachemgr.passthrough import READ_HOLD_S
+    from cachemgr.core.inodes import Caller
+    from cachemgr.core.passthrough import READ_HOLD_S
 
     b = fs.backings
     t = [1000.0]
@@ -216,7 +216,7 @@ def test_read_counter_of_a_real_process():
     import subprocess
     import sys
 
-    from cachemgr.passthrough import read_counter
+    from cachemgr.core.passthrough import read_counter
 
     child = subprocess.Popen(
         [sys.executable, "-c",

@@ -1,16 +1,16 @@
-"""In-process tests of what a node does with the store's documents: `cachemgr.validate` and
-`cachemgr.remote.RemoteSync`, without FUSE or a daemon (issue "Trust nothing read from the
+"""In-process tests of what a node does with the store's documents: `cachemgr.format.validate` and
+`cachemgr.tiering.remote.RemoteSync`, without FUSE or a daemon (issue "Trust nothing read from the
 store").
 
 `Harness` is a real `CacheFs` (built as tests/test_core.py builds it), a real `SetRegistry` on
 its index and a real `LocalStore` in a temporary directory, and a RemoteSync built on them as
-`cachemgr.tiering.Tiering` builds it, with `StandIn` giving the interfaces Tiering gives
+`cachemgr.tiering.services.Tiering` builds it, with `StandIn` giving the interfaces Tiering gives
 (`mark_parts`: PartPublisher.mark_all, `changed`: Tiering._changed_now); the stand-in is also
 connected to the core (`CacheFs.connect`) as its hooks, for what the core calls while
-RemoteSync changes the tree (a purge, freed space), with a real `cachemgr.restore.Restorer`
+RemoteSync changes the tree (a purge, freed space), with a real `cachemgr.restore.restorer.Restorer`
 behind them as its read-through. Sets are published as another node would publish them:
 objects and manifests written with the store's API (manifests built with
-`cachemgr.manifest.build`), and `RemoteSync.sync_once()` is run with trio.run.
+`cachemgr.format.manifest.build`), and `RemoteSync.sync_once()` is run with trio.run.
 
   1. Fuzz of `validate.manifest` / `validate.part_record` (hypothesis): over arbitrary JSON,
      arbitrary bytes and mutations of valid documents only `DocumentError` escapes, and what is
@@ -45,25 +45,26 @@ import trio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cachemgr import manifest as mf
-from cachemgr import members, parts, validate
-from cachemgr.errors import FsError, IndexFull
-from cachemgr.fs import CacheFs
-from cachemgr.index import ROOT_INO
-from cachemgr.keys import manifest_key, part_key
-from cachemgr.names import (
+from cachemgr.core.errors import FsError, IndexFull
+from cachemgr.core.fs import CacheFs
+from cachemgr.core.index import ROOT_INO
+from cachemgr.core.sets import SetRegistry
+from cachemgr.format import manifest as mf
+from cachemgr.format import validate
+from cachemgr.format.keys import manifest_key, part_key
+from cachemgr.format.names import (
     escape_name,
     escape_path,
     is_canonical_path,
     unescape_name,
     unescape_path,
 )
-from cachemgr.objects import StoredObject
-from cachemgr.remote import RemoteSync
-from cachemgr.restore import Restorer
-from cachemgr.sets import SetRegistry
+from cachemgr.format.objects import StoredObject
+from cachemgr.restore.restorer import Restorer
 from cachemgr.store import LocalStore, StoreError, crc32c
 from cachemgr.store.wrappers import FaultyStore
+from cachemgr.tiering import members, parts
+from cachemgr.tiering.remote import RemoteSync
 from tests.test_diskfull import memory_matches_index
 
 OTHER = "0be1b2c3"  # the node that publishes the sets these tests restore
@@ -82,7 +83,7 @@ FUZZ_STORE = settings(max_examples=50, deadline=None,
 
 
 class _Parts:
-    """cachemgr.parts.PartPublisher as RemoteSync uses it."""
+    """cachemgr.tiering.parts.PartPublisher as RemoteSync uses it."""
 
     def __init__(self) -> None:
         self.marked = 0
@@ -92,8 +93,8 @@ class _Parts:
 
 
 class StandIn:
-    """The interfaces cachemgr.tiering.Tiering gives RemoteSync and the Restorer, and the core's
-    hooks that the changes RemoteSync makes call (a purge, freed space), with a real Restorer
+    """The interfaces cachemgr.tiering.services.Tiering gives RemoteSync and the Restorer, and the
+    core's hooks that the changes RemoteSync makes call (a purge, freed space), with a real Restorer
     behind them."""
 
     def __init__(self, core: CacheFs, store: LocalStore) -> None:
@@ -357,7 +358,7 @@ def stored_objects(draw, writers: list[str], size: int) -> dict:
 
 @st.composite
 def manifests(draw) -> dict:
-    """A valid manifest document (as cachemgr.manifest.build writes it)."""
+    """A valid manifest document (as cachemgr.format.manifest.build writes it)."""
     kind = draw(st.sampled_from(["dir", "dir", "file", "symlink"]))
     path = "/".join(draw(st.lists(NAMES, min_size=1, max_size=3)))
     node = draw(NODES)
@@ -913,7 +914,7 @@ def test_named_part_record_mutations_are_refused(why):
 
 
 def _skips(caplog, key: str | None = None) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.name == "cachemgr.remote" and
+    return [r.getMessage() for r in caplog.records if r.name == "cachemgr.tiering.remote" and
             r.getMessage().startswith("skipping manifest") and
             (key is None or r.getMessage().startswith(f"skipping manifest {key}:"))]
 
@@ -930,7 +931,7 @@ def _namespace_inodes(core: CacheFs) -> int:
 @given(st.lists(TREES, min_size=1, max_size=3), st.lists(mutated(manifests()), max_size=3),
        st.data())
 def test_sync_applies_valid_sets_and_skips_invalid_ones_once(caplog, trees, bad, data):
-    caplog.set_level(logging.INFO, logger="cachemgr.remote")
+    caplog.set_level(logging.INFO, logger="cachemgr.tiering.remote")
     caplog.clear()
     with tempfile.TemporaryDirectory() as tmp:
         h = Harness(Path(tmp))
@@ -993,7 +994,7 @@ def test_sync_applies_valid_sets_and_skips_invalid_ones_once(caplog, trees, bad,
 
 
 def test_invalid_manifest_is_logged_again_only_when_it_changes(h, caplog):
-    caplog.set_level(logging.INFO, logger="cachemgr.remote")
+    caplog.set_level(logging.INFO, logger="cachemgr.tiering.remote")
     key = mf.manifest_key("ckpt/a")
     h.put(key, b"{")
     h.sync()
@@ -1019,7 +1020,7 @@ def test_invalid_manifest_is_logged_again_only_when_it_changes(h, caplog):
 
 
 def test_long_names_use_hashed_keys_and_bad_hashed_documents_are_skipped(h, caplog):
-    caplog.set_level(logging.INFO, logger="cachemgr.remote")
+    caplog.set_level(logging.INFO, logger="cachemgr.tiering.remote")
     path = "ckpt/" + "n" * 251  # "<name>.json" is over 255 bytes: a hashed key
     m = h.manifest(path, {"x": b"1"})
     assert mf.path_of_manifest_key(mf.manifest_key(path)) is None
@@ -1037,7 +1038,7 @@ def test_long_names_use_hashed_keys_and_bad_hashed_documents_are_skipped(h, capl
 
 
 def test_a_manifest_over_the_size_limit_is_not_read(h, caplog, monkeypatch):
-    caplog.set_level(logging.INFO, logger="cachemgr.remote")
+    caplog.set_level(logging.INFO, logger="cachemgr.tiering.remote")
     m = h.manifest("ckpt/big", {"x": b"1"})
     h.publish(m)
     monkeypatch.setattr(validate, "MAX_DOCUMENT_BYTES", 100)
@@ -1088,7 +1089,7 @@ def test_a_removal_that_fails_does_not_stop_the_listing(h, caplog):
     """A set that left the store but cannot be removed here (a full cache disk) is logged once
     and removed at a later listing; the listing goes on: the other sets are removed, the
     listing counts, sync_once does not raise."""
-    caplog.set_level(logging.INFO, logger="cachemgr.remote")
+    caplog.set_level(logging.INFO, logger="cachemgr.tiering.remote")
     for name in ("a", "b"):
         h.publish(h.manifest(f"ckpt/{name}", {"x": b"1", "d/y": b"2"}))
     h.sync()
@@ -1187,7 +1188,7 @@ def _v1(h: Harness) -> tuple[dict, str, int, dict]:
 @pytest.mark.parametrize("n", [1, 3, RAW_CREATES_OF_V2, "record"])
 @pytest.mark.parametrize("then", ["reload", "retry"])
 def test_failed_apply_changes_nothing(tmp_path, caplog, n, exc, refs, then):
-    caplog.set_level(logging.INFO, logger="cachemgr.remote")
+    caplog.set_level(logging.INFO, logger="cachemgr.tiering.remote")
     h = Harness(tmp_path)
     _m1, etag1, root, inos = _v1(h)
     seq1 = h.sets.newest_at("ckpt/step").seq
@@ -1356,7 +1357,7 @@ def test_restored_chunks_keep_off_the_released_index_reserve(h, monkeypatch):
     present, and once the disk has room again the chunks come in."""
     from types import SimpleNamespace
 
-    import cachemgr.index as index_mod
+    import cachemgr.core.index as index_mod
 
     big = bytes(range(40))
     h.publish(h.manifest("ckpt/step", {"big": big}, chunk_size=8))

@@ -791,7 +791,7 @@ def test_lz4_bomb_in_store_answers_eio_in_bounded_memory(nodes):
     bomb = _lz4_frame_of_zeros(1 << 30)
     assert len(bomb) < 8 * MiB
     _replace_file(store / obj["key"], bomb)
-    # The manifest still passes every check of cachemgr.validate: one frame, its length =
+    # The manifest still passes every check of cachemgr.format.validate: one frame, its length =
     # stored_size, within the compress bound of its frame size (a 4 MiB frame cannot take more
     # than ~4.02 MiB stored, so the frame size says 64 MiB, the largest allowed; the one chunk
     # CRC still covers the whole 4 MiB file). It decompresses to 1 GiB where the reader expects

@@ -1,5 +1,5 @@
 """Restore at scale (issue 13): several mounts with empty caches on one store each fetch what
-their own readers read, not the whole set (cachemgr.restore, docs/ARCHITECTURE.md "Restore
+their own readers read, not the whole set (cachemgr.restore.restorer, docs/ARCHITECTURE.md "Restore
 policy").
 
   * A DCP checkpoint saved through node A by 4 gloo ranks, loaded at world size 2 with one rank

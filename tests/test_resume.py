@@ -15,7 +15,7 @@ reader's side, at the moment it looks:
 
 Store-side gates: CKPTFS_FAULTS `get@<prefix>=hold:<gate>` holds the daemon's GETs of those keys
 while the gate file exists; CKPTFS_TEST_HOLD_FILL=<gate> holds restore's cache-file writes
-(cachemgr.filecache). Every test checks that no daemon logged an unexpected error.
+(cachemgr.core.filecache). Every test checks that no daemon logged an unexpected error.
 """
 
 from __future__ import annotations

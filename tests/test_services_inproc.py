@@ -36,11 +36,12 @@ from pathlib import Path
 import pytest
 import trio
 
-from cachemgr.errors import FsError
-from cachemgr.fs import CacheFs
-from cachemgr.index import ROOT_INO
-from cachemgr.keys import is_manifest_key, manifest_key
-from cachemgr.sets import SetRegistry
+from cachemgr.core.errors import FsError
+from cachemgr.core.fs import CacheFs
+from cachemgr.core.index import ROOT_INO
+from cachemgr.core.sets import SetRegistry
+from cachemgr.format.keys import is_manifest_key, manifest_key
+from cachemgr.host.foreground import Foreground
 from cachemgr.store import (
     FaultyStore,
     LocalStore,
@@ -50,8 +51,8 @@ from cachemgr.store import (
     StoreError,
     TransientStoreError,
 )
-from cachemgr.tiering import Tiering, TieringConfig
-from cachemgr.transfer import TransferConfig
+from cachemgr.tiering.services import Tiering, TieringConfig
+from cachemgr.transfer.upload import TransferConfig
 
 O_W = os.O_WRONLY | os.O_CREAT
 CHUNK = 4096
@@ -144,7 +145,7 @@ class Node:
     def __init__(self, cache_dir: Path, store: LocalStore, **cfg) -> None:
         self.core = CacheFs.load(cache_dir)
         self.store = store
-        self.t = Tiering(self.core, store, config(**cfg))
+        self.t = Tiering(self.core, store, config(**cfg), foreground=Foreground())
         self.core.connect(hooks=self.t, reads=self.t.restorer, room=self.t,
                           cache_size=self.t.cfg.cache_size, status=self.t.status)
         self.sets = SetRegistry(self.core.index)
@@ -651,7 +652,7 @@ def test_a_directory_renamed_into_place_gathers_the_other_nodes_file(tmp_path, s
     async def body():
         fh = b.open_write("step.tmp/y")  # B is still writing its file
         b.core.write(fh, 0, y)
-        b.core.flush(fh)  # a flush announces it (cachemgr.parts)
+        b.core.flush(fh)  # a flush announces it (cachemgr.tiering.parts)
         a.core.rename(ROOT_INO, b"step.tmp", ROOT_INO, b"step", 0)
         row = await until(lambda: next((r for r in a.t.status()["sets"]
                                         if r["path"] == "step" and "waiting_for" in r), None),
@@ -695,7 +696,7 @@ def test_a_set_stuck_waiting_for_another_nodes_file_is_named(tmp_path, store):
     async def body():
         fh = b.open_write("step.tmp/y")
         b.core.write(fh, 0, b"y" * 3000)
-        b.core.flush(fh)  # announces it (cachemgr.parts)
+        b.core.flush(fh)  # announces it (cachemgr.tiering.parts)
         a.core.rename(ROOT_INO, b"step.tmp", ROOT_INO, b"step", 0)
         got = await until(lambda: (g := stuck(a)) and "step" in g and
                           g["step"]["waits_for"] == "other_nodes" and g,

@@ -1,17 +1,18 @@
 """Commit rules, in-process: the core with tiering hooks attached but the upload service not
 running, so every set stays exactly where the hooks put it (deterministic, no FUSE, no store
 traffic). What each rule means is in docs/SEMANTICS.md "When a set is committed". At the end,
-the tiering services themselves in-process (cachemgr.uploads, cachemgr.publish): their workers
-driven against a file:// store, without FUSE."""
+the tiering services themselves in-process (cachemgr.tiering.uploads, cachemgr.tiering.publish):
+their workers driven against a file:// store, without FUSE."""
 
 import os
 
 import pytest
 
-from cachemgr.fs import CacheFs
-from cachemgr.sets import SetRegistry, is_temp_name
+from cachemgr.core.fs import CacheFs
+from cachemgr.core.sets import SetRegistry, is_temp_name
+from cachemgr.host.foreground import Foreground
 from cachemgr.store import LocalStore
-from cachemgr.tiering import Tiering, TieringConfig
+from cachemgr.tiering.services import Tiering, TieringConfig
 
 ROOT = 1
 O_W = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
@@ -19,7 +20,7 @@ O_W = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
 
 def attach(core: CacheFs, store: LocalStore, cfg: TieringConfig | None = None) -> Tiering:
     """A Tiering over `core`, connected to it as ckptfs.daemon connects it."""
-    t = Tiering(core, store, cfg or TieringConfig())
+    t = Tiering(core, store, cfg or TieringConfig(), foreground=Foreground())
     core.connect(hooks=t, reads=t.restorer, room=t, cache_size=t.cfg.cache_size,
                  status=t.status)
     return t
@@ -221,7 +222,7 @@ def _drive(t: Tiering, until, limit: float = 30.0) -> None:
 def _has_manifest(store: LocalStore, path: str) -> bool:
     import trio
 
-    from cachemgr.manifest import manifest_key
+    from cachemgr.format.manifest import manifest_key
     from cachemgr.store import NotFound
 
     async def head() -> bool:
@@ -318,7 +319,7 @@ def test_a_close_the_full_disk_kept_from_being_recorded_is_recorded_at_the_next(
     """The last close of a file whose release transaction fails (the cache disk full even after
     the index reserve) is not lost: the kernel does not retry a release, so the core closes the
     content again at the next release, and its set is committed then."""
-    from cachemgr.errors import IndexFull
+    from cachemgr.core.errors import IndexFull
 
     res, node = fs.create(ROOT, b"model.pt", 0o644, O_W, 0, 0)
     fs.write(res.fh, 0, b"w" * 1000)

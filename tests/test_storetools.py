@@ -30,7 +30,7 @@ from ckpt_restore import FileStoreView, S3StoreView, manifests
 from conftest import REPO, ckptfs_cmd, run_cli
 
 import ckptfs
-from cachemgr import keys, storeread, validate
+from cachemgr.format import keys, storeread, validate
 from ckptfs import cli, storetools
 
 DAY = 86400

@@ -1,5 +1,6 @@
-"""Uploads, ranged reads and verified downloads of one file (cachemgr.transfer, cachemgr.compress),
-against both real backends: a file:// directory and S3 over HTTP (moto_server on loopback).
+"""Uploads, ranged reads and verified downloads of one file (cachemgr.transfer.upload,
+cachemgr.transfer.download, cachemgr.format.compress), against both real backends: a file://
+directory and S3 over HTTP (moto_server on loopback).
 
 Parts are 5 MiB (S3's minimum) and lz4 frames 1 MiB so that multipart uploads, several frames
 per part and frame-crossing reads all happen on small files.
@@ -20,8 +21,15 @@ import numpy as np
 import pytest
 import trio
 
-from cachemgr import compress, transfer
-from cachemgr.objects import StoredObject, chunk_count, chunk_span, crc32c_combine, verify_chunk
+from cachemgr.format import compress
+from cachemgr.format.objects import (
+    StoredObject,
+    chunk_count,
+    chunk_span,
+    crc32c_combine,
+    verify_chunk,
+)
+from cachemgr.host.foreground import Foreground
 from cachemgr.store import (
     FaultyStore,
     IntegrityError,
@@ -33,15 +41,9 @@ from cachemgr.store import (
 )
 from cachemgr.store.s3 import S3Options, S3Store
 from cachemgr.store.wrappers import _Wrapper
-from cachemgr.transfer import (
-    Superseded,
-    TransferConfig,
-    Uploader,
-    _Producer,
-    download_file,
-    fetch_chunk,
-    read_range,
-)
+from cachemgr.transfer import upload
+from cachemgr.transfer.download import download_file, fetch_chunk, read_range
+from cachemgr.transfer.upload import Superseded, TransferConfig, Uploader, _Producer
 
 PART = 5 << 20
 FRAME = 1 << 20
@@ -416,12 +418,12 @@ def test_a_superseded_upload_of_very_compressible_data_stops_within_a_step(tmp_p
     within a step; a part built in many steps is stored bit-exact."""
     monkeypatch.setattr(_Producer, "STEP_RAW", 2 * FRAME)
     read: list[int] = []
-    real = transfer._pread_exact
+    real = upload._pread_exact
 
     def counting(fd: int, n: int, off: int) -> bytes:
         read.append(n)
         return real(fd, n, off)
-    monkeypatch.setattr(transfer, "_pread_exact", counting)
+    monkeypatch.setattr(upload, "_pread_exact", counting)
     store = LocalStore(tmp_path / "store")
     up = Uploader(store, cfg(compress="lz4"))
     size = 64 * FRAME
@@ -965,16 +967,12 @@ def test_a_staged_copy_gives_way_to_the_trainer_between_its_steps(tmp_path, monk
             return True
         return False
 
-    transfer.set_foreground_probe(probe)
-    try:
-        async def go():
-            up = Uploader(Recording(store), cfg(stage_files=True))
-            obj = await up.upload_file(src, "k", size=len(data), still_valid=lambda: True)
-            assert obj.size == len(data)
-            assert await store.get("k") == data
-        trio.run(go)
-    finally:
-        transfer.set_foreground_probe(None)
+    async def go():
+        up = Uploader(Recording(store), cfg(stage_files=True), foreground=Foreground(probe))
+        obj = await up.upload_file(src, "k", size=len(data), still_valid=lambda: True)
+        assert obj.size == len(data)
+        assert await store.get("k") == data
+    trio.run(go)
     assert log.count("pause") == 4  # 5 steps of 1 MiB
     # the busy answer made the first pause wait: it asked again before the copy went on
     assert log[:4] == ["pause", "probe", "busy", "probe"], log
@@ -986,21 +984,20 @@ def test_the_crc_pass_over_a_staged_copy_gives_way_between_its_steps(tmp_path, m
     from cachemgr.store import local
 
     monkeypatch.setattr(local, "COPY_STEP", 1 << 30)  # the copy in one step: no pause there
-    monkeypatch.setattr(transfer, "STAGED_CRC_STEP", 1 << 20)
+    monkeypatch.setattr(upload, "STAGED_CRC_STEP", 1 << 20)
     waits = [0]
-    real = transfer.yield_to_foreground
 
-    async def counting() -> None:
-        waits[0] += 1
-        await real()
+    class Counting(Foreground):
+        async def yield_to(self) -> None:
+            waits[0] += 1
+            await super().yield_to()
 
-    monkeypatch.setattr(transfer, "yield_to_foreground", counting)
     data = mixed((5 << 20) + 123)
     src = write(tmp_path, "in", data)
     store = LocalStore(tmp_path / "store")
 
     async def go():
-        up = Uploader(store, cfg(stage_files=True))
+        up = Uploader(store, cfg(stage_files=True), foreground=Counting())
         obj = await up.upload_file(src, "k", size=len(data), still_valid=lambda: True)
         assert await store.get("k") == data
         return obj
@@ -1008,7 +1005,7 @@ def test_the_crc_pass_over_a_staged_copy_gives_way_between_its_steps(tmp_path, m
     # two waits before the copy (the upload's first read, the staged path), then one before
     # each CRC step after the first: 6 steps of 1 MiB
     assert waits[0] == 2 + 5
-    monkeypatch.setattr(transfer, "STAGED_CRC_STEP", 1 << 30)
+    monkeypatch.setattr(upload, "STAGED_CRC_STEP", 1 << 30)
     whole = trio.run(lambda: Uploader(LocalStore(tmp_path / "store2"), cfg(stage_files=True))
                      .upload_file(src, "k", size=len(data), still_valid=lambda: True))
     assert obj == whole  # the same chunk CRCs, combined CRC and size

@@ -1,4 +1,4 @@
-"""Trust nothing read from the store (cachemgr.validate): documents planted in a shared
+"""Trust nothing read from the store (cachemgr.format.validate): documents planted in a shared
 file:// store by "someone else" (a bug, an older ckptfs, a hostile peer), seen through real
 mounts.
 
@@ -33,8 +33,8 @@ from pathlib import Path
 from conftest import run_cli, wait_for
 
 import ckptfs
-from cachemgr import validate
-from cachemgr.keys import part_key
+from cachemgr.format import validate
+from cachemgr.format.keys import part_key
 from cachemgr.store.base import crc32c
 from ckptfs.mount import pid_running
 
@@ -294,7 +294,7 @@ def test_invalid_part_record_of_another_node_fails_the_commit(mount_factory):
                        f)
 
     # Another multi-node commit still works, beside the invalid records of other sets: also
-    # one under a hashed key (cachemgr.keys: a path too long for a plain key), which every
+    # one under a hashed key (cachemgr.format.keys: a path too long for a plain key), which every
     # committer lists.
     deep = "/".join(["d" * 200] * 5)  # makes a key over 1,024 bytes
     hashed = part_key(f"elsewhere/{deep}", FAKE)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from .base import (
+from cachemgr.store.base import (
     IntegrityError,
     NotFound,
     ObjectInfo,
@@ -16,8 +16,8 @@ from .base import (
     TransientStoreError,
     crc32c,
 )
-from .local import LocalStore
-from .wrappers import FaultyStore, RetryingStore, RetryPolicy
+from cachemgr.store.local import LocalStore
+from cachemgr.store.wrappers import FaultyStore, RetryingStore, RetryPolicy
 
 __all__ = [
     "FaultyStore", "IntegrityError", "LocalStore", "NotFound", "ObjectInfo", "ObjectStore",
@@ -35,7 +35,7 @@ def open_store(url: str, **s3_opts: Any) -> ObjectStore:
             raise StoreError(f"file:// store needs an absolute path: {url!r}")
         return LocalStore(Path(path))
     if url.startswith("s3://"):
-        from .s3 import S3Options, S3Store
+        from cachemgr.store.s3 import S3Options, S3Store
 
         return S3Store(url, S3Options(**s3_opts))
     raise StoreError(f"unsupported store URL {url!r} (use s3://bucket/prefix or file:///dir)")

@@ -26,6 +26,11 @@ from typing import Any
 
 import crc32c as _crc32c
 
+# Scratch objects of a mount's conditional-write probe (s3.S3Store.probe_conditional,
+# docs/STORES.md): the one prefix the seam itself writes under; the layout (cachemgr.format.keys)
+# keeps it free.
+PROBE_PREFIX = "probe/"
+
 
 def crc32c(data: bytes | memoryview, value: int = 0) -> int:
     """CRC32C (Castagnoli), hardware-accelerated: ~8.7 GB/s on this machine (measured)."""

@@ -74,7 +74,7 @@ from typing import IO, Any, TypeVar
 
 import trio
 
-from .base import (
+from cachemgr.store.base import (
     NotFound,
     ObjectInfo,
     ObjectStore,
@@ -85,7 +85,7 @@ from .base import (
     TransientStoreError,
     crc32c,
 )
-from .localfs import (
+from cachemgr.store.localfs import (
     DIR_FLAGS,
     DIR_MODE,
     MAX_DEPTH,
@@ -331,7 +331,7 @@ class LocalStore(ObjectStore):
 
     def _stage(self, key: str, fd: int, size: int, inspect: Callable[[memoryview], int],
                pause: Callable[[], None] | None) -> Staged:
-        from ..background import run_idle  # an upload's copy is background work
+        from cachemgr.host.background import run_idle  # an upload's copy is background work
 
         dfd, _name = self._tree.object_dir(key, create=True)
         try:

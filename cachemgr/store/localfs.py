@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
-from .base import NotFound, ObjectInfo, StoreError, check_key
+from cachemgr.store.base import NotFound, ObjectInfo, StoreError, check_key
 
 MAX_DEPTH = 256          # components of a key
 SIDECAR_MAX = 4096       # bytes of a sidecar read at most; a longer one counts as absent

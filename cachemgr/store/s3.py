@@ -37,8 +37,8 @@ import botocore.config
 import botocore.exceptions
 import trio
 
-from ..keys import PROBE_PREFIX
-from .base import (
+from cachemgr.store.base import (
+    PROBE_PREFIX,
     ConditionalWrites,
     NotFound,
     ObjectInfo,

@@ -20,7 +20,7 @@ from typing import Any
 
 import trio
 
-from .base import (
+from cachemgr.store.base import (
     ConditionalWrites,
     ObjectInfo,
     ObjectStore,

@@ -1,0 +1,141 @@
+"""Set manifests: the JSON document that publishes a shard set in the store (docs/FORMAT.md).
+
+A manifest is written once per commit, only after every object it names is in the store and
+verified, with a single PUT to `manifests/<set path>.json` (atomic in S3 and in the file://
+store). Its presence is the commit: readers list `manifests/` and trust nothing else.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from cachemgr.format import validate
+
+# Keys live in cachemgr.format.keys (stdlib only, shared with scripts/ckpt_restore.py); re-exported.
+from cachemgr.format.keys import (
+    MANIFEST_PREFIX,
+    MANIFEST_SUFFIX,
+    is_manifest_key,
+    manifest_key,
+    path_of_manifest_key,
+)
+from cachemgr.format.names import from_str, is_escaped
+from cachemgr.store import StoreError
+
+FORMAT = "ckptfs-manifest"
+FORMAT_VERSION = 1
+# Version 2 is version 1 with its names in the escaped form of cachemgr.format.names (docs/FORMAT.md
+# "Names"). It is written only for a set holding a name that needs an escape, so every other
+# manifest stays version 1, byte for byte as before, and a version-1 reader refuses one it would
+# misname instead of restoring files under the wrong names.
+ESCAPED_VERSION = 2
+VERSIONS = validate.VERSIONS  # what a reader accepts: (FORMAT_VERSION, ESCAPED_VERSION)
+
+
+ManifestError = validate.ManifestError
+
+
+class UnrepresentableError(StoreError):
+    """A document holds a string JSON readers would refuse (a lone surrogate). A StoreError so
+    that the set fails with this reason instead of stopping the worker that publishes it."""
+
+
+def _surrogates(s: str) -> bool:
+    return any("\ud800" <= c <= "\udfff" for c in s)
+
+
+def _legacy(s: str) -> str:
+    """A path as the index may still hold it from before escaping (set layouts kept undecodable
+    bytes as surrogates): its escaped form. Already escaped paths are returned as they are."""
+    return from_str(s) if _surrogates(s) else s
+
+
+def _path_fields(m: dict[str, Any]) -> Iterator[tuple[dict[str, Any], str]]:
+    """(container, field) of every name-bearing string of a manifest."""
+    yield m, "path"
+    if "from" in m["commit"]:
+        yield m["commit"], "from"
+    if "target" in m:
+        yield m, "target"
+    for f in m.get("files", []):
+        yield f, "path"
+    for d in m.get("dirs", []):
+        yield d, "path"
+    for link in m.get("symlinks", []):
+        yield link, "path"
+        yield link, "target"
+
+
+def build(*, path: str, kind: str, seq: int, node: str, reason: str, committed_ns: int,
+          layout: dict[str, Any], files: list[dict[str, Any]]) -> dict[str, Any]:
+    """`files`: dicts with path, size, mode, mtime_ns and object (StoredObject.to_json()).
+    Paths and targets are in the escaped form (cachemgr.format.names); the version says whether any
+    of them holds an escape."""
+    m: dict[str, Any] = {
+        "format": FORMAT,
+        "version": FORMAT_VERSION,
+        "path": path,
+        "kind": kind,
+        "commit": {"node": node, "seq": seq, "reason": reason, "committed_ns": committed_ns,
+                   "published_ns": time.time_ns()},
+        "files": files,
+        "dirs": layout.get("dirs", []),
+        "symlinks": layout.get("symlinks", []),
+    }
+    if layout.get("from"):
+        # The path the set was renamed from: the only other place whose files of their own
+        # the other nodes may move into the set (cachemgr.tiering.remote "adoption").
+        m["commit"]["from"] = layout["from"]
+    if "mode" in layout:
+        m["mode"] = layout["mode"]
+    if kind == "symlink":
+        m["target"] = layout["target"]
+    m["total_bytes"] = sum(f["size"] for f in files)
+    escaped = False
+    for obj, k in _path_fields(m):
+        obj[k] = _legacy(obj[k])
+        escaped = escaped or is_escaped(obj[k])
+    if escaped:
+        m["version"] = ESCAPED_VERSION
+    return m
+
+
+def _strings(x: object) -> Iterator[str]:
+    if isinstance(x, str):
+        yield x
+    elif isinstance(x, dict):
+        for k, v in x.items():
+            yield k
+            yield from _strings(v)
+    elif isinstance(x, list):
+        for v in x:
+            yield from _strings(v)
+
+
+def dumps_checked(doc: dict[str, Any], what: str, **kw: Any) -> bytes:
+    """JSON of a store document; UnrepresentableError if a string in it holds a lone surrogate
+    (json.dumps would write it as a \\udcXX escape, which strict JSON parsers refuse)."""
+    for s in _strings(doc):
+        if _surrogates(s):
+            raise UnrepresentableError(f"{what} cannot be written: {s!r} is not valid text")
+    return json.dumps(doc, **kw).encode()
+
+
+def dumps(m: dict[str, Any]) -> bytes:
+    return dumps_checked(m, f"the manifest of {m.get('path')!r}", indent=1, sort_keys=True)
+
+
+def loads(data: bytes, key: str | None = None) -> dict[str, Any]:
+    """A manifest read from the store (from `key`, which must be its own path's key),
+    validated and normalised by cachemgr.format.validate: every path and target in the escaped form
+    whatever its version, optional fields present, modes masked. ManifestError if it must not
+    be used."""
+    return validate.manifest(data, key)
+
+
+__all__ = ["ESCAPED_VERSION", "FORMAT", "FORMAT_VERSION", "MANIFEST_PREFIX", "MANIFEST_SUFFIX",
+           "VERSIONS", "ManifestError", "UnrepresentableError", "build", "dumps",
+           "dumps_checked", "is_manifest_key", "loads", "manifest_key", "path_of_manifest_key"]

@@ -1,0 +1,4 @@
+"""The node's operating system, as the layers above use it: private cache files and
+directories (`nodefiles`), threads at idle CPU and I/O priority (`background`). Imports nothing
+of cachemgr.
+"""

@@ -1,0 +1,444 @@
+"""The chunk fetch-and-fill path of restore: chunks of a file whose data is not (all) in the
+cache come from the store by range, are verified against the manifest's per-chunk CRC32C, and
+are written into the file's cache file; chunks of a cached file are checked on their first read.
+
+`ChunkFetcher` is what `cachemgr.restore.restorer.Restorer` (reads) and
+`cachemgr.restore.prefetch.Prefetcher` (prefetch jobs, read-ahead) call: `ensure_chunk` (one chunk,
+for a read or a prefetch), `ensure_run` (adjacent chunks in one GET, for a prefetch),
+`verify_cached` (a cached file's first reads in this daemon's life), `fetch` (one verified chunk,
+not stored).
+
+State, its owner and its guards (all on the daemon's trio thread, no lock needed between awaits):
+
+  * `inodes.present` (index) and `_bitmaps` (its in-memory copy per file being restored): which
+    chunks of an incomplete cache file hold verified data. A bit is set only after the chunk's
+    bytes are in the file (`FileCache.fill` returned); the row is written after the bits.
+  * `_inflight`: (ino, chunk) -> event, at most one fetch or check of a chunk at a time; other
+    readers wait for the event and re-check (the fetch may have failed).
+  * `_partial` and `_reserved`: --cache-size accounting. Bytes restored into files not yet
+    complete count in `core.cached_bytes` (a complete file counts its size instead, through
+    `core.fetched`); `_partial` says how many per file, so they leave `cached_bytes` with the
+    file's cache state (`forget`). `_reserved`: bytes of chunk GETs in flight; room is made
+    for a chunk before its GET.
+  * `_objs`, `_verified`, `clean`: per-file caches of the stored object, the chunks checked in
+    this run, and the files that need no check any more (the read hot path tests `clean`).
+    All are dropped with the file's cache state (`forget`): evicted, rewritten, fetched whole,
+    deleted.
+
+Cache files are written only through `cachemgr.core.filecache.FileCache` (`fill`: in a worker
+thread, under the file's lock, after `still_valid()` said the file's content is still the one
+the chunks belong to), and read there for checks (`read`). The one other touch is dropping the
+chunks of an incomplete file nobody uses (`drop_partials`: truncate to 0 on the event loop),
+skipped while FileCache holds the file (`busy`).
+
+Crash states: a fill interrupted by a crash leaves bytes no bit records: fetched again. Bits
+recorded in `inodes.present` survive a crash: a restore resumes where it stopped. A file whose
+every chunk is in is marked cached (`core.fetched`, which clears `present`) in one transaction.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from cachemgr.core.errors import FsError
+from cachemgr.format.objects import StoredObject, chunk_count, chunk_span, verify_chunk
+from cachemgr.store import IntegrityError, ObjectStore, StoreError
+from cachemgr.transfer.download import fetch_chunk, fetch_chunks
+
+if TYPE_CHECKING:
+    from cachemgr.core.fs import CacheFs
+    from cachemgr.core.index import Index
+
+log = logging.getLogger(__name__)
+
+FETCH_ATTEMPTS = 3
+
+# make_room(need, protect): evict until `need` more bytes fit under --cache-size, never a file
+# of `protect`; True if they fit (Tiering.make_room).
+MakeRoom = Callable[[int, set[int]], bool]
+
+
+class ChunkFetcher:
+    """Chunks from the store into cache files; see the module docstring."""
+
+    def __init__(self, *, core: CacheFs, index: Index, store: ObjectStore,
+                 cache_size: int | None, make_room: MakeRoom) -> None:
+        """`make_room`: the --cache-size policy (evicts, then calls `drop_partials`). Dropped
+        chunks free room through `FileCache.chunks_out`, which tells writers waiting for it."""
+        self.core = core
+        self.index = index
+        self.store = store
+        self.cache_size = cache_size
+        self._make_room = make_room
+        self._bitmaps: dict[int, bytearray] = {}
+        self._inflight: dict[tuple[int, int], trio.Event] = {}
+        self._objs: dict[int, tuple[int, StoredObject | None]] = {}  # ino -> (version, obj)
+        self._verified: dict[int, set[int]] = {}
+        # Files needing no more checks this run (all chunks verified, or nothing to verify
+        # against): the read hot path tests membership only.
+        self.clean: set[int] = set()
+        self.partial: dict[int, int] = {}  # ino -> bytes restored into its incomplete file
+        self._reserved = 0
+        self._warned_full = False
+        # statistics
+        self.bytes_fetched = 0
+        self.chunks_fetched = 0
+        self.gets = 0                 # GET requests that returned data
+        self.integrity_errors = 0
+        self.damaged_chunks = 0
+
+    # -- objects and bitmaps -----------------------------------------------------------------
+
+    def obj_of(self, ino: int) -> StoredObject | None:
+        """The uploaded object of `ino`'s current content, or None."""
+        node = self.core.inode(ino)
+        hit = self._objs.get(ino)
+        if hit is not None and hit[0] == node.version:
+            return hit[1]
+        row = self.index.inode_fields(ino, "obj", "obj_version")
+        obj = None
+        if row is not None and row[0] is not None and row[1] == node.version:
+            obj = StoredObject.from_json(row[0])
+        self._objs[ino] = (node.version, obj)
+        return obj
+
+    def _bitmap(self, ino: int, n: int) -> bytearray:
+        bm = self._bitmaps.get(ino)
+        if bm is None:
+            row = self.index.inode_fields(ino, "present")
+            bm = bytearray(row[0]) if row and row[0] else bytearray((n + 7) // 8)
+            if len(bm) != (n + 7) // 8:
+                bm = bytearray((n + 7) // 8)
+            self._bitmaps[ino] = bm
+        return bm
+
+    @staticmethod
+    def _has(bm: bytearray, i: int) -> bool:
+        return bool(bm[i >> 3] & (1 << (i & 7)))
+
+    def forget(self, ino: int) -> None:
+        """The file's cache state changed behind us (evicted, rewritten, fetched, deleted)."""
+        freed = self.partial.pop(ino, 0)
+        if freed:
+            self.core.files.chunks_out(freed)
+        self._bitmaps.pop(ino, None)
+        self._verified.pop(ino, None)
+        self._objs.pop(ino, None)
+        self.clean.discard(ino)
+
+    def trusted(self, ino: int) -> bool:
+        """The cache file of `ino` may be read without this daemon checking each chunk (FUSE
+        passthrough: the kernel reads it directly): it was written or checked in this run, or
+        there is nothing to check it against."""
+        if ino in self.clean:
+            return True
+        obj = self.obj_of(ino)
+        return obj is None or obj.chunk_crcs is None
+
+    # -- bringing chunks in --------------------------------------------------------------------
+
+    async def ensure_chunk(self, ino: int, obj: StoredObject, i: int,
+                           limiter: trio.CapacityLimiter | None = None,
+                           protect: set[int] | None = None) -> bool:
+        """Bring chunk `i` in. `protect` (a prefetch: the inos of its set) makes it give up
+        and return False when --cache-size has no room for the chunk without evicting them;
+        a read always proceeds (over the limit if nothing can be evicted)."""
+        n = chunk_count(obj)
+        while True:
+            node = self.core.inode(ino)
+            if node.cached or self.obj_of(ino) != obj:
+                return True  # completed, or rewritten/evicted meanwhile: the caller re-checks
+            if self._has(self._bitmap(ino, n), i):
+                return True
+            ev = self._inflight.get((ino, i))
+            if ev is not None:
+                await ev.wait()
+                continue  # re-check: the other fetch may have failed
+            length = chunk_span(obj, i)[1]
+            if protect is None and not self.disk_room(length):
+                # Keep the cache disk's reserve for the trainer's writes: the caller (a read)
+                # is served from the store without caching (FuseOps.read).
+                raise OSError(errno.ENOSPC, "the cache disk is at its reserve")
+            if not self.room(length, {ino} | (protect or set())):
+                if protect is not None:
+                    return False
+                if not self._warned_full:
+                    self._warned_full = True
+                    log.warning("cache full (%d of %d bytes, nothing evictable): reads of data "
+                                "not in the cache go over --cache-size", self.core.cached_bytes,
+                                self.cache_size)
+            ev = self._inflight[(ino, i)] = trio.Event()
+            self._reserved += length
+            try:
+                raw = await self.fetch(obj, i, limiter)
+                await self._store_chunks(ino, obj, [(i, raw)], n)
+            finally:
+                self._reserved -= length
+                del self._inflight[(ino, i)]
+                ev.set()
+            return True
+
+    def _next_group(self, ino: int, first: int, last: int, n: int) -> list[int]:
+        """The next contiguous group of chunks in [first, last] that are neither here nor
+        being fetched."""
+        bm = self._bitmap(ino, n)
+        g: list[int] = []
+        for i in range(first, last + 1):
+            if not self._has(bm, i) and (ino, i) not in self._inflight:
+                if g and g[-1] != i - 1:
+                    break
+                g.append(i)
+            elif g:
+                break
+        return g
+
+    async def ensure_run(self, ino: int, obj: StoredObject, first: int, last: int,
+                         protect: set[int]) -> str | None:
+        """Bring chunks [first, last] in for a prefetch. None when they are in (or the file
+        changed meanwhile), else why the prefetch must stop (no room)."""
+        n = chunk_count(obj)
+        while True:
+            # The next group is picked and registered with no await in between (a read may
+            # have taken some of them while the previous group was in flight).
+            node = self.core.inode(ino)
+            if node.cached or self.obj_of(ino) != obj:
+                return None
+            g = self._next_group(ino, first, last, n)
+            if not g:
+                break
+            length = sum(chunk_span(obj, i)[1] for i in g)
+            if not self.room(length, {ino} | protect):
+                return f"the cache is full (--cache-size {self.cache_size} bytes)"
+            if not self.disk_room(length):
+                return "the cache disk is full"
+            events = {i: trio.Event() for i in g}
+            for i, ev in events.items():
+                self._inflight[(ino, i)] = ev
+            self._reserved += length
+            try:
+                raws = await self._fetch_run(obj, g[0], g[-1])
+                await self._store_chunks(ino, obj, list(zip(g, raws, strict=True)), n)
+            finally:
+                self._reserved -= length
+                for i, ev in events.items():
+                    del self._inflight[(ino, i)]
+                    ev.set()
+        # Chunks others were fetching: wait for them (or fetch them if that failed).
+        for i in range(first, last + 1):
+            if not await self.ensure_chunk(ino, obj, i, protect=protect):
+                return f"the cache is full (--cache-size {self.cache_size} bytes)"
+        return None
+
+    # -- room ----------------------------------------------------------------------------------
+
+    def room(self, need: int, protect: set[int]) -> bool:
+        """Make room under --cache-size for `need` more bytes (plus the chunks in flight):
+        evict whole files (least recently used first), then chunks of incomplete files,
+        never those of `protect`."""
+        if self.cache_size is None:
+            return True
+        return self._make_room(need + self._reserved, protect)
+
+    def drop_partials(self, need: int, protect: set[int] | frozenset[int]) -> bool:
+        """Part of Tiering.make_room: drop chunks restored into incomplete files (not open,
+        not in `protect`) until `need` more bytes fit under --cache-size."""
+        limit = self.cache_size
+        if limit is None:
+            return True
+        for ino in list(self.partial):
+            if self.core.cached_bytes + need <= limit:
+                return True
+            if ino not in protect:
+                self._drop_partial(ino)
+        return self.core.cached_bytes + need <= limit
+
+    def _drop_partial(self, ino: int) -> bool:
+        """Drop the chunks of an incomplete, unused file from the cache (they come back from
+        the store when read)."""
+        node = self.core.inode(ino)
+        if node.cached or node.opens or any(k[0] == ino for k in self._inflight) or \
+                self.core.files.busy(ino):
+            return False
+        os.truncate(self.core.data_path(ino), 0)
+        with self.index.tx():
+            self.index.clear_present(ino)
+        self.forget(ino)
+        log.debug("dropped the restored chunks of inode %d", ino)
+        return True
+
+    def disk_room(self, need: int) -> bool:
+        """Does a prefetch of `need` more bytes leave the cache disk its reserve? The reserve
+        (5% of the disk, at most 256 MiB) keeps room for the trainer's next checkpoint writes
+        and the index; a prefetch never takes it, reads by range still may."""
+        try:
+            st = os.statvfs(self.core.cache_dir)
+        except OSError:
+            return True
+        free = st.f_bavail * st.f_frsize
+        reserve = min(256 << 20, st.f_blocks * st.f_frsize // 20)
+        return free - self._reserved - need >= reserve
+
+    # -- the store -----------------------------------------------------------------------------
+
+    async def fetch(self, obj: StoredObject, i: int,
+                    limiter: trio.CapacityLimiter | None = None) -> bytes:
+        """Chunk `i` of `obj`, verified; FsError(EIO) when the store fails (the store wrapper,
+        RetryingStore, has already retried transient errors) or the chunk's bytes fail their
+        check FETCH_ATTEMPTS times (only that is retried here: a re-read may be clean)."""
+        last: Exception | None = None
+        for _attempt in range(FETCH_ATTEMPTS):
+            try:
+                if limiter is None:
+                    raw = await fetch_chunk(self.store, obj, i)
+                else:
+                    async with limiter:
+                        raw = await fetch_chunk(self.store, obj, i)
+                self.chunks_fetched += 1
+                self.bytes_fetched += len(raw)
+                self.gets += 1
+                return raw
+            except IntegrityError as e:
+                last = e
+                self.integrity_errors += 1
+                log.warning("fetch of %s chunk %d failed: %s", obj.key, i, e)
+            except StoreError as e:
+                last = e
+                break
+        log.error("giving up on %s chunk %d: %s", obj.key, i, last)
+        raise FsError(errno.EIO, f"cannot read {obj.key} chunk {i} from the store: {last}")
+
+    async def _fetch_run(self, obj: StoredObject, first: int,
+                         last: int) -> list[bytes | memoryview]:
+        if first == last:
+            return [await self.fetch(obj, first, None)]
+        last_err: Exception | None = None
+        for _attempt in range(FETCH_ATTEMPTS):
+            try:
+                raws = await fetch_chunks(self.store, obj, first, last)
+                self.chunks_fetched += len(raws)
+                self.bytes_fetched += sum(len(r) for r in raws)
+                self.gets += 1
+                return raws
+            except IntegrityError as e:  # a re-read may be clean; the wrapper retried the rest
+                last_err = e
+                self.integrity_errors += 1
+                log.warning("fetch of %s chunks %d..%d failed: %s", obj.key, first, last, e)
+            except StoreError as e:
+                log.error("fetch of %s chunks %d..%d failed: %s", obj.key, first, last, e)
+                raise FsError(errno.EIO, f"cannot read {obj.key} chunks {first}..{last} from "
+                              f"the store: {e}") from e
+        # Fall back to single chunks: one bad chunk must not fail its neighbours.
+        log.info("fetching %s chunks %d..%d one by one after: %s", obj.key, first, last, last_err)
+        return [await self.fetch(obj, i, None) for i in range(first, last + 1)]
+
+    async def _store_chunks(self, ino: int, obj: StoredObject,
+                            chunks: list[tuple[int, bytes | memoryview]], n: int) -> None:
+        """Write verified chunks [(index, raw), ...] of `obj` into the cache file of `ino` (one
+        worker thread, one open for all of them, under the file's lock: FileCache), then mark
+        them present (one index update). Nothing is written if the file's content changed
+        since the chunks were fetched."""
+        def still_valid() -> bool:
+            return not self.core.inode(ino).cached and self.obj_of(ino) == obj
+
+        if not self.index.data_may_take(self.core.cache_dir, sum(len(r) for _, r in chunks)):
+            # the index reserve is released: what is left is for the index (Index.data_may_take)
+            raise OSError(errno.ENOSPC, "the cache disk is full (what is left is kept for the "
+                          "index)")
+        wrote = await self.core.files.fill(
+            ino, [(chunk_span(obj, i)[0], raw) for i, raw in chunks], size=obj.size,
+            still_valid=still_valid)
+        if not wrote:
+            return
+        node = self.core.inode(ino)
+        if node.cached or self.obj_of(ino) != obj:
+            return
+        bm = self._bitmap(ino, n)
+        for i, raw in chunks:
+            if not self._has(bm, i):
+                self.partial[ino] = self.partial.get(ino, 0) + len(raw)
+                self.core.files.chunks_in(len(raw))
+            bm[i >> 3] |= 1 << (i & 7)
+        if all(self._has(bm, j) for j in range(n)):
+            # fetched() counts the size instead
+            self.core.files.chunks_out(self.partial.pop(ino, 0), freed=False)
+            self._bitmaps.pop(ino, None)
+            self._verified[ino] = set(range(n))
+            self.clean.add(ino)
+            self.core.fetched(ino, obj.size)
+        else:
+            with self.index.tx():
+                self.index.set_present(ino, bytes(bm))
+
+    # -- damaged cache files --------------------------------------------------------------------
+
+    async def verify_cached(self, ino: int, off: int, size: int) -> None:
+        """First read of each chunk of a cached file whose content is in the store: check it
+        against the chunk's CRC32C; a damaged chunk is fetched again."""
+        obj = self.obj_of(ino)
+        if obj is None or obj.chunk_crcs is None:
+            self.clean.add(ino)
+            return
+        seen = self._verified.setdefault(ino, set())
+        end = min(off + size, obj.size)
+        if end <= off:
+            return
+        cs = obj.chunk_size
+        for i in range(off // cs, (end - 1) // cs + 1):
+            while i not in seen:
+                # Concurrent reads of one chunk (the kernel splits and reads ahead) check it
+                # once: the others wait for that check (and its repair) and re-check.
+                ev = self._inflight.get((ino, i))
+                if ev is not None:
+                    await ev.wait()
+                    if self._verified.get(ino) is not seen:
+                        return  # rewritten meanwhile
+                    continue
+                ev = self._inflight[(ino, i)] = trio.Event()
+                try:
+                    if not await self._verify_chunk(ino, obj, i):
+                        return  # rewritten meanwhile
+                    seen.add(i)
+                finally:
+                    del self._inflight[(ino, i)]
+                    ev.set()
+        if len(seen) == chunk_count(obj):
+            self.clean.add(ino)
+
+    async def _verify_chunk(self, ino: int, obj: StoredObject, i: int) -> bool:
+        """Check chunk `i` of a cached file; fetch it again if damaged. False if the file was
+        rewritten meanwhile."""
+        c_off, c_len = chunk_span(obj, i)
+        version = self._objs.get(ino, (-1,))[0]
+
+        def unchanged() -> bool:
+            node = self.core.inode(ino)
+            return node.version == version and bool(node.cached) and not node.writers and \
+                node.nlink > 0
+
+        data = await self.core.files.read(ino, c_off, c_len)
+        if not unchanged():
+            return False
+        if not verify_chunk(obj, i, data):
+            self.damaged_chunks += 1
+            log.error("cache file of inode %d (%s) is damaged in chunk %d: fetching it again",
+                      ino, obj.key, i)
+            raw = await self.fetch(obj, i, None)
+            # Written only if nobody opened the file for writing (or truncated it) since the
+            # check: FileCache holds the file's lock across the check and the write.
+            if not await self.core.files.fill(ino, [(c_off, raw)], size=None,
+                                              still_valid=unchanged, sync=True):
+                return False
+        return True
+
+    def statistics(self) -> dict[str, Any]:
+        return {"bytes_fetched": self.bytes_fetched, "chunks_fetched": self.chunks_fetched,
+                "gets": self.gets, "in_flight_chunks": len(self._inflight),
+                "integrity_errors": self.integrity_errors,
+                "damaged_cache_chunks": self.damaged_chunks,
+                "partial_files": len(self.partial), "partial_bytes": sum(self.partial.values())}

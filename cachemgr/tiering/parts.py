@@ -1,0 +1,355 @@
+"""Part records: how a node tells the store which files it wrote into a set that may be
+committed on another node (docs/FORMAT.md "Part records", docs/ARCHITECTURE.md "Many nodes").
+
+On a cluster every node writes its ranks' shards into its own mount; the commit (DCP's
+`.metadata` rename, a directory rename, `ckptfs commit`) happens on one node only. That node
+can only publish the set once every shard is durable, whichever node wrote it, so each node
+keeps, per directory it writes into, one small JSON object in the store:
+
+    parts/<dir path>/@<node>.json   {"node", "dir", "files": [{name, size, mode, mtime_ns,
+                                      object | null}]}
+
+listing its own files in that directory: `object` is the uploaded object (durable) or null
+(closed or being written, upload pending). A record is written
+
+  * soon after the last writer of a file in an open set closes it (the close marks the
+    directory and returns at once: nothing on the trainer's write path waits for the store);
+  * when another node's commit of a directory set asks for it (cachemgr.tiering.members: this node's
+    records under the set's paths are brought up to date, then acknowledged), which is what
+    lets that commit include every file closed here before it;
+  * again when that file's upload finishes (the entry gets its object);
+  * again, or deleted, when files in the directory change, move or go away, and under its new
+    key when the directory is renamed.
+
+Only directories in an open set (see cachemgr.core.sets.in_open_set) get records; single files that
+commit themselves never need one. The committer lists `parts/<set path>/` (and the path the set
+was renamed from), reads the other nodes' records, and waits until every file it must include
+is durable (cachemgr.tiering.services). Records are never read to serve data: a manifest is still
+the only thing that makes a set visible.
+
+State, its owner and its guards: `PartPublisher` owns which records this node has in the
+store (`published`: dir ino -> {"path", "digest"}), persisted in the index (`meta` rows
+`part:<dir ino>`) so a record is updated or deleted after a restart too; and which directories
+must be looked at again (`_dirty`, with the waiters of `sync`). Everything runs on the daemon's
+trio thread: `run` is one task and the only writer of records while it runs (`sync_dir` is
+also called by cachemgr.tiering.members at unmount, once `run` is gone); the hooks (`mark`,
+`mark_all`) are synchronous, called from FUSE handlers, tiering and remote sync on the same thread.
+Invariants: a directory's `meta` row is written only after its record's PUT (and the DELETE of
+the record under the directory's old path) and removed only after its DELETE; a directory
+marked before a pass starts is written by that pass or the next, so `sync` returns only once
+its directories' records were written after the call (or raises).
+
+Crash states: a record may be stale (a file deleted, or its upload finished, just before the
+crash): recovery (`run` starts with `mark_all`) rewrites or deletes every record that has a
+`meta` row. A crash between a record's PUT and its `meta` row leaves a record the index does
+not know: if the row named the directory's old path, recovery writes the new one and deletes
+the old; if there was no row, the record is brought up to date the next time its directory is
+marked (a file in it closes, moves or goes). A failed pass is retried after `retry_pause`; its
+error is kept in `statistics()["last_error"]` and told to `report_error` (the store's last
+error in `ckptfs status`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import stat
+import time
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from cachemgr.format import validate
+from cachemgr.format.keys import LONG_PARTS_PREFIX, PARTS_PREFIX, part_key
+from cachemgr.format.manifest import ESCAPED_VERSION, dumps_checked
+from cachemgr.format.names import escape_name, is_escaped
+from cachemgr.store import NotFound, ObjectStore, StoreError
+
+if TYPE_CHECKING:
+    from cachemgr.core.index import Index
+    from cachemgr.core.inodes import Inode
+    from cachemgr.tiering.members import Lease
+
+log = logging.getLogger(__name__)
+
+FORMAT = "ckptfs-part"
+FORMAT_VERSION = 1
+# As for manifests (cachemgr.format.manifest): version 2 is version 1 with `dir` and the files'
+# `name`s in the escaped form of cachemgr.format.names, written only when one of them holds an
+# escape (the versions a reader accepts: cachemgr.format.validate).
+_META = "part:"
+# Records whose natural key no store could hold live under LONG_PREFIX, named by a hash of
+# their directory's path (cachemgr.format.keys); a committer lists it beside its set's prefix.
+PREFIX, LONG_PREFIX = PARTS_PREFIX, LONG_PARTS_PREFIX
+
+PartError = validate.PartError
+
+
+def records_prefix(path: str) -> str:
+    """Prefix listing the records of every directory at or below `path`."""
+    return f"{PREFIX}{path}/"
+
+
+def parse_key(key: str) -> tuple[str, str] | None:
+    """(dir path, node) of a record key, or None."""
+    if not key.startswith(PREFIX) or not key.endswith(".json"):
+        return None
+    head, _, last = key[len(PREFIX):].rpartition("/")
+    if not head or not last.startswith("@"):
+        return None
+    return head, last[1:-len(".json")]
+
+
+def build(node: str, dir_path: str, files: list[dict[str, Any]],
+          generation: int = 0) -> dict[str, Any]:
+    """`dir_path` and the files' names in the escaped form (cachemgr.format.names); `generation`:
+    the writer's lease generation (cachemgr.tiering.members.Lease)."""
+    escaped = is_escaped(dir_path) or any(is_escaped(f["name"]) for f in files)
+    return {"format": FORMAT, "version": ESCAPED_VERSION if escaped else FORMAT_VERSION,
+            "node": node, "dir": dir_path, "updated_ns": time.time_ns(),
+            "generation": generation, "files": files}
+
+
+def dumps(rec: dict[str, Any]) -> bytes:
+    return dumps_checked(rec, f"the part record of {rec.get('dir')!r}", sort_keys=True)
+
+
+def loads(data: bytes, key: str | None = None) -> dict[str, Any]:
+    """A part record read from the store (from `key`, which must be the key of its own
+    directory and node), validated and normalised by cachemgr.format.validate: `dir` and every
+    file's `name` in the escaped form, every field present, objects under data/<its node>/."""
+    return validate.part_record(data, key)
+
+
+class _Waiter:
+    """Set once a pass over its directory finished; `ok` tells whether the record got to the
+    store (a failed pass releases its waiters too, so nobody hangs on an outage)."""
+
+    __slots__ = ("ev", "ok")
+
+    def __init__(self) -> None:
+        self.ev = trio.Event()
+        self.ok = False
+
+
+class PartPublisher:
+    """Keeps this node's part records in the store in step with its files."""
+
+    def __init__(self, *, index: Index, store: ObjectStore, node: str, lease: Lease,
+                 inode_if_loaded: Callable[[int], Inode | None], retry_pause: float,
+                 report_error: Callable[[str], None] | None = None) -> None:
+        """`inode_if_loaded`: the in-memory inode of a file if the core has it loaded (sizes
+        of open files live there: CacheFs.inode_if_loaded). `report_error`: told the text of
+        each failed pass (the store's last error in `ckptfs status`). `lease`: no record is
+        written or deleted unless it holds, and each names its generation."""
+        self.index = index
+        self.store = store
+        self.node = node
+        self.lease = lease
+        self._inode_if_loaded = inode_if_loaded
+        self.retry_pause = retry_pause
+        self._report_error = report_error
+        self._dirty: dict[int, list[_Waiter]] = {}
+        self._inflight: set[int] = set()  # directories of the pass running now
+        self._wake = trio.Event()
+        self.published: dict[int, dict[str, str]] = {}
+        for key, value in self.index.meta_with_prefix(_META):
+            self.published[int(key[len(_META):])] = json.loads(value)
+        # statistics
+        self.puts = 0
+        self.deletes = 0
+        self.syncs_failed = 0
+        self.last_error: str | None = None
+
+    # -- hooks (synchronous) -----------------------------------------------------------------
+
+    def mark(self, dir_ino: int) -> _Waiter:
+        """Directory `dir_ino`'s record must be brought up to date (by the publisher task, in
+        the background: never awaited on the write path)."""
+        w = _Waiter()
+        self._dirty.setdefault(dir_ino, []).append(w)
+        self._wake.set()
+        return w
+
+    def mark_all(self) -> None:
+        """Every directory with a record (a subtree moved or removed: paths may have changed)."""
+        for ino in list(self.published):
+            self.mark(ino)
+
+    async def sync(self, dir_inos: Iterable[int]) -> None:
+        """Bring these directories' records up to date in the store: returns once a pass that
+        started after this call has written each of them; StoreError if one failed (another
+        node's commit waits for this: cachemgr.tiering.members acknowledges only after it)."""
+        waiters = [self.mark(d) for d in set(dir_inos)]
+        for w in waiters:
+            await w.ev.wait()
+        if not all(w.ok for w in waiters):
+            raise StoreError("part records could not be written to the store")
+
+    def pending(self) -> set[int]:
+        """Directories whose record may not be in the store as it should be yet."""
+        return set(self._dirty) | self._inflight
+
+    # -- the record of one directory ---------------------------------------------------------
+
+    def files_of(self, dir_ino: int) -> list[dict[str, Any]]:
+        """This node's own files directly in `dir_ino` (not those materialised from another
+        node's manifest: version 0), with their object when their current content is in."""
+        out: list[dict[str, Any]] = []
+        for name, ino, mode, row_size, row_mtime, version, row_writing, _target, obj, \
+                obj_version in self.index.children_with_inodes(dir_ino):
+            if not stat.S_ISREG(mode) or version <= 0:
+                continue
+            node = self._inode_if_loaded(ino)
+            size, mtime_ns, writing = row_size, row_mtime, row_writing
+            if node is not None:  # sizes of open files live in memory
+                size, mtime_ns, writing = node.size, node.mtime_ns, node.writing
+            durable = obj is not None and obj_version == version and not writing
+            out.append({"name": escape_name(bytes(name)), "size": size,
+                        "mode": mode & 0o7777, "mtime_ns": mtime_ns,
+                        "object": json.loads(obj) if durable else None})
+        out.sort(key=lambda f: f["name"])
+        return out
+
+    async def sync_dir(self, dir_ino: int) -> None:
+        """Write (or delete) directory `dir_ino`'s record now, in the caller's task; StoreError
+        if the store refused. `run` does this for marked directories; cachemgr.tiering.members calls
+        it at unmount for every pending one (the publisher task is gone by then)."""
+        path = self.index.path_of(dir_ino)
+        files = self.files_of(dir_ino) if path else []
+        old = self.published.get(dir_ino)
+        if files and path:
+            gen = self.lease.generation
+            # mtimes of files being written change with every write; the digest leaves them
+            # out so a record is rewritten when what a committer needs changes (or the lease
+            # generation: after a lapse every record is written again under the new one).
+            digest = hashlib.sha1(json.dumps(
+                [path, [(f["name"], f["object"] and f["object"]["key"]) for f in files], gen],
+                sort_keys=True).encode()).hexdigest()
+            if old is None or old["path"] != path or old["digest"] != digest:
+                await self.lease.ensure()
+                if self.lease.generation != gen:
+                    return await self.sync_dir(dir_ino)  # registered again meanwhile
+                body = dumps(build(self.node, path, files, gen))
+                await self.store.put(part_key(path, self.node), body)
+                self.puts += 1
+                if old is not None and old["path"] != path:
+                    await self.store.delete(part_key(old["path"], self.node))
+                    self.deletes += 1
+                rec = {"path": path, "digest": digest}
+                self.published[dir_ino] = rec
+                with self.index.tx():
+                    self.index.set_meta(f"{_META}{dir_ino}", json.dumps(rec))
+        elif old is not None:
+            await self.lease.ensure()
+            await self.store.delete(part_key(old["path"], self.node))
+            self.deletes += 1
+            del self.published[dir_ino]
+            with self.index.tx():
+                self.index.delete_meta(f"{_META}{dir_ino}")
+
+    async def run(self) -> None:
+        self.mark_all()  # after a restart: rewrite or drop what may be stale
+        while True:
+            if not self._dirty:
+                self._wake = trio.Event()
+                await self._wake.wait()
+                continue
+            dirty, self._dirty = self._dirty, {}
+            self._inflight = set(dirty)
+            for dir_ino, waiters in dirty.items():
+                try:
+                    await self.sync_dir(dir_ino)
+                except StoreError as e:
+                    log.warning("part record of directory %d: %s; retrying", dir_ino, e)
+                    self.last_error = f"{time.strftime('%H:%M:%S')} part record: {e}"
+                    if self._report_error is not None:
+                        self._report_error(self.last_error)
+                    self.syncs_failed += 1
+                    # Waiters are released (not ok); the record is retried after a pause.
+                    self._dirty.setdefault(dir_ino, [])
+                    for w in waiters:
+                        w.ev.set()
+                    self._inflight.discard(dir_ino)
+                    await trio.sleep(self.retry_pause)
+                    continue
+                self._inflight.discard(dir_ino)
+                for w in waiters:
+                    w.ok = True
+                    w.ev.set()
+            self._inflight = set()
+
+    def statistics(self) -> dict[str, Any]:
+        return {"records": len(self.published), "puts": self.puts, "deletes": self.deletes,
+                "dirty": len(self.pending()), "failed_passes": self.syncs_failed,
+                "last_error": self.last_error}
+
+    def status(self) -> dict[str, Any]:
+        """`ckptfs status`'s "parts" (statistics())."""
+        return self.statistics()
+
+
+async def read_records(store: ObjectStore, path: str, self_node: str,
+                       cache: dict[str, tuple[str, dict[str, Any]]],
+                       bad: dict[str, str]) -> list[dict[str, Any]]:
+    """Every other node's part record at or below `path`. `cache` ({key: (etag, record)}) is
+    reused across calls so that only changed records are read again. A record that fails
+    validation is left out and put in `bad` ({key: why}) when it is a record of a directory
+    at or below `path`; the caller decides (a set whose other-node records are invalid fails
+    with that reason). An invalid record under a hashed key (cachemgr.format.keys) whose directory
+    cannot be told, or is elsewhere, is logged once per `cache` and skipped."""
+    out = []
+    listed = await store.list(records_prefix(path)) + await store.list(LONG_PREFIX)
+    for info in listed:
+        parsed = parse_key(info.key)
+        if parsed is None or parsed[1] == self_node:
+            continue
+        hit = cache.get(info.key)
+        if hit is not None and hit[0] == info.etag:
+            rec = hit[1]
+        else:
+            why = data = None
+            if info.size > validate.MAX_DOCUMENT_BYTES:
+                why = f"it is {info.size} bytes"
+            else:
+                try:
+                    data = await store.get(info.key)
+                except NotFound:  # deleted between the listing and the get
+                    continue
+                try:
+                    rec = loads(data, info.key)
+                except PartError as e:
+                    why = str(e)
+            if why is not None:
+                # Whose directory is it? A plain key says (at or below `path`: it was listed
+                # under it). A hashed key, which every committer lists, only through a
+                # document that names a directory hashing to the key; else nobody's.
+                d = parsed[0] if not info.key.startswith(LONG_PREFIX) else \
+                    _hashed_dir(data, info.key) if data is not None else None
+                rec = {"invalid": why, "dir": d}
+            cache[info.key] = (info.etag, rec)
+        if "invalid" in rec:
+            d = rec["dir"]
+            if d is not None and (d == path or d.startswith(path + "/")):
+                bad[info.key] = rec["invalid"]
+            elif not rec.get("logged"):  # another set's invalid record must not fail this one
+                rec["logged"] = True
+                log.warning("skipping part record %s: %s", info.key, rec["invalid"])
+            continue
+        if rec["dir"] == path or rec["dir"].startswith(path + "/"):
+            out.append(rec)
+    return out
+
+
+def _hashed_dir(data: bytes, key: str) -> str | None:
+    """The directory of the record `data` at hashed key `key` (cachemgr.format.keys), if its
+    document names one (and a node) that map to that key; else None."""
+    try:
+        doc = json.loads(data)
+        d = validate.path(doc["dir"], doc["version"], "dir", PartError)
+        node = validate.node_id(doc["node"], "node", PartError)
+    except (ValueError, RecursionError, TypeError, KeyError):
+        return None
+    return d if part_key(d, node) == key else None

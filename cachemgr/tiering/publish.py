@@ -1,0 +1,598 @@
+"""The namespace worker: publish, unpublish, garbage-collect and retain, in commit order.
+
+`Publisher` owns one FIFO of namespace events (`_events`) and the one task that works through
+it (`worker`): publishing a set whose objects are all uploaded (its manifest PUT), deleting the
+manifest of a set deleted or moved away, collecting garbage, and applying --keep-local
+retention after each publication. One FIFO, so a delete and a later re-publish of one path can
+never be reordered. Helper tasks (gathering other nodes' files, cachemgr.tiering.gather; uploads
+re-queued after a pause, cachemgr.tiering.uploads) run in the worker's own nursery (`spawn`).
+
+Invariants (all on the trio thread; the FIFO is appended to by the commit hooks, the upload
+workers and recovery, synchronously, and consumed only by the worker — no locks):
+  * a manifest is PUT only after every object it names has been uploaded and its size checked
+    in the store (`_check_objects`);
+  * publication follows commit order: a set is held back (`_blocked`: seq -> the earlier live
+    seq) while a set this node committed before it is still live, and released by
+    `_release_blocked` when a "release" event comes (queued by `_on_set_changed`, a listener of
+    `Signals.changed_now`);
+  * an unpublish ("unpublish", seq, path, horizon) waits in `_blocked_unpublish` while a set
+    with seq <= horizon (committed before the deletion) is live;
+  * set states only move forward: committed -> uploading -> durable -> replaced/deleting ->
+    deleted; committed/uploading -> superseded/failed/deleted;
+  * a commit replacing sets at *other* paths (moves, nested sets) records them in `_absorb`;
+    they are unpublished when it becomes durable; a set that will not become durable hands
+    them on: to the commit that supersedes or absorbs it (`inherit`), to the next commit at
+    or over its path after a rewrite superseded it (`inherit_superseded`), or to the deletion
+    of its path (`unpublish_absorbed`), so a path renamed away never stays in the store;
+  * garbage keys the store refused to delete for good (`_gc_refused`) are not tried again
+    until a restart.
+
+Crash states: all of this is in memory. A crash between a manifest PUT and the index recording
+it leaves a live set whose manifest is in the store: it is published again (the PUT is
+idempotent, and `_put_manifest` recognises its own manifest). `deleting` sets have their
+manifest deletion retried. After a crash, old manifests recorded only in `_absorb` stay until
+their path is committed again or deleted: visible, never torn. Recovery (cachemgr.tiering.commit
+`recover`) queues every live set for publish again in seq order, every `deleting` set's
+unpublish, and a GC.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import deque
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from cachemgr.core.sets import LIVE_STATES, SetRegistry, SetRow
+from cachemgr.format import manifest as mf
+from cachemgr.format import validate
+from cachemgr.store import NotFound, ObjectStore, PreconditionFailed, StoreError
+
+if TYPE_CHECKING:
+    from cachemgr.core.index import Index
+    from cachemgr.tiering.gather import Gatherer
+    from cachemgr.tiering.signals import Signals, StoreHealth
+
+log = logging.getLogger("cachemgr.tiering.services")  # the log lines as they were before the split
+
+Event = tuple[Any, ...]
+
+
+class _LostRace(Exception):
+    pass
+
+
+class Publisher:
+    """The namespace FIFO and its worker (see the module docstring)."""
+
+    def __init__(self, *, index: Index, sets: SetRegistry, store: ObjectStore, node: str,
+                 signals: Signals, health: StoreHealth, gatherer: Gatherer,
+                 complete_local: Callable[[int, int, list[dict[str, Any]]], object],
+                 keys_named_elsewhere: Callable[[str, set[str]], set[str]],
+                 retention: Callable[[], None], retry_pause: float,
+                 fence: Callable[[], Awaitable[None]]) -> None:
+        """`fence`: awaited before every manifest PUT (cachemgr.tiering.members.Lease.ensure: no set
+        is published on a lease this node no longer holds)."""
+        self.index = index
+        self.sets = sets
+        self.store = store
+        self.node = node
+        self.signals = signals
+        self.health = health
+        self.gatherer = gatherer
+        self._complete_local = complete_local  # tiering.remote: show other nodes' files here
+        self._keys_named_elsewhere = keys_named_elsewhere  # cachemgr.tiering.remote: last listing
+        self._retention = retention            # cachemgr.tiering.space: --keep-local
+        self.retry_pause = retry_pause
+        self._fence = fence
+        self._events: deque[Event] = deque()
+        self._spawn: list[Callable[[], Awaitable[None]]] = []
+        self._absorb: dict[int, set[tuple[int, str]]] = {}
+        self._blocked: dict[int, int] = {}
+        self._blocked_unpublish: list[Event] = []
+        self._gc_refused: set[str] = set()
+        self._guarded: int | None = None  # the index transaction whose undo is registered
+        self._current: Event | None = None  # the event the worker is handling now
+        self.published = 0
+        self.unpublished = 0
+        self.gc_deleted = 0
+        signals.on_set_changed(self._on_set_changed)
+
+    # -- queueing (synchronous) ---------------------------------------------------------------
+
+    def _guard(self) -> None:
+        """Call before changing `_events` or `_absorb`. Inside an index transaction (the commit
+        hooks, recording a publication) the first change records both as they were, put back
+        if the transaction rolls back: an event or an absorbed set must not outlive the set
+        records it follows (an unpublish queued by a rename that failed would delete a durable
+        set's manifest; an absorb recorded under a seq that rolled back would be inherited by
+        the next commit, which reuses the seq). The worker never runs inside a transaction, so
+        nothing is taken from the FIFO between the record and a rollback."""
+        serial = self.index.tx_serial
+        if serial is None or serial == self._guarded:
+            return
+        self._guarded = serial
+        events = deque(self._events)
+        absorb = {k: set(v) for k, v in self._absorb.items()}
+
+        def undo() -> None:
+            self._events = events
+            self._absorb = absorb
+        self.index.on_rollback(undo)
+
+    def publish(self, seq: int) -> None:
+        """Queue the publish of set `seq` (its objects are all uploaded)."""
+        self._guard()
+        self._events.append(("publish", seq))
+
+    def unpublish(self, seq: int, path: str, horizon: int) -> None:
+        """Queue the deletion of set `seq`'s manifest at `path`, once every set with seq <=
+        `horizon` is published or gone."""
+        self._guard()
+        self._events.append(("unpublish", seq, path, horizon))
+
+    def gc(self) -> None:
+        self._guard()
+        self._events.append(("gc",))
+
+    def absorb(self, seq: int, old_seq: int, old_path: str) -> None:
+        """Set `old_seq` at `old_path` goes from the store once set `seq` is durable."""
+        self._guard()
+        self._absorb.setdefault(seq, set()).add((old_seq, old_path))
+
+    def inherit(self, seq: int, old_seq: int) -> None:
+        """Set `old_seq` will not become durable in place of set `seq` (superseded by it, or
+        absorbed into it): what it was to take from the store once durable, set `seq` takes
+        (a renamed-away path's manifest must not outlive the rename's later re-commit)."""
+        self._guard()
+        moved = self._absorb.pop(old_seq, None)
+        if moved:
+            self._absorb.setdefault(seq, set()).update(moved)
+
+    def inherit_superseded(self, seq: int, paths: list[str]) -> None:
+        """Set `seq` inherits (`inherit`) from every earlier superseded set at or under one of
+        `paths` (its own path, the paths it absorbs: a set superseded by a rewrite of its file,
+        then renamed on, or re-committed). Looks only at the sets with something absorbed:
+        few, in memory."""
+        for old_seq in [k for k in self._absorb if k < seq]:
+            old = self.sets.get(old_seq)
+            if old is not None and old.state == "superseded" and \
+                    any(_at_or_under(old.path, p) for p in paths):
+                self.inherit(seq, old_seq)
+
+    def unpublish_absorbed(self, paths: list[str], horizon: int, why: str) -> list[int]:
+        """The sets at or under `paths` are deleted or renamed away and will never be durable
+        (call after marking them `deleting`): the durable sets they were to take from the
+        store once durable (`absorb`: the path a set was renamed from, sets it absorbed or
+        inherited) go now, each deleted like them, after every set with seq <= `horizon`.
+        Else a path renamed away, then its new name removed before the rename's set was
+        durable, would stay in the store for good: nothing would ever take it out, and the
+        path is in no tree to remove it from. Returns the seqs now `deleting`."""
+        self._guard()
+        gone: list[int] = []
+        for seq in sorted(self._absorb):
+            s = self.sets.get(seq)
+            if s is None or s.state in (*LIVE_STATES, "durable") or \
+                    not any(_at_or_under(s.path, p) for p in paths):
+                continue
+            for old_seq, old_path in sorted(self._absorb.pop(seq)):
+                prev = self.sets.get(old_seq)
+                if prev is not None and prev.state == "durable":
+                    self.sets.set_state(old_seq, "deleting", why)
+                    self._events.append(("unpublish", old_seq, old_path, horizon))
+                    gone.append(old_seq)
+        return gone
+
+    def spawn(self, fn: Callable[[], Awaitable[None]]) -> None:
+        """Run `fn` as a helper task in the worker's nursery."""
+        self._spawn.append(fn)
+        self.signals.wake_ns()
+
+    def ready(self, seq: int) -> None:
+        """Set `seq` has every object it needs: publish it (wakes the worker)."""
+        self.publish(seq)
+        self.signals.wake_ns()
+
+    def _on_set_changed(self) -> None:
+        if (self._blocked or self._blocked_unpublish) and ("release",) not in self._events:
+            # A set may have left the live states: sets published in commit order after it
+            # are looked at again, in the namespace FIFO.
+            self._guard()
+            self._events.append(("release",))
+            self.signals.wake_ns()
+
+    def _release_blocked(self) -> None:
+        """Queue the publish of every set held back by commit order whose earlier sets are now
+        all published or gone (seq order: the FIFO publishes them in commit order)."""
+        for seq in sorted(self._blocked):
+            if self.sets.earlier_live(seq) is None:
+                del self._blocked[seq]
+                self._events.append(("publish", seq))
+        held, self._blocked_unpublish = self._blocked_unpublish, []
+        for ev in held:
+            if self.sets.earlier_live(ev[3] + 1) is None:
+                self._events.append(ev[:3])
+            else:
+                self._blocked_unpublish.append(ev)
+
+    # -- questions ----------------------------------------------------------------------------
+
+    def blocked_by(self, seq: int) -> int | None:
+        """The earlier set that set `seq` is published after (commit order), if held back."""
+        return self._blocked.get(seq)
+
+    def publishing(self, seq: int) -> bool:
+        """Is the worker publishing set `seq` right now? Status: what a stuck set waits for."""
+        cur = self._current
+        return cur is not None and cur[0] == "publish" and cur[1] == seq
+
+    def deletes_waiting(self) -> int:
+        return len(self._blocked_unpublish)
+
+    def publish_queued(self, seq: int) -> int | None:
+        """How many namespace events are ahead of set `seq`'s queued publish (None: no publish
+        of it is queued). Status: what a stuck set waits for."""
+        for i, ev in enumerate(self._events):
+            if ev[0] == "publish" and ev[1] == seq:
+                return i
+        return None
+
+    def statistics(self) -> dict[str, int]:
+        return {"events": len(self._events), "blocked": len(self._blocked),
+                "deletes_waiting": len(self._blocked_unpublish),
+                "gc_refused": len(self._gc_refused), "published": self.published,
+                "unpublished": self.unpublished, "gc_deleted": self.gc_deleted}
+
+    # -- the worker ---------------------------------------------------------------------------
+
+    async def worker(self) -> None:
+        async with trio.open_nursery() as helpers:
+            while True:
+                while self._spawn:
+                    helpers.start_soon(self._helper, self._spawn.pop(0))
+                if not self._events:
+                    await self.signals.wait_ns()
+                    continue
+                ev = self._events.popleft()
+                if ev[0] == "release":
+                    self._release_blocked()
+                    continue
+                self._current = ev
+                try:
+                    if ev[0] == "publish":
+                        await self._publish(ev[1])
+                    elif ev[0] == "unpublish":
+                        if len(ev) > 3 and self.sets.earlier_live(ev[3] + 1) is not None:
+                            self._blocked_unpublish.append(ev)  # see _release_blocked
+                            continue
+                        await self._unpublish(ev[1], ev[2])
+                    elif ev[0] == "gc" and ("gc",) not in self._events:  # coalesce bursts
+                        await self._gc()
+                except StoreError as e:
+                    await self._event_failed(ev, e)
+                except Exception as e:  # a bug: it must not take the queue and helpers along
+                    log.exception("namespace event %s failed", ev)
+                    await self._event_crashed(ev, e)
+                finally:
+                    self._current = None
+
+    async def _helper(self, fn: Callable[[], Awaitable[None]]) -> None:
+        """A helper task (a gather, a requeue): a bug in it is logged and shown in status; it
+        does not cancel the worker and the other helpers with it."""
+        try:
+            await fn()
+        except Exception as e:
+            self.health.failed(f"internal: {e!r}")
+            log.exception("namespace helper task %s failed", getattr(fn, "__name__", fn))
+
+    async def _event_crashed(self, ev: Event, e: Exception) -> None:
+        """An event whose handling raised something other than a store error (a bug). A
+        publish fails its set with the reason (visible, never silently stuck); an unpublish is
+        tried again after a pause (a manifest must not outlive its deletion); a gc is dropped
+        (the next one redoes it)."""
+        self.health.failed(f"internal: {e!r}")
+        if ev[0] == "publish":
+            with self.index.tx():
+                s = self.sets.get(ev[1])
+                if s is not None and s.state in LIVE_STATES:
+                    self.sets.set_state(ev[1], "failed", f"internal error while publishing: "
+                                        f"{e!r}")
+            self.signals.changed_now()
+        elif ev[0] == "unpublish":
+            await trio.sleep(self.retry_pause)
+            self._events.append(ev)
+
+    async def _event_failed(self, ev: Event, e: StoreError) -> None:
+        self.health.failed(f"{ev[0]}: {e}")
+        if e.transient:
+            log.warning("%s failed (%s); retrying in %.1fs", ev, e, self.retry_pause)
+            await trio.sleep(self.retry_pause)
+            self._events.appendleft(ev)
+        elif ev[0] == "publish":
+            log.error("set %d cannot be published: %s", ev[1], e)
+            with self.index.tx():
+                self.sets.set_state(ev[1], "failed", f"the store refused its manifest: {e}")
+            self.signals.changed_now()
+        else:
+            log.error("%s failed for good: %s", ev, e)
+
+    async def _publish(self, seq: int) -> None:
+        s = self.sets.get(seq)
+        if s is None or s.state not in LIVE_STATES or self.sets.missing_uploads(seq):
+            return
+        if _gathers(s) and not self.gatherer.gathered(seq):
+            # Other nodes may hold files of this set: wait for them first (its own task, so
+            # the FIFO goes on); it queues this publish again when they are all durable.
+            if self.gatherer.start(seq):
+                self.spawn(lambda: self.gatherer.gather(seq, self.ready))
+            return
+        earlier = self.sets.earlier_live(seq)
+        if earlier is not None:
+            # Publication follows commit order: the store never shows a set (a `latest` link,
+            # a newer checkpoint) before one this node committed earlier is published or has
+            # failed. Re-queued by `_release_blocked` once `earlier` leaves the live states.
+            self._blocked[seq] = earlier
+            return
+        self._blocked.pop(seq, None)
+        files = []
+        for rel, _ino, _version, _size, mode, mtime_ns, obj_json in self.sets.files(seq):
+            obj = json.loads(obj_json)
+            files.append({"path": rel, "size": obj["size"], "mode": mode, "mtime_ns": mtime_ns,
+                          "object": obj})
+        foreign = self.gatherer.foreign(seq)
+        files = sorted(files + foreign, key=lambda f: f["path"])
+        # Verify every object is really there (a GC of another set, or a store losing data,
+        # must not publish a manifest pointing at nothing).
+        bad = await self._check_objects(files)
+        if bad is not None:
+            self.gatherer.fail(seq, s.path,
+                               f"object {bad} vanished from the store before publication")
+            return
+        m = mf.build(path=s.path, kind=s.kind, seq=seq, node=self.node, reason=s.reason,
+                     committed_ns=s.committed_ns, layout=json.loads(s.layout), files=files)
+        nodes = sorted({self.node} | {f["node"] for f in foreign if "node" in f})
+        if len(nodes) > 1:
+            m["commit"]["nodes"] = nodes
+        for f in m["files"]:
+            f.pop("node", None)
+        # The set may have been superseded or deleted while we checked.
+        s = self.sets.get(seq)
+        if s is None or s.state not in LIVE_STATES:
+            return
+        try:
+            etag = await self._put_manifest(s, m)
+        except _LostRace as lost:
+            with self.index.tx():
+                self.sets.set_state(seq, "superseded", str(lost))
+            log.warning("set %d (%s): %s", seq, s.path, lost)
+            self.gatherer.forget(seq)
+            self.signals.changed_now()
+            return
+        self.gatherer.forget(seq)
+        if not self._record_published(s, etag, foreign):
+            return
+        self.published += 1
+        self.health.succeeded()  # a store that took a manifest is up again, uploads or not
+        log.info("set %d durable: %s (%d files, %d bytes)", seq, s.path, len(files),
+                 m["total_bytes"])
+        self.signals.changed_now()
+        self._events.append(("gc",))
+        self._retention()
+
+    def _record_published(self, s: SetRow, etag: str, foreign: list[dict[str, Any]]) -> bool:
+        """Set `s`'s manifest is in the store (etag `etag`): record it durable, and what it
+        replaces. False if it was deleted while the PUT was in flight (then unpublished)."""
+        seq = s.seq
+        with self.index.tx():
+            self._guard()
+            s2 = self.sets.get(seq)
+            # Superseded while the PUT was in flight (a later commit of the same path, its
+            # content changed, absorbed): its manifest is now the store's at its path, in place
+            # of the older durable one, and it is whole. Taking it back out would leave the path
+            # with no manifest until its successor publishes (a crash in between: a published
+            # `latest.pt` gone from the store). It stays, as durable; its successor replaces it
+            # in commit order.
+            kept = s2 is not None and s2.state == "superseded"
+            # ... unless its path left the tree meanwhile (removed, or renamed away, after the
+            # supersession and before any later set of it): then nothing will ever replace
+            # this manifest, and the removed path would be listed by every node for good.
+            orphan = kept and self.index.resolve(s.path) is None
+            if s2 is None or (s2.state not in LIVE_STATES and not kept) or orphan:
+                # Deleted while the PUT was in flight: take the manifest back out.
+                self.sets.set_etag(seq, etag)
+                self._events.appendleft(("unpublish", seq, s.path))
+                if s2 is not None and s2.state == "deleted":
+                    self.sets.set_state(seq, "deleting")
+                if orphan:
+                    log.info("set %d (%s): its path went while its manifest was on its way: "
+                             "taking the manifest back out", seq, s.path)
+                return False
+            self.sets.set_state(seq, "durable")
+            self.sets.set_etag(seq, etag)
+            if foreign and not kept:
+                # The committing node shows the set as published: the other nodes' files
+                # appear beside its own, read by range from the store as on any node.
+                self._complete_local(seq, s2.root_ino, foreign)
+            for old in self.sets.at_or_under(s.path, ("durable",)):
+                if old.seq != seq and old.path == s.path:
+                    self.sets.set_state(old.seq, "replaced", f"replaced by set {seq}")
+            for old_seq, old_path in self._absorb.pop(seq, set()):
+                prev = self.sets.get(old_seq)
+                if prev is not None and prev.state == "durable":
+                    if old_path == s.path:
+                        self.sets.set_state(old_seq, "replaced", f"replaced by set {seq}")
+                    else:
+                        self.sets.set_state(old_seq, "deleting", f"absorbed by set {seq}")
+                        self._events.append(("unpublish", old_seq, old_path))
+        return True
+
+    async def _check_objects(self, files: list[dict[str, Any]]) -> str | None:
+        """HEAD every object a manifest will name, 16 at a time; the key of one that is
+        missing, else None. A size mismatch is a StoreError (retried)."""
+        missing: list[str] = []
+        errors: list[StoreError] = []
+        limiter = trio.CapacityLimiter(16)
+
+        async def one(f: dict[str, Any]) -> None:
+            # Errors are collected, not raised: a nursery would wrap them in an ExceptionGroup.
+            async with limiter:
+                try:
+                    info = await self.store.head(f["object"]["key"])
+                except NotFound:
+                    missing.append(f["object"]["key"])
+                    return
+                except StoreError as e:
+                    errors.append(e)
+                    return
+            if info.size != f["object"]["stored_size"]:
+                errors.append(StoreError(f"object {f['object']['key']} has size {info.size},"
+                                         f" expected {f['object']['stored_size']}"))
+
+        async with trio.open_nursery() as n:
+            for f in files:
+                n.start_soon(one, f)
+        if errors:
+            raise errors[0]
+        return min(missing) if missing else None
+
+    async def _put_manifest(self, s: SetRow, m: dict[str, Any]) -> str:
+        """PUT the manifest of set `s` so that concurrent commits of one path from several nodes
+        end in a defined state: the PUT is conditional on the manifest this node last saw there
+        (If-Match its etag, or If-None-Match when it saw none). When another node's manifest is
+        there instead, the commit with the later `committed_ns` (ties: the larger node id) wins:
+        if that is this one it replaces the other (If-Match its etag), else it raises _LostRace.
+        Returns the new manifest's etag."""
+        key = mf.manifest_key(s.path)
+        data = mf.dumps(m)
+        await self._fence()
+        if not self.store.supports_conditional_put:
+            return (await self.store.put(key, data)).etag
+        expect = self.sets.known_etag(s.path)
+        ours = (s.committed_ns, self.node)
+        for _attempt in range(8):
+            try:
+                if expect is None:
+                    info = await self.store.put(key, data, if_none_match=True)
+                else:
+                    info = await self.store.put(key, data, if_match=expect)
+                return info.etag
+            except PreconditionFailed:
+                pass
+            except NotFound:
+                # If-Match on a key with no object: S3 answers 404 NoSuchKey, not 412 (the
+                # manifest this node knew was deleted meanwhile, e.g. by a rotation racing a
+                # re-commit of the path). Nothing to replace: create it.
+                expect = None
+                continue
+            try:
+                cur_info = await self.store.head(key)
+                cur = mf.loads(await self.store.get(key), key)
+            except NotFound:
+                expect = None
+                continue
+            except mf.ManifestError:
+                cur = {"commit": {}}
+                cur_info = await self.store.head(key)
+            c = cur.get("commit", {})
+            if c.get("node") == self.node and c.get("seq") == m["commit"]["seq"]:
+                return cur_info.etag  # this very set, PUT before a crash or a lost reply
+            if expect is not None and cur_info.etag == expect:
+                # Nothing changed, yet If-Match with its ETag was refused: a store that does
+                # not take the ETag in the form the probe found (docs/STORES.md). Retrying
+                # cannot help; say so instead of "kept changing".
+                raise StoreError(f"the store refused If-Match with the current ETag of"
+                                 f" {key} ({expect}): its conditional writes are not what the"
+                                 f" probe found ({self.store.conditional})")
+            theirs = (int(c.get("committed_ns") or 0), str(c.get("node") or ""))
+            if theirs > ours:
+                raise _LostRace(f"a concurrent commit of {s.path} on node {theirs[1]}, later"
+                                f" than this one, is in the store")
+            log.info("set %d (%s): replacing an earlier concurrent commit from node %s",
+                     m["commit"]["seq"], s.path, theirs[1])
+            expect = cur_info.etag
+        raise StoreError(f"the manifest of {s.path} kept changing under conditional PUTs")
+
+    async def _unpublish(self, seq: int, path: str) -> None:
+        # Only remove the manifest if it is not a newer set's. A newer set still uploading does
+        # not count: until it publishes, the manifest there is an older one, whose objects GC
+        # deletes once this set is gone (the namespace worker also runs every publish, so
+        # none is in flight now).
+        newer = [x for x in self.sets.at_or_under(path, ("durable",))
+                 if x.path == path and x.seq > seq]
+        s = self.sets.get(seq)
+        if not newer and s is not None and s.etag is not None and \
+                self.store.supports_conditional_put:
+            # Another node may have replaced this set's manifest with a later commit: that one
+            # is not ours to delete. (A check, then a DELETE: a replacement landing in between
+            # is deleted with it; docs/SEMANTICS.md "Many nodes" names this window.)
+            try:
+                info = await self.store.head(mf.manifest_key(path))
+                if info.etag != s.etag:
+                    log.info("set %d (%s): the store holds another node's later manifest of"
+                             " this path; leaving it", seq, path)
+                    newer = [s]
+            except NotFound:
+                pass
+        if not newer:
+            # (not fenced: taking a set out of the store asks nothing of the other nodes, and
+            # must not wait for a registration a store refusing PUTs would never take)
+            await self.store.delete(mf.manifest_key(path))
+            if s is not None and s.origin != "local":
+                await self._delete_foreign_objects(s, path)
+        with self.index.tx():
+            s = self.sets.get(seq)
+            if s is not None and s.state == "deleting":
+                self.sets.set_state(seq, "deleted")
+        self.unpublished += 1
+        self.health.succeeded()
+        self.signals.changed_now()
+        self._events.append(("gc",))
+
+    async def _delete_foreign_objects(self, s: SetRow, path: str) -> None:
+        """A set restored from another node's manifest: its objects are not in this node's
+        `objects` table, so GC would never collect them. The manifest is gone; its objects go
+        too, but only those that another node wrote (this node's own are its GC's) and that no
+        other set here and no other manifest in the store (as of the last listing) names: a
+        planted manifest naming another set's objects must not take them with it."""
+        keys = {json.loads(obj_json)["key"] for *_rest, obj_json in self.sets.files(s.seq)
+                if obj_json}
+        keys = {k for k in keys if not validate.is_own_object(k, self.node)}
+        keys -= self.sets.keys_named_by_others(s.seq, keys)
+        keys -= self._keys_named_elsewhere(path, keys)
+        for key in sorted(keys):
+            await self.store.delete(key)
+
+    async def _gc(self) -> None:
+        keys = [k for k in self.sets.garbage() if k not in self._gc_refused]
+        done = 0
+        for key in keys:
+            try:
+                await self.store.delete(key)
+            except StoreError as e:
+                if e.transient:
+                    raise  # retried as a whole after a pause
+                # Refused for good (e.g. a symlink planted in a file:// store): this key is
+                # left alone, logged once, and the garbage after it is still collected.
+                self._gc_refused.add(key)
+                self.health.error(f"gc: {e}")
+                log.warning("gc: cannot delete %s: %s; leaving it", key, e)
+                continue
+            with self.index.tx():
+                self.sets.forget_object(key)
+            done += 1
+        self.gc_deleted += done
+        if done:
+            log.info("gc: deleted %d unreferenced objects", done)
+
+
+def _at_or_under(path: str, root: str) -> bool:
+    return path == root or path.startswith(root + "/")
+
+
+def _gathers(s: SetRow) -> bool:
+    """Can other nodes hold files of set `s`? Directories committed by DCP, a rename or a
+    request can; single files and symlinks commit on the node that has them."""
+    return s.kind == "dir" and s.reason in ("dcp", "rename", "request")

@@ -1,0 +1,360 @@
+"""Tiering: uploads cache files to the object store, publishes committed sets atomically,
+deletes and garbage-collects, evicts durable data, and answers "is it durable yet?".
+
+`Tiering` is the tiering part of the daemon's composition: it builds the tiering services once,
+each with its collaborators (none holds a reference back to `Tiering`), starts their tasks in
+one nursery (`run`), and keeps the surface the core, the FUSE adapter, the daemon and the
+restore/remote/parts/members services call, as thin delegations. The services:
+
+  cachemgr.tiering.signals   Signals (the wake-ups between services) and StoreHealth (last error)
+  cachemgr.tiering.commit    Committer: the on_* hooks, `ckptfs commit`, crash recovery (`recover`)
+  cachemgr.tiering.uploads   UploadQueue: the upload queue and its `file_concurrency` workers
+  cachemgr.tiering.publish   Publisher: the namespace FIFO worker: publish / unpublish / GC /
+  retention cachemgr.tiering.gather    Gatherer: other nodes' files of a set, before its manifest
+  cachemgr.tiering.space     Space: the --cache-size / --keep-local policy, backpressure for writers
+  cachemgr.restore.fetch     Fetcher: an evicted file's whole object back into the cache
+  cachemgr.tiering.progress  Progress: `ckptfs wait` and the per-set rows of status
+
+Data flow: the core calls the synchronous hooks (`on_*`) from FUSE handlers, inside the index
+transaction of the operation that triggers them (Committer); they record facts in the index
+and queue work — uploads (UploadQueue) and namespace events (Publisher) — and never do I/O to
+the store. An upload done tells the Publisher its set is ready; the Publisher gathers other
+nodes' files if the set may have some (Gatherer), PUTs the manifest in commit order, and
+applies retention (Space). Every set state change wakes the waiters (Signals.changed): `wait`
+(Progress) and writers waiting for room (Space).
+
+Everything runs on the trio thread; no service's state is touched from another thread. Tasks,
+all in one nursery, started in this order: the upload workers, the namespace worker, the
+restorer, remote sync, the part records publisher, membership. Teardown: all are cancelled
+when the FUSE loop ends (then membership leaves, shielded); everything they did not finish is
+resumed from the index at the next mount (`Committer.recover`). Each module's docstring states
+its invariants, what guards them and its crash states.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from cachemgr.core.sets import LIVE_STATES, SetRegistry
+from cachemgr.host import background
+from cachemgr.host.foreground import Foreground
+from cachemgr.restore.fetch import Fetcher
+from cachemgr.store import ObjectStore
+from cachemgr.tiering.commit import Committer
+from cachemgr.tiering.gather import Gatherer
+from cachemgr.tiering.members import Lease, Members
+from cachemgr.tiering.parts import PartPublisher
+from cachemgr.tiering.progress import Progress
+from cachemgr.tiering.publish import Publisher
+from cachemgr.tiering.signals import Signals, StoreHealth
+from cachemgr.tiering.space import Space
+from cachemgr.tiering.uploads import UploadQueue, object_key
+from cachemgr.transfer.upload import TransferConfig, Uploader
+
+if TYPE_CHECKING:
+    from cachemgr.core.fs import CacheFs
+    from cachemgr.core.inodes import Inode
+
+__all__ = ["Tiering", "TieringConfig", "object_key"]
+
+log = logging.getLogger(__name__)
+
+# status lists at most this many failed sets (it counts them all: failed_sets, failed_bytes)
+FAILED_SHOWN = 20
+
+
+@dataclass(frozen=True)
+class TieringConfig:
+    transfer: TransferConfig = field(default_factory=TransferConfig)
+    file_concurrency: int = 4        # files uploading at once (each with its parts in flight)
+    cache_size: int | None = None    # bytes of file data kept in the cache before eviction
+    keep_local: int | None = None    # keep data of only the newest N durable sets locally
+    retry_pause: float = 1.0         # pause before re-queueing an upload that failed
+    # restore policy (cachemgr.restore.restorer): auto, set, file, reads or none (--prefetch)
+    prefetch: str = "auto"
+    prefetch_concurrency: int = 8    # GETs in flight per prefetch (memory: x prefetch_range)
+    prefetch_range: int = 64 << 20   # bytes per prefetch GET (runs of adjacent chunks)
+    refresh_interval: float = 10.0   # seconds between listings of the store's manifests
+    commit_timeout: float = 1800.0   # a commit waiting for other nodes' files fails after this
+    gather_poll: float = 5.0         # longest pause between listings of other nodes' records
+    lease: float = 120.0             # a node's membership lapses this long after its last renewal
+    register_timeout: float = 20.0   # the mount waits at most this to register (tiering.members)
+
+
+class Tiering:
+    def __init__(self, core: CacheFs, store: ObjectStore, cfg: TieringConfig, *,
+                 foreground: Foreground) -> None:
+        self.core = core
+        self.index = core.index
+        self.sets = SetRegistry(self.index)
+        self.store = store
+        self.cfg = cfg
+        self.node: str = self.index.meta("node_id") or "node"
+        self.signals = Signals()
+        self.store_health = StoreHealth()
+        self._parts = trio.CapacityLimiter(max(1, cfg.transfer.max_parts_in_flight))
+        self.uploader = Uploader(store, cfg.transfer, self._parts, foreground=foreground)
+        from cachemgr.restore.restorer import Restorer
+        from cachemgr.tiering.remote import RemoteSync
+
+        # The services tiering's own services are given as collaborators. The room and fetch
+        # calls go through this object's delegations because Space and Fetcher are built after
+        # the restorer (they take its `forget`): a cycle broken at composition time only.
+        self.lease = Lease(store=store, node=self.node, index=self.index, lease=cfg.lease,
+                           register_timeout=cfg.register_timeout)
+        self.parts = PartPublisher(index=self.index, store=store, node=self.node,
+                                   lease=self.lease, inode_if_loaded=core.inode_if_loaded,
+                                   retry_pause=cfg.retry_pause,
+                                   report_error=self.store_health.record)
+        self.members = Members(store=store, node=self.node, index=self.index, sets=self.sets,
+                               parts=self.parts, lease=self.lease,
+                               poll=cfg.refresh_interval if cfg.refresh_interval > 0 else 10.0)
+        self.restorer = Restorer(core=core, index=self.index, sets=self.sets, store=store,
+                                 cache_size=cfg.cache_size, make_room=self.make_room,
+                                 fetch_whole=self.fetch,
+                                 live_members=self.members.live,
+                                 concurrency=cfg.prefetch_concurrency, mode=cfg.prefetch,
+                                 range_size=cfg.prefetch_range)
+        self.remote = RemoteSync(core=core, index=self.index, sets=self.sets, store=store,
+                                 node=self.node, interval=cfg.refresh_interval,
+                                 mark_parts=self.parts.mark_all, changed=self.signals.changed_now)
+        self._build_services()
+        self.running = False
+
+    def _build_services(self) -> None:
+        """The tiering services, each given its collaborators (see the module docstring)."""
+        cfg, restorer, parts = self.cfg, self.restorer, self.parts
+        self.gatherer = Gatherer(
+            core=self.core, index=self.index, sets=self.sets, store=self.store, node=self.node,
+            signals=self.signals, ensure_all=restorer.ensure_all,
+            commit_acks=self.members.commit_acks, commit_timeout=cfg.commit_timeout,
+            gather_poll=cfg.gather_poll)
+        self.space = Space(
+            core=self.core, sets=self.sets, signals=self.signals, forget=restorer.forget,
+            drop_partials=restorer.drop_partials, cache_size=cfg.cache_size,
+            keep_local=cfg.keep_local)
+        self.publisher = Publisher(
+            index=self.index, sets=self.sets, store=self.store, node=self.node,
+            signals=self.signals, health=self.store_health, gatherer=self.gatherer,
+            complete_local=self.remote.complete_local,
+            keys_named_elsewhere=self.remote.keys_named_elsewhere,
+            retention=self.space.retention, retry_pause=cfg.retry_pause,
+            fence=self.lease.ensure)
+        self.uploads = UploadQueue(
+            core=self.core, index=self.index, sets=self.sets, uploader=self.uploader,
+            node=self.node, signals=self.signals, health=self.store_health, mark_dir=parts.mark,
+            dir_published=lambda ino: ino in parts.published, ready=self.publisher.publish,
+            gc=self.publisher.gc, spawn=self.publisher.spawn, retry_pause=cfg.retry_pause)
+        self.commits = Committer(
+            core=self.core, index=self.index, sets=self.sets, uploads=self.uploads,
+            publisher=self.publisher, signals=self.signals, forget=restorer.forget,
+            written=restorer.clean.add, mark_dir=parts.mark, mark_all=parts.mark_all)
+        self.fetcher = Fetcher(core=self.core, store=self.store,
+                               wait_for_room=self.space.wait_for_room, obj_of=restorer.obj_of,
+                               forget=restorer.forget)
+        self.progress = Progress(core=self.core, index=self.index, sets=self.sets,
+                                 signals=self.signals, waiting_for=self.gatherer.waiting,
+                                 blocked_by=self.publisher.blocked_by)
+
+    # ==========================================================================================
+    # the service
+
+    async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        self.commits.recover()
+        await self.members.register()  # before the first request is served (tiering.members)
+        self.running = True
+        try:
+            async with trio.open_nursery() as nursery:
+                for _ in range(max(1, self.cfg.file_concurrency)):
+                    nursery.start_soon(self._supervised, self.uploads.worker)
+                nursery.start_soon(self._supervised, self.publisher.worker)
+                await nursery.start(self.restorer.run)
+                nursery.start_soon(self._supervised, self.remote.run)
+                nursery.start_soon(self._supervised, self.parts.run)
+                nursery.start_soon(self._supervised, self.members.run)
+                task_status.started()
+        finally:
+            self.running = False
+            with trio.CancelScope(shield=True):
+                await self.members.leave()
+
+    async def _supervised(self, fn: Callable[[], Awaitable[None]]) -> None:
+        """Run a worker forever: a bug in tiering must never take the mount down with it.
+        The failure is logged with its traceback and shown in status; the worker restarts."""
+        while True:
+            try:
+                await fn()
+                return
+            except Exception as e:
+                self.store_health.failed(f"internal: {e!r}")
+                log.exception("tiering worker %s failed; restarting it", fn.__name__)
+                await trio.sleep(self.cfg.retry_pause)
+
+    # ==========================================================================================
+    # hooks from the core (synchronous, inside the operation's transaction): cachemgr.tiering.commit
+
+    def on_content_change(self, ino: int, old_version: int) -> None:
+        self.commits.on_content_change(ino, old_version)
+
+    def on_close(self, node: Inode, parent_ino: int, name: bytes) -> None:
+        self.commits.on_close(node, parent_ino, name)
+
+    def announce_dir(self, node: Inode) -> None:
+        self.commits.announce_dir(node)
+
+    def on_rename(self, src: Inode, dst: Inode | None, old_parent: int, old_name: bytes,
+                  new_parent: int, new_name: bytes, old_path: str) -> None:
+        self.commits.on_rename(src, dst, old_parent, old_name, new_parent, new_name, old_path)
+
+    def on_remove(self, node: Inode, path: str) -> None:
+        self.commits.on_remove(node, path)
+
+    def on_symlink(self, node: Inode, parent_ino: int, name: bytes) -> None:
+        self.commits.on_symlink(node, parent_ino, name)
+
+    def on_purge(self, ino: int) -> None:
+        self.commits.on_purge(ino)
+
+    def on_space_freed(self) -> None:
+        """The cache holds fewer bytes (a file deleted, truncated or evicted): wake writers
+        waiting in `wait_for_room`."""
+        self.signals.changed_now()
+
+    def commit_path(self, path: str) -> int:
+        return self.commits.commit_path(path)
+
+    @property
+    def consecutive_failures(self) -> int:
+        return self.store_health.consecutive_failures
+
+    # -- space and read-through: cachemgr.tiering.space, cachemgr.restore.fetch
+    # --------------------------------
+
+    def make_room(self, need: int, protect: set[int] | frozenset[int] = frozenset()) -> bool:
+        return self.space.make_room(need, protect)
+
+    async def wait_for_room(self, need: int) -> None:
+        await self.space.wait_for_room(need)
+
+    async def fetch(self, ino: int) -> None:
+        await self.fetcher.fetch(ino)
+
+    # ==========================================================================================
+    # questions
+
+    def upload_rate(self) -> float:
+        return self.uploads.rate()
+
+    def health(self) -> str:
+        return self.store_health.health()
+
+    async def wait(self, path: str, timeout: float | None) -> dict[str, Any]:
+        return await self.progress.wait(path, timeout)
+
+    def services(self) -> dict[str, Any]:
+        """Each tiering service's own statistics (status and metrics show them as "services")."""
+        return {"commit": self.commits.statistics(), "publish": self.publisher.statistics(),
+                "gather": self.gatherer.statistics(), "space": self.space.statistics(),
+                "fetch": self.fetcher.statistics(), "progress": self.progress.statistics()}
+
+    def status(self, limit: int = 50, stuck_after: float | None = None) -> dict[str, Any]:
+        """`ckptfs status --json`'s "tiering". `stuck_after`: the stuck threshold in seconds
+        (None: the mount's, cachemgr.tiering.progress.stuck_after of --commit-timeout)."""
+        from cachemgr.tiering.progress import Probes
+        from cachemgr.tiering.progress import stuck_after as threshold
+
+        sets, pending = self.progress.set_rows(limit)
+        live = self.sets.by_states(LIVE_STATES)
+        after_s = threshold(self.cfg.commit_timeout) if stuck_after is None else stuck_after
+        nstuck, stuck = self.progress.stuck_sets(after_s, Probes(
+            uploads=self.uploads.status(), health=self.store_health,
+            gathering=self.gatherer.gathering, publish_queued=self.publisher.publish_queued,
+            publishing=self.publisher.publishing))
+        failed = self.progress.failed_sets()
+        retry = getattr(self.store, "stats", None)  # RetryingStore: transient errors ridden out
+        first_waiting = self.gatherer.first_waiting()
+        h = self.store_health
+        found = self.store.conditional  # docs/STORES.md: probed at mount, None until then
+        return {
+            "store": {"url": self.store.url, "node": self.node, "health": h.health(),
+                      "conditional_writes": None if found is None else {
+                          "honoured": found.honoured, "if_none_match": found.if_none_match,
+                          "if_match": found.if_match, "etag_form": found.etag_form,
+                          "missing_if_match": found.missing_if_match,
+                          "summary": found.describe()},
+                      "last_error": h.last_error, "consecutive_failures": h.consecutive_failures,
+                      "retries": getattr(retry, "retries", 0),
+                      "retry_failures": getattr(retry, "failures", 0)},
+            # upload threads at idle CPU and I/O priority (cachemgr.host.background; root only)
+            "uploads": {**self.uploads.status(), "idle_priority": background.enabled()},
+            "restore": self.restorer.status(),
+            "filecache": self.core.files.statistics(),
+            "remote": self.remote.status(),
+            "parts": self.parts.status(),
+            "members": self.members.status(),
+            "pending_sets": len(live),
+            # of which waiting for files other nodes write, or published after such a set
+            # (commit order): nothing this node can finish
+            # deletions whose manifest waits for sets committed before them (commit order)
+            "deletes_waiting": self.publisher.deletes_waiting(),
+            "waiting_sets": len([s for s in live if first_waiting is not None and
+                                 s.seq >= first_waiting]),
+            "pending_bytes": pending,
+            # failed for good and not replaced since (Progress.failed_sets): also at risk, and
+            # no upload will ever make them durable; the first FAILED_SHOWN of them, oldest first
+            "failed_sets": len(failed),
+            "failed_bytes": sum(f["bytes"] for f in failed),
+            "failed": failed[:FAILED_SHOWN],  # each {seq, path, bytes, error, committed_ns}
+            # when the oldest pending set was committed (None: none), whatever its position
+            "oldest_pending_committed_ns": min((s.committed_ns for s in live), default=None),
+            # pending longer than stuck_after_s (cachemgr.tiering.progress.stuck_sets), over every
+            # set: how many, and the oldest STUCK_SHOWN, each a row of "sets" with age_s, waits_for
+            # (cachemgr.tiering.progress.WAITS_FOR) and why (one line) added
+            "stuck_after_s": after_s,
+            "stuck_sets": nstuck,
+            "stuck": stuck,
+            "sets": sets,
+            "services": self.services(),
+        }
+
+    def statistics(self, stuck_after: float | None = None) -> dict[str, Any]:
+        """Counters and totals for metrics (ckptfs.metrics): what `status` shows, over every set
+        instead of the recent ones, and without per-set detail but the stuck sets' names and
+        why (at most STUCK_SHOWN). Plain data, copied: the caller may keep it after the loop
+        has moved on. `stuck_after` as in `status`."""
+        from cachemgr.tiering.progress import Probes
+        from cachemgr.tiering.progress import stuck_after as threshold
+
+        retry = getattr(self.store, "stats", None)  # RetryingStore; absent: a bare store
+        r = self.restorer.statistics()
+        failed = self.progress.failed_sets()
+        after_s = threshold(self.cfg.commit_timeout) if stuck_after is None else stuck_after
+        nstuck, stuck = self.progress.stuck_sets(after_s, Probes(
+            uploads=self.uploads.status(), health=self.store_health,
+            gathering=self.gatherer.gathering, publish_queued=self.publisher.publish_queued,
+            publishing=self.publisher.publishing))
+        return {
+            "sets": {**self.sets.statistics(), "failed_sets": len(failed),
+                     "failed_bytes": sum(f["bytes"] for f in failed),
+                     "stuck_after_s": after_s, "stuck_sets": nstuck,
+                     "stuck": [{k: x[k] for k in ("seq", "path", "state", "committed_ns",
+                                                  "age_s", "waits_for", "why")}
+                               for x in stuck]},
+            "store": {"health": self.store_health.health(),
+                      "consecutive_failures": self.store_health.consecutive_failures,
+                      "requests": dict(getattr(retry, "by_op", {})),
+                      "retries": dict(getattr(retry, "by_error", {})),
+                      "errors": dict(getattr(retry, "errors", {}))},
+            "uploads": self.uploads.statistics(),
+            "restore": {"bytes": r["bytes_fetched"], "chunks": r["chunks_fetched"],
+                        "integrity_errors": r["integrity_errors"],
+                        "damaged_cache_chunks": r["damaged_cache_chunks"]},
+            "cache_size": self.cfg.cache_size,
+            "services": self.services(),
+        }
+

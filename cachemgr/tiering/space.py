@@ -1,0 +1,107 @@
+"""The --cache-size / --keep-local policy: which durable data leaves the cache, and when writers
+wait for room.
+
+`Space` decides; the core (cachemgr.core.rawtree Residency, cachemgr.core.filecache) does the
+eviction itself (`evict`, `eviction_candidates`, `cached_bytes`) and the restorer drops its partly
+restored files (`drop_partials`). Policy:
+  * `make_room(need)`: evict durable data, least recently used first, until `need` more
+    bytes fit under --cache-size; the newest durable set goes last (not never: when it is
+    all that can make room, skipping it would block a writer for ever); then the chunks of
+    partly restored files nobody has open;
+  * `wait_for_room(need)`: backpressure for writers, woken by `Signals.changed` (an upload
+    done, a set durable, space freed);
+  * `retention()`: after each publication, the data of all but the newest --keep-local
+    durable sets (symlinks aside) is evicted.
+
+Invariants: data not yet uploaded (`obj_version != version`) is never evicted (the core's
+`evict` refuses it); files in `protect` are never evicted (a prefetch does not evict its own
+set). No state of its own: everything is read from the core and the set registry, on the trio
+thread. Crash states: none here (eviction's are the core's: a cache file is removed only after
+the index records it evicted).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from cachemgr.core.sets import SetRegistry
+
+if TYPE_CHECKING:
+    from cachemgr.core.fs import CacheFs
+    from cachemgr.tiering.signals import Signals
+
+log = logging.getLogger("cachemgr.tiering.services")  # the log lines as they were before the split
+
+
+class Space:
+    """Eviction and backpressure policy (see the module docstring)."""
+
+    def __init__(self, *, core: CacheFs, sets: SetRegistry, signals: Signals,
+                 forget: Callable[[int], None],
+                 drop_partials: Callable[[int, set[int] | frozenset[int]], bool],
+                 cache_size: int | None, keep_local: int | None) -> None:
+        self.core = core
+        self.sets = sets
+        self.signals = signals
+        self._forget = forget                # restore.restorer: a file's chunks left the cache
+        self._drop_partials = drop_partials  # cachemgr.restore.restorer: drop partly restored files
+        self.cache_size = cache_size
+        self.keep_local = keep_local
+        self.evicted = 0
+        self.waits = 0
+
+    def _evict(self, ino: int, version: int) -> None:
+        if self.core.evict(ino, version):
+            self.evicted += 1
+            self._forget(ino)
+
+    def retention(self) -> None:
+        """--keep-local N: evict the data of all but the newest N durable sets."""
+        n = self.keep_local
+        if n is None:
+            return
+        durable = [s for s in self.sets.by_states(("durable",)) if s.kind != "symlink"]
+        for s in durable[:max(0, len(durable) - n)]:
+            for _rel, ino, version, *_ in self.sets.files(s.seq):
+                self._evict(ino, version)
+
+    def make_room(self, need: int, protect: set[int] | frozenset[int] = frozenset()) -> bool:
+        """Evict durable data, least recently used first, until `need` more bytes fit under
+        --cache-size. Returns True if they fit. Files in `protect` are never evicted (a
+        prefetch does not evict its own set)."""
+        limit = self.cache_size
+        if limit is None:
+            return True
+        if self.core.cached_bytes + need <= limit:
+            return True
+        newest = self.sets.by_states(("durable",))
+        keep = {r[1] for r in self.sets.files(newest[-1].seq)} if newest else set()
+        cands = [c for c in self.core.eviction_candidates() if c[0] not in protect]
+        # The newest durable set goes last, not never: when it is all that can make room (a
+        # file being written plus the last checkpoint exceed the limit), skipping it would
+        # block the writer forever.
+        for ino, version in ([c for c in cands if c[0] not in keep] +
+                             [c for c in cands if c[0] in keep]):
+            self._evict(ino, version)
+            if self.core.cached_bytes + need <= limit:
+                return True
+        # Then the chunks of partly restored files nobody has open (they count too).
+        return self._drop_partials(need, protect)
+
+    async def wait_for_room(self, need: int) -> None:
+        """Backpressure for writers: block until `need` bytes fit under --cache-size."""
+        warned = False
+        while not self.make_room(need):
+            if not warned:
+                log.warning("cache full (%d of %d bytes, none evictable yet): writers wait for"
+                            " uploads", self.core.cached_bytes, self.cache_size)
+                warned = True
+                self.waits += 1
+            await self.signals.wait_changed()
+
+    def statistics(self) -> dict[str, int | None]:
+        return {"cache_size": self.cache_size, "keep_local": self.keep_local,
+                "cached_bytes": self.core.cached_bytes, "evicted": self.evicted,
+                "waits": self.waits}

@@ -1,0 +1,342 @@
+"""The upload queue and its workers: cache files' content (ino, version) to the object store.
+
+`UploadQueue` owns the queue of content waiting for its upload (`_jobs`), the uploads in flight
+(`_running`), the close sequence that orders content closed but not committed, and the upload
+statistics. `file_concurrency` workers (`worker`, started by cachemgr.tiering.services) take the
+most urgent job — files of committed sets in commit order first (priority = the set's seq), then
+files closed but in no committed set yet, in close order — and upload it
+(`transfer.Uploader`, multipart, bounded by a limiter of parts in flight shared by all files).
+
+Invariants (all on the trio thread; the queue is touched by the commit hooks, synchronously
+inside the core's transactions, and by the workers between their awaits — no locks):
+  * a (ino, version) is in at most one of `_jobs` / `_running`; enqueueing it again only
+    lowers (makes more urgent) its priority;
+  * an upload whose content changes or goes away meanwhile is cancelled (`drop`,
+    `drop_inode`, or `Superseded` from the uploader when the content is no longer valid);
+  * object keys are per (ino, version) (`object_key`): a re-upload after a crash or a retry
+    overwrites the same object;
+  * a set's `missing_uploads` empties only after `record_upload` for each of its files, in
+    the index transaction that records the object; the publisher is told then (`ready`).
+
+Crash states: the queue is in memory. An upload in flight at a crash left either nothing or a
+complete object under its key with no row recording it (`obj_version != version`): recovery
+(cachemgr.tiering.commit `recover`) queues it again, and the PUT overwrites it. Objects recorded in
+`objects` but named by no set are garbage (cachemgr.tiering.publish GC).
+
+Failures: a transient store error (or OSError) is retried after `retry_pause`, keeping the
+job's place in commit order; a refusal fails every live set needing the content, with the
+reason, so umount and `ckptfs wait` stop waiting for them.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from cachemgr.core.sets import SetRegistry
+from cachemgr.format import names
+from cachemgr.format.objects import StoredObject
+from cachemgr.store import StoreError
+from cachemgr.transfer.upload import Superseded, Uploader
+
+if TYPE_CHECKING:
+    from cachemgr.core.fs import CacheFs
+    from cachemgr.core.index import Index
+    from cachemgr.tiering.signals import Signals, StoreHealth
+
+log = logging.getLogger("cachemgr.tiering.services")
+
+# Priority of content closed but not in any committed set: after every committed set.
+_UNCOMMITTED = 1 << 62
+
+Spawn = Callable[[Callable[[], Awaitable[None]]], None]
+
+
+@dataclass
+class _Job:
+    ino: int
+    version: int
+    prio: int
+    cancel: trio.CancelScope | None = None
+
+
+class UploadQueue:
+    """Pending uploads, the workers that do them, and their statistics."""
+
+    def __init__(self, *, core: CacheFs, index: Index, sets: SetRegistry, uploader: Uploader,
+                 node: str, signals: Signals, health: StoreHealth,
+                 mark_dir: Callable[[int], object], dir_published: Callable[[int], bool],
+                 ready: Callable[[int], None], gc: Callable[[], None], spawn: Spawn,
+                 retry_pause: float) -> None:
+        self.core = core
+        self.index = index
+        self.sets = sets
+        self.uploader = uploader
+        self.node = node
+        self.signals = signals
+        self.health = health
+        self._mark_dir = mark_dir            # cachemgr.tiering.parts: a directory's record is stale
+        self._dir_published = dir_published  # cachemgr.tiering.parts: it has a record in the store
+        self._ready = ready                  # tiering.publish: set `seq` has all its objects
+        self._gc = gc                        # tiering.publish: collect unreferenced objects
+        self._spawn = spawn                  # a helper task (the requeue after a pause)
+        self.retry_pause = retry_pause
+        self._jobs: dict[tuple[int, int], _Job] = {}
+        self._running: dict[tuple[int, int], _Job] = {}
+        self._close_seq = 0
+        # statistics
+        self.bytes_uploaded = 0
+        self._rate: deque[tuple[float, int]] = deque(maxlen=64)
+        self.uploads_done = 0
+        self.uploads_cancelled = 0
+
+    # -- the queue (synchronous: the commit hooks and recovery call these) --------------------
+
+    # Inside an index transaction (the commit hooks), a queue change takes effect when the
+    # transaction commits (Index.when_committed): one that rolls back (the operation failed)
+    # neither queues content that never closed nor cancels an upload a set still needs.
+
+    def enqueue(self, ino: int, version: int, prio: int | None = None) -> None:
+        """Queue the upload of content (ino, version): `prio` is the seq of the set that needs
+        it; None: the live set holding it, else after every committed set, in close order."""
+        self.index.when_committed(lambda: self._enqueue(ino, version, prio))
+
+    def _enqueue(self, ino: int, version: int, prio: int | None) -> None:
+        key = (ino, version)
+        if prio is None:
+            live = self.sets.live_commit_seq(ino, version)
+            if live is not None:
+                prio = live
+            else:
+                self._close_seq += 1
+                prio = _UNCOMMITTED + self._close_seq
+        job = self._jobs.get(key)
+        if job is None:
+            if key in self._running:
+                self._running[key].prio = min(self._running[key].prio, prio)
+                return
+            self._jobs[key] = _Job(ino, version, prio)
+        else:
+            job.prio = min(job.prio, prio)
+        self.signals.wake_uploads()
+
+    def drop(self, ino: int, version: int) -> None:
+        """Content (ino, version) is changing: no upload of it (one in flight is cancelled)."""
+        self.index.when_committed(lambda: self._drop(ino, version))
+
+    def _drop(self, ino: int, version: int) -> None:
+        job = self._running.get((ino, version))
+        if job is not None and job.cancel is not None:
+            job.cancel.cancel()
+        self._jobs.pop((ino, version), None)
+
+    def drop_inode(self, ino: int) -> None:
+        """File `ino` is gone: no upload of any of its content."""
+        self.index.when_committed(lambda: self._drop_inode(ino))
+
+    def _drop_inode(self, ino: int) -> None:
+        for key in list(self._jobs):
+            if key[0] == ino:
+                self._jobs.pop(key, None)
+        for key, job in list(self._running.items()):
+            if key[0] == ino and job.cancel is not None:
+                job.cancel.cancel()
+
+    def queued(self) -> int:
+        return len(self._jobs)
+
+    def running(self) -> int:
+        return len(self._running)
+
+    def content_present(self, ino: int, version: int) -> bool:
+        """The index holds content (ino, version) of a linked file in the cache."""
+        row = self.index.inode_fields(ino, "version", "nlink", "cached")
+        return row is not None and row[0] == version and row[1] > 0 and row[2] == 1
+
+    # -- the workers --------------------------------------------------------------------------
+
+    def _next_job(self) -> _Job | None:
+        if not self._jobs:
+            return None
+        key = min(self._jobs, key=lambda k: self._jobs[k].prio)
+        return self._jobs.pop(key)
+
+    async def worker(self) -> None:
+        while True:
+            job = self._next_job()
+            if job is None:
+                await self.signals.wait_uploads()
+                continue
+            await self._upload(job)
+
+    def _valid(self, ino: int, version: int) -> bool:
+        node = self.core.inode_if_loaded(ino)
+        if node is not None:
+            return bool(node.version == version and node.nlink > 0 and not node.writers)
+        return self.content_present(ino, version)
+
+    def _key_for(self, ino: int, version: int, size: int) -> str:
+        key = self.sets.object_key(ino, version)
+        if key is None:
+            key = object_key(self.node, ino, version, self.index.path_of(ino) or f"{ino}")
+            with self.index.tx():
+                self.sets.add_object(key, ino, version, size)
+        with self.index.tx():
+            for seq in self.sets.live_sets_of(ino, version):
+                s = self.sets.get(seq)
+                if s is not None and s.state == "committed":
+                    self.sets.set_state(seq, "uploading")
+        return key
+
+    async def _upload(self, job: _Job) -> None:
+        ino, version = job.ino, job.version
+        if not self._valid(ino, version):
+            return
+        row = self.index.inode_fields(ino, "obj_version", "size")
+        if row is None or row[0] == version:
+            return  # already uploaded (e.g. enqueued twice)
+        node = self.core.inode_if_loaded(ino)
+        size: int = node.size if node is not None else row[1]
+        key = self._key_for(ino, version, size)
+        self._running[(ino, version)] = job
+        job.cancel = trio.CancelScope()
+        obj: StoredObject | None = None
+        try:
+            with job.cancel:
+                obj = await self.uploader.upload_file(
+                    self.core.data_path(ino), key, size=size,
+                    still_valid=lambda: self._valid(ino, version), progress=self._progress)
+        except Superseded:
+            self.uploads_cancelled += 1
+            log.info("upload of %s cancelled: content changed", key)
+        except StoreError as e:
+            self._failed(job, key, e)
+        except OSError as e:
+            if e.errno == errno.ENOENT or not self._valid(ino, version):
+                self.uploads_cancelled += 1  # deleted while uploading
+            else:
+                self._failed(job, key, e)
+        except ValueError as e:
+            # The content cannot be stored at all (e.g. larger than 10,000 parts of 5 GiB):
+            # its sets fail with the reason instead of staying `uploading` for ever.
+            self._fail_sets(job, f"{key} cannot be stored: {e}")
+        except Exception as e:  # a bug: this upload's sets fail, said why; the worker goes on
+            log.exception("upload of %s failed", key)
+            self._fail_sets(job, f"upload of {key} failed: internal error {e!r}")
+        finally:
+            self._running.pop((ino, version), None)
+            if not self._valid(ino, version):
+                try:
+                    self._orphan_check(key, ino, version, size)
+                except Exception:  # a full index disk: the orphan waits for fsck, we go on
+                    log.exception("cannot record the object of %s for collection", key)
+        if obj is None:
+            if job.cancel.cancelled_caught:
+                self.uploads_cancelled += 1
+            return
+        self._uploaded(ino, version, obj)
+
+    def _orphan_check(self, key: str, ino: int, version: int, size: int) -> None:
+        """The content changed or went while its upload ran: the object may have landed in the
+        store all the same (a PUT in flight, a lost reply), after a GC pass had already
+        forgotten its row (it was garbage then, but not in the store yet). Its row again, and a
+        GC pass, so that it is collected, not left unreferenced for ever."""
+        if self.sets.object_key(ino, version) is None:
+            with self.index.tx():
+                self.sets.add_object(key, ino, version, size)
+        self._gc()
+        self.signals.wake_ns()  # the namespace worker runs the GC pass
+
+    def _uploaded(self, ino: int, version: int, obj: StoredObject) -> None:
+        self.health.succeeded()
+        self.uploads_done += 1
+        with self.index.tx():
+            if self.index.get_inode(ino) is None:
+                waiting: list[int] = []
+            else:
+                waiting = self.sets.record_upload(ino, version, json.dumps(obj.to_json()))
+        for seq in waiting:
+            if not self.sets.missing_uploads(seq):
+                self._ready(seq)
+        parent = self.index.parent_of(ino)
+        if parent is not None and (self._dir_published(parent) or
+                                   (parent != 1 and self.sets.in_open_set(parent))):
+            self._mark_dir(parent)  # its entry in the part record now has its object
+        self.signals.wake_ns()
+        self.signals.changed_now()
+
+    def _failed(self, job: _Job, key: str, e: Exception) -> None:
+        self.health.failed(f"upload {key}: {e}")
+        transient = getattr(e, "transient", False) or isinstance(e, OSError)
+        if transient:
+            log.warning("upload of %s failed (%s); will retry", key, e)
+            # Retries already backed off inside RetryingStore; pause, then requeue.
+            self._requeue_later(job)  # keeps its priority: its place in commit order
+        else:
+            self._fail_sets(job, f"upload of {key} refused by the store: {e}")
+
+    def _fail_sets(self, job: _Job, why: str) -> None:
+        """The content (job.ino, job.version) will never be in the store: every live set that
+        needs it fails with `why` (umount and `ckptfs wait` then stop waiting for them)."""
+        log.error("%s", why)
+        self.health.error(why)
+        with self.index.tx():
+            for seq in self.sets.live_sets_of(job.ino, job.version):
+                self.sets.set_state(seq, "failed", why)
+        self.signals.changed_now()
+
+    def _requeue_later(self, job: _Job) -> None:
+        async def later() -> None:
+            await trio.sleep(self.retry_pause)
+            if self._valid(job.ino, job.version):
+                self.enqueue(job.ino, job.version, prio=job.prio)
+        self._spawn(later)
+
+    def _progress(self, n: int) -> None:
+        self.bytes_uploaded += n
+        self._rate.append((time.monotonic(), self.bytes_uploaded))
+
+    # -- questions ----------------------------------------------------------------------------
+
+    def rate(self) -> float:
+        """Bytes per second uploaded over the last 10 seconds."""
+        now = time.monotonic()
+        pts = [(t, b) for t, b in self._rate if now - t <= 10]
+        if len(pts) < 2 or pts[-1][0] == pts[0][0]:
+            return 0.0
+        return (pts[-1][1] - pts[0][1]) / (now - pts[0][0])
+
+    def status(self) -> dict[str, Any]:
+        """`ckptfs status` "uploads"."""
+        return {"queued": len(self._jobs), "running": len(self._running),
+                "done": self.uploads_done, "cancelled": self.uploads_cancelled,
+                "bytes_uploaded": self.bytes_uploaded, "rate_bytes_per_s": self.rate()}
+
+    def statistics(self) -> dict[str, Any]:
+        """Metrics "uploads" (ckptfs.metrics)."""
+        up = self.uploader.statistics()
+        return {"done": self.uploads_done, "cancelled": self.uploads_cancelled,
+                "bytes": self.bytes_uploaded, "stored_bytes": up.stored_bytes,
+                "parts": up.parts, "running": len(self._running), "queued": len(self._jobs)}
+
+
+def object_key(node: str, ino: int, version: int, path: str) -> str:
+    """The key of the object holding content (ino, version) of the file at `path` (escaped
+    form, cachemgr.format.names: valid UTF-8 whatever the name's bytes). The name is a hint for
+    humans browsing the store, nothing reads it back (the manifest names the key); cut so a 255-byte
+    file name, or its escaped form of up to 765, still makes a key every store can hold."""
+    full = path.rsplit("/", 1)[-1]
+    name = full[:100]
+    if names.is_escaped(full):
+        cut = name.rfind("%", len(name) - 2)
+        if cut >= 0:
+            name = name[:cut]  # not half an escape
+    return f"data/{node}/{ino}/{version}/{name}"

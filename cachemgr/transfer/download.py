@@ -1,0 +1,302 @@
+"""Moving one object (or part of one) into the cache: ranged reads, verified chunk fetches and
+parallel verified downloads of whole files (uploads: cachemgr.transfer.upload). It decides
+neither what nor when (cachemgr.restore does) and does not retry (the caller wraps the store in
+`RetryingStore`, and retries on `IntegrityError`).
+
+Threads and state
+    Everything here runs on the caller's trio loop except the byte work, which goes to
+    `trio.to_thread` workers: a download's `_write_range` and chunk decoding (each worker thread
+    gets its own range and writes only that range's bytes of the destination file; the
+    per-range CRCs are stored by the loop, after the thread returns). Nothing here is durable:
+    a crash mid-download leaves a partial destination file, which the caller wrote to a temp
+    name it discards.
+
+Memory bound
+    downloads: concurrency x (range_size + one raw frame)   (defaults: 8 x 64 MiB = 512 MiB)
+    range_size 64 MiB and concurrency 8: measured with the upload defaults
+    (cachemgr.transfer.upload "Defaults and why"), downstream.
+
+Integrity
+    `StoredObject.crc32c` (the raw content's CRC32C) is checked end to end by `download_file`
+    after decompression: ranges are fetched and written in any order, each range's raw CRC32C
+    is computed in the worker thread that decodes it, and the per-range values are folded in
+    order with `crc32c_combine`, so the file is never re-read. `read_range` checks lengths and
+    frame structure only (a ranged GET carries no checksum of its own); `download_file`,
+    `fetch_chunk` and `fetch_chunks` are verified paths: `fetch_chunk` fetches one chunk (see
+    `cachemgr.format.objects` "Chunks") with one ranged GET and checks it against `chunk_crcs`, so a
+    read is served as soon as its range is in, and `download_file` checks every chunk it
+    writes (the uploader computed them on the way: cachemgr.transfer.upload).
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+import trio
+
+from cachemgr.format.compress import FrameError, frames_for_range, iter_decompress
+from cachemgr.format.objects import (
+    StoredObject,
+    chunk_count,
+    chunk_size_of,
+    chunk_span,
+    crc32c_combine,
+    crc_mismatch,
+    frames_of,
+    stored_span,
+)
+from cachemgr.host.nodefiles import open_private
+from cachemgr.store.base import IntegrityError, ObjectStore, crc32c
+from cachemgr.transfer.upload import unwrap_group
+
+__all__ = ["download_file", "fetch_chunk", "fetch_chunks", "read_range"]
+
+MiB = 1 << 20
+DEFAULT_RANGE_SIZE = 64 * MiB
+DEFAULT_DOWNLOAD_CONCURRENCY = 8
+
+# bytes in, bytes out; a memoryview in (a slice of one fetched buffer), a view or bytes out
+_Blob = TypeVar("_Blob", bytes, memoryview)
+
+
+# ----------------------------------------------------------------------------------------------
+# chunks
+
+
+def _decode_chunk(obj: StoredObject, index: int, blob: _Blob) -> _Blob | bytes:
+    # _decode checks the raw length too
+    raw = _decode(obj, blob, index, index) if obj.compression == "lz4" else blob
+    if obj.chunk_crcs is not None:
+        c = crc32c(raw)
+        if c != obj.chunk_crcs[index]:
+            raise crc_mismatch(obj, index, c)
+    return raw
+
+
+async def fetch_chunk(store: ObjectStore, obj: StoredObject, index: int) -> bytes:
+    """Raw chunk `index` of `obj` (`chunk_span` gives its place), verified: one ranged GET of
+    exactly its stored bytes (its frame for lz4), decompressed and checked against
+    `obj.chunk_crcs[index]` in a worker thread (length and frame structure only when the object
+    has no chunk CRCs). Raises IntegrityError on any mismatch, IndexError for a chunk that does
+    not exist."""
+    chunk_span(obj, index)  # range check
+    s, n = stored_span(obj, index, index)
+    blob = await store.get(obj.key, s, n)
+    if len(blob) != n:
+        raise IntegrityError(f"{obj.key}: got {len(blob)} stored bytes of chunk {index} at {s}, "
+                             f"expected {n}", key=obj.key)
+    if obj.compression == "none" and obj.chunk_crcs is None:
+        return blob  # nothing to decode or check: skip the thread hop
+    return await trio.to_thread.run_sync(_decode_chunk, obj, index, blob)
+
+
+async def fetch_chunks(store: ObjectStore, obj: StoredObject, first: int,
+                       last: int) -> list[bytes | memoryview]:
+    """Raw chunks [first, last] of `obj` with ONE ranged GET (fewer, larger requests: on a store
+    with a per-request cost, 4 MiB GETs reach a fraction of what 64 MiB GETs do), each chunk
+    decoded and verified as by `fetch_chunk`. IntegrityError names the first bad chunk.
+    Chunks of an uncompressed object are read-only memoryviews into the one fetched buffer
+    (no copy); lz4 chunks are bytes."""
+    chunk_span(obj, first)
+    chunk_span(obj, last)
+    s, n = stored_span(obj, first, last)
+    blob = await store.get(obj.key, s, n)
+    if len(blob) != n:
+        raise IntegrityError(f"{obj.key}: got {len(blob)} stored bytes of chunks {first}.."
+                             f"{last} at {s}, expected {n}", key=obj.key)
+
+    def split() -> list[bytes | memoryview]:
+        out: list[bytes | memoryview] = []
+        view = memoryview(blob).toreadonly()
+        for i in range(first, last + 1):
+            cs, cn = stored_span(obj, i, i)
+            # a view, not a copy: _decode_chunk checks its CRC32C (lz4 decodes it into bytes)
+            out.append(_decode_chunk(obj, i, view[cs - s:cs - s + cn]))
+        return out
+
+    return await trio.to_thread.run_sync(split)
+
+
+# ----------------------------------------------------------------------------------------------
+# reads
+
+
+def _decode(obj: StoredObject, blob: bytes | memoryview, first: int, last: int) -> bytes:
+    try:
+        return b"".join(iter_decompress(
+            blob, frames_of(obj)[first:last + 1],
+            raw_lengths=[obj.raw_frame_len(i) for i in range(first, last + 1)], first=first))
+    except FrameError as e:
+        raise IntegrityError(f"{obj.key}: {e}", key=obj.key) from None
+
+
+async def read_range(store: ObjectStore, obj: StoredObject, offset: int, length: int) -> bytes:
+    """Raw bytes [offset, offset+length) of `obj`, clamped to its size: one ranged GET of just
+    the stored bytes needed (whole frames for lz4), decompressed in a worker thread."""
+    if offset < 0 or length < 0:
+        raise ValueError(f"negative range: offset={offset} length={length}")
+    end = min(offset + length, obj.size)
+    if offset >= end:
+        return b""
+    if obj.compression == "none":
+        data = await store.get(obj.key, offset, end - offset)
+        if len(data) != end - offset:
+            raise IntegrityError(f"{obj.key}: got {len(data)} bytes at {offset}, expected "
+                                 f"{end - offset}", key=obj.key)
+        return data
+    first, last, s, e = frames_for_range(obj.frame_size, frames_of(obj), offset, end - offset,
+                                         offsets=obj.offsets)
+    blob = await store.get(obj.key, s, e - s)
+    if len(blob) != e - s:
+        raise IntegrityError(f"{obj.key}: got {len(blob)} stored bytes at {s}, expected {e - s}",
+                             key=obj.key)
+    raw = await trio.to_thread.run_sync(_decode, obj, blob, first, last)
+    lo = offset - first * obj.frame_size
+    if lo == 0 and len(raw) == end - offset:
+        return raw
+    return raw[lo:lo + end - offset]
+
+
+@dataclass(frozen=True, slots=True)
+class _Range:
+    raw_off: int
+    raw_len: int
+    stored_off: int
+    stored_len: int
+    first: int      # chunks (= frames for lz4) [first, last]
+    last: int
+
+
+def _plan_ranges(obj: StoredObject, range_size: int) -> list[_Range]:
+    # Whole chunks per range (so each chunk's CRC can be checked), as many as fit in range_size
+    # raw bytes (at least one): bounded by raw size, so a range of highly compressible frames
+    # stays a bounded write too.
+    cs = chunk_size_of(obj)
+    per = max(1, range_size // cs)
+    n = chunk_count(obj)
+    out = []
+    for first in range(0, n, per):
+        last = min(first + per, n) - 1
+        raw_off = first * cs
+        raw_end = min((last + 1) * cs, obj.size)
+        s, sn = stored_span(obj, first, last)
+        out.append(_Range(raw_off, raw_end - raw_off, s, sn, first, last))
+    return out
+
+
+def _pwrite_all(fd: int, data: bytes | memoryview, off: int) -> None:
+    mv = memoryview(data)
+    while mv:
+        n = os.pwrite(fd, mv, off)
+        mv = mv[n:]
+        off += n
+
+
+def _write_range(fd: int, obj: StoredObject, r: _Range, blob: bytes) -> int:
+    """Decode one fetched range, check each chunk's CRC32C (when the object has chunk CRCs),
+    write it at its raw offset, return the range's raw CRC32C (folded from its chunks')."""
+    if len(blob) != r.stored_len:
+        raise IntegrityError(f"{obj.key}: got {len(blob)} bytes at {r.stored_off}, expected "
+                             f"{r.stored_len}", key=obj.key)
+    crcs = obj.chunk_crcs
+    if obj.compression == "none":
+        if crcs is None:
+            _pwrite_all(fd, blob, r.raw_off)
+            return crc32c(blob)
+        mv = memoryview(blob)
+        crc = pos = 0
+        for i in range(r.first, r.last + 1):
+            _, n = chunk_span(obj, i)
+            c = crc32c(mv[pos:pos + n])
+            if c != crcs[i]:
+                raise crc_mismatch(obj, i, c)
+            crc = crc32c_combine(crc, c, n)
+            pos += n
+        _pwrite_all(fd, blob, r.raw_off)  # checked before a byte of it lands
+        return crc
+    crc = 0
+    pos = r.raw_off
+    try:
+        for i, raw in enumerate(
+                iter_decompress(blob, frames_of(obj)[r.first:r.last + 1],
+                                raw_lengths=[obj.raw_frame_len(i)
+                                             for i in range(r.first, r.last + 1)],
+                                first=r.first),
+                start=r.first):
+            c = crc32c(raw)
+            if crcs is not None and c != crcs[i]:
+                raise crc_mismatch(obj, i, c)
+            crc = crc32c_combine(crc, c, len(raw))
+            _pwrite_all(fd, raw, pos)
+            pos += len(raw)
+    except FrameError as e:
+        raise IntegrityError(f"{obj.key}: {e}", key=obj.key) from None
+    return crc
+
+
+def _open_dest(path: str | os.PathLike[str], size: int) -> int:
+    fd = open_private(path, os.O_WRONLY | os.O_TRUNC)  # a cache file: 0600 (host.nodefiles)
+    try:
+        os.ftruncate(fd, size)  # sparse: ranges land in any order
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+async def download_file(store: ObjectStore, obj: StoredObject, dest_path: str | os.PathLike[str], *,
+                        range_size: int = DEFAULT_RANGE_SIZE,
+                        concurrency: int = DEFAULT_DOWNLOAD_CONCURRENCY,
+                        limiter: trio.CapacityLimiter | None = None,
+                        progress: Callable[[int], None] | None = None) -> None:
+    """Fetch `obj` into `dest_path` (created or truncated to obj.size) with up to `concurrency`
+    ranged GETs in flight (and, if given, a token of the shared `limiter` per range), each
+    decoded and written with os.pwrite in a worker thread. Ranges are whole chunks; each
+    chunk is checked against `obj.chunk_crcs` when present (before an uncompressed range is
+    written). Raises IntegrityError if a chunk's or the raw content's CRC32C does not match
+    (the caller retries). Does not fsync: the caller owns durability (write to a temp file,
+    fsync, rename)."""
+    if range_size <= 0 or concurrency < 1:
+        raise ValueError(f"range_size and concurrency must be positive "
+                         f"({range_size}, {concurrency})")
+    ranges = _plan_ranges(obj, range_size)
+    crcs: list[int | None] = [None] * len(ranges)
+    fd = await trio.to_thread.run_sync(_open_dest, dest_path, obj.size)
+    try:
+        todo = iter(enumerate(ranges))  # shared by the workers: each takes the next range
+
+        async def worker() -> None:
+            for i, r in todo:
+                token = object()
+                if limiter is not None:
+                    await limiter.acquire_on_behalf_of(token)
+                try:
+                    blob = await store.get(obj.key, r.stored_off, r.stored_len)
+                    crcs[i] = await trio.to_thread.run_sync(_write_range, fd, obj, r, blob)
+                    del blob
+                finally:
+                    if limiter is not None:
+                        limiter.release_on_behalf_of(token)
+                if progress is not None:
+                    progress(r.raw_len)
+
+        try:
+            async with trio.open_nursery() as nursery:
+                for _ in range(min(concurrency, len(ranges))):
+                    nursery.start_soon(worker)
+        except BaseExceptionGroup as eg:
+            e = unwrap_group(eg)
+            if e is None:
+                raise
+            raise e from None
+    finally:
+        os.close(fd)
+    total = 0
+    for r, c in zip(ranges, crcs, strict=True):
+        assert c is not None  # every worker stored its range's CRC, or the nursery raised
+        total = crc32c_combine(total, c, r.raw_len)
+    if total != obj.crc32c:
+        raise IntegrityError(f"{obj.key}: downloaded content has CRC32C {total:08x}, manifest "
+                             f"says {obj.crc32c:08x}", key=obj.key)
