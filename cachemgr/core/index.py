@@ -501,10 +501,6 @@ class Index(TreeQueries, ContentQueries):
             for fn in reversed(undo):
                 fn()
 
-    @property
-    def in_tx(self) -> bool:
-        return self._depth > 0
-
     def on_rollback(self, fn: Callable[[], None]) -> None:
         """Run `fn` if the open transaction rolls back (undo callbacks run last first)."""
         assert self._depth, "on_rollback() outside a transaction"

@@ -32,7 +32,7 @@ from cachemgr.transfer.download import download_file
 if TYPE_CHECKING:
     from cachemgr.core.fs import CacheFs
 
-log = logging.getLogger("cachemgr.tiering.services")  # the log lines as they were before the split
+log = logging.getLogger(__name__)
 
 
 class Fetcher:

@@ -40,8 +40,8 @@ import trio
 
 from cachemgr.core.errors import FsError
 from cachemgr.format.objects import StoredObject, chunk_span
-from cachemgr.restore.chunkfetch import FETCH_ATTEMPTS, ChunkFetcher, MakeRoom
-from cachemgr.restore.prefetch import MODES, RA_DIV, FetchWhole, Job, LiveMembers, Prefetcher
+from cachemgr.restore.chunkfetch import ChunkFetcher, MakeRoom
+from cachemgr.restore.prefetch import FetchWhole, Job, LiveMembers, Prefetcher
 from cachemgr.store import ObjectStore
 
 if TYPE_CHECKING:
@@ -52,8 +52,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# Names this module defined before the split (kept for importers).
-__all__ = ["FETCH_ATTEMPTS", "MODES", "RA_DIV", "Restorer"]
+__all__ = ["Restorer"]
 
 
 class Restorer:

@@ -42,10 +42,6 @@ def crc32c_b64(value: int) -> str:
     return base64.b64encode(value.to_bytes(4, "big")).decode()
 
 
-def crc32c_from_b64(s: str) -> int:
-    return int.from_bytes(base64.b64decode(s), "big")
-
-
 @dataclass(frozen=True, slots=True)
 class ObjectInfo:
     key: str

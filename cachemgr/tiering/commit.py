@@ -51,7 +51,7 @@ if TYPE_CHECKING:
     from cachemgr.tiering.signals import Signals
     from cachemgr.tiering.uploads import UploadQueue
 
-log = logging.getLogger("cachemgr.tiering.services")  # the log lines as they were before the split
+log = logging.getLogger(__name__)
 
 
 class Committer:

@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from cachemgr.tiering.members import CommitAcks
     from cachemgr.tiering.signals import Signals
 
-log = logging.getLogger("cachemgr.tiering.services")  # the log lines as they were before the split
+log = logging.getLogger(__name__)
 
 
 class Gatherer:

@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from cachemgr.core.index import Index
     from cachemgr.tiering.signals import Signals, StoreHealth
 
-log = logging.getLogger("cachemgr.tiering.services")  # the log lines as they were before the split
+log = logging.getLogger(__name__)
 
 Reply = dict[str, Any]
 

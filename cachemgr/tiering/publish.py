@@ -56,7 +56,7 @@ if TYPE_CHECKING:
     from cachemgr.tiering.gather import Gatherer
     from cachemgr.tiering.signals import Signals, StoreHealth
 
-log = logging.getLogger("cachemgr.tiering.services")  # the log lines as they were before the split
+log = logging.getLogger(__name__)
 
 Event = tuple[Any, ...]
 

@@ -228,10 +228,6 @@ class Tiering:
     def commit_path(self, path: str) -> int:
         return self.commits.commit_path(path)
 
-    @property
-    def consecutive_failures(self) -> int:
-        return self.store_health.consecutive_failures
-
     # -- space and read-through: cachemgr.tiering.space, cachemgr.restore.fetch
     # --------------------------------
 
@@ -246,12 +242,6 @@ class Tiering:
 
     # ==========================================================================================
     # questions
-
-    def upload_rate(self) -> float:
-        return self.uploads.rate()
-
-    def health(self) -> str:
-        return self.store_health.health()
 
     async def wait(self, path: str, timeout: float | None) -> dict[str, Any]:
         return await self.progress.wait(path, timeout)

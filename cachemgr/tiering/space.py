@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from cachemgr.core.fs import CacheFs
     from cachemgr.tiering.signals import Signals
 
-log = logging.getLogger("cachemgr.tiering.services")  # the log lines as they were before the split
+log = logging.getLogger(__name__)
 
 
 class Space:

@@ -52,7 +52,7 @@ if TYPE_CHECKING:
     from cachemgr.core.index import Index
     from cachemgr.tiering.signals import Signals, StoreHealth
 
-log = logging.getLogger("cachemgr.tiering.services")
+log = logging.getLogger(__name__)
 
 # Priority of content closed but not in any committed set: after every committed set.
 _UNCOMMITTED = 1 << 62
