@@ -1,26 +1,56 @@
 #!/usr/bin/env bash
 # The README's second command: set up (idempotent) and run the whole test suite.
-# With no arguments: the static checks (scripts/lint.sh: ruff, mypy), then the whole suite (FUSE
-# passthrough on, wherever it works), then the operations, torch and crash tests again with the
-# daemon's own data path (--no-passthrough), so both paths stay correct, then the store-facing
-# tests (marker `s3`) again against a one-node Ceph RGW (scripts/rgw.sh) instead of moto, so
-# what a real S3 server does differently is found here (docs/STORES.md). Extra arguments go
-# to one pytest run instead, e.g.
-# `bash scripts/test.sh -k rename -x` (CKPTFS_TEST_DATA_PATH=fuse to run it without passthrough).
+# With no arguments: the static checks (scripts/lint.sh: ruff, import-linter, mypy), then the
+# whole suite (FUSE passthrough on, wherever it works), then the operations, torch and crash
+# tests again with the daemon's own data path (--no-passthrough), so both paths stay correct,
+# then the store-facing tests (marker `s3`) again against a one-node Ceph RGW (scripts/rgw.sh)
+# instead of moto, so what a real S3 server does differently is found here (docs/STORES.md).
+# Every pass runs its tests in parallel (pytest-xdist, CKPTFS_TEST_WORKERS workers: twice the
+# cores by default; the tests wait on mounts, daemons and stores more than they compute), the
+# slow ones first; one RGW serves the whole run.
+#   --quick        the `unit` layer without the slow tests (in-process: the core, the services,
+#                  the stores, the tools), for the edit loop; extra arguments go to pytest
+#   other args     one pytest run instead, e.g. `bash scripts/test.sh -k rename -x`
+#                  (CKPTFS_TEST_DATA_PATH=fuse to run it without passthrough)
+# The layers (markers unit, mount, multinode, faults; tests/conftest.py) select parts:
+# `bash scripts/test.sh -m multinode -n 4`.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$ROOT/scripts/setup.sh"
 cd "$ROOT"
+WORKERS="${CKPTFS_TEST_WORKERS:-$(( $(nproc) * 2 ))}"
+if [ "${1:-}" = "--quick" ]; then
+    shift
+    exec "$VENV/bin/python" -m pytest -m "unit and not slow" -n "$WORKERS" "$@"
+fi
 if [ "$#" -gt 0 ]; then
     exec "$VENV/bin/python" -m pytest "$@"
 fi
 # Ceph RGW for the store conformance suite and the RGW pass (apt, once; ~250 MB).
 bash "$ROOT/scripts/rgw.sh" install
-echo "test.sh: static checks (ruff, mypy)"
+echo "test.sh: static checks (ruff, import-linter, mypy)"
 bash "$ROOT/scripts/lint.sh"
-"$VENV/bin/python" -m pytest
+
+export AWS_ACCESS_KEY_ID="${AWS_ACCESS_KEY_ID:-testing}"
+export AWS_SECRET_ACCESS_KEY="${AWS_SECRET_ACCESS_KEY:-testing}"
+export AWS_DEFAULT_REGION="${AWS_DEFAULT_REGION:-us-east-1}"
+rgw_dir="$(mktemp -d /tmp/ckptfs-test-rgw.XXXXXX)"
+stop_rgw() { bash "$ROOT/scripts/rgw.sh" stop "$rgw_dir" >/dev/null 2>&1 || true; rm -rf "$rgw_dir"; }
+trap stop_rgw EXIT
+# One RGW for every worker of every pass; if it cannot start, the tests that need it start their
+# own (tests/conftest.py rgw_server) and say why it failed.
+if endpoint="$(RGW_ACCESS_KEY="$AWS_ACCESS_KEY_ID" RGW_SECRET_KEY="$AWS_SECRET_ACCESS_KEY" \
+        bash "$ROOT/scripts/rgw.sh" start "$rgw_dir/rgw" | tail -n 1)" && [ -n "$endpoint" ]; then
+    export CKPTFS_TEST_RGW_ENDPOINT="$endpoint"
+else
+    echo "test.sh: the shared RGW did not start; the tests start their own" >&2
+fi
+
+pytest=("$VENV/bin/python" -m pytest -n "$WORKERS" --durations=15)
+echo "test.sh: the whole suite, $WORKERS workers"
+"${pytest[@]}"
 echo "test.sh: the operations, torch and crash tests again with --no-passthrough"
-CKPTFS_TEST_DATA_PATH=fuse "$VENV/bin/python" -m pytest \
+CKPTFS_TEST_DATA_PATH=fuse "${pytest[@]}" \
     tests/test_ops.py tests/test_torch.py tests/test_crash.py tests/test_setid.py
 echo "test.sh: the store-facing tests (marked s3) again on a real S3 server, Ceph RGW"
-CKPTFS_TEST_S3=rgw exec "$VENV/bin/python" -m pytest -m s3
+CKPTFS_TEST_S3=rgw "${pytest[@]}" -m s3

@@ -251,12 +251,18 @@ if S3_KIND not in ("moto", "rgw"):
 @pytest.fixture(scope="session")
 def rgw_server(tmp_path_factory):
     """A one-node Ceph RGW for the whole session (scripts/rgw.sh: installs the Debian packages
-    once, starts mon + OSD on memstore + radosgw, ~13 s); yields its endpoint URL. Its S3 user
+    once, starts mon + OSD on memstore + radosgw, ~13 s), or the one scripts/test.sh started
+    (CKPTFS_TEST_RGW_ENDPOINT, with the same credentials); yields its endpoint URL. Its S3 user
     has the credentials the tests give boto3 through the environment. Without Ceph the tests
     that need it skip, and fail with CI=true."""
     os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
     os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
     os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+    shared = os.environ.get("CKPTFS_TEST_RGW_ENDPOINT")
+    if shared:
+        # scripts/test.sh starts one RGW for the whole run (every xdist worker, both passes)
+        yield shared
+        return
     where = tmp_path_factory.mktemp("rgw")
     env = dict(os.environ, RGW_ACCESS_KEY=os.environ["AWS_ACCESS_KEY_ID"],
                RGW_SECRET_KEY=os.environ["AWS_SECRET_ACCESS_KEY"])
@@ -304,12 +310,49 @@ def s3_bucket(s3_endpoint):
 
 _S3_FIXTURES = {"s3_bucket", "s3_endpoint", "moto_server", "rgw_server"}
 
+# The suite's layers, one marker each (pyproject.toml declares them; `-m unit` is
+# `scripts/test.sh --quick`):
+#   unit       in-process: the core, the services, the stores, the tools; no mount
+#   mount      one mount (or a few on one node) through the real kernel
+#   multinode  several nodes' mounts on one store
+#   faults     fault loops, kills and crashes of the daemon
+# A test is `mount` if it takes a mount fixture, `multinode` if it takes a cluster of nodes;
+# the files below hold one layer whatever their fixtures, and every other file is `unit`
+# unless its tests take those fixtures.
+_FILE_LAYER = {
+    "test_faults.py": "faults", "test_crash.py": "faults", "test_tiering_crash.py": "faults",
+    "test_model.py": "faults", "test_multinode.py": "multinode", "test_resume.py": "multinode",
+}
+_MOUNT_FIXTURES = {"mnt", "mount_factory"}
+_MULTINODE_FIXTURES = {"cluster", "nodes"}
+LAYERS = ("unit", "mount", "multinode", "faults")
+
+
+def layer_of(item) -> str:
+    by_file = _FILE_LAYER.get(item.path.name)
+    if by_file is not None:
+        return by_file
+    fixtures = set(getattr(item, "fixturenames", ()))
+    if _MULTINODE_FIXTURES & fixtures:
+        return "multinode"
+    if _MOUNT_FIXTURES & fixtures:
+        return "mount"
+    return "unit"
+
 
 def pytest_collection_modifyitems(config, items):
-    """Mark `s3` every test that talks to an S3 endpoint: through a fixture, or as the "s3"
-    case of a test parametrized over stores (scripts/test.sh runs these again on RGW)."""
+    """Mark each test with its layer (`layer_of`), and `s3` every test that talks to an S3
+    endpoint: through a fixture, or as the "s3" case of a test parametrized over stores
+    (scripts/test.sh runs these again on RGW)."""
     for item in items:
+        item.add_marker(getattr(pytest.mark, layer_of(item)))
         params = getattr(getattr(item, "callspec", None), "params", {})
         if _S3_FIXTURES & set(getattr(item, "fixturenames", ())) or "s3" in [
                 v for v in params.values() if isinstance(v, str)]:
             item.add_marker(pytest.mark.s3)
+    # The longest first (slow, then the fault and multi-node layers): with xdist they start at
+    # once on separate workers instead of ending the run alone. A stable sort: the rest keep
+    # their order.
+    first = {"faults": 1, "multinode": 2}
+    items.sort(key=lambda it: 0 if it.get_closest_marker("slow") else
+               first.get(layer_of(it), 3))

@@ -834,6 +834,7 @@ def random_runs(base: Path, *, seconds: float, examples: int, seed: int | None =
     return 0
 
 
+@pytest.mark.slow  # tens of seconds: not in scripts/test.sh --quick
 @pytest.mark.timeout(max(300, BUDGET_S + 240))
 def test_core_reftest_random(fast_tmp):
     """The machine with random seeds for CKPTFS_REFTEST_BUDGET_S seconds (default 75): new

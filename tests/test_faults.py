@@ -221,6 +221,7 @@ def run_loop(tmp_path, seed: int, iterations: int, faults: str, timeout: float =
     return rep
 
 
+@pytest.mark.slow  # tens of seconds: not in scripts/test.sh --quick
 def test_fault_loop_kills(tmp_path):
     """Every kill -9 moment, of the trainer and of a daemon, once."""
     rep = run_loop(tmp_path, seed=1001, iterations=8, faults="kill")
@@ -230,6 +231,7 @@ def test_fault_loop_kills(tmp_path):
         "kill_daemon_publishing", "kill_daemon_deleting"}
 
 
+@pytest.mark.slow  # tens of seconds: not in scripts/test.sh --quick
 def test_fault_loop_store_and_disk(tmp_path):
     """Every store fault at the proxy, and a full cache disk, once."""
     rep = run_loop(tmp_path, seed=2002, iterations=7, faults="store,disk")

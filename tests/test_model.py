@@ -464,6 +464,7 @@ class FsModel(RuleBasedStateMachine):
         FsModel.reset_needed = not self.verified
 
 
+@pytest.mark.slow  # tens of seconds: not in scripts/test.sh --quick
 # Passing takes about a minute. A failure is shrunk for up to hypothesis' own 5-minute limit,
 # with a fresh cache dir per failing example, so give the report time to come out.
 @pytest.mark.timeout(900)

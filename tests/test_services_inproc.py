@@ -185,7 +185,8 @@ class Node:
     def quiet(self) -> bool:
         st = self.t.status()
         return (not self.sets.by_states(("committed", "uploading", "deleting"))
-                and st["uploads"]["queued"] == 0 and st["uploads"]["running"] == 0)
+                and st["uploads"]["queued"] == 0 and st["uploads"]["running"] == 0
+                and self.t.publisher.idle())
 
 
 async def until(cond, what: str, timeout: float = TIMEOUT):

@@ -499,6 +499,7 @@ def test_verifier_detects_torn_sets(mount_factory):
 ROUNDS = 36
 
 
+@pytest.mark.slow  # tens of seconds: not in scripts/test.sh --quick
 def test_crash_loop_store_never_torn(mount_factory, tmp_path):
     t0 = time.monotonic()
     seed = int(os.environ.get("CKPTFS_CRASH_SEED", "20261122"))  # fixed; override to explore

@@ -330,7 +330,8 @@ def test_status_usage_errors(mnt):
 
 
 def test_status_watch_redraws_on_a_terminal_and_exits_0_on_sigint(mnt, runs):
-    w = runs("status", str(mnt.path), "--watch", "0.2")
+    # wide enough for the header with the whole mount path (a worker's tmp path is longer)
+    w = runs("status", str(mnt.path), "--watch", "0.2", cols=240)
     wait_for(lambda: "0 files" in w.tty.text(), timeout=30, what="the first page")
     (mnt.path / "a.pt").write_bytes(b"a" * 100)
     wait_for(lambda: "1 files" in w.tty.text(), timeout=30, what="a page with a.pt")

@@ -229,6 +229,12 @@ class Publisher:
         cur = self._current
         return cur is not None and cur[0] == "publish" and cur[1] == seq
 
+    def idle(self) -> bool:
+        """No namespace event queued or being applied (what a caller waits for to see the
+        namespace settle: an event may queue the next, as a PUT that lands for a removed path
+        queues its unpublish)."""
+        return not self._events and self._current is None and not self._spawn
+
     def deletes_waiting(self) -> int:
         return len(self._blocked_unpublish)
 
