@@ -8,11 +8,15 @@ documented exit code before the next one starts):
                 below runs, and nothing is torn down, without it.
   2. metrics    bind the --metrics port (`metrics.MetricsServer`; fails: EXIT_NOT_READY), before
                 anything is mounted: a port that cannot be had fails the mount.
-  3. cache      open the cache: `CacheFs.load` (index + crash recovery; fails: EXIT_CACHE_DIR).
-  4. store      open the object store (fault injection for tests, `RetryingStore`), probe it
+  3. cache      open the cache's owners: `Cache.open` (index + crash recovery; fails:
+                EXIT_CACHE_DIR).
+  4. store      open the object store (what the tests inject: `INJECTED`; `RetryingStore`),
+                probe it
                 (fails: EXIT_STORE), bind the cache dir to the store URL (another URL:
                 EXIT_CACHE_DIR).
-  5. services   build `Tiering` (which builds its own services) and `FuseOps` over the core.
+  5. services   bottom-up, each whole when its constructor returns: the foreground signal,
+                `Tiering` from the cache (it builds its services), the core `CacheFs` from the
+                cache and those services, `Filesystem`, then `FuseOps`.
   6. mount      open the FUSE session (`fuse.mount_and_serve`; fails: EXIT_NOT_READY).
   7. serve      `trio.run`: one nursery holds, started in this order, the control socket, the
                 tiering services, the metrics scrape hook (the loop's token), readiness (stat
@@ -67,30 +71,19 @@ from .stallwatch import StallWatch
 log = logging.getLogger(__name__)
 
 
-def _inject_faults(store, spec: str | None):
-    """Testing aid: CKPTFS_FAULTS="put=every:3,upload_part=next:5,get=every:4" wraps the store in
-    a FaultyStore that fails those calls with a transient 503/500 (every k-th call, or the next
-    n calls), below the retry layer, so tests can show that throttling loses nothing.
-    `put@data/=hold:/tmp/gate` makes puts of keys under data/ wait while /tmp/gate exists."""
-    if not spec:
-        return store
-    from cachemgr.store import FaultyStore
+@dataclass(frozen=True)
+class Injected:
+    """What the tests inject into a mount through its composition root (never read from the
+    environment here): tests/daemon_hooks/sitecustomize.py sets `INJECTED` in the daemon's
+    process before it starts. `wrap_store` wraps the object store below the retry layer (a
+    FaultyStore that fails or holds calls); `before_fill` runs in restore's fill threads before
+    they write (cachemgr.core.filecache)."""
 
-    faulty = FaultyStore(store)
-    for item in spec.split(","):
-        op, _, rule = item.strip().partition("=")
-        op, _, prefix = op.partition("@")
-        kind, _, n = rule.partition(":")
-        if kind == "every":
-            faulty.fail_every(op, int(n))
-        elif kind == "next":
-            faulty.fail_next(op, int(n))
-        elif kind == "hold":
-            faulty.hold(op, n, prefix)
-        else:
-            raise ValueError(f"bad CKPTFS_FAULTS item {item!r}")
-    log.warning("fault injection active: %s", spec)
-    return faulty
+    wrap_store: Callable[[Any], Any] | None = None
+    before_fill: Callable[[], None] | None = None
+
+
+INJECTED = Injected()
 
 
 async def _probe_store(store) -> None:
@@ -143,7 +136,7 @@ class Services:
 async def op_status(svc: Services, req: dict) -> dict:
     return {"pid": os.getpid(), "mountpoint": str(svc.cfg.mountpoint),
             "cache_dir": str(svc.cfg.cache_dir), "uptime_s": time.time() - svc.started,
-            **svc.core.status(),
+            **svc.core.status(), "tiering": svc.tiering.status(),
             **({"loop": svc.stallwatch.statistics()} if svc.stallwatch is not None else {})}
 
 
@@ -217,6 +210,7 @@ class _Daemon:
         self.lock = CacheLock(cfg.cache_dir)
         self.locked = False
         self.metrics_server: Any = None
+        self.cache: Any = None
         self.core: Any = None
         self.store: Any = None
         self.tiering: Any = None
@@ -253,15 +247,15 @@ class _Daemon:
             raise _StartFailed(EXIT_NOT_READY, str(e.strerror)) from e
 
     def open_cache(self) -> None:  # step 3
+        from cachemgr.core.cache import Cache
         from cachemgr.core.errors import FsError
-        from cachemgr.core.fs import CacheFs
 
         from . import fuse
 
         cfg = self.cfg
         try:
-            self.core = CacheFs.load(cfg.cache_dir, direct_io_writes=cfg.direct_io_writes
-                                     and not cfg.writeback_cache, backings=fuse.backings(cfg))
+            self.cache = Cache.open(cfg.cache_dir, backings=fuse.backings(cfg),
+                                    before_fill=INJECTED.before_fill)
         except (FsError, OSError) as e:
             raise _StartFailed(EXIT_CACHE_DIR, f"cannot open cache in {cfg.cache_dir}: {e}") \
                 from e
@@ -277,7 +271,8 @@ class _Daemon:
                                path_style=cfg.s3_path_style, profile=cfg.s3_profile,
                                allow_unconditional=cfg.store_ignores_conditions) \
                 if store_url.startswith("s3://") else open_store(store_url)
-            self.store = RetryingStore(_inject_faults(inner, os.environ.get("CKPTFS_FAULTS")))
+            wrap = INJECTED.wrap_store
+            self.store = RetryingStore(inner if wrap is None else wrap(inner))
             trio.run(_probe_store, self.store)
         except (StoreError, OSError) as e:
             raise _StartFailed(EXIT_STORE, f"object store {store_url} is unusable: {e}") from e
@@ -294,7 +289,7 @@ class _Daemon:
                     "--store-ignores-conditions if one node writes each path"))
             log.warning("store %s: conditional writes %s; --store-ignores-conditions: the last"
                         " node to commit a path wins", store_url, found.describe())
-        index = self.core.index
+        index = self.cache.index
         bound = index.meta("store_url")
         if bound is not None and bound != store_url:
             raise _StartFailed(EXIT_CACHE_DIR, f"cache dir {cfg.cache_dir} holds data of store "
@@ -304,34 +299,33 @@ class _Daemon:
                 index.set_meta("store_url", store_url)
 
     def build_services(self) -> None:  # step 5
-        from cachemgr.core.fs import Filesystem
+        from cachemgr.core.fs import CacheFs, Filesystem
         from cachemgr.host.foreground import Foreground
         from cachemgr.tiering.services import Tiering, TieringConfig
         from cachemgr.transfer.upload import TransferConfig
 
         from . import fuse
 
-        cfg, core, store = self.cfg, self.core, self.store
+        cfg, cache, store = self.cfg, self.cache, self.store
         # Uploads hold back while the trainer writes or reads: the FUSE handlers note what they
         # serve; passthrough I/O never reaches the daemon: writes are found by fstat, reads by
         # the reader's /proc/PID/io (Backings.busy_since_probe).
-        foreground = Foreground(core.backings.busy_since_probe)
-        # -- the core/tiering wiring: one block, kept as it was in mount.run_daemon -----------
-        tiering = Tiering(core, store, TieringConfig(
+        foreground = Foreground(cache.backings.busy_since_probe)
+        tiering = Tiering(cache, store, TieringConfig(
             transfer=TransferConfig(part_size=cfg.part_size, compress=cfg.compress,
                                     max_parts_in_flight=cfg.parts_in_flight),
             file_concurrency=cfg.upload_files, cache_size=cfg.cache_size,
             keep_local=cfg.keep_local, prefetch=cfg.prefetch,
             prefetch_concurrency=cfg.prefetch_concurrency, prefetch_range=cfg.prefetch_range,
             refresh_interval=cfg.refresh_interval, commit_timeout=cfg.commit_timeout,
-            lease=cfg.lease), foreground=foreground)
-        core.connect(hooks=tiering, reads=tiering.restorer, room=tiering,
-                     cache_size=cfg.cache_size, kernel=fuse.KERNEL, status=tiering.status)
+            lease=cfg.lease), foreground=foreground, kernel=fuse.KERNEL)
+        core = CacheFs(cache, hooks=tiering.commits, reads=tiering.restorer, room=tiering.space,
+                       kernel=fuse.KERNEL,
+                       direct_io_writes=cfg.direct_io_writes and not cfg.writeback_cache)
         ops = fuse.FuseOps(Filesystem(core, foreground, io_threads=cfg.io_threads),
-                           attr_timeout=cfg.attr_timeout)
-        ops.enable_writeback_cache = cfg.writeback_cache
-        ops.enable_passthrough = core.backings.on  # the kernel's answer: FuseOps.init
-        # -- end of the wiring block ----------------------------------------------------------
+                           attr_timeout=cfg.attr_timeout, writeback_cache=cfg.writeback_cache,
+                           passthrough=cache.backings.on)  # the kernel's answer: FuseOps.init
+        self.core = core
         self.tiering, self.ops = tiering, ops
 
     def mount(self) -> None:  # step 6
@@ -438,9 +432,9 @@ class _Daemon:
                 fuse.close_session(unmount=True)
             except Exception:
                 log.exception("closing the FUSE session failed")
-        if self.core is not None:
+        if self.core is not None or self.cache is not None:
             try:
-                self.core.close()
+                (self.core or self.cache).close()
             except Exception:
                 log.exception("closing the cache failed")
         unregister(self.cfg.mountpoint)

@@ -3,7 +3,7 @@
 Thin and total: every handler decodes the kernel's arguments, awaits `cachemgr.core.fs.Filesystem`
 (or calls its `CacheFs` for operations that never wait), and encodes the answer. No caching,
 read-through, backpressure, upload or store logic lives here: those are the core's
-(cachemgr.core.fs). `KERNEL` is the kernel notifier the composition root connects to the core.
+(cachemgr.core.fs). `KERNEL` is the kernel notifier the composition root gives the core.
 
 Error contract: pyfuse3 only understands `FUSEError`; any other exception escaping a handler stops
 its main loop and leaves a dead mount behind. So every handler runs under `_guarded`:
@@ -122,7 +122,8 @@ def _brief(args: tuple) -> tuple:
 
 
 class KernelInvalidator:
-    """`cachemgr.core.hooks.KernelNotifier` for the core: the composition root connects `KERNEL`."""
+    """`cachemgr.core.hooks.KernelNotifier`: the composition root gives `KERNEL` to the core
+    and to tiering."""
 
     @staticmethod
     def invalidate_entry(parent: int, name: bytes) -> None:
@@ -151,8 +152,12 @@ class FuseOps(pyfuse3.Operations):
     # write before: docs/ARCHITECTURE.md "Data path").
     enable_killpriv_v2 = True
 
-    def __init__(self, fs: Filesystem, *, attr_timeout: float = 10.0) -> None:
+    def __init__(self, fs: Filesystem, *, attr_timeout: float = 10.0,
+                 writeback_cache: bool = False, passthrough: bool = False) -> None:
         super().__init__()
+        # pyfuse3 reads these at init (instance attributes over the class defaults above)
+        self.enable_writeback_cache = writeback_cache
+        self.enable_passthrough = passthrough
         self.fs = fs
         self.core: CacheFs = fs.core
         self.attr_timeout = attr_timeout

@@ -83,7 +83,7 @@ def snapshot(core, ops, tiering: Callable[[], dict]) -> dict:
     out = {
         "io": {"reads": st.reads, "bytes_read": st.bytes_read, "writes": st.writes,
                "bytes_written": st.bytes_written},
-        "cache": {"bytes": core.cached_bytes, "evictions": st.evictions,
+        "cache": {"bytes": core.files.cached_bytes, "evictions": st.evictions,
                   "evicted_bytes": st.evicted_bytes},
         "data_path": core.backings.statistics(),
         "fuse": ops.statistics(),

@@ -245,7 +245,7 @@ def check_cache_dir(cache_dir: Path) -> None:
                              f"a ckptfs cache (no layout.json; it holds {shown}); ckptfs "
                              "would delete files in it: use an empty or new directory")
     if not os.path.lexists(layout):
-        from cachemgr.core.fs import LAYOUT
+        from cachemgr.core.cache import LAYOUT
 
         # Written whole under a name of its own, then linked into place: of several mounts
         # racing for one new cache dir, the first link wins and every one sees a whole file.

@@ -18,6 +18,11 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
+# Every Python process the tests start imports tests/daemon_hooks/sitecustomize.py: in a daemon
+# whose environment asks for faults (CKPTFS_FAULTS) or a held fill (CKPTFS_TEST_HOLD_FILL), it
+# injects them through the daemon's composition root (ckptfs.daemon.INJECTED).
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    p for p in (str(REPO / "tests" / "daemon_hooks"), os.environ.get("PYTHONPATH")) if p)
 # scripts/ckpt_restore.py reads a store without ckptfs; tests use it to check what was published.
 sys.path.insert(0, str(REPO / "scripts"))
 from procwait import wait_for  # re-exported: tests import it from here

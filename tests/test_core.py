@@ -16,8 +16,10 @@ from pathlib import Path
 
 import pytest
 
+from cachemgr.core.cache import LAYOUT, Cache
 from cachemgr.core.errors import FsError
-from cachemgr.core.fs import LAYOUT, CacheFs
+from cachemgr.core.fs import CacheFs
+from cachemgr.core.hooks import NO_HOOKS, NO_KERNEL, NO_LIMIT, NO_STORE
 from cachemgr.core.index import Index
 from cachemgr.core.namespace import RENAME_EXCHANGE, RENAME_NOREPLACE
 from cachemgr.host.foreground import Foreground
@@ -56,10 +58,16 @@ def crash(fs: CacheFs) -> None:
     fs.index.conn.close()
 
 
+def local(cache: Cache, **kw) -> CacheFs:
+    """The core over `cache` with no store (CacheFs.load's stand-ins), or the given ones."""
+    parts = {"hooks": NO_HOOKS, "reads": NO_STORE, "room": NO_LIMIT, "kernel": NO_KERNEL, **kw}
+    return CacheFs(cache, **parts)
+
+
 def reopen(cache: Path) -> tuple[CacheFs, dict[str, int]]:
     """What `CacheFs.load` does after a crash, keeping the recovery report."""
-    fs = CacheFs(cache, Index.open(cache / "index.sqlite", uid=0, gid=0))
-    return fs, fs.recover()
+    fs = local(Cache(cache, Index.open(cache / "index.sqlite", uid=0, gid=0)))
+    return fs, fs.cache.recover()
 
 
 def refused(err: int, fn, *args, **kw) -> None:
@@ -90,7 +98,7 @@ def read_all(fs: CacheFs, ino: int) -> bytes:
 
 def forget(fs: CacheFs, ino: int) -> None:
     """The kernel drops every reference it holds on `ino`."""
-    fs.forget(ino, fs.inode(ino).lookups)
+    fs.forget(ino, fs.cache.inode(ino).lookups)
 
 
 def names(fs: CacheFs, d: int) -> list[bytes]:
@@ -308,7 +316,7 @@ def test_remove_tree_of_a_deep_tree(fs):
         chain.append(d)
     bottom = mkfile(fs, d, b"f", b"bottom")
     fh = fs.open(bottom, os.O_RDONLY).fh
-    fs.remove_tree(ROOT, b"top")
+    fs.cache.remove_tree(ROOT, b"top")
     assert fs.index.lookup(ROOT, b"top") is None and names(fs, ROOT) == []
     assert fs.getattr(ROOT).nlink == 2
     assert fs.read(fh, 0, 100) == b"bottom"  # still readable through its descriptor
@@ -493,7 +501,7 @@ def test_recover_removes_orphans_after_crash(fs, cache):
     assert not data_path(cache, node.ino).exists()
     assert names(fs2, ROOT) == [b"keep"]
     assert read_all(fs2, keep) == b"kept"
-    assert fs2.recover() == dict.fromkeys(report, 0)  # idempotent
+    assert fs2.cache.recover() == dict.fromkeys(report, 0)  # idempotent
     assert fs2.check_consistency() == []
     fs2.close()
 
@@ -519,7 +527,7 @@ def test_recover_sizes_from_cache_files_after_crash(fs, cache):
     assert fs2.getattr(node.ino).size == len(data) == index_row(fs2, node.ino)["size"]
     assert read_all(fs2, node.ino) == data
     assert read_all(fs2, grown) == b"a" * 100 + b"b" * 50
-    assert fs2.recover() == dict.fromkeys(report, 0)
+    assert fs2.cache.recover() == dict.fromkeys(report, 0)
     assert fs2.check_consistency() == []
     fs2.close()
 
@@ -828,9 +836,9 @@ class _Reads:
         self.calls: list[tuple] = []
 
     def _fill(self, ino: int) -> None:
-        with open(self.fs.data_path(ino), "r+b") as f:
+        with open(self.fs.cache.data_path(ino), "r+b") as f:
             f.write(self.data)
-        self.fs.fetched(ino, len(self.data))
+        self.fs.cache.fetched(ino, len(self.data))
         self.clean.add(ino)
 
     async def ensure_all(self, ino: int) -> None:
@@ -856,8 +864,9 @@ class _Reads:
 
 
 class _Room:
-    def __init__(self) -> None:
+    def __init__(self, limit: int) -> None:
         self.asked: list[int] = []
+        self.limit = limit
 
     async def wait_for_room(self, need: int) -> None:
         self.asked.append(need)
@@ -869,15 +878,16 @@ def test_filesystem_read_through_and_backpressure(fs):
     from cachemgr.core.fs import Filesystem
 
     data = b"restored bytes"
-    ino = fs.raw_create(ROOT, b"r", stat.S_IFREG | 0o644, size=len(data), obj="{}")
-    w = fs.raw_create(ROOT, b"w", stat.S_IFREG | 0o644, size=len(data), obj="{}")
+    ino = fs.cache.raw_create(ROOT, b"r", stat.S_IFREG | 0o644, size=len(data), obj="{}")
+    w = fs.cache.raw_create(ROOT, b"w", stat.S_IFREG | 0o644, size=len(data), obj="{}")
     fsys = Filesystem(fs, Foreground())
-    # Not connected: an evicted file cannot be opened for writing (no store to fetch from).
+    # No store: an evicted file cannot be opened for writing (nothing to fetch it from).
     with pytest.raises(FsError) as e:
         trio.run(fsys.open, w, os.O_WRONLY, None)
     assert e.value.errno == errno.EIO
-    reads, room = _Reads(fs, data), _Room()
-    fs.connect(reads=reads, room=room, cache_size=len(data) + 4)
+    reads, room = _Reads(fs, data), _Room(len(data) + 4)
+    fs = local(fs.cache, reads=reads, room=room)
+    fsys = Filesystem(fs, Foreground())
     res = trio.run(fsys.open, ino, os.O_RDONLY, None)
     assert reads.calls == [("open", ino)]
     assert trio.run(fsys.read, res.fh, 0, 100) == data
@@ -885,14 +895,14 @@ def test_filesystem_read_through_and_backpressure(fs):
     fs.release(res.fh)
     # A write-open without O_TRUNC fetches the whole file first.
     res = trio.run(fsys.open, w, os.O_WRONLY, None)
-    assert ("all", w) in reads.calls and fs.inode(w).cached == 1
+    assert ("all", w) in reads.calls and fs.cache.inode(w).cached == 1
     # Under --cache-size a write past the limit waits for room first, then writes.
     assert trio.run(fsys.write, res.fh, len(data), b"x" * 10) == 10
     assert room.asked == [10]
     assert trio.run(fsys.write, res.fh, 0, b"y") == 1 and room.asked == [10, 1]
     fs.release(res.fh)
-    assert fs.cached_bytes == 2 * len(data) + 10
-    assert fs.statistics()["files"]["cached_bytes"] == fs.cached_bytes
+    assert fs.files.cached_bytes == 2 * len(data) + 10
+    assert fs.statistics()["files"]["cached_bytes"] == fs.files.cached_bytes
     assert fs.check_consistency() == []
 
 
@@ -902,7 +912,7 @@ def test_residency_and_restored_entries_change_memory_only_with_the_index(fs, mo
     from cachemgr.core.index import IndexFull
 
     ino = mkfile(fs, ROOT, b"f", b"data" * 100)
-    node = fs.inode(ino)
+    node = fs.cache.inode(ino)
     fs.index.set_uploaded(ino, node.version, "{}")   # its content is in the store
     real = fs.index.set_cached
 
@@ -910,14 +920,14 @@ def test_residency_and_restored_entries_change_memory_only_with_the_index(fs, mo
         raise IndexFull("injected: cache disk full", released=False)
     monkeypatch.setattr(fs.index, "set_cached", full)
     with pytest.raises(IndexFull):
-        fs.evict(ino, node.version)
+        fs.cache.evict(ino, node.version)
     assert node.cached == 1 and os.path.getsize(fs.files.path(ino)) == 400
     assert fs.check_consistency() == []
     monkeypatch.setattr(fs.index, "set_cached", real)
-    assert fs.evict(ino, node.version) and node.cached == 0
+    assert fs.cache.evict(ino, node.version) and node.cached == 0
     monkeypatch.setattr(fs.index, "set_cached", full)
     with pytest.raises(IndexFull):
-        fs.fetched(ino, 400)
+        fs.cache.fetched(ino, 400)
     assert node.cached == 0
     assert fs.check_consistency() == []
     monkeypatch.setattr(fs.index, "set_cached", real)
@@ -926,7 +936,7 @@ def test_residency_and_restored_entries_change_memory_only_with_the_index(fs, mo
     monkeypatch.setattr(fs.index, "add_dentry", full)
     before = set(os.listdir(fs.files.path(ino).rsplit("/", 1)[0]))
     with pytest.raises(IndexFull):
-        fs.raw_create(ROOT, b"r", stat.S_IFREG | 0o644, size=10, obj="{}")
+        fs.cache.raw_create(ROOT, b"r", stat.S_IFREG | 0o644, size=10, obj="{}")
     assert set(os.listdir(fs.files.path(ino).rsplit("/", 1)[0])) == before
     assert fs.index.lookup(ROOT, b"r") is None
     assert fs.check_consistency() == []
@@ -939,17 +949,17 @@ def test_bytes_written_into_a_hole_count_as_they_are_written(fs):
     MiB = 1 << 20
     res, node = fs.create(ROOT, b"sparse", 0o644, os.O_RDWR | os.O_CREAT, UID, GID)
     fs.setattr(node.ino, size=16 * MiB)
-    base = fs.cached_bytes
+    base = fs.files.cached_bytes
     assert fs.files.hole(node.ino) == 16 * MiB
     fs.write(res.fh, 0, b"a" * (4 * MiB))
-    assert fs.cached_bytes == base + 4 * MiB
+    assert fs.files.cached_bytes == base + 4 * MiB
     fs.write(res.fh, 0, b"b" * (4 * MiB))   # the same range again: counted at most the hole
-    assert base + 4 * MiB <= fs.cached_bytes <= base + 8 * MiB
+    assert base + 4 * MiB <= fs.files.cached_bytes <= base + 8 * MiB
     fs.write(res.fh, 14 * MiB, b"c" * (4 * MiB))   # half in the hole, half past the end
     fs.flush(res.fh)
     fs.release(res.fh)
     blocks = os.stat(fs.files.path(node.ino)).st_blocks * 512
-    assert fs.cached_bytes == base + blocks        # the close's recount: exactly the blocks
+    assert fs.files.cached_bytes == base + blocks        # the close's recount: exactly the blocks
     assert fs.check_consistency() == []
 
 
@@ -963,22 +973,22 @@ def test_fallocate_grows_reserves_and_punches_and_counts_the_blocks(fs):
     MiB = 1 << 20
     res, node = fs.create(ROOT, b"pre", 0o644, os.O_RDWR | os.O_CREAT, UID, GID)
     path = fs.files.path(node.ino)
-    base = fs.cached_bytes
+    base = fs.files.cached_bytes
     gen, mtime = node.gen, node.mtime_ns
     fs.fallocate(res.fh, 0, 0, 8 * MiB)
     assert node.size == os.path.getsize(path) == 8 * MiB and node.dirty
     assert node.gen > gen and node.mtime_ns >= mtime
-    assert fs.cached_bytes == base + 8 * MiB
+    assert fs.files.cached_bytes == base + 8 * MiB
     assert os.stat(path).st_blocks * 512 >= 8 * MiB     # reserved, not a hole
     fs.write(res.fh, 0, b"a" * (6 * MiB))
-    assert fs.cached_bytes == base + 8 * MiB            # written into reserved blocks
+    assert fs.files.cached_bytes == base + 8 * MiB            # written into reserved blocks
     fs.fallocate(res.fh, FALLOC_FL_KEEP_SIZE, 8 * MiB, 4 * MiB)
     assert node.size == os.path.getsize(path) == 8 * MiB
     fs.fallocate(res.fh, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0, 4 * MiB)
     assert node.size == 8 * MiB
     assert fs.read(res.fh, 0, 6 * MiB) == b"\0" * (4 * MiB) + b"a" * (2 * MiB)
     blocks = os.stat(path).st_blocks * 512
-    assert fs.cached_bytes == base + min(8 * MiB, blocks)
+    assert fs.files.cached_bytes == base + min(8 * MiB, blocks)
     refused(errno.EOPNOTSUPP, fs.fallocate, res.fh, 0x08, 0, MiB)    # COLLAPSE_RANGE
     refused(errno.EINVAL, fs.fallocate, res.fh, 0, 0, 0)
     fs.flush(res.fh)

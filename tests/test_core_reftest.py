@@ -82,8 +82,10 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
+from cachemgr.core.cache import Cache
 from cachemgr.core.errors import FsError
 from cachemgr.core.fs import CacheFs
+from cachemgr.core.hooks import NO_KERNEL
 from cachemgr.core.index import ROOT_INO
 from cachemgr.core.sets import SetRegistry, is_temp_name
 from cachemgr.host.foreground import Foreground
@@ -145,11 +147,12 @@ class Node:
     """A cache directory opened as the daemon opens it: CacheFs + Tiering on a LocalStore."""
 
     def __init__(self, cache_dir: Path, store_dir: Path) -> None:
-        self.core = CacheFs.load(cache_dir)
         self.store = BudgetStore(store_dir)
-        self.t = Tiering(self.core, self.store, config(), foreground=Foreground())
-        self.core.connect(hooks=self.t, reads=self.t.restorer, room=self.t,
-                          cache_size=self.t.cfg.cache_size, status=self.t.status)
+        cache = Cache.open(cache_dir)
+        self.t = Tiering(cache, self.store, config(), foreground=Foreground(),
+                         kernel=NO_KERNEL)
+        self.core = CacheFs(cache, hooks=self.t.commits, reads=self.t.restorer,
+                            room=self.t.space, kernel=NO_KERNEL)
         self.sets = SetRegistry(self.core.index)
 
     # -- the tree ----------------------------------------------------------------------------
@@ -163,7 +166,7 @@ class Node:
 
     def fill(self, ino: int, off: int = 0, size: int | None = None) -> None:
         """What FuseOps does before a read or a write-open of data not in the cache."""
-        if self.core.needs_fetch(ino):
+        if self.core.cache.needs_fetch(ino):
             if size is None:
                 trio.run(self.t.restorer.ensure_all, ino)
             else:
@@ -186,7 +189,7 @@ class Node:
                 node = self.core.getattr(child)
                 if stat.S_ISDIR(node.mode):
                     out[name] = walk(child)
-                elif not fetch and self.core.needs_fetch(child):
+                elif not fetch and self.core.cache.needs_fetch(child):
                     out[name] = ("evicted", node.size)
                 else:
                     out[name] = self.read(child)
@@ -620,10 +623,10 @@ class CoreMachine(RuleBasedStateMachine):
         fill from the store)."""
         # (What is uploaded after a crash inside the service depends on the trio scheduler:
         # no precondition may depend on it, or hypothesis's replays diverge.)
-        cands = self.node.core.eviction_candidates()
+        cands = self.node.core.cache.eviction_candidates()
         if cands:
             ino, version = cands[pick % len(cands)]
-            assert self.node.core.evict(ino, version)
+            assert self.node.core.cache.evict(ino, version)
             SEEN["evict"] += 1
             if then_read:
                 path = next(p for p in self.files if self.node.resolve(p) == ino)
@@ -636,7 +639,7 @@ class CoreMachine(RuleBasedStateMachine):
     def read(self, data, off: int, size: int) -> None:
         path = data.draw(st.sampled_from(sorted(self.files)))
         want = self.files[path][off:off + size]
-        SEEN["read of evicted data"] += self.node.core.needs_fetch(self.ino(path))
+        SEEN["read of evicted data"] += self.node.core.cache.needs_fetch(self.ino(path))
         assert self.node.read(self.ino(path), off, size) == want, path
 
     @precondition(lambda self: self.open or self.pending)
@@ -654,7 +657,7 @@ class CoreMachine(RuleBasedStateMachine):
                 op[1].absorb = []  # Publisher._absorb is in memory
         self.orphans.clear()
         self.node = Node(self.root / "cache", self.root / "store")
-        self.node.core.recover()
+        self.node.core.cache.recover()
         # The mount: the service's recovery runs before the first request is served (a file
         # open for writing at the crash supersedes the sets holding it). No object or manifest
         # is written here (budget 0): that is for `settle`.
@@ -984,7 +987,7 @@ def test_a_set_committed_by_request_and_rewritten_before_it_is_durable_is_not_pu
             assert fh is not None
             node.crash()
             node = Node(fast_tmp / "cache", fast_tmp / "store")
-            node.core.recover()
+            node.core.cache.recover()
         node.settle()
         assert node.sets.newest_at("t.tmp").state == "superseded"
         seen = seen_by_another_node(fast_tmp)
@@ -1012,7 +1015,7 @@ def test_a_file_renamed_into_place_and_rewritten_before_its_set_is_durable_keeps
         assert write_top(node, b"b", b"NEW", close=False) is not None
         node.crash()
         node = Node(fast_tmp / "cache", fast_tmp / "store")
-        node.core.recover()
+        node.core.cache.recover()
         node.settle()
         other = Node(fast_tmp / "other", fast_tmp / "store")
         try:

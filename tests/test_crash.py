@@ -23,7 +23,9 @@ from pathlib import Path
 
 import pytest
 
+from cachemgr.core.cache import Cache
 from cachemgr.core.fs import CacheFs
+from cachemgr.core.hooks import NO_HOOKS, NO_KERNEL, NO_LIMIT, NO_STORE
 from cachemgr.core.index import Index
 from tests.conftest import REPO, _alive, ckptfs_cmd, is_mounted, run_cli, wait_for
 
@@ -85,7 +87,8 @@ def open_cache_unrecovered(cache_dir: Path) -> CacheFs:
     """A CacheFs on the cache dir *without* the recovery `CacheFs.load` runs, to see what
     recovery finds (no daemon may hold the cache)."""
     index = Index.open(cache_dir / "index.sqlite", uid=os.getuid(), gid=os.getgid())
-    return CacheFs(cache_dir, index)
+    return CacheFs(Cache(cache_dir, index), hooks=NO_HOOKS, reads=NO_STORE, room=NO_LIMIT,
+                   kernel=NO_KERNEL)
 
 
 def check_cache_offline(cache_dir: Path, *, expect_clean: bool) -> None:
@@ -95,10 +98,10 @@ def check_cache_offline(cache_dir: Path, *, expect_clean: bool) -> None:
     fs = open_cache_unrecovered(cache_dir) if expect_clean else CacheFs.load(cache_dir)
     try:
         if expect_clean:
-            report = fs.recover()
+            report = fs.cache.recover()
             assert not any(report.values()), f"a clean unmount left work for recovery: {report}"
         assert fs.check_consistency() == []
-        again = fs.recover()
+        again = fs.cache.recover()
         assert not any(again.values()), f"recovery is not idempotent: {again}"
         n_reg = len(fs.index.regular_files())
         data_files = os.listdir(cache_dir / "data")
@@ -249,10 +252,10 @@ def test_recovery_report_after_kill9(mnt) -> None:
 
     fs = open_cache_unrecovered(mnt.cache_dir)
     try:
-        assert fs.recover() == {"orphans": 1, "resized": 1, "stray_files": 0,
+        assert fs.cache.recover() == {"orphans": 1, "resized": 1, "stray_files": 0,
                                 "missing_files": 0}
         assert fs.check_consistency() == []
-        assert not any(fs.recover().values())
+        assert not any(fs.cache.recover().values())
     finally:
         fs.close()
     check_cache_offline(mnt.cache_dir, expect_clean=True)

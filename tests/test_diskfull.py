@@ -19,8 +19,10 @@ from pathlib import Path
 import pytest
 from conftest import wait_for
 
+from cachemgr.core.cache import Cache
 from cachemgr.core.errors import FsError
 from cachemgr.core.fs import CacheFs
+from cachemgr.core.hooks import NO_HOOKS, NO_KERNEL, NO_LIMIT, NO_STORE
 from cachemgr.core.index import INODE_COLUMNS, RESERVE_BYTES, Index
 from cachemgr.core.namespace import RENAME_EXCHANGE
 
@@ -95,15 +97,15 @@ def memory_matches_index(fs: CacheFs) -> list[str]:
     for ino, mode, row_size, cached in fs.index.conn.execute(
             "SELECT ino, mode, size, cached FROM inodes"):
         if stat.S_ISREG(mode) and cached:
-            node = fs.inode_if_loaded(ino)
+            node = fs.cache.inode_if_loaded(ino)
             size = node.size if node is not None else row_size
             # --cache-size counts blocks: a hole a file was grown over does not count.
             hole = fs.files.hole(ino)
             if not 0 <= hole <= size:
                 problems.append(f"inode {ino} hole {hole} outside its size {size}")
             want += size - hole
-    if fs.cached_bytes != want:
-        problems.append(f"cached_bytes {fs.cached_bytes} != {want}")
+    if fs.files.cached_bytes != want:
+        problems.append(f"cached_bytes {fs.files.cached_bytes} != {want}")
     return problems
 
 
@@ -114,7 +116,7 @@ def snapshot(fs: CacheFs) -> tuple:
                       conn.execute("SELECT parent, name, ino FROM dentries"))
     inodes = sorted(conn.execute("SELECT * FROM inodes").fetchall())
     xattrs = sorted((i, bytes(n), bytes(v)) for i, n, v in conn.execute("SELECT * FROM xattrs"))
-    files = sorted((e.name, e.stat().st_size) for e in os.scandir(fs.data_dir))
+    files = sorted((e.name, e.stat().st_size) for e in os.scandir(fs.cache.data_dir))
     return dentries, inodes, xattrs, files
 
 
@@ -129,7 +131,7 @@ def test_full_disk_close_and_delete_use_the_reserve_and_it_comes_back(disk, capl
     assert fs.index.reserve_held
     assert os.stat(cache / "index.reserve").st_blocks * 512 >= RESERVE_BYTES
     old = mkfile(fs, ROOT, b"old.pt", os.urandom(20 * MiB))
-    fs.forget(old, fs.inode(old).lookups)
+    fs.forget(old, fs.cache.inode(old).lookups)
     # The trainer writes the next checkpoint until the disk is full, and closes it.
     res, node = fs.create(ROOT, b"new.pt", 0o644, os.O_WRONLY | os.O_CREAT, UID, GID)
     chunk = os.urandom(MiB)
@@ -142,7 +144,7 @@ def test_full_disk_close_and_delete_use_the_reserve_and_it_comes_back(disk, capl
     fs.release(res.fh)  # needs the reserve
     assert "released the 8 MiB index reserve" in caplog.text
     assert not fs.index.reserve_held and free_bytes(disk) > RESERVE_BYTES - MiB
-    size = fs.inode(node.ino).size
+    size = fs.cache.inode(node.ino).size
     assert fs.index.get_inode(node.ino)[INODE_COLUMNS.index("size")] == size
     # What the reserve freed is not for file data.
     res = fs.open(node.ino, os.O_WRONLY | os.O_APPEND)
@@ -162,7 +164,7 @@ def test_full_disk_close_and_delete_use_the_reserve_and_it_comes_back(disk, capl
     fs.close()
     fs = CacheFs.load(cache)
     assert [bytes(n) for _, n, _ in fs.index.list_dentries(ROOT, 0, 10)] == [b"new.pt"]
-    assert fs.inode(node.ino).size == size
+    assert fs.cache.inode(node.ino).size == size
     assert fs.check_consistency() == []
     fs.close()
 
@@ -177,7 +179,7 @@ def _setup(fs: CacheFs) -> dict[str, int]:
     inos["in_d"] = mkfile(fs, d, b"f", b"f" * 10)
     fs.setxattr(inos["a"], b"user.k", b"v")
     # "gone" is unlinked and the kernel holds no reference: the next drop purges it.
-    fs.forget(inos["gone"], fs.inode(inos["gone"]).lookups)
+    fs.forget(inos["gone"], fs.cache.inode(inos["gone"]).lookups)
     return inos
 
 
@@ -190,7 +192,7 @@ def _open_dirty(fs: CacheFs, ino: int) -> int:
 # name -> (prepare(fs, inos) -> ctx, operation(fs, inos, ctx)); each needs an index write.
 OPERATIONS = {
     "unlink": (None, lambda fs, i, c: fs.unlink(ROOT, b"a")),
-    "unlink+purge": (lambda fs, i: fs.forget(i["b"], fs.inode(i["b"]).lookups),
+    "unlink+purge": (lambda fs, i: fs.forget(i["b"], fs.cache.inode(i["b"]).lookups),
                      lambda fs, i, c: fs.unlink(ROOT, b"b")),
     "rmdir": (None, lambda fs, i, c: fs.rmdir(ROOT, b"e")),
     "rename": (None, lambda fs, i, c: fs.rename(ROOT, b"a", i["d"], b"a2")),
@@ -214,8 +216,8 @@ OPERATIONS = {
     "fsync": (lambda fs, i: _open_dirty(fs, i["a"]), lambda fs, i, fh: fs.fsync(fh, False)),
     "setxattr": (None, lambda fs, i, c: fs.setxattr(i["b"], b"user.x", b"y")),
     "removexattr": (None, lambda fs, i, c: fs.removexattr(i["a"], b"user.k")),
-    "remove_tree": (None, lambda fs, i, c: fs.remove_tree(ROOT, b"d")),
-    "raw_move": (None, lambda fs, i, c: fs.raw_move(i["d"], b"f", ROOT, b"moved")),
+    "remove_tree": (None, lambda fs, i, c: fs.cache.remove_tree(ROOT, b"d")),
+    "raw_move": (None, lambda fs, i, c: fs.cache.raw_move(i["d"], b"f", ROOT, b"moved")),
 }
 
 
@@ -224,14 +226,15 @@ def test_operation_refused_on_a_full_disk_changes_nothing(disk, op):
     """Without a reserve left, every operation's index write fails: it answers ENOSPC, and
     memory, index and cache files are exactly as before; with room back, it works."""
     cache = disk / "cache"
-    fs = CacheFs(cache, _open_index(cache, reserve_bytes=0))
-    fs.recover()
+    fs = CacheFs(Cache(cache, _open_index(cache, reserve_bytes=0)), hooks=NO_HOOKS,
+                 reads=NO_STORE, room=NO_LIMIT, kernel=NO_KERNEL)
+    fs.cache.recover()
     inos = _setup(fs)
     prepare, run = OPERATIONS[op]
     ctx = prepare(fs, inos) if prepare else None
     before = snapshot(fs)
     mem_before = {n.ino: [getattr(n, c) for c in INODE_COLUMNS] for n in fs.table.loaded()}
-    cached_before = fs.cached_bytes
+    cached_before = fs.files.cached_bytes
     wal_empty(fs)
     filler = fill(disk)
     with pytest.raises(FsError) as e:
@@ -241,7 +244,7 @@ def test_operation_refused_on_a_full_disk_changes_nothing(disk, op):
     # (An inode the operation looked up may have been loaded; memory_matches_index checks it.)
     assert {n.ino: [getattr(n, c) for c in INODE_COLUMNS] for n in fs.table.loaded()
             if n.ino in mem_before} == mem_before
-    assert fs.cached_bytes == cached_before
+    assert fs.files.cached_bytes == cached_before
     assert memory_matches_index(fs) == []
     assert fs.check_consistency() == []
     filler.unlink()
@@ -271,26 +274,27 @@ def test_release_and_forget_on_a_full_disk_keep_memory_for_later(disk):
     """The kernel retries neither: a release whose index write fails still drops the handle,
     and the file's size waits in memory; a purge that fails waits for a later drop."""
     cache = disk / "cache"
-    fs = CacheFs(cache, _open_index(cache, reserve_bytes=0))
-    fs.recover()
+    fs = CacheFs(Cache(cache, _open_index(cache, reserve_bytes=0)), hooks=NO_HOOKS,
+                 reads=NO_STORE, room=NO_LIMIT, kernel=NO_KERNEL)
+    fs.cache.recover()
     inos = _setup(fs)
     fh = _open_dirty(fs, inos["a"])
-    size = fs.inode(inos["a"]).size
+    size = fs.cache.inode(inos["a"]).size
     fs.unlink(ROOT, b"b")
     wal_empty(fs)
     filler = fill(disk)
     with pytest.raises(FsError) as e:
         fs.release(fh)
     assert e.value.errno == errno.ENOSPC
-    assert fs.handles.find(fh) is None and fs.inode(inos["a"]).opens == 0
-    assert fs.inode(inos["a"]).dirty
-    fs.forget(inos["b"], fs.inode(inos["b"]).lookups)  # the purge fails: kept, no exception
-    assert fs.inode_if_loaded(inos["b"]) is not None
+    assert fs.handles.find(fh) is None and fs.cache.inode(inos["a"]).opens == 0
+    assert fs.cache.inode(inos["a"]).dirty
+    fs.forget(inos["b"], fs.cache.inode(inos["b"]).lookups)  # the purge fails: kept, no exception
+    assert fs.cache.inode_if_loaded(inos["b"]) is not None
     assert memory_matches_index(fs) == []
     assert fs.check_consistency() == []
     filler.unlink()
-    fs.forget(inos["a"], fs.inode(inos["a"]).lookups)  # persists "a", then purges "b"
-    assert fs.inode_if_loaded(inos["b"]) is None and fs.index.get_inode(inos["b"]) is None
+    fs.forget(inos["a"], fs.cache.inode(inos["a"]).lookups)  # persists "a", then purges "b"
+    assert fs.cache.inode_if_loaded(inos["b"]) is None and fs.index.get_inode(inos["b"]) is None
     assert fs.index.get_inode(inos["a"])[INODE_COLUMNS.index("size")] == size
     assert fs.check_consistency() == []
     fs.close()

@@ -69,7 +69,7 @@ def check_cache_offline(cache_dir: Path) -> None:
     fs = CacheFs.load(cache_dir)
     try:
         problems = fs.check_consistency()
-        again = fs.recover()
+        again = fs.cache.recover()
     finally:
         fs.close()
     assert problems == []

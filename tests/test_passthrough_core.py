@@ -109,13 +109,13 @@ def test_refused_registration(fs, kernel):
 
 def test_takes_in_what_the_kernel_wrote(fs, kernel):
     res, node = create(fs, b"f")
-    path = fs.data_path(node.ino)
-    before = fs.cached_bytes
+    path = fs.cache.data_path(node.ino)
+    before = fs.files.cached_bytes
     with open(path, "r+b") as f:  # the kernel writing the backing file
         f.write(b"x" * 5000)
     assert fs.getattr(node.ino).size == 0  # nothing told the daemon yet
     fs.take_in_writes(node)
-    assert node.size == 5000 and fs.cached_bytes == before + 5000
+    assert node.size == 5000 and fs.files.cached_bytes == before + 5000
     st = os.stat(path)
     assert node.mtime_ns == st.st_mtime_ns
     gen = node.gen

@@ -45,8 +45,10 @@ import trio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from cachemgr.core.cache import Cache
 from cachemgr.core.errors import FsError, IndexFull
 from cachemgr.core.fs import CacheFs
+from cachemgr.core.hooks import NO_HOOKS, NO_KERNEL, NO_LIMIT
 from cachemgr.core.index import ROOT_INO
 from cachemgr.core.sets import SetRegistry
 from cachemgr.format import manifest as mf
@@ -97,19 +99,21 @@ class StandIn:
     core's hooks that the changes RemoteSync makes call (a purge, freed space), with a real Restorer
     behind them."""
 
-    def __init__(self, core: CacheFs, store: LocalStore) -> None:
-        self.core = core
-        self.index = core.index
+    def __init__(self, cache: Cache, store: LocalStore) -> None:
+        self.cache = cache
+        self.index = cache.index
         self.store = store
-        self.sets = SetRegistry(core.index)
-        self.node = core.index.meta("node_id")
+        self.sets = SetRegistry(cache.index)
+        self.node = cache.index.meta("node_id")
         self.parts = _Parts()
         self.changes = 0
-        self.restorer = Restorer(core=core, index=core.index, sets=self.sets, store=store,
+        self.restorer = Restorer(cache=cache, index=cache.index, sets=self.sets, store=store,
                                  cache_size=None, make_room=self._make_room,
                                  fetch_whole=self._fetch,
                                  live_members=self._live, mode="none")
-        core.connect(hooks=self, reads=self.restorer, room=self)
+        # what the cache's owners tell, subscribed as Tiering subscribes its services
+        cache.table.on_purged(self.on_purge)
+        cache.files.on_space_freed(self.on_space_freed)
 
     def _make_room(self, need: int, protect: set[int]) -> bool:
         return True  # no --cache-size
@@ -136,12 +140,14 @@ class Harness:
     def __init__(self, root: Path, store: LocalStore | None = None) -> None:
         self.root = root
         self.cache_dir = root / "cache"
-        self.core = CacheFs.load(self.cache_dir)
+        cache = Cache.open(self.cache_dir)
         self.store = store if store is not None else LocalStore(root / "store")
-        self.t = StandIn(self.core, self.store)
+        self.t = StandIn(cache, self.store)
+        self.core = CacheFs(cache, hooks=NO_HOOKS, reads=self.t.restorer, room=NO_LIMIT,
+                            kernel=NO_KERNEL)
         self.sets = self.t.sets
-        self.remote = RemoteSync(core=self.core, index=self.core.index, sets=self.sets,
-                                 store=self.store, node=self.t.node, interval=0,
+        self.remote = RemoteSync(cache=cache, index=cache.index, sets=self.sets,
+                                 store=self.store, kernel=NO_KERNEL, node=self.t.node, interval=0,
                                  mark_parts=self.t.parts.mark_all, changed=self.t._changed_now)
         self._objects = 0
         self._seq = 0
@@ -1095,7 +1101,7 @@ def test_a_removal_that_fails_does_not_stop_the_listing(h, caplog):
     h.sync()
     for name in ("a", "b"):
         h.delete(mf.manifest_key(f"ckpt/{name}"))
-    real_remove_tree = h.core.remove_tree
+    real_remove_tree = h.core.cache.remove_tree
     armed = [True]
 
     def remove_tree(parent, name):  # ckpt/a cannot go (the index cannot be written)
@@ -1103,7 +1109,7 @@ def test_a_removal_that_fails_does_not_stop_the_listing(h, caplog):
             raise IndexFull("disk full", released=False)
         return real_remove_tree(parent, name)
 
-    h.core.remove_tree = remove_tree
+    h.core.cache.remove_tree = remove_tree
     late = h.manifest("ckpt/c", {"z": b"3"})
     etag = h.publish(late)
     h.sync()
@@ -1135,12 +1141,12 @@ RAW_CREATES_OF_V2 = 5
 
 
 class Fault:
-    """`owner.attr` (core.raw_create unless told) refuses its `n`th call while armed: a full
-    disk half-way through an apply, once every entry of the replaced set is removed."""
+    """`owner.attr` (the cache's raw_create unless told) refuses its `n`th call while armed: a
+    full disk half-way through an apply, once every entry of the replaced set is removed."""
 
     def __init__(self, core: CacheFs, n: int, exc: Exception, *, owner=None,
                  attr: str = "raw_create") -> None:
-        owner = core if owner is None else owner
+        owner = core.cache if owner is None else owner
         self.real = getattr(owner, attr)
         self.n = n
         self.exc = exc
@@ -1160,7 +1166,7 @@ class Fault:
 def _memory(core: CacheFs, inos) -> dict:
     out = {}
     for ino in inos:
-        node = core.inode(ino)
+        node = core.cache.inode(ino)
         out[ino] = (node.nlink, node.cached, node.size, node.mode, node.version)
     return out
 
@@ -1175,10 +1181,10 @@ def _v1(h: Harness) -> tuple[dict, str, int, dict]:
     root = resolve(h.core, "ckpt/step")
     inos = {rel: resolve(h.core, "ckpt/step/" + rel) for rel in tree(h.core, root)}
     a = inos["a.bin"]
-    with open(h.core.data_path(a), "r+b") as f:
+    with open(h.core.cache.data_path(a), "r+b") as f:
         f.write(V1["a.bin"])
-    h.core.fetched(a, len(V1["a.bin"]))
-    assert h.core.cached_bytes == len(V1["a.bin"])
+    h.core.cache.fetched(a, len(V1["a.bin"]))
+    assert h.core.files.cached_bytes == len(V1["a.bin"])
     return m1, etag1, root, inos
 
 
@@ -1199,7 +1205,7 @@ def test_failed_apply_changes_nothing(tmp_path, caplog, n, exc, refs, then):
     ckpt = resolve(h.core, "ckpt")
     watched = [ROOT_INO, ckpt, root, *inos.values()]
     before = _memory(h.core, watched)
-    cached_before = h.core.cached_bytes
+    cached_before = h.core.files.cached_bytes
     tree_before = tree(h.core, root)
 
     m2 = h.manifest("ckpt/step", V2, dirs=["sub2"], links={"ln": "d.bin"})
@@ -1217,10 +1223,10 @@ def test_failed_apply_changes_nothing(tmp_path, caplog, n, exc, refs, then):
     assert resolve(h.core, "ckpt/step") == root and tree(h.core, root) == tree_before
     assert {rel: resolve(h.core, "ckpt/step/" + rel) for rel in tree_before} == inos
     assert _memory(h.core, watched) == before
-    assert h.core.cached_bytes == cached_before == len(V1["a.bin"])
+    assert h.core.files.cached_bytes == cached_before == len(V1["a.bin"])
     assert memory_problems(h.core) == []
     assert h.core.check_consistency() == []
-    with open(h.core.data_path(inos["a.bin"]), "rb") as f:
+    with open(h.core.cache.data_path(inos["a.bin"]), "rb") as f:
         assert f.read() == V1["a.bin"]
     s = h.sets.newest_at("ckpt/step")
     assert (s.seq, s.state, s.etag, s.root_ino) == (seq1, "durable", etag1, root)
@@ -1233,9 +1239,9 @@ def test_failed_apply_changes_nothing(tmp_path, caplog, n, exc, refs, then):
         h.close()
         fresh = CacheFs.load(h.cache_dir)
         assert _memory(fresh, watched) == before
-        assert fresh.cached_bytes == cached_before
+        assert fresh.files.cached_bytes == cached_before
         assert fresh.check_consistency() == []
-        with open(fresh.data_path(inos["a.bin"]), "rb") as f:
+        with open(fresh.cache.data_path(inos["a.bin"]), "rb") as f:
             assert f.read() == V1["a.bin"]
         fresh.close()
         h = Harness(tmp_path, h.store)
@@ -1250,9 +1256,9 @@ def test_failed_apply_changes_nothing(tmp_path, caplog, n, exc, refs, then):
     if then == "retry" and refs:
         # Replaced entries the kernel still knows stay (unlinked) until it forgets them.
         for rel in ("a.bin", "sub", "sub/c.bin", "ln"):
-            h.core.forget(inos[rel], h.core.inode(inos[rel]).lookups)
-    assert h.core.cached_bytes == 0  # the replaced cached copy is gone
-    assert not os.path.exists(h.core.data_path(inos["a.bin"]))
+            h.core.forget(inos[rel], h.core.cache.inode(inos[rel]).lookups)
+    assert h.core.files.cached_bytes == 0  # the replaced cached copy is gone
+    assert not os.path.exists(h.core.cache.data_path(inos["a.bin"]))
     assert memory_problems(h.core) == []
     assert h.core.check_consistency() == []
     mem = _memory(h.core, [ROOT_INO, ckpt, root])
@@ -1274,8 +1280,8 @@ def test_failed_apply_over_a_new_path_leaves_nothing(h):
     assert h.core.index.all_inos() == inodes_before
     assert resolve(h.core, "new") is None and h.sets.newest_at("new/deep/step") is None
     assert memory_problems(h.core) == [] and h.core.check_consistency() == []
-    assert h.core.inode(ROOT_INO).nlink == 2
-    h.core.raw_create.armed = False
+    assert h.core.cache.inode(ROOT_INO).nlink == 2
+    h.core.cache.raw_create.armed = False
     h.sync()
     assert_set_restored(h, _normalised(m))
 
@@ -1291,16 +1297,16 @@ def test_failed_apply_keeps_a_partly_restored_file(h):
     ino = resolve(h.core, "ckpt/step/big")
     r = h.t.restorer
     trio.run(r.ensure_range, ino, 0, 8)  # chunk 0 only
-    assert r.chunks.partial == {ino: 8} and h.core.cached_bytes == 8
+    assert r.chunks.partial == {ino: 8} and h.core.files.cached_bytes == 8
     h.publish(h.manifest("ckpt/step", {"big": b"z", "c": b"w"}))
     fault = Fault(h.core, 2, FsError(errno.ENOSPC))  # big, b removed; big made; c refused
     h.sync()
     assert fault.raised == 1 and resolve(h.core, "ckpt/step/big") == ino
-    assert r.chunks.partial == {ino: 8} and h.core.cached_bytes == 8
+    assert r.chunks.partial == {ino: 8} and h.core.files.cached_bytes == 8
     trio.run(r.ensure_range, ino, 0, 40)  # the rest
-    assert h.core.inode(ino).cached and r.chunks.partial == {}
-    assert h.core.cached_bytes == 40
-    with open(h.core.data_path(ino), "rb") as f:
+    assert h.core.cache.inode(ino).cached and r.chunks.partial == {}
+    assert h.core.files.cached_bytes == 40
+    with open(h.core.cache.data_path(ino), "rb") as f:
         assert f.read() == big
     assert memory_problems(h.core) == [] and h.core.check_consistency() == []
 
@@ -1329,7 +1335,7 @@ def test_part_publisher_keeps_its_last_error_and_reports_it(h):
     lease = members.Lease(store=store, node=node, index=h.core.index, lease=30,
                           register_timeout=5)
     pp = parts.PartPublisher(index=h.core.index, store=store, node=node, lease=lease,
-                             inode_if_loaded=h.core.inode_if_loaded, retry_pause=0,
+                             inode_if_loaded=h.core.cache.inode_if_loaded, retry_pause=0,
                              report_error=reported.append)
     assert pp.published == {999: rec} and pp.statistics()["last_error"] is None
 
@@ -1375,8 +1381,8 @@ def test_restored_chunks_keep_off_the_released_index_reserve(h, monkeypatch):
     with pytest.raises(OSError) as e:
         trio.run(r.ensure_range, ino, 0, 8)
     assert e.value.errno == errno.ENOSPC
-    assert r.chunks.partial == {} and h.core.cached_bytes == 0
+    assert r.chunks.partial == {} and h.core.files.cached_bytes == 0
     assert idx.inode_fields(ino, "present")[0] is None
     free[0] = idx.reserve_bytes + 1000
     trio.run(r.ensure_range, ino, 0, 8)
-    assert r.chunks.partial == {ino: 8} and h.core.cached_bytes == 8
+    assert r.chunks.partial == {ino: 8} and h.core.files.cached_bytes == 8

@@ -3,10 +3,10 @@ publication, gathering another node's files, restore's chunk fill, with real `Ca
 `Tiering` nodes on one file:// `LocalStore`, all in one trio loop, no FUSE and no daemon.
 (RemoteSync's listing, removals and invalid manifests: tests/test_remote_inproc.py.)
 
-`Node` opens a cache directory as the daemon does (CacheFs.load, Tiering(core, store, cfg),
-core.connect); `Recorder` is the LocalStore with a log of its writes (key, in order) and gates
-that hold the PUTs of chosen keys, so that a test decides the interleaving: it never sleeps to
-wait, it polls a condition (`until`).
+`Node` opens a cache directory as the daemon does (Cache.open, Tiering(cache, store, cfg),
+then CacheFs over both); `Recorder` is the LocalStore with a log of its writes (key, in order)
+and gates that hold the PUTs of chosen keys, so that a test decides the interleaving: it never
+sleeps to wait, it polls a condition (`until`).
 
   1. publication: a manifest is PUT only after every object it names; sets publish in commit
      order (a later set whose objects are in waits for an earlier one still uploading); a
@@ -36,8 +36,10 @@ from pathlib import Path
 import pytest
 import trio
 
+from cachemgr.core.cache import Cache
 from cachemgr.core.errors import FsError
 from cachemgr.core.fs import CacheFs
+from cachemgr.core.hooks import NO_KERNEL
 from cachemgr.core.index import ROOT_INO
 from cachemgr.core.sets import SetRegistry
 from cachemgr.format.keys import is_manifest_key, manifest_key
@@ -143,11 +145,12 @@ def config(**kw) -> TieringConfig:
 
 class Node:
     def __init__(self, cache_dir: Path, store: LocalStore, **cfg) -> None:
-        self.core = CacheFs.load(cache_dir)
         self.store = store
-        self.t = Tiering(self.core, store, config(**cfg), foreground=Foreground())
-        self.core.connect(hooks=self.t, reads=self.t.restorer, room=self.t,
-                          cache_size=self.t.cfg.cache_size, status=self.t.status)
+        cache = Cache.open(cache_dir)
+        self.t = Tiering(cache, store, config(**cfg), foreground=Foreground(),
+                         kernel=NO_KERNEL)
+        self.core = CacheFs(cache, hooks=self.t.commits, reads=self.t.restorer,
+                            room=self.t.space, kernel=NO_KERNEL)
         self.sets = SetRegistry(self.core.index)
 
     def mkdir(self, path: str) -> int:
@@ -628,7 +631,7 @@ def test_a_set_committed_while_a_file_is_open_and_a_lost_upload_are_named(node, 
         node.write("lost.pt", b"l" * 3000)
         ino = node.core.index.resolve("lost.pt")
         await until(lambda: store.held, "lost.pt's upload to be held")
-        node.t.uploads.drop(ino, node.core.inode(ino).version)  # cancels it: lost
+        node.t.uploads.drop(ino, node.core.cache.inode(ino).version)  # cancels it: lost
         got = await until(lambda: (g := stuck(node)) and "lost.pt" in g and
                           g["lost.pt"]["waits_for"] == "upload_lost" and g,
                           "lost.pt to be named")
@@ -732,7 +735,7 @@ def test_ensure_range_fills_only_the_chunks_a_range_needs(tmp_path, node, store)
     try:
         trio.run(other.t.remote.sync_once)
         ino = other.core.index.resolve("model.pt")
-        assert ino is not None and other.core.needs_fetch(ino)
+        assert ino is not None and other.core.cache.needs_fetch(ino)
         r = other.t.restorer
         before = r.status()["chunks_fetched"]
         off, size = 2 * CHUNK + 10, CHUNK  # spans chunks 2 and 3
@@ -741,7 +744,7 @@ def test_ensure_range_fills_only_the_chunks_a_range_needs(tmp_path, node, store)
         fh = other.core.open(ino, os.O_RDONLY).fh
         assert other.core.read(fh, off, size) == data[off:off + size]
         other.core.release(fh)
-        assert other.core.needs_fetch(ino)  # the rest is still in the store
+        assert other.core.cache.needs_fetch(ino)  # the rest is still in the store
         assert other.core.check_consistency() == []
         trio.run(r.ensure_all, ino)
         assert r.status()["chunks_fetched"] - before == 6
@@ -771,7 +774,7 @@ def test_a_chunk_the_store_keeps_failing_costs_one_retry_budget_then_eio(tmp_pat
     try:
         trio.run(other.t.remote.sync_once)
         ino = other.core.index.resolve("model.pt")
-        assert ino is not None and other.core.needs_fetch(ino)
+        assert ino is not None and other.core.cache.needs_fetch(ino)
         faulty.fail_next("get", 1000)
         gets = faulty.calls.get("get", 0)
         with pytest.raises(FsError) as e:

@@ -8,7 +8,9 @@ import os
 
 import pytest
 
+from cachemgr.core.cache import Cache
 from cachemgr.core.fs import CacheFs
+from cachemgr.core.hooks import NO_KERNEL
 from cachemgr.core.sets import SetRegistry, is_temp_name
 from cachemgr.host.foreground import Foreground
 from cachemgr.store import LocalStore
@@ -18,25 +20,29 @@ ROOT = 1
 O_W = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
 
 
-def attach(core: CacheFs, store: LocalStore, cfg: TieringConfig | None = None) -> Tiering:
-    """A Tiering over `core`, connected to it as ckptfs.daemon connects it."""
-    t = Tiering(core, store, cfg or TieringConfig(), foreground=Foreground())
-    core.connect(hooks=t, reads=t.restorer, room=t, cache_size=t.cfg.cache_size,
-                 status=t.status)
-    return t
+def attach(cache: Cache, store: LocalStore,
+           cfg: TieringConfig | None = None) -> tuple[CacheFs, Tiering]:
+    """A Tiering over `cache`, and the core over both, built as ckptfs.daemon builds them."""
+    t = Tiering(cache, store, cfg or TieringConfig(), foreground=Foreground(), kernel=NO_KERNEL)
+    core = CacheFs(cache, hooks=t.commits, reads=t.restorer, room=t.space, kernel=NO_KERNEL)
+    return core, t
 
 
 @pytest.fixture
-def tiering(tmp_path):
-    core = CacheFs.load(tmp_path / "cache")
-    t = attach(core, LocalStore(tmp_path / "store"))
-    yield t
+def built(tmp_path):
+    core, t = attach(Cache.open(tmp_path / "cache"), LocalStore(tmp_path / "store"))
+    yield core, t
     assert core.check_consistency() == []
 
 
 @pytest.fixture
-def fs(tiering):
-    return tiering.core
+def tiering(built):
+    return built[1]
+
+
+@pytest.fixture
+def fs(built):
+    return built[0]
 
 
 def sets(fs) -> dict[str, str]:
@@ -53,7 +59,7 @@ def write_file(fs, parent: int, name: bytes, data: bytes = b"x", fsync: bool = F
     if existing is None:
         res, node = fs.create(parent, name, 0o644, O_W, 0, 0)
     else:
-        node = fs.inode(existing)
+        node = fs.cache.inode(existing)
         res = fs.open(existing, O_W)
     fs.write(res.fh, 0, data)
     if fsync:
@@ -178,16 +184,14 @@ def test_explicit_commit_absorbs_per_file_sets(fs, tiering):
 
 
 def test_crash_while_writing_supersedes_commits_of_old_content(tmp_path):
-    core = CacheFs.load(tmp_path / "cache")
-    attach(core, LocalStore(tmp_path / "store"))
+    core, _ = attach(Cache.open(tmp_path / "cache"), LocalStore(tmp_path / "store"))
     write_file(core, ROOT, b"model.pt", b"v1")
     ino = core.lookup(ROOT, b"model.pt").ino
     res = core.open(ino, os.O_WRONLY)  # a writer is active when the daemon dies
     core.write(res.fh, 0, b"v2-partial")
-    version = core.inode(ino).version
+    version = core.cache.inode(ino).version
     core.index.conn.close()  # kill -9: nothing is released or flushed
-    again = CacheFs.load(tmp_path / "cache")
-    t = attach(again, LocalStore(tmp_path / "store"))
+    again, t = attach(Cache.open(tmp_path / "cache"), LocalStore(tmp_path / "store"))
     t.commits.recover()
     row = again.index.conn.execute(
         "SELECT version, writing FROM inodes WHERE ino=?", (ino,)).fetchone()
@@ -236,14 +240,13 @@ def _has_manifest(store: LocalStore, path: str) -> bool:
 
 
 def test_publication_waits_for_the_set_committed_before_it(tmp_path):
-    core = CacheFs.load(tmp_path / "cache")
     store = LocalStore(tmp_path / "store")
-    t = attach(core, store, TieringConfig(file_concurrency=1))
+    core, t = attach(Cache.open(tmp_path / "cache"), store, TieringConfig(file_concurrency=1))
     a = write_file(core, ROOT, b"a.pt", b"A" * 1000)
     write_file(core, ROOT, b"b.pt", b"B" * 1000)
     seq_a, seq_b = (s.seq for s in t.sets.recent(10))
     # a.pt's upload is held back: b.pt is uploaded first, and is not published before a.pt.
-    t.uploads.drop(a, core.inode(a).version)
+    t.uploads.drop(a, core.cache.inode(a).version)
     # (b.pt's upload done and its publish event taken: both happen without an await between
     # them and the decision to hold it back.)
     _drive(t, lambda: t.uploads.statistics()["done"] == 1 and
@@ -252,7 +255,7 @@ def test_publication_waits_for_the_set_committed_before_it(tmp_path):
     assert sets(core) == {"a.pt": "committed", "b.pt": "uploading"}
     assert not _has_manifest(store, "a.pt") and not _has_manifest(store, "b.pt")
     # a.pt uploads and publishes; its state change releases b.pt, published after it.
-    t.uploads.enqueue(a, core.inode(a).version)
+    t.uploads.enqueue(a, core.cache.inode(a).version)
     _drive(t, lambda: sets(core) == {"a.pt": "durable", "b.pt": "durable"})
     assert t.publisher.blocked_by(seq_b) is None
     assert _has_manifest(store, "a.pt") and _has_manifest(store, "b.pt")
@@ -338,5 +341,5 @@ def test_a_close_the_full_disk_kept_from_being_recorded_is_recorded_at_the_next(
     fail[0] = False                           # the user deleted something: room again
     write_file(fs, ROOT, b"other.pt")         # any later close retries it
     assert sets(fs) == {"model.pt": "committed", "other.pt": "committed"}
-    assert fs.inode(node.ino).writing == 0
+    assert fs.cache.inode(node.ino).writing == 0
     assert fs.fileops._unclosed == {}

@@ -32,7 +32,7 @@ Accounting invariant: `cached_bytes` = sum over linked regular files whose data 
 counts them per file and tells this module: `chunks_in`, `chunks_out`). Every change of a file's
 size or residency goes through a method here (`resized`, `grew`, `dropped`, `refilled`,
 `hole_settled`), inside the caller's `InodeTable.tx`, whose rollback restores the accounting
-(`savepoint`). Every decrease tells the space listener (`on_space_freed`, given at `connect`), so
+(`savepoint`). Every decrease tells the space listener (`on_space_freed`, subscribed by tiering), so
 writers waiting for room under --cache-size look again and no wakeup is lost.
 
 Guards: only trio tasks on the loop thread touch the accounting and `_locks` (one thread); the
@@ -44,9 +44,10 @@ records (`inodes.present` is written after the fill returns): they are fetched a
 file created in a transaction that never committed is a stray file: `CacheFs.recover()` deletes
 it, and recomputes the holes from st_blocks.
 
-Testing aid: with CKPTFS_TEST_HOLD_FILL=<gate path> in the daemon's environment, a fill's worker
-thread waits while the gate file exists (after creating `<gate>.held`), so a test can run FUSE
-operations while a fill is in flight and then release it: the races above, without sleeps.
+Testing seam: `before_fill`, given at construction (by the tests, through the daemon's
+composition root: ckptfs.daemon.INJECTED), runs in a fill's worker thread before it writes, so a
+test can hold a fill in flight, run FUSE operations, then release it: the races above, without
+sleeps.
 """
 
 from __future__ import annotations
@@ -63,8 +64,6 @@ import trio
 from cachemgr.host.nodefiles import open_private
 
 log = logging.getLogger(__name__)
-
-_HOLD_ENV = "CKPTFS_TEST_HOLD_FILL"
 
 # fallocate(2) modes (linux/falloc.h): those FUSE passes on (fs/fuse/file.c
 # fuse_file_fallocate refuses every other with EOPNOTSUPP before asking the daemon).
@@ -92,10 +91,11 @@ class FileCache:
     # than this: block rounding and filesystem preallocation stay out of the accounting.
     HOLE_MIN = 1 << 20
 
-    def __init__(self, data_dir: str, cached_bytes: int = 0) -> None:
+    def __init__(self, data_dir: str, cached_bytes: int = 0, *,
+                 before_fill: Callable[[], None] | None = None) -> None:
         self.data_dir = str(data_dir)
         self._locks: dict[int, trio.Lock] = {}
-        self._hold = os.environ.get(_HOLD_ENV) or None
+        self._before_fill = before_fill  # the testing seam (module docstring); worker thread
         # Bytes of file data held in cache files (evicted files excluded): what --cache-size
         # limits (see the module docstring).
         self.cached_bytes = cached_bytes
@@ -105,17 +105,18 @@ class FileCache:
         # the last writer of a file with a hole closes it.
         self._holes: dict[int, int] = {}
         self._last_used: dict[int, float] = {}
-        self._on_freed: Callable[[], None] = _nothing
+        # told that cached bytes went down (the --cache-size waiters): `on_space_freed`
+        self._on_freed: list[Callable[[], None]] = []
         # statistics
         self.fills = 0
         self.fills_skipped = 0    # the content changed before the fill could write
         self.lock_waits = 0       # FUSE operations that waited for a fill in flight
         self.waiting = 0          # ... waiting now
 
-    def connect(self, on_space_freed: Callable[[], None]) -> None:
-        """Who hears that cached bytes went down (the --cache-size waiters). Called once by
-        `CacheFs.connect`, before serving."""
-        self._on_freed = on_space_freed
+    def on_space_freed(self, listener: Callable[[], None]) -> None:
+        """`listener()` runs at every decrease of `cached_bytes` (subscribed by tiering as it
+        is built: writers waiting for room look again)."""
+        self._on_freed.append(listener)
 
     def path(self, ino: int) -> str:
         return f"{self.data_dir}/{ino}"
@@ -191,7 +192,8 @@ class FileCache:
             self._holes.pop(ino, None)
 
     def _freed(self) -> None:
-        self._on_freed()
+        for listener in self._on_freed:
+            listener()
 
     def grew(self, delta: int) -> None:
         """Written data changed the files' total by `delta` bytes (a write past the end, a
@@ -315,12 +317,12 @@ class FileCache:
                 self.fills_skipped += 1
                 return False
             path = self.path(ino)
-            hold = self._hold
+            before = self._before_fill
             items = list(writes)
 
             def write() -> None:
-                if hold is not None:
-                    _wait_gate(hold)
+                if before is not None:
+                    before()
                 fd = os.open(path, os.O_RDWR)
                 try:
                     if size is not None and os.fstat(fd).st_size < size:
@@ -355,20 +357,3 @@ class FileCache:
                 "fills_in_flight": sum(1 for lk in self._locks.values() if lk.locked()),
                 "lock_waits": self.lock_waits, "waiting": self.waiting,
                 "cached_bytes": self.cached_bytes, "holes": len(self._holes)}
-
-
-def _nothing() -> None:
-    return None
-
-
-def _wait_gate(gate: str) -> None:
-    """Testing aid (see the module docstring); runs in the worker thread."""
-    if not os.path.exists(gate):
-        return
-    try:
-        with open(gate + ".held", "w"):
-            pass
-    except OSError:
-        pass
-    while os.path.exists(gate):
-        time.sleep(0.01)

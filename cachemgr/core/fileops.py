@@ -42,7 +42,7 @@ from cachemgr.core.filecache import (
     fallocate,
 )
 from cachemgr.core.handles import Handle, Handles, OpenResult
-from cachemgr.core.hooks import Wiring
+from cachemgr.core.hooks import FsHooks
 from cachemgr.core.index import Index
 from cachemgr.core.inodes import (
     SETID,
@@ -79,13 +79,13 @@ class FileOps:
     """POSIX operations on file data."""
 
     def __init__(self, index: Index, table: InodeTable, files: FileCache, handles: Handles,
-                 namespace: Namespace, wiring: Wiring, stats: CoreStats, cache_dir: str) -> None:
+                 namespace: Namespace, hooks: FsHooks, stats: CoreStats, cache_dir: str) -> None:
         self.index = index
         self.table = table
         self.files = files
         self.handles = handles
         self.namespace = namespace
-        self.wiring = wiring
+        self.hooks = hooks
         self.stats = stats
         self.cache_dir = cache_dir
         # ino -> (version, passthrough): a content whose last writer's release could not be
@@ -353,8 +353,8 @@ class FileOps:
             self.handles.take_in_writes(h.inode)
         if h.inode.dirty:
             retrying(self.table.persist_now, h.inode)
-        if self.wiring.hooks is not None and h.writable:
-            self.wiring.hooks.announce_dir(h.inode)
+        if h.writable:
+            self.hooks.announce_dir(h.inode)
 
     @retry_when_full
     # fsync (docs/SEMANTICS.md "fsync"): the file's data, the name of its cache file and its
@@ -464,21 +464,19 @@ class FileOps:
         with self.table.tx(node):
             old = node.version
             node.version += 1
-            if self.wiring.hooks is not None:
-                self.wiring.hooks.on_content_change(node.ino, old)
+            self.hooks.on_content_change(node.ino, old)
             self.table.save(node, "version", "writing")
             if not node.writing:
                 self._closed(node)
 
     def _closed(self, node: Inode) -> None:
         """A content version is complete (last writer closed, or a truncate without writers)."""
-        hooks = self.wiring.hooks
-        if hooks is None or node.nlink == 0:
+        if node.nlink == 0:
             return
         entry = self.index.dentry_of(node.ino)
         if entry is not None:
             with self.index.tx():
-                hooks.on_close(node, entry[0], entry[1])
+                self.hooks.on_close(node, entry[0], entry[1])
 
     def statistics(self) -> dict[str, int]:
         s = self.stats

@@ -4,36 +4,28 @@ Two classes, no FUSE dependency (tested in-process as well as through a real mou
 `bytes`, as the kernel gives them):
 
   * `CacheFs`: every operation the FUSE layer forwards, as plain synchronous methods that raise
-    `FsError(errno)` on refusal. It is the composition of narrower owners, each the only owner
-    of its state:
+    `FsError(errno)` on refusal. It is built over a `cachemgr.core.cache.Cache` (the owners of
+    the directory's state: index, inodes, cache files, xattrs, backing files, raw tree,
+    residency) and the layers above it, given in its constructor (cachemgr.core.hooks: tiering's
+    hooks, restore's read-through, the room policy, the kernel notifier), and composes the
+    operations over them:
 
-        InodeTable  (cachemgr.core.inodes)     the in-memory inodes; the `tx` undo discipline
-        FileCache   (cachemgr.core.filecache)  cache files: I/O off the loop, cached bytes, holes,
-                                          last use, the per-file fill locks
         Handles     (cachemgr.core.handles)    open handles; the passthrough decision
         Namespace   (cachemgr.core.namespace)  lookup, mkdir, unlink, rename... (no state)
         FileOps     (cachemgr.core.fileops)    open, read, write, truncate, fsync... (I/O counters)
-        Xattrs      (cachemgr.core.xattrs)     extended attributes (which inodes have any)
-        RawTree     (cachemgr.core.rawtree)    tree changes for restored sets (remote, restore)
-        Residency   (cachemgr.core.rawtree)    eviction and refill
-        fsck        (cachemgr.core.fsck)       crash recovery and the consistency check
+        Xattrs      (cachemgr.core.xattrs)     extended attributes (the cache's owner)
 
   * `Filesystem`: the same operations as `async` methods, what ckptfs.fuse awaits. It adds the
     decisions that need to wait: read-through (data of an evicted file comes back from the
     store before a read of it, a write-open without O_TRUNC or a truncate), the per-file lock
-    against restore fills around content changes (cachemgr.core.filecache), write backpressure under
-    --cache-size, and the optional worker threads for pread/pwrite (--io-threads).
+    against restore fills around content changes (cachemgr.core.filecache), write
+    backpressure under --cache-size, the foreground signal (uploads give way to the trainer:
+    cachemgr.host.foreground), and the optional worker threads for pread/pwrite (--io-threads).
 
-Collaborators outside the core (tiering's hooks, restore's read-through, the room policy, the
-kernel notifier) are given once by the composition root with `CacheFs.connect` (cachemgr.core.hooks)
-before the mount serves requests.
-
-On-disk layout of a cache directory (version in `layout.json`):
-
-    layout.json        {"format": "ckptfs-cache", "version": 1}
-    index.sqlite       the cache index (schema.sql), WAL mode
-    index.reserve      room kept for the index's writes on a full disk (cachemgr.core.index)
-    data/<ino>         one cache file per regular file, always exactly the file's logical size
+Built bottom-up by the composition root (ckptfs.daemon): `Cache.open`, then the tiering and
+restore services from the cache, then `CacheFs(cache, hooks=, reads=, room=, kernel=)`, then
+`Filesystem(core, foreground)`, then the FUSE adapter; each is whole when its constructor
+returns. `CacheFs.load` is a cache with no store (the stand-ins of cachemgr.core.hooks).
 
 Concurrency contract: every method runs on the daemon's trio loop thread (blocking I/O inline:
 measured faster than worker threads here, see docs/ARCHITECTURE.md). Two things run elsewhere,
@@ -63,155 +55,66 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import json
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import trio
 
-from cachemgr.core import fsck
+from cachemgr.core.cache import Cache
 from cachemgr.core.errors import FsError
-from cachemgr.core.filecache import FileCache
-from cachemgr.core.fileops import CoreStats, FileOps
+from cachemgr.core.fileops import FileOps
 from cachemgr.core.handles import Handle, Handles, OpenResult
-from cachemgr.core.hooks import FsHooks, KernelNotifier, ReadThrough, Room, Wiring
-from cachemgr.core.index import Index
-from cachemgr.core.inodes import Caller, Inode, InodeTable, retrying
+from cachemgr.core.hooks import (
+    NO_HOOKS,
+    NO_KERNEL,
+    NO_LIMIT,
+    NO_STORE,
+    FsHooks,
+    KernelNotifier,
+    ReadThrough,
+    Room,
+)
+from cachemgr.core.inodes import Caller, Inode, retrying
 from cachemgr.core.namespace import Namespace
 from cachemgr.core.passthrough import Backings
-from cachemgr.core.rawtree import RawTree, Residency
-from cachemgr.core.xattrs import Xattrs
 from cachemgr.host.foreground import Foreground
-from cachemgr.host.nodefiles import DIR_MODE, FILE_MODE, make_dirs, open_private, restrict
-
-LAYOUT = {"format": "ckptfs-cache", "version": 1}
 
 
 class CacheFs:
     """POSIX filesystem semantics over one cache directory (see the module docstring)."""
 
-    def __init__(self, cache_dir: Path, index: Index, *, direct_io_writes: bool = True,
-                 backings: Backings | None = None) -> None:
-        self.cache_dir = cache_dir
-        self.data_dir = cache_dir / "data"
-        self.index = index
-        self.wiring = Wiring()
-        self.stats = CoreStats()
-        self.files = FileCache(str(self.data_dir), index.cached_bytes())
-        self.table = InodeTable(index, self.files, purged=self._purged)
-        self.xattrs = Xattrs(index, self.table)
-        # FUSE passthrough: the backing files the kernel does I/O on, and the data-path mode.
-        self.backings = backings if backings is not None else Backings(off_reason="not asked")
-        self.handles = Handles(index, self.table, self.files, self.backings, self.wiring,
+    def __init__(self, cache: Cache, *, hooks: FsHooks, reads: ReadThrough, room: Room,
+                 kernel: KernelNotifier, direct_io_writes: bool = True) -> None:
+        self.cache = cache
+        # the owners, read by the operations below and by the async face (Filesystem)
+        self.cache_dir, self.index, self.files = cache.cache_dir, cache.index, cache.files
+        self.table, self.xattrs, self.backings = cache.table, cache.xattrs, cache.backings
+        self.stats = cache.stats
+        self.reads = reads    # data from the store before it is read or changed here
+        self.room = room      # --cache-size backpressure for writes
+        self.kernel = kernel  # directory entries changed behind the kernel's back
+        self.handles = Handles(cache.index, cache.table, cache.files, cache.backings, reads, room,
                                direct_io_writes=direct_io_writes)
-        self.namespace = Namespace(index, self.table, self.files, self.wiring)
-        self.fileops = FileOps(index, self.table, self.files, self.handles, self.namespace,
-                               self.wiring, self.stats, str(cache_dir))
-        self.tree = RawTree(index, self.table, self.files, self.namespace)
-        self.residency = Residency(index, self.table, self.files, self.stats)
-
-    def _purged(self, ino: int) -> None:
-        self.wiring.purged(ino)
-        self.xattrs.discard(ino)
-
-    # -- wiring --------------------------------------------------------------------------------
-
-    def connect(self, *, hooks: FsHooks | None = None, reads: ReadThrough | None = None,
-                room: Room | None = None, cache_size: int | None = None,
-                kernel: KernelNotifier | None = None,
-                status: Callable[[], dict[str, Any]] | None = None) -> None:
-        """Give the core its collaborators (cachemgr.core.hooks). Called once by the composition
-        root, after building the services that need the core (Tiering is built from it) and
-        before the mount serves any request; until then the core is a purely local cache."""
-        w = self.wiring
-        w.hooks, w.reads, w.room, w.cache_size = hooks, reads, room, cache_size
-        w.status = status
-        if kernel is not None:
-            w.kernel = kernel
-        self.files.connect(w.space_freed)
-
-    def invalidate_entry(self, parent: int, name: bytes) -> None:
-        """Tell the kernel to forget a directory entry changed behind its back."""
-        self.wiring.kernel.invalidate_entry(parent, name)
-
-    # -- lifecycle -----------------------------------------------------------------------------
+        self.namespace = Namespace(cache.index, cache.table, cache.files, hooks)
+        self.fileops = FileOps(cache.index, cache.table, cache.files, self.handles,
+                               self.namespace, hooks, cache.stats, str(cache.cache_dir))
 
     @classmethod
     def load(cls, cache_dir: Path, *, direct_io_writes: bool = True,
              backings: Backings | None = None) -> CacheFs:
-        """Open (creating if needed) the cache in `cache_dir` and run crash recovery."""
-        make_dirs(cache_dir)  # 0700 if made here (cachemgr.host.nodefiles)
-        layout_path = cache_dir / "layout.json"
-        if layout_path.exists():
-            try:
-                layout = json.loads(layout_path.read_text())
-            except ValueError as e:
-                raise FsError(errno.EIO, f"{layout_path} is not valid JSON: {e}") from None
-            if layout != LAYOUT:
-                raise FsError(
-                    errno.EIO,
-                    f"{cache_dir} holds cache layout {layout}, this ckptfs uses {LAYOUT}",
-                )
-        else:
-            # Files but no layout.json: not a cache. Adopting it would let recover() delete
-            # every file in its data/ as stray (`ckptfs mount` refuses such a directory first,
-            # with a message; this guards every other caller). lost+found: a fresh filesystem.
-            if any(e.name != "lost+found" for e in os.scandir(cache_dir)):
-                raise FsError(errno.ENOTEMPTY, f"{cache_dir} is not empty and is not a ckptfs "
-                              "cache (no layout.json)")
-            tmp = layout_path.with_suffix(".tmp")
-            fd = open_private(tmp, os.O_WRONLY | os.O_TRUNC)
-            with os.fdopen(fd, "w") as f:
-                f.write(json.dumps(LAYOUT) + "\n")
-            os.replace(tmp, layout_path)
-        # Private whatever made them (an older ckptfs made 0644/0755): data/ at 0700 keeps
-        # every cache file in it out of other users' reach, however old the file.
-        restrict(layout_path, FILE_MODE)
-        make_dirs(cache_dir / "data")
-        restrict(cache_dir / "data", DIR_MODE)
-        index = Index.open(cache_dir / "index.sqlite", uid=os.getuid(), gid=os.getgid())
-        fs = cls(cache_dir, index, direct_io_writes=direct_io_writes, backings=backings)
-        fs.recover()
-        return fs
-
-    def recover(self) -> dict[str, int]:
-        """Bring index and cache files into agreement after a crash (cachemgr.core.fsck)."""
-        return fsck.recover(self.index, self.files)
+        """A cache with no store (the core's tests, the tools): `Cache.open` with the stand-ins
+        of cachemgr.core.hooks for the layers above."""
+        return cls(Cache.open(cache_dir, backings=backings), hooks=NO_HOOKS, reads=NO_STORE,
+                   room=NO_LIMIT, kernel=NO_KERNEL, direct_io_writes=direct_io_writes)
 
     def close(self) -> None:
         """Persist everything and release the index. Called after the kernel unmounted, so every
         lookup count is implicitly zero and unlinked inodes can go."""
         self.handles.close_all()
         self.fileops.retry_unclosed()  # a close the full disk kept from being recorded
-        retrying(self.table.persist_all)
-        self.index.sync()
-        self.index.close()
-
-    # -- state other services read ---------------------------------------------------------
-
-    @property
-    def cached_bytes(self) -> int:
-        """Bytes of file data in cache files (FileCache owns it)."""
-        return self.files.cached_bytes
-
-    def inode(self, ino: int) -> Inode:
-        return self.table.get(ino)
-
-    def inode_if_loaded(self, ino: int) -> Inode | None:
-        """The in-memory inode if the table holds it (open, known to the kernel, or loaded
-        since), without reading the index: what tiering asks about files being written."""
-        return self.table.if_loaded(ino)
-
-    def data_path(self, ino: int) -> str:
-        return self.files.path(ino)
-
-    @contextlib.contextmanager
-    def transaction(self, *nodes: Inode) -> Iterator[None]:
-        """`InodeTable.tx`: for the services that change the tree without the kernel."""
-        with self.table.tx(*nodes):
-            yield
+        self.cache.close()
 
     # -- namespace (cachemgr.core.namespace)
     # --------------------------------------------------------
@@ -323,37 +226,6 @@ class CacheFs:
     def removexattr(self, ino: int, name: bytes) -> None:
         self.xattrs.remove(ino, name)
 
-    # -- restored sets and residency (cachemgr.core.rawtree)
-    # ----------------------------------------
-
-    def ensure_dirs(self, parts: list[str]) -> int:
-        return self.tree.ensure_dirs(parts)
-
-    def raw_create(self, parent: int, name: bytes, mode: int, **kw: Any) -> int:
-        return self.tree.raw_create(parent, name, mode, **kw)
-
-    def raw_set_mtime(self, ino: int, mtime_ns: int) -> None:
-        self.tree.raw_set_mtime(ino, mtime_ns)
-
-    def raw_move(self, old_parent: int, old_name: bytes, new_parent: int,
-                 new_name: bytes) -> None:
-        self.tree.raw_move(old_parent, old_name, new_parent, new_name)
-
-    def remove_tree(self, parent: int, name: bytes) -> None:
-        self.tree.remove_tree(parent, name)
-
-    def needs_fetch(self, ino: int) -> bool:
-        return self.residency.needs_fetch(ino)
-
-    def eviction_candidates(self) -> list[tuple[int, int]]:
-        return self.residency.eviction_candidates()
-
-    def evict(self, ino: int, version: int) -> bool:
-        return self.residency.evict(ino, version)
-
-    def fetched(self, ino: int, size: int) -> None:
-        self.residency.fetched(ino, size)
-
     # -- filesystem ----------------------------------------------------------------------------
 
     def statfs(self) -> os.statvfs_result:
@@ -381,19 +253,17 @@ class CacheFs:
             "data_path": self.backings.statistics(),
             "core": self.statistics(),
         }
-        if self.wiring.status is not None:
-            out["tiering"] = self.wiring.status()
         return out
 
     def statistics(self) -> dict[str, Any]:
         """Counters of every owner in the core (loop thread)."""
         return {"inodes": self.table.statistics(), "handles": self.handles.statistics(),
                 "files": self.files.statistics(), "xattrs": self.xattrs.statistics(),
-                "io": self.fileops.statistics(), "residency": self.residency.statistics()}
+                "io": self.fileops.statistics(), "residency": self.cache.residency.statistics()}
 
     def check_consistency(self) -> list[str]:
         """Invariants of index and cache files, for tests and `ckptfs fsck`-style checks."""
-        return fsck.check(self.index, self.table, self.files)
+        return self.cache.check_consistency()
 
 
 _NO_LOCK: contextlib.nullcontext[None] = contextlib.nullcontext()  # usable with `async with`
@@ -421,11 +291,8 @@ class Filesystem:
 
     async def ensure_cached(self, ino: int) -> None:
         """Data not in the cache comes back from the store before anything changes it."""
-        if self.core.needs_fetch(ino):
-            reads = self.core.wiring.reads
-            if reads is None:
-                raise FsError(errno.EIO, f"inode {ino} was evicted and no store is attached")
-            await reads.ensure_all(ino)
+        if self.core.cache.needs_fetch(ino):
+            await self.core.reads.ensure_all(ino)
 
     async def setattr(self, ino: int, *, truncating: bool, **kw: Any) -> Inode:
         if truncating:
@@ -443,30 +310,28 @@ class Filesystem:
             res = self.core.open(ino, flags, caller)
         if writing and res.backing_id:
             self.foreground.note()  # its writes never reach the daemon (host.foreground)
-        reads = self.core.wiring.reads
-        if not writing and reads is not None:
+        if not writing:
             # Reads wait only for their own ranges; what the restore policy (--prefetch)
             # fetches ahead of them comes in meanwhile.
-            reads.on_open(ino)
+            self.core.reads.on_open(ino)
         return res
 
     async def read(self, fh: int, off: int, size: int) -> bytes:
         core = self.core
         self.foreground.note()  # uploads hold back while the trainer reads
-        reads = core.wiring.reads
-        if reads is not None:
-            node = core.io_handle(fh).inode
-            if not node.cached:
-                try:
-                    await reads.ensure_range(node.ino, off, size, read=True)
-                except OSError as e:
-                    if e.errno not in (errno.ENOSPC, errno.EDQUOT):
-                        raise
-                    # No room on the cache disk for the chunks: the read is served from the
-                    # store all the same, without caching (a read never answers ENOSPC).
-                    return await reads.read_uncached(node.ino, off, size)
-            elif node.ino not in reads.clean:
-                await reads.verify_cached(node.ino, off, size)
+        reads = core.reads
+        node = core.io_handle(fh).inode
+        if not node.cached:
+            try:
+                await reads.ensure_range(node.ino, off, size, read=True)
+            except OSError as e:
+                if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                    raise
+                # No room on the cache disk for the chunks: the read is served from the
+                # store all the same, without caching (a read never answers ENOSPC).
+                return await reads.read_uncached(node.ino, off, size)
+        elif node.ino not in reads.clean:
+            await reads.verify_cached(node.ino, off, size)
         if self._io_limiter is None:
             return core.read(fh, off, size)
         h = core.io_handle(fh)
@@ -492,13 +357,13 @@ class Filesystem:
         for room for what it may add; a reservation larger than the whole limit is refused."""
         core = self.core
         self.foreground.note()
-        w = core.wiring
-        if w.cache_size is not None and w.room is not None:
+        limit = core.room.limit
+        if limit is not None:
             need = core.fileops.fallocate_need(fh, mode, off, length)
-            if need > w.cache_size:
+            if need > limit:
                 raise FsError(errno.ENOSPC, f"fallocate of {need} bytes: more than --cache-size")
-            if core.files.cached_bytes + need > w.cache_size:
-                await w.room.wait_for_room(need)
+            if core.files.cached_bytes + need > limit:
+                await core.room.wait_for_room(need)
         ino = core.io_handle(fh).inode.ino
         async with self._changing(ino, True):
             core.fallocate(fh, mode, off, length)
@@ -506,11 +371,10 @@ class Filesystem:
     async def write(self, fh: int, off: int, buf: bytes) -> int:
         core = self.core
         self.foreground.note()  # uploads hold back while the trainer writes
-        w = core.wiring
-        if w.cache_size is not None and w.room is not None and \
-                core.files.cached_bytes + len(buf) > w.cache_size:
+        limit = core.room.limit
+        if limit is not None and core.files.cached_bytes + len(buf) > limit:
             # Backpressure: wait for uploads to make data evictable, never fail the write.
-            await w.room.wait_for_room(len(buf))
+            await core.room.wait_for_room(len(buf))
         if self._io_limiter is None:
             return core.write(fh, off, buf)
         h = core.io_handle(fh)

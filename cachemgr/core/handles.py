@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from cachemgr.core.errors import FsError
 from cachemgr.core.filecache import FileCache
-from cachemgr.core.hooks import Wiring
+from cachemgr.core.hooks import ReadThrough, Room
 from cachemgr.core.index import Index
 from cachemgr.core.inodes import SETID, Caller, Inode, InodeTable, retrying
 from cachemgr.core.passthrough import Backings
@@ -65,12 +65,13 @@ class Handles:
     """Owner of the open handles and of the passthrough decision for each open."""
 
     def __init__(self, index: Index, table: InodeTable, files: FileCache, backings: Backings,
-                 wiring: Wiring, *, direct_io_writes: bool) -> None:
+                 reads: ReadThrough, room: Room, *, direct_io_writes: bool) -> None:
         self.index = index
         self.table = table
         self.files = files
         self.backings = backings
-        self.wiring = wiring
+        self.reads = reads  # a file not yet checked against its CRCs stays with the daemon
+        self.room = room    # under --cache-size every write waits for room: the daemon's
         self.direct_io_writes = direct_io_writes
         self._handles: dict[int, Handle] = {}
         self._next_fh = 1
@@ -135,15 +136,14 @@ class Handles:
 
     def _daemon_keeps(self, node: Inode, writable: bool, opener: Caller | None) -> bool:
         """Whether an open that could start passthrough must be served by the daemon."""
-        w = self.wiring
         if node.opens or not node.cached:
             return True
-        if w.reads is not None and not w.reads.trusted(node.ino):
+        if not self.reads.trusted(node.ino):
             return True
         if not writable:
             return False
         return bool((opener is not None and node.mode & SETID)
-                    or w.cache_size is not None
+                    or self.room.limit is not None
                     or (not self.index.reserve_held and self.index.reserve_bytes))
 
     def passthrough_open(self, node: Inode, writable: bool, opener: Caller | None,

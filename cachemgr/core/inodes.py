@@ -180,15 +180,25 @@ class InodeTable:
     """Owner of the in-memory inodes and of the transaction discipline that ties them to the
     index (`tx`)."""
 
-    def __init__(self, index: Index, files: FileCache, *,
-                 purged: Callable[[int], None]) -> None:
+    def __init__(self, index: Index, files: FileCache) -> None:
         self.index = index
         self.files = files
-        self._purged = purged   # told (after commit) that an inode is gone for good
+        # told (after commit) that an inode is gone for good: the owners and services above
+        # that keep something per inode subscribe as they are built (`on_purged`)
+        self._purged: list[Callable[[int], None]] = []
         self._inodes: dict[int, Inode] = {}
         # Unlinked, unused inodes whose purge failed on a full cache disk: purged at a later
         # drop, at persist_all() or by recover() at the next mount.
         self._purge_pending: set[int] = set()
+
+    def on_purged(self, listener: Callable[[int], None]) -> None:
+        """`listener(ino)` runs after the commit that purged an inode (row and cache file)."""
+        self._purged.append(listener)
+
+    def touch_dir(self, d: Inode, now: int) -> None:
+        """A directory's entries changed: its mtime and ctime (and nlink) to the index."""
+        d.mtime_ns = d.ctime_ns = now
+        self.save(d, "mtime_ns", "ctime_ns", "nlink")
 
     # -- lookup ------------------------------------------------------------------------------
 
@@ -308,7 +318,8 @@ class InodeTable:
         ino, is_reg = node.ino, node.is_reg
 
         def gone() -> None:
-            self._purged(ino)
+            for listener in self._purged:
+                listener(ino)
             if is_reg:
                 self.files.remove(ino)
             self._inodes.pop(ino, None)

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 
 from cachemgr.core.errors import FsError
 from cachemgr.core.filecache import FileCache
-from cachemgr.core.hooks import Wiring
+from cachemgr.core.hooks import FsHooks
 from cachemgr.core.index import ROOT_INO, Index
 from cachemgr.core.inodes import Inode, InodeTable, now_ns, retry_when_full
 
@@ -40,11 +40,11 @@ class Namespace:
     """POSIX operations on the directory tree."""
 
     def __init__(self, index: Index, table: InodeTable, files: FileCache,
-                 wiring: Wiring) -> None:
+                 hooks: FsHooks) -> None:
         self.index = index
         self.table = table
         self.files = files
-        self.wiring = wiring
+        self.hooks = hooks
 
     # -- helpers -------------------------------------------------------------------------------
 
@@ -61,8 +61,7 @@ class Namespace:
         return self.table.get(ino)
 
     def touch_dir(self, d: Inode, now: int) -> None:
-        d.mtime_ns = d.ctime_ns = now
-        self.table.save(d, "mtime_ns", "ctime_ns", "nlink")
+        self.table.touch_dir(d, now)
 
     def new_inode(self, parent: Inode, name: bytes, mode: int, uid: int, gid: int, *,
                   target: bytes | None = None) -> Inode:
@@ -147,8 +146,7 @@ class Namespace:
             raise FsError(errno.ENAMETOOLONG, f"symlink target longer than {SYMLINK_MAX} bytes")
         with self.table.tx():  # the symlink and the commit it may trigger: one transaction
             node = self.new_inode(d, name, stat.S_IFLNK | 0o777, uid, gid, target=target)
-            if self.wiring.hooks is not None:
-                self.wiring.hooks.on_symlink(node, parent, name)
+            self.hooks.on_symlink(node, parent, name)
         return node
 
     @retry_when_full
@@ -167,7 +165,7 @@ class Namespace:
     # -- removing --------------------------------------------------------------------------------
 
     def _path_for_hooks(self, ino: int) -> str | None:
-        return self.index.path_of(ino) if self.wiring.hooks is not None else None
+        return self.index.path_of(ino)
 
     @retry_when_full
     def unlink(self, parent: int, name: bytes) -> None:
@@ -183,8 +181,8 @@ class Namespace:
             node.ctime_ns = now
             self.table.save(node, "nlink", "ctime_ns")
             self.touch_dir(d, now)
-            if path is not None and self.wiring.hooks is not None:
-                self.wiring.hooks.on_remove(node, path)
+            if path is not None:
+                self.hooks.on_remove(node, path)
         self.table.maybe_drop(node)
 
     @retry_when_full
@@ -203,8 +201,8 @@ class Namespace:
             self.table.save(node, "nlink")
             d.nlink -= 1
             self.touch_dir(d, now)
-            if path is not None and self.wiring.hooks is not None:
-                self.wiring.hooks.on_remove(node, path)
+            if path is not None:
+                self.hooks.on_remove(node, path)
         self.table.maybe_drop(node)
 
     # -- renaming --------------------------------------------------------------------------------
@@ -275,11 +273,11 @@ class Namespace:
             self.touch_dir(od, now)
             if nd is not od:
                 self.touch_dir(nd, now)
-            if old_path is not None and self.wiring.hooks is not None:
+            if old_path is not None:
                 # Inside the rename's transaction: the commit it triggers (if any) is durable
                 # exactly when the rename is.
-                self.wiring.hooks.on_rename(src, dst, old_parent, old_name, new_parent,
-                                            new_name, old_path)
+                self.hooks.on_rename(src, dst, old_parent, old_name, new_parent, new_name,
+                                     old_path)
 
     def _exchange(self, od: Inode, old_name: bytes, a: Inode, nd: Inode, new_name: bytes,
                   b: Inode) -> None:

@@ -28,7 +28,7 @@ from cachemgr.core.filecache import FileCache
 from cachemgr.core.fileops import CoreStats
 from cachemgr.core.index import ROOT_INO, Index
 from cachemgr.core.inodes import InodeTable, now_ns, retry_when_full
-from cachemgr.core.namespace import Namespace, check_name
+from cachemgr.core.namespace import check_name
 
 log = logging.getLogger(__name__)
 
@@ -36,12 +36,10 @@ log = logging.getLogger(__name__)
 class RawTree:
     """Tree changes made by the node itself (restored sets), without hooks."""
 
-    def __init__(self, index: Index, table: InodeTable, files: FileCache,
-                 namespace: Namespace) -> None:
+    def __init__(self, index: Index, table: InodeTable, files: FileCache) -> None:
         self.index = index
         self.table = table
         self.files = files
-        self.namespace = namespace
 
     def ensure_dirs(self, parts: list[str]) -> int:
         """The directory at `parts` below the root, creating missing ones (mode 0755, like
@@ -83,7 +81,7 @@ class RawTree:
             self.index.add_dentry(parent, name, ino)
             if is_dir:
                 d.nlink += 1
-            self.namespace.touch_dir(d, now)
+            self.table.touch_dir(d, now)
             # Whatever loads the new inode later in the same transaction (a restored set's
             # files created in this new directory) loads an uncommitted row: gone again if
             # the transaction rolls back, as in Namespace.new_inode.
@@ -112,9 +110,9 @@ class RawTree:
         od, nd = self.table.get(old_parent), self.table.get(new_parent)
         with self.table.tx(od, nd):
             self.index.move_dentry(old_parent, old_name, new_parent, new_name)
-            self.namespace.touch_dir(od, now)
+            self.table.touch_dir(od, now)
             if nd is not od:
-                self.namespace.touch_dir(nd, now)
+                self.table.touch_dir(nd, now)
 
     def remove_tree(self, parent: int, name: bytes) -> None:
         """rm -rf of one entry without tiering hooks (a restored set replaced from the store).
@@ -148,7 +146,7 @@ class RawTree:
             else:
                 node.nlink -= 1
             self.table.save(node, "nlink")
-            self.namespace.touch_dir(d, now_ns())
+            self.table.touch_dir(d, now_ns())
         self.table.maybe_drop(node)
 
 

@@ -30,7 +30,7 @@ from cachemgr.store import IntegrityError, ObjectStore, StoreError
 from cachemgr.transfer.download import download_file
 
 if TYPE_CHECKING:
-    from cachemgr.core.fs import CacheFs
+    from cachemgr.core.cache import Cache
 
 log = logging.getLogger(__name__)
 
@@ -38,12 +38,12 @@ log = logging.getLogger(__name__)
 class Fetcher:
     """Whole-object downloads of evicted files (see the module docstring)."""
 
-    def __init__(self, *, core: CacheFs, store: ObjectStore,
+    def __init__(self, *, cache: Cache, store: ObjectStore,
                  wait_for_room: Callable[[int], Awaitable[None]],
                  obj_of: Callable[[int], StoredObject | None],
                  forget: Callable[[int], None]) -> None:
-        self.core = core
-        self.index = core.index
+        self.cache = cache
+        self.index = cache.index
         self.store = store
         self._wait_for_room = wait_for_room  # cachemgr.tiering.space
         self._obj_of = obj_of                # restore.restorer: the object of a file's content
@@ -69,12 +69,12 @@ class Fetcher:
             await self._wait_for_room(obj.size)
             # Under the file's lock (cachemgr.core.filecache): no write or truncating open lands in
             # the cache file while the download fills it.
-            async with self.core.files.exclusive(ino):
-                node = self.core.inode(ino)
+            async with self.cache.files.exclusive(ino):
+                node = self.cache.inode(ino)
                 if node.cached or self._obj_of(ino) != obj:
                     return  # rewritten (O_TRUNC) while we waited for room
                 await self._download(ino, obj)
-                self.core.fetched(ino, obj.size)
+                self.cache.fetched(ino, obj.size)
             self.fetched += 1
             self._forget(ino)
         finally:
@@ -85,7 +85,7 @@ class Fetcher:
         last: Exception | None = None
         for _attempt in range(3):
             try:
-                await download_file(self.store, obj, self.core.data_path(ino))
+                await download_file(self.store, obj, self.cache.data_path(ino))
                 return
             except IntegrityError as e:  # the bytes failed their check: fetch again
                 last = e

@@ -46,7 +46,7 @@ from cachemgr.store import ObjectStore
 
 if TYPE_CHECKING:
 
-    from cachemgr.core.fs import CacheFs
+    from cachemgr.core.cache import Cache
     from cachemgr.core.index import Index
     from cachemgr.core.sets import SetRegistry
 
@@ -58,17 +58,17 @@ __all__ = ["Restorer"]
 class Restorer:
     """Reads of data not in the cache, and what comes in ahead of them; see the docstring."""
 
-    def __init__(self, *, core: CacheFs, index: Index, sets: SetRegistry, store: ObjectStore,
+    def __init__(self, *, cache: Cache, index: Index, sets: SetRegistry, store: ObjectStore,
                  cache_size: int | None, make_room: MakeRoom, fetch_whole: FetchWhole,
                  live_members: LiveMembers, concurrency: int = 8,
                  range_size: int = 64 << 20, mode: str = "auto") -> None:
         """`make_room(need, protect)`: the --cache-size policy (Tiering.make_room).
         `fetch_whole(ino)`: download an object stored without chunk checksums whole (Tiering.fetch).
         `live_members()`: the other live nodes (Members.live), for policy auto."""
-        self.core = core
-        self.chunks = ChunkFetcher(core=core, index=index, store=store, cache_size=cache_size,
+        self.cache = cache
+        self.chunks = ChunkFetcher(cache=cache, index=index, store=store, cache_size=cache_size,
                                    make_room=make_room)
-        self.prefetch = Prefetcher(chunks=self.chunks, core=core, index=index, sets=sets,
+        self.prefetch = Prefetcher(chunks=self.chunks, cache=cache, index=index, sets=sets,
                                    fetch_whole=fetch_whole, live_members=live_members,
                                    mode=mode, concurrency=concurrency, range_size=range_size)
         self._fetch_whole = fetch_whole
@@ -121,7 +121,7 @@ class Restorer:
     async def ensure_range(self, ino: int, off: int, size: int, *, read: bool = False) -> None:
         """Return once bytes [off, off+size) of `ino` are in its cache file. `read`: a reader's
         read (FuseOps.read), which may start a read-ahead (Prefetcher.on_read)."""
-        node = self.core.inode(ino)
+        node = self.cache.inode(ino)
         if node.cached:
             return
         obj = self.chunks.obj_of(ino)
@@ -131,7 +131,7 @@ class Restorer:
             await self._fetch_whole(ino)  # an object without chunk checksums: whole download
             return
         if obj.size == 0:
-            self.core.fetched(ino, 0)  # nothing to fetch: the empty cache file is the file
+            self.cache.fetched(ino, 0)  # nothing to fetch: the empty cache file is the file
             return
         end = min(off + size, obj.size)
         if end <= off:
@@ -143,7 +143,7 @@ class Restorer:
             await self.chunks.ensure_chunk(ino, obj, i)
 
     async def ensure_all(self, ino: int) -> None:
-        node = self.core.inode(ino)
+        node = self.cache.inode(ino)
         if not node.cached:
             await self.ensure_range(ino, 0, max(node.size, 1))
 

@@ -29,16 +29,16 @@ from __future__ import annotations
 import json
 import logging
 import stat
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
+from cachemgr.core.hooks import KernelNotifier
 from cachemgr.core.sets import KEPT_STATES, SetRow
 from cachemgr.format import validate
 from cachemgr.format.names import escape_path, unescape_name, unescape_path
 from cachemgr.format.objects import StoredObject
 
 if TYPE_CHECKING:
-    from cachemgr.core.fs import CacheFs
+    from cachemgr.core.cache import Cache
     from cachemgr.core.index import Index
     from cachemgr.core.sets import SetRegistry
 
@@ -77,8 +77,10 @@ class _Build:
 class Materialiser:
     """The namespace side of applying a manifest; see the module docstring."""
 
-    def __init__(self, *, core: CacheFs, index: Index, sets: SetRegistry, node: str) -> None:
-        self.core = core
+    def __init__(self, *, cache: Cache, index: Index, sets: SetRegistry,
+                 kernel: KernelNotifier, node: str) -> None:
+        self.cache = cache
+        self.kernel = kernel  # entries changed behind the kernel's back (ckptfs.fuse.KERNEL)
         self.index = index
         self.sets = sets
         self.node = node
@@ -86,9 +88,8 @@ class Materialiser:
     # -- this node's own files of a manifest --------------------------------------------------
 
     def invalidate(self, parent: int, name: bytes) -> None:
-        """Tell the kernel entry `name` of `parent` changed behind its back (the core's hook;
-        a cast while the core's attribute is untyped)."""
-        cast(Callable[[int, bytes], None], self.core.invalidate_entry)(parent, name)
+        """Tell the kernel entry `name` of `parent` changed behind its back."""
+        self.kernel.invalidate_entry(parent, name)
 
     def own(self, m: Manifest) -> dict[str, int]:
         """{rel: ino} of the manifest's files whose object is this node's upload of a content
@@ -103,7 +104,7 @@ class Materialiser:
             if not validate.is_own_object(key, self.node):
                 continue
             ino = self._own_current(key)
-            if ino is None or self.core.inode(ino).writers:
+            if ino is None or self.cache.inode(ino).writers:
                 continue
             where = self.index.path_of(ino)
             at = [root for root in roots
@@ -138,17 +139,17 @@ class Materialiser:
         out = {}
         for d, rel, row in self.index.walk_with_inodes(root):
             ino = row[1]
-            out[rel] = (ino, self.core.inode(ino).mode, d, row[0])
+            out[rel] = (ino, self.cache.inode(ino).mode, d, row[0])
         return out
 
     def busy(self, ino: int) -> bool:
         """Is a file at or under `ino` open?"""
-        node = self.core.inode(ino)
+        node = self.cache.inode(ino)
         if node.is_reg:
             return node.opens > 0
         if not node.is_dir:
             return False
-        return any(self.core.inode(row[1]).opens > 0
+        return any(self.cache.inode(row[1]).opens > 0
                    for _d, _rel, row in self.index.walk_with_inodes(ino)
                    if stat.S_ISREG(row[2]))
 
@@ -167,14 +168,14 @@ class Materialiser:
                        else set())
         existing = self.index.lookup(parent, name)
         if existing is not None:
-            node = self.core.inode(existing)
+            node = self.cache.inode(existing)
             kind = "dir" if node.is_dir else "symlink" if stat.S_ISLNK(node.mode) else "file"
             if kind != m["kind"] or m["kind"] == "symlink" or (
                     m["kind"] == "file" and own.get("") != existing):
                 if not (restored and cur is not None and cur.root_ino == existing) or \
                         self.busy(existing):
                     raise InTheWay(f"a local {kind} is at {m['path']}")
-                self.core.remove_tree(parent, name)
+                self.cache.remove_tree(parent, name)
                 existing = None
         keep: dict[str, int] = {}
         if existing is not None and m["kind"] == "dir":
@@ -205,14 +206,14 @@ class Materialiser:
             elif stat.S_ISREG(mode):
                 if own.get(rel) == ino:
                     keep[rel] = ino
-                elif (self.core.inode(ino).version == 0 or ino in replaceable) and \
-                        restored and not self.core.inode(ino).opens:
+                elif (self.cache.inode(ino).version == 0 or ino in replaceable) and \
+                        restored and not self.cache.inode(ino).opens:
                     remove.append((rel, d, n))
                 else:
                     raise InTheWay(f"{m['path']}/{rel} holds data this node has and the"
                                    " manifest does not name")
             elif stat.S_ISLNK(mode):
-                target = self.core.inode(ino).target or b""
+                target = self.cache.inode(ino).target or b""
                 if want_links.get(rel) == escape_path(target):
                     keep[rel] = ino
                 elif restored:
@@ -227,7 +228,7 @@ class Materialiser:
                 raise InTheWay(f"{m['path']}/{rel} holds files this node wrote")
         for _rel, d, n in sorted(remove, key=lambda x: x[0].count("/")):
             if self.index.lookup(d, n) is not None:
-                self.core.remove_tree(d, n)
+                self.cache.remove_tree(d, n)
         return keep
 
     def _place(self, b: _Build, d: int, fname: bytes, f: dict[str, Any], rel: str) -> None:
@@ -244,16 +245,16 @@ class Materialiser:
             if entry is None:
                 ino = None
             else:
-                self.core.raw_move(entry[0], entry[1], d, fname)
+                self.cache.raw_move(entry[0], entry[1], d, fname)
                 b.moved.append(entry)
                 b.emptied.add(entry[0])
         if ino is not None:
-            node = self.core.inode(ino)
+            node = self.cache.inode(ino)
             b.files.append((rel, ino, node.version, f["size"], mode, f.get("mtime_ns", 0),
                             obj_json))
             b.adopted += 1
             return
-        ino = self.core.raw_create(d, fname, stat.S_IFREG | mode, size=f["size"],
+        ino = self.cache.raw_create(d, fname, stat.S_IFREG | mode, size=f["size"],
                                    mtime_ns=f.get("mtime_ns"), obj=obj_json)
         b.files.append((rel, ino, 0, f["size"], mode, f.get("mtime_ns", 0), obj_json))
 
@@ -263,13 +264,13 @@ class Materialiser:
         d = root
         for p in parts[:-1]:
             child = self.index.lookup(d, _b(p))
-            d = child if child is not None else self.core.raw_create(
+            d = child if child is not None else self.cache.raw_create(
                 d, _b(p), stat.S_IFDIR | 0o755)
         return d, _b(parts[-1])
 
     def _materialise(self, m: Manifest, parent: int, name: bytes, existing: int | None,
                      b: _Build) -> tuple[int, list[SetFile], list[tuple[int, bytes]], int]:
-        raw = self.core.raw_create
+        raw = self.cache.raw_create
         if m["kind"] == "file":
             (f,) = m["files"]
             self._place(b, parent, name, f, "")
@@ -302,7 +303,7 @@ class Materialiser:
             pd, dn = self._under(root, d["path"])
             ino = self.index.lookup(pd, dn)
             if ino is not None:
-                self.core.raw_set_mtime(ino, d["mtime_ns"])
+                self.cache.raw_set_mtime(ino, d["mtime_ns"])
         self._drop_emptied(b.emptied, root)
         return root, b.files, b.moved, b.adopted
 
@@ -318,7 +319,7 @@ class Materialiser:
                 entry = self.index.dentry_of(cur)
                 if entry is None:
                     break
-                self.core.remove_tree(*entry)
+                self.cache.remove_tree(*entry)
                 self.invalidate(*entry)
                 cur = entry[0]
 
@@ -338,9 +339,9 @@ class Materialiser:
             for p in parts[:-1]:
                 child = self.index.lookup(d, _b(p))
                 if child is None:
-                    child = self.core.raw_create(d, _b(p), stat.S_IFDIR | 0o755)
+                    child = self.cache.raw_create(d, _b(p), stat.S_IFDIR | 0o755)
                     added.append((d, _b(p)))
-                elif not self.core.inode(child).is_dir:
+                elif not self.cache.inode(child).is_dir:
                     blocked = True
                     break
                 d = child
@@ -352,7 +353,7 @@ class Materialiser:
             obj = StoredObject.from_json(f["object"])  # validates
             obj_json = json.dumps(obj.to_json())
             mode = stat.S_IMODE(f.get("mode", 0o644))
-            ino = self.core.raw_create(d, name, stat.S_IFREG | mode, size=f["size"],
+            ino = self.cache.raw_create(d, name, stat.S_IFREG | mode, size=f["size"],
                                        mtime_ns=f.get("mtime_ns"), obj=obj_json)
             self.sets.add_file(seq, (f["path"], ino, 0, f["size"], mode,
                                      f.get("mtime_ns", 0), obj_json))

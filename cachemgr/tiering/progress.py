@@ -37,7 +37,7 @@ from cachemgr.core.sets import KEPT_STATES, LIVE_STATES, SetRegistry, SetRow
 from cachemgr.format import names
 
 if TYPE_CHECKING:
-    from cachemgr.core.fs import CacheFs
+    from cachemgr.core.cache import Cache
     from cachemgr.core.index import Index
     from cachemgr.tiering.signals import Signals, StoreHealth
 
@@ -108,10 +108,10 @@ class Probes:
 class Progress:
     """Waits and per-set progress (see the module docstring)."""
 
-    def __init__(self, *, core: CacheFs, index: Index, sets: SetRegistry, signals: Signals,
+    def __init__(self, *, cache: Cache, index: Index, sets: SetRegistry, signals: Signals,
                  waiting_for: Callable[[int], dict[str, Any] | None],
                  blocked_by: Callable[[int], int | None]) -> None:
-        self.core = core
+        self.cache = cache
         self.index = index
         self.sets = sets
         self.signals = signals
@@ -247,7 +247,7 @@ class Progress:
         gone: list[str] = []
         for rel_, ino, version in missing:
             rel = f"{s.path}/{rel_}" if rel_ else s.path  # its path in the mount
-            node = self.core.inode_if_loaded(ino)
+            node = self.cache.inode_if_loaded(ino)
             if node is not None and node.writers:
                 writing.append(rel)
                 continue
@@ -344,7 +344,7 @@ class Progress:
         if ino is None:
             return None
         try:
-            return ino if self.core.inode(ino).is_dir else None
+            return ino if self.cache.inode(ino).is_dir else None
         except FsError:
             return None
 
@@ -377,7 +377,7 @@ class Progress:
         loose: list[str] = []
         for rel, ino, version, *_ in files:
             if (ino, version) not in contents:
-                if self.core.inode(ino).writers:
+                if self.cache.inode(ino).writers:
                     writing[ino] = prefix + rel
                 else:
                     loose.append(prefix + rel)
@@ -433,7 +433,7 @@ class Progress:
         """Files waited for that were closed since: their sets are waited for instead."""
         for ino, p in list(writing.items()):
             try:
-                node = self.core.inode(ino)
+                node = self.cache.inode(ino)
             except FsError:
                 node = None
             if node is None or not node.nlink:
@@ -487,7 +487,7 @@ class Progress:
             if ino is None:  # removed, or renamed away, before its upload
                 return {"state": "deleted", "seq": r.seq, "path": r.path,
                         "error": f"{r.path} is no longer in the mount ({r.error})"}
-            if r.kind == "file" and self.core.inode(ino).is_reg:
+            if r.kind == "file" and self.cache.inode(ino).is_reg:
                 pending.discard(r.seq)  # the file is waited for: its next commit, at its close
                 writing[ino] = r.path
                 return self._dir_step(pending, durable, writing)

@@ -52,6 +52,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from cachemgr.core.errors import FsError
+from cachemgr.core.hooks import KernelNotifier
 from cachemgr.core.sets import KEPT_STATES, SetRow
 from cachemgr.format import manifest as mf
 from cachemgr.format import validate
@@ -60,7 +61,7 @@ from cachemgr.store import NotFound, ObjectInfo, ObjectStore, StoreError
 from cachemgr.tiering.materialise import InTheWay, Manifest, Materialiser
 
 if TYPE_CHECKING:
-    from cachemgr.core.fs import CacheFs
+    from cachemgr.core.cache import Cache
     from cachemgr.core.index import Index
     from cachemgr.core.sets import SetRegistry
 
@@ -85,20 +86,20 @@ def _b(s: str) -> bytes:
 class RemoteSync:
     """Materialise the store's sets in the local namespace; see the module docstring."""
 
-    def __init__(self, *, core: CacheFs, index: Index, sets: SetRegistry, store: ObjectStore,
-                 node: str, interval: float, mark_parts: Callable[[], None],
+    def __init__(self, *, cache: Cache, index: Index, sets: SetRegistry, store: ObjectStore,
+                 kernel: KernelNotifier, node: str, interval: float, mark_parts: Callable[[], None],
                  changed: Callable[[], None]) -> None:
         """`mark_parts`: every part record must be looked at again (PartPublisher.mark_all: a
         subtree moved or went). `changed`: the namespace changed (wakes waiters on sets and
         space: Tiering's `_changed_now`)."""
-        self.core = core
+        self.cache = cache
         self.index = index
         self.sets = sets
         self.store = store
         self.node = node
         self.mark_parts = mark_parts
         self.changed = changed
-        self.mat = Materialiser(core=core, index=index, sets=sets, node=node)
+        self.mat = Materialiser(cache=cache, index=index, sets=sets, kernel=kernel, node=node)
         self.interval = interval
         self.syncs = 0
         self.last_sync: float | None = None
@@ -277,9 +278,9 @@ class RemoteSync:
             # One transaction tied to memory (CacheFs.transaction): if the apply fails half
             # way, the index, the in-memory inodes and the cache files are as they were (cache
             # files of removed entries are deleted only once it committed).
-            with self.core.transaction():
+            with self.cache.transaction():
                 # ensure_dirs takes names as os functions do (undecodable bytes as surrogates).
-                parent = self.core.ensure_dirs([to_str(p) for p in parts[:-1]])
+                parent = self.cache.ensure_dirs([to_str(p) for p in parts[:-1]])
                 root, files, moved, adopted = self.mat.install(m, parent, name, cur)
                 if cur is not None and cur.state in KEPT_STATES:
                     self.sets.set_state(cur.seq, "replaced", "a newer manifest in the store")
@@ -322,7 +323,7 @@ class RemoteSync:
         with self.index.tx():
             if parent is not None and self.index.lookup(parent, name) == s.root_ino and \
                     not self.mat.busy(s.root_ino):
-                self.core.remove_tree(parent, name)
+                self.cache.remove_tree(parent, name)
             self.sets.set_state(s.seq, "deleted", "its manifest left the store")
         self.removed += 1
         log.info("set %s left the store; removed it here", s.path)

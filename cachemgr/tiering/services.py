@@ -1,10 +1,14 @@
 """Tiering: uploads cache files to the object store, publishes committed sets atomically,
 deletes and garbage-collects, evicts durable data, and answers "is it durable yet?".
 
-`Tiering` is the tiering part of the daemon's composition: it builds the tiering services once,
-each with its collaborators (none holds a reference back to `Tiering`), starts their tasks in
-one nursery (`run`), and keeps the surface the core, the FUSE adapter, the daemon and the
-restore/remote/parts/members services call, as thin delegations. The services:
+`Tiering` is the tiering part of the daemon's composition: built from the cache's owners
+(cachemgr.core.cache.Cache), it builds the tiering and restore services once, each with its
+collaborators, subscribes them to the owners' events (an inode purged, cached bytes freed),
+starts their tasks in one nursery (`run`) and answers the daemon (`status`, `statistics`,
+`wait`, `commit_path`). The core is built after it, from its services: `commits` (the core's
+hooks), `restorer` (read-through), `space` (room). The one cycle left: the Restorer is given
+`make_room` and `fetch`, delegations to `Space` and `Fetcher`, built after it from its `forget`.
+The services:
 
   cachemgr.tiering.signals   Signals (the wake-ups between services) and StoreHealth (last error)
   cachemgr.tiering.commit    Committer: the on_* hooks, `ckptfs commit`, crash recovery (`recover`)
@@ -40,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
+from cachemgr.core.hooks import KernelNotifier
 from cachemgr.core.sets import LIVE_STATES, SetRegistry
 from cachemgr.host import background
 from cachemgr.host.foreground import Foreground
@@ -57,8 +62,7 @@ from cachemgr.tiering.uploads import UploadQueue, object_key
 from cachemgr.transfer.upload import TransferConfig, Uploader
 
 if TYPE_CHECKING:
-    from cachemgr.core.fs import CacheFs
-    from cachemgr.core.inodes import Inode
+    from cachemgr.core.cache import Cache
 
 __all__ = ["Tiering", "TieringConfig", "object_key"]
 
@@ -87,10 +91,10 @@ class TieringConfig:
 
 
 class Tiering:
-    def __init__(self, core: CacheFs, store: ObjectStore, cfg: TieringConfig, *,
-                 foreground: Foreground) -> None:
-        self.core = core
-        self.index = core.index
+    def __init__(self, cache: Cache, store: ObjectStore, cfg: TieringConfig, *,
+                 foreground: Foreground, kernel: KernelNotifier) -> None:
+        self.cache = cache
+        self.index = cache.index
         self.sets = SetRegistry(self.index)
         self.store = store
         self.cfg = cfg
@@ -108,20 +112,20 @@ class Tiering:
         self.lease = Lease(store=store, node=self.node, index=self.index, lease=cfg.lease,
                            register_timeout=cfg.register_timeout)
         self.parts = PartPublisher(index=self.index, store=store, node=self.node,
-                                   lease=self.lease, inode_if_loaded=core.inode_if_loaded,
+                                   lease=self.lease, inode_if_loaded=cache.inode_if_loaded,
                                    retry_pause=cfg.retry_pause,
                                    report_error=self.store_health.record)
         self.members = Members(store=store, node=self.node, index=self.index, sets=self.sets,
                                parts=self.parts, lease=self.lease,
                                poll=cfg.refresh_interval if cfg.refresh_interval > 0 else 10.0)
-        self.restorer = Restorer(core=core, index=self.index, sets=self.sets, store=store,
+        self.restorer = Restorer(cache=cache, index=self.index, sets=self.sets, store=store,
                                  cache_size=cfg.cache_size, make_room=self.make_room,
                                  fetch_whole=self.fetch,
                                  live_members=self.members.live,
                                  concurrency=cfg.prefetch_concurrency, mode=cfg.prefetch,
                                  range_size=cfg.prefetch_range)
-        self.remote = RemoteSync(core=core, index=self.index, sets=self.sets, store=store,
-                                 node=self.node, interval=cfg.refresh_interval,
+        self.remote = RemoteSync(cache=cache, index=self.index, sets=self.sets, store=store,
+                                 kernel=kernel, node=self.node, interval=cfg.refresh_interval,
                                  mark_parts=self.parts.mark_all, changed=self.signals.changed_now)
         self._build_services()
         self.running = False
@@ -130,12 +134,12 @@ class Tiering:
         """The tiering services, each given its collaborators (see the module docstring)."""
         cfg, restorer, parts = self.cfg, self.restorer, self.parts
         self.gatherer = Gatherer(
-            core=self.core, index=self.index, sets=self.sets, store=self.store, node=self.node,
+            cache=self.cache, index=self.index, sets=self.sets, store=self.store, node=self.node,
             signals=self.signals, ensure_all=restorer.ensure_all,
             commit_acks=self.members.commit_acks, commit_timeout=cfg.commit_timeout,
             gather_poll=cfg.gather_poll)
         self.space = Space(
-            core=self.core, sets=self.sets, signals=self.signals, forget=restorer.forget,
+            cache=self.cache, sets=self.sets, signals=self.signals, forget=restorer.forget,
             drop_partials=restorer.drop_partials, cache_size=cfg.cache_size,
             keep_local=cfg.keep_local)
         self.publisher = Publisher(
@@ -146,20 +150,24 @@ class Tiering:
             retention=self.space.retention, retry_pause=cfg.retry_pause,
             fence=self.lease.ensure)
         self.uploads = UploadQueue(
-            core=self.core, index=self.index, sets=self.sets, uploader=self.uploader,
+            cache=self.cache, index=self.index, sets=self.sets, uploader=self.uploader,
             node=self.node, signals=self.signals, health=self.store_health, mark_dir=parts.mark,
             dir_published=lambda ino: ino in parts.published, ready=self.publisher.publish,
             gc=self.publisher.gc, spawn=self.publisher.spawn, retry_pause=cfg.retry_pause)
         self.commits = Committer(
-            core=self.core, index=self.index, sets=self.sets, uploads=self.uploads,
+            cache=self.cache, index=self.index, sets=self.sets, uploads=self.uploads,
             publisher=self.publisher, signals=self.signals, forget=restorer.forget,
             written=restorer.clean.add, mark_dir=parts.mark, mark_all=parts.mark_all)
-        self.fetcher = Fetcher(core=self.core, store=self.store,
+        self.fetcher = Fetcher(cache=self.cache, store=self.store,
                                wait_for_room=self.space.wait_for_room, obj_of=restorer.obj_of,
                                forget=restorer.forget)
-        self.progress = Progress(core=self.core, index=self.index, sets=self.sets,
+        self.progress = Progress(cache=self.cache, index=self.index, sets=self.sets,
                                  signals=self.signals, waiting_for=self.gatherer.waiting,
                                  blocked_by=self.publisher.blocked_by)
+        # what the cache's owners tell: an inode purged (a partly restored file's chunks go
+        # with it, GC looks again), cached bytes freed (writers waiting for room look again)
+        self.cache.table.on_purged(self.commits.on_purge)
+        self.cache.files.on_space_freed(self.signals.changed_now)
 
     # ==========================================================================================
     # the service
@@ -196,34 +204,7 @@ class Tiering:
                 await trio.sleep(self.cfg.retry_pause)
 
     # ==========================================================================================
-    # hooks from the core (synchronous, inside the operation's transaction): cachemgr.tiering.commit
-
-    def on_content_change(self, ino: int, old_version: int) -> None:
-        self.commits.on_content_change(ino, old_version)
-
-    def on_close(self, node: Inode, parent_ino: int, name: bytes) -> None:
-        self.commits.on_close(node, parent_ino, name)
-
-    def announce_dir(self, node: Inode) -> None:
-        self.commits.announce_dir(node)
-
-    def on_rename(self, src: Inode, dst: Inode | None, old_parent: int, old_name: bytes,
-                  new_parent: int, new_name: bytes, old_path: str) -> None:
-        self.commits.on_rename(src, dst, old_parent, old_name, new_parent, new_name, old_path)
-
-    def on_remove(self, node: Inode, path: str) -> None:
-        self.commits.on_remove(node, path)
-
-    def on_symlink(self, node: Inode, parent_ino: int, name: bytes) -> None:
-        self.commits.on_symlink(node, parent_ino, name)
-
-    def on_purge(self, ino: int) -> None:
-        self.commits.on_purge(ino)
-
-    def on_space_freed(self) -> None:
-        """The cache holds fewer bytes (a file deleted, truncated or evicted): wake writers
-        waiting in `wait_for_room`."""
-        self.signals.changed_now()
+    # what the daemon asks
 
     def commit_path(self, path: str) -> int:
         return self.commits.commit_path(path)
@@ -233,9 +214,6 @@ class Tiering:
 
     def make_room(self, need: int, protect: set[int] | frozenset[int] = frozenset()) -> bool:
         return self.space.make_room(need, protect)
-
-    async def wait_for_room(self, need: int) -> None:
-        await self.space.wait_for_room(need)
 
     async def fetch(self, ino: int) -> None:
         await self.fetcher.fetch(ino)
@@ -283,7 +261,7 @@ class Tiering:
             # upload threads at idle CPU and I/O priority (cachemgr.host.background; root only)
             "uploads": {**self.uploads.status(), "idle_priority": background.enabled()},
             "restore": self.restorer.status(),
-            "filecache": self.core.files.statistics(),
+            "filecache": self.cache.files.statistics(),
             "remote": self.remote.status(),
             "parts": self.parts.status(),
             "members": self.members.status(),

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 from cachemgr.core.sets import SetRegistry
 
 if TYPE_CHECKING:
-    from cachemgr.core.fs import CacheFs
+    from cachemgr.core.cache import Cache
     from cachemgr.tiering.signals import Signals
 
 log = logging.getLogger(__name__)
@@ -38,11 +38,11 @@ log = logging.getLogger(__name__)
 class Space:
     """Eviction and backpressure policy (see the module docstring)."""
 
-    def __init__(self, *, core: CacheFs, sets: SetRegistry, signals: Signals,
+    def __init__(self, *, cache: Cache, sets: SetRegistry, signals: Signals,
                  forget: Callable[[int], None],
                  drop_partials: Callable[[int, set[int] | frozenset[int]], bool],
                  cache_size: int | None, keep_local: int | None) -> None:
-        self.core = core
+        self.cache = cache
         self.sets = sets
         self.signals = signals
         self._forget = forget                # restore.restorer: a file's chunks left the cache
@@ -52,8 +52,13 @@ class Space:
         self.evicted = 0
         self.waits = 0
 
+    @property
+    def limit(self) -> int | None:
+        """--cache-size (cachemgr.core.hooks.Room): writes wait for room above it."""
+        return self.cache_size
+
     def _evict(self, ino: int, version: int) -> None:
-        if self.core.evict(ino, version):
+        if self.cache.evict(ino, version):
             self.evicted += 1
             self._forget(ino)
 
@@ -74,18 +79,18 @@ class Space:
         limit = self.cache_size
         if limit is None:
             return True
-        if self.core.cached_bytes + need <= limit:
+        if self.cache.cached_bytes + need <= limit:
             return True
         newest = self.sets.by_states(("durable",))
         keep = {r[1] for r in self.sets.files(newest[-1].seq)} if newest else set()
-        cands = [c for c in self.core.eviction_candidates() if c[0] not in protect]
+        cands = [c for c in self.cache.eviction_candidates() if c[0] not in protect]
         # The newest durable set goes last, not never: when it is all that can make room (a
         # file being written plus the last checkpoint exceed the limit), skipping it would
         # block the writer forever.
         for ino, version in ([c for c in cands if c[0] not in keep] +
                              [c for c in cands if c[0] in keep]):
             self._evict(ino, version)
-            if self.core.cached_bytes + need <= limit:
+            if self.cache.cached_bytes + need <= limit:
                 return True
         # Then the chunks of partly restored files nobody has open (they count too).
         return self._drop_partials(need, protect)
@@ -96,12 +101,12 @@ class Space:
         while not self.make_room(need):
             if not warned:
                 log.warning("cache full (%d of %d bytes, none evictable yet): writers wait for"
-                            " uploads", self.core.cached_bytes, self.cache_size)
+                            " uploads", self.cache.cached_bytes, self.cache_size)
                 warned = True
                 self.waits += 1
             await self.signals.wait_changed()
 
     def statistics(self) -> dict[str, int | None]:
         return {"cache_size": self.cache_size, "keep_local": self.keep_local,
-                "cached_bytes": self.core.cached_bytes, "evicted": self.evicted,
+                "cached_bytes": self.cache.cached_bytes, "evicted": self.evicted,
                 "waits": self.waits}
