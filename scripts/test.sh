@@ -21,7 +21,7 @@ cd "$ROOT"
 WORKERS="${CKPTFS_TEST_WORKERS:-$(( $(nproc) * 2 ))}"
 if [ "${1:-}" = "--quick" ]; then
     shift
-    exec "$VENV/bin/python" -m pytest -m "unit and not slow" -n "$WORKERS" "$@"
+    exec "$VENV/bin/python" -m pytest -m "unit and not slow" -n "$WORKERS" --maxschedchunk 1 "$@"
 fi
 if [ "$#" -gt 0 ]; then
     exec "$VENV/bin/python" -m pytest "$@"
@@ -46,7 +46,9 @@ else
     echo "test.sh: the shared RGW did not start; the tests start their own" >&2
 fi
 
-pytest=("$VENV/bin/python" -m pytest -n "$WORKERS" --durations=15)
+# --maxschedchunk 1: a worker takes the next test when it is free (xdist's default hands each
+# worker a block of consecutive tests first: the slow ones, collected first, all to one worker)
+pytest=("$VENV/bin/python" -m pytest -n "$WORKERS" --maxschedchunk 1 --durations=15)
 echo "test.sh: the whole suite, $WORKERS workers"
 "${pytest[@]}"
 echo "test.sh: the operations, torch and crash tests again with --no-passthrough"
