@@ -43,7 +43,7 @@ import os
 import signal
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from functools import partial
 from typing import Any
 
@@ -137,7 +137,8 @@ async def op_status(svc: Services, req: dict) -> dict:
     return {"pid": os.getpid(), "mountpoint": str(svc.cfg.mountpoint),
             "cache_dir": str(svc.cfg.cache_dir), "uptime_s": time.time() - svc.started,
             **svc.core.status(), "tiering": svc.tiering.status(),
-            **({"loop": svc.stallwatch.statistics()} if svc.stallwatch is not None else {})}
+            **({"loop": asdict(svc.stallwatch.statistics())} if svc.stallwatch is not None
+               else {})}
 
 
 async def op_prefetch(svc: Services, req: dict) -> dict:

@@ -30,6 +30,7 @@ import logging
 import os
 import sqlite3
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import pyfuse3
@@ -135,6 +136,14 @@ class KernelInvalidator:
 KERNEL = KernelInvalidator()
 
 
+@dataclass(frozen=True, slots=True)
+class RequestStats:
+    """`FuseOps.statistics()`: FUSE requests (copies) (`dataclasses.asdict` for JSON)."""
+
+    requests: dict[str, int]
+    errors: dict[tuple[str, int], int]
+
+
 class FuseOps(pyfuse3.Operations):
     """pyfuse3 operations backed by a `cachemgr.core.fs.Filesystem`: decode, await, encode."""
 
@@ -166,10 +175,10 @@ class FuseOps(pyfuse3.Operations):
         self.requests: dict[str, int] = dict.fromkeys(_OPS, 0)
         self.errors: dict[tuple[str, int], int] = {}
 
-    def statistics(self) -> dict:
+    def statistics(self) -> RequestStats:
         """Copies of the request counters (loop thread). With passthrough, reads and writes of
         files the cache holds whole go to the cache file in the kernel and are not counted."""
-        return {"requests": dict(self.requests), "errors": dict(self.errors)}
+        return RequestStats(requests=dict(self.requests), errors=dict(self.errors))
 
     # -- encoding ----------------------------------------------------------------------------
 

@@ -33,6 +33,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import asdict
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -85,8 +86,8 @@ def snapshot(core, ops, tiering: Callable[[], dict]) -> dict:
                "bytes_written": st.bytes_written},
         "cache": {"bytes": core.files.cached_bytes, "evictions": st.evictions,
                   "evicted_bytes": st.evicted_bytes},
-        "data_path": core.backings.statistics(),
-        "fuse": ops.statistics(),
+        "data_path": asdict(core.backings.statistics()),
+        "fuse": asdict(ops.statistics()),
         "tiering": tiering(),
         "now_ns": time.time_ns(),
     }

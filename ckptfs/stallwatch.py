@@ -24,10 +24,20 @@ import sys
 import threading
 import time
 import traceback
+from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
 
 DEFAULT_THRESHOLD_S = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class LoopStats:
+    """`StallWatch.statistics()`: the trio loop (`dataclasses.asdict` for JSON)."""
+
+    stalls: int
+    longest_s: float
+    stalled_now_s: float
 
 
 class StallWatch:
@@ -103,10 +113,9 @@ class StallWatch:
             return "  (loop thread not found)"
         return "".join(traceback.format_stack(frame, limit=12)).rstrip()
 
-    def statistics(self) -> dict:
+    def statistics(self) -> LoopStats:
         with self._lock:
             now = self._clock()
             current = now - self.stalled_since if self.stalled_since is not None else 0.0
-            return {"stalls": self.stalls,
-                    "longest_s": round(max(self.longest_s, current), 3),
-                    "stalled_now_s": round(current, 3)}
+            return LoopStats(stalls=self.stalls, longest_s=round(max(self.longest_s, current), 3),
+                             stalled_now_s=round(current, 3))

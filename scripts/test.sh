@@ -28,31 +28,47 @@ if [ "$#" -gt 0 ]; then
 fi
 # Ceph RGW for the store conformance suite and the RGW pass (apt, once; ~250 MB).
 bash "$ROOT/scripts/rgw.sh" install
-echo "test.sh: static checks (ruff, import-linter, mypy)"
-bash "$ROOT/scripts/lint.sh"
-
 export AWS_ACCESS_KEY_ID="${AWS_ACCESS_KEY_ID:-testing}"
 export AWS_SECRET_ACCESS_KEY="${AWS_SECRET_ACCESS_KEY:-testing}"
 export AWS_DEFAULT_REGION="${AWS_DEFAULT_REGION:-us-east-1}"
 rgw_dir="$(mktemp -d /tmp/ckptfs-test-rgw.XXXXXX)"
-stop_rgw() { bash "$ROOT/scripts/rgw.sh" stop "$rgw_dir" >/dev/null 2>&1 || true; rm -rf "$rgw_dir"; }
+stop_rgw() { bash "$ROOT/scripts/rgw.sh" stop "$rgw_dir/rgw" >/dev/null 2>&1 || true; rm -rf "$rgw_dir"; }
 trap stop_rgw EXIT
-# One RGW for every worker of every pass; if it cannot start, the tests that need it start their
-# own (tests/conftest.py rgw_server) and say why it failed.
-if endpoint="$(RGW_ACCESS_KEY="$AWS_ACCESS_KEY_ID" RGW_SECRET_KEY="$AWS_SECRET_ACCESS_KEY" \
-        bash "$ROOT/scripts/rgw.sh" start "$rgw_dir/rgw" | tail -n 1)" && [ -n "$endpoint" ]; then
+# One RGW for every worker of every pass, started while the static checks run (it mostly waits
+# for its daemons); if it cannot start, the tests that need it start their own
+# (tests/conftest.py rgw_server) and say why it failed.
+RGW_ACCESS_KEY="$AWS_ACCESS_KEY_ID" RGW_SECRET_KEY="$AWS_SECRET_ACCESS_KEY" \
+    bash "$ROOT/scripts/rgw.sh" start "$rgw_dir/rgw" >"$rgw_dir/endpoint" 2>"$rgw_dir/start.log" &
+rgw_start=$!
+echo "test.sh: static checks (ruff, import-linter, mypy)"
+bash "$ROOT/scripts/lint.sh"
+if wait "$rgw_start" && endpoint="$(tail -n 1 "$rgw_dir/endpoint")" && [ -n "$endpoint" ]; then
     export CKPTFS_TEST_RGW_ENDPOINT="$endpoint"
 else
-    echo "test.sh: the shared RGW did not start; the tests start their own" >&2
+    echo "test.sh: the shared RGW did not start ($(tail -n 1 "$rgw_dir/start.log")); the tests" \
+        "start their own" >&2
 fi
 
 # --maxschedchunk 1: a worker takes the next test when it is free (xdist's default hands each
 # worker a block of consecutive tests first: the slow ones, collected first, all to one worker)
-pytest=("$VENV/bin/python" -m pytest -n "$WORKERS" --maxschedchunk 1 --durations=15)
+pytest=("$VENV/bin/python" -m pytest --maxschedchunk 1 --durations=15)
 echo "test.sh: the whole suite, $WORKERS workers"
-"${pytest[@]}"
-echo "test.sh: the operations, torch and crash tests again with --no-passthrough"
-CKPTFS_TEST_DATA_PATH=fuse "${pytest[@]}" \
-    tests/test_ops.py tests/test_torch.py tests/test_crash.py tests/test_setid.py
-echo "test.sh: the store-facing tests (marked s3) again on a real S3 server, Ceph RGW"
-CKPTFS_TEST_S3=rgw "${pytest[@]}" -m s3
+"${pytest[@]}" -n "$WORKERS"
+# The two passes again side by side (each one's tail fills the other's idle workers); their
+# output follows, one after the other.
+echo "test.sh: the operations, torch and crash tests again with --no-passthrough, beside the" \
+    "store-facing tests (marked s3) again on a real S3 server, Ceph RGW"
+CKPTFS_TEST_DATA_PATH=fuse "${pytest[@]}" -n "$(( (WORKERS + 1) / 2 ))" \
+    tests/test_ops.py tests/test_torch.py tests/test_crash.py tests/test_setid.py \
+    >"$rgw_dir/fuse.log" 2>&1 &
+fuse_pass=$!
+CKPTFS_TEST_S3=rgw "${pytest[@]}" -n "$WORKERS" -m s3 >"$rgw_dir/rgw.log" 2>&1 &
+rgw_pass=$!
+rc=0
+wait "$fuse_pass" || rc=1
+wait "$rgw_pass" || rc=1
+echo "test.sh: --no-passthrough pass"
+cat "$rgw_dir/fuse.log"
+echo "test.sh: RGW pass"
+cat "$rgw_dir/rgw.log"
+exit "$rc"

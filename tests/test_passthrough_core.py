@@ -72,7 +72,7 @@ def test_new_file_is_passthrough_and_one_backing_per_inode(fs, kernel):
     assert kernel.open  # still one passthrough handle
     fs.release(second.fh)
     assert kernel.open == {}
-    assert fs.backings.statistics()["passthrough_opens"] == 2
+    assert fs.backings.statistics().passthrough_opens == 2
 
 
 def test_open_in_page_cache_mode_keeps_the_next_open_in_user_space(fs, kernel):

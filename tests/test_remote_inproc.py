@@ -1337,21 +1337,21 @@ def test_part_publisher_keeps_its_last_error_and_reports_it(h):
     pp = parts.PartPublisher(index=h.core.index, store=store, node=node, lease=lease,
                              inode_if_loaded=h.core.cache.inode_if_loaded, retry_pause=0,
                              report_error=reported.append)
-    assert pp.published == {999: rec} and pp.statistics()["last_error"] is None
+    assert pp.published == {999: rec} and pp.statistics().last_error is None
 
     async def main() -> None:
         async with trio.open_nursery() as n:
             n.start_soon(pp.run)
             with pytest.raises(StoreError):
                 await pp.sync([999])  # the first pass: its delete is refused
-            err = pp.statistics()["last_error"]
+            err = pp.statistics().last_error
             assert err is not None and err.endswith("part record: injected refusal")
-            assert reported == [err] and pp.statistics()["failed_passes"] == 1
+            assert reported == [err] and pp.statistics().failed_passes == 1
             await pp.sync([999])  # a pass after the retry
             n.cancel_scope.cancel()
 
     trio.run(main)
-    assert pp.published == {} and pp.statistics()["deletes"] == 1
+    assert pp.published == {} and pp.statistics().deletes == 1
     assert h.core.index.meta("part:999") is None
     assert part_key("gone/dir", node) not in [i.key for i in trio.run(h.store.list, "parts/")]
 

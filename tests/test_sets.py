@@ -249,8 +249,8 @@ def test_publication_waits_for_the_set_committed_before_it(tmp_path):
     t.uploads.drop(a, core.cache.inode(a).version)
     # (b.pt's upload done and its publish event taken: both happen without an await between
     # them and the decision to hold it back.)
-    _drive(t, lambda: t.uploads.statistics()["done"] == 1 and
-           t.publisher.statistics()["events"] == 0)
+    _drive(t, lambda: t.uploads.statistics().done == 1 and
+           t.publisher.statistics().events == 0)
     assert t.publisher.blocked_by(seq_b) == seq_a
     assert sets(core) == {"a.pt": "committed", "b.pt": "uploading"}
     assert not _has_manifest(store, "a.pt") and not _has_manifest(store, "b.pt")
@@ -259,7 +259,7 @@ def test_publication_waits_for_the_set_committed_before_it(tmp_path):
     _drive(t, lambda: sets(core) == {"a.pt": "durable", "b.pt": "durable"})
     assert t.publisher.blocked_by(seq_b) is None
     assert _has_manifest(store, "a.pt") and _has_manifest(store, "b.pt")
-    assert t.publisher.statistics()["published"] == 2
+    assert t.publisher.statistics().published == 2
     durable = {s.seq: s.durable_ns for s in t.sets.recent(10)}
     assert durable[seq_a] <= durable[seq_b]
     st = t.status()

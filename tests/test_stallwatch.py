@@ -8,7 +8,7 @@ import threading
 
 import trio
 
-from ckptfs.stallwatch import StallWatch
+from ckptfs.stallwatch import LoopStats, StallWatch
 
 
 class _Seen(logging.Handler):
@@ -41,7 +41,7 @@ def test_a_blocked_loop_is_logged_with_its_stack_and_its_length():
             async with trio.open_nursery() as nursery:
                 await nursery.start(sw.beat)
                 sw.start()
-                assert sw.statistics()["stalls"] == 0
+                assert sw.statistics().stalls == 0
                 blocking_call_on_the_loop()
                 assert await trio.to_thread.run_sync(seen.recovered.wait, 20), \
                     "the end of the stall was never reported"
@@ -55,9 +55,9 @@ def test_a_blocked_loop_is_logged_with_its_stack_and_its_length():
     assert len(stalled) == 1, seen.records          # one line per stall, not one per check
     assert "blocking_call_on_the_loop" in stalled[0]  # where the loop was
     st = sw.statistics()
-    assert st["stalls"] == 1
-    assert st["longest_s"] >= 0.2
-    assert st["stalled_now_s"] == 0
+    assert st.stalls == 1
+    assert st.longest_s >= 0.2
+    assert st.stalled_now_s == 0
 
 
 def test_a_loop_that_turns_is_never_reported():
@@ -67,9 +67,9 @@ def test_a_loop_that_turns_is_never_reported():
         now[0] += 0.5
         sw._beat = now[0]
         sw.check()
-    assert sw.statistics() == {"stalls": 0, "longest_s": 0.0, "stalled_now_s": 0.0}
+    assert sw.statistics() == LoopStats(stalls=0, longest_s=0.0, stalled_now_s=0.0)
     now[0] += 3.0            # no stamp for 3 s
     sw.check()
-    assert sw.statistics()["stalls"] == 1 and sw.statistics()["stalled_now_s"] == 3.0
+    assert sw.statistics().stalls == 1 and sw.statistics().stalled_now_s == 3.0
     sw.check()               # still the same stall
-    assert sw.statistics()["stalls"] == 1
+    assert sw.statistics().stalls == 1

@@ -58,6 +58,7 @@ import os
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 
 import trio
 
@@ -81,6 +82,19 @@ def fallocate(fd: int, mode: int, off: int, length: int) -> None:
     if _libc.fallocate(fd, mode, off, length) != 0:
         e = ctypes.get_errno()
         raise OSError(e, os.strerror(e))
+
+
+@dataclass(frozen=True, slots=True)
+class FileCacheStats:
+    """`FileCache.statistics()`: cache files and fills (`dataclasses.asdict` for JSON)."""
+
+    fills: int
+    fills_skipped: int
+    fills_in_flight: int
+    lock_waits: int
+    waiting: int
+    cached_bytes: int
+    holes: int
 
 
 class FileCache:
@@ -352,8 +366,8 @@ class FileCache:
 
         return await trio.to_thread.run_sync(read)
 
-    def statistics(self) -> dict[str, int]:
-        return {"fills": self.fills, "fills_skipped": self.fills_skipped,
-                "fills_in_flight": sum(1 for lk in self._locks.values() if lk.locked()),
-                "lock_waits": self.lock_waits, "waiting": self.waiting,
-                "cached_bytes": self.cached_bytes, "holes": len(self._holes)}
+    def statistics(self) -> FileCacheStats:
+        return FileCacheStats(fills=self.fills, fills_skipped=self.fills_skipped,
+                              fills_in_flight=sum(1 for lk in self._locks.values() if lk.locked()),
+                              lock_waits=self.lock_waits, waiting=self.waiting,
+                              cached_bytes=self.cached_bytes, holes=len(self._holes))

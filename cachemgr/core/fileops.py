@@ -75,6 +75,17 @@ class CoreStats:
     evicted_bytes: int = 0    # their cache bytes freed
 
 
+@dataclass(frozen=True, slots=True)
+class IoStats:
+    """`FileOps.statistics()`: the daemon's own reads and writes (`dataclasses.asdict` for JSON)."""
+
+    write_requests: int
+    bytes_written: int
+    read_requests: int
+    bytes_read: int
+    fsyncs: int
+
+
 class FileOps:
     """POSIX operations on file data."""
 
@@ -478,10 +489,10 @@ class FileOps:
             with self.index.tx():
                 self.hooks.on_close(node, entry[0], entry[1])
 
-    def statistics(self) -> dict[str, int]:
+    def statistics(self) -> IoStats:
         s = self.stats
-        return {"write_requests": s.writes, "bytes_written": s.bytes_written,
-                "read_requests": s.reads, "bytes_read": s.bytes_read, "fsyncs": s.fsyncs}
+        return IoStats(write_requests=s.writes, bytes_written=s.bytes_written,
+                       read_requests=s.reads, bytes_read=s.bytes_read, fsyncs=s.fsyncs)
 
 
 def _check_truncate(node: Inode, size: int) -> None:

@@ -57,6 +57,7 @@ import contextlib
 import errno
 import os
 from collections.abc import Iterator
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -249,17 +250,20 @@ class CacheFs:
                       "evicted_bytes": self.stats.evicted_bytes,
                       "disk_free_bytes": st.f_bavail * st.f_frsize,
                       "disk_total_bytes": st.f_blocks * st.f_frsize},
-            "io": self.fileops.statistics(),
-            "data_path": self.backings.statistics(),
+            "io": asdict(self.fileops.statistics()),
+            "data_path": asdict(self.backings.statistics()),
             "core": self.statistics(),
         }
         return out
 
     def statistics(self) -> dict[str, Any]:
         """Counters of every owner in the core (loop thread)."""
-        return {"inodes": self.table.statistics(), "handles": self.handles.statistics(),
-                "files": self.files.statistics(), "xattrs": self.xattrs.statistics(),
-                "io": self.fileops.statistics(), "residency": self.cache.residency.statistics()}
+        return {"inodes": asdict(self.table.statistics()),
+                "handles": asdict(self.handles.statistics()),
+                "files": asdict(self.files.statistics()),
+                "xattrs": asdict(self.xattrs.statistics()),
+                "io": asdict(self.fileops.statistics()),
+                "residency": asdict(self.cache.residency.statistics())}
 
     def check_consistency(self) -> list[str]:
         """Invariants of index and cache files, for tests and `ckptfs fsck`-style checks."""

@@ -61,6 +61,14 @@ _PASSTHROUGH_FATAL = frozenset({errno.EPERM, errno.EINVAL, errno.ELOOP, errno.EO
                                 errno.ENOTTY, errno.ENOSYS, errno.EACCES})
 
 
+@dataclass(frozen=True, slots=True)
+class HandleStats:
+    """`Handles.statistics()`: open handles (`dataclasses.asdict` for JSON)."""
+
+    open_handles: int
+    passthrough_handles: int
+
+
 class Handles:
     """Owner of the open handles and of the passthrough decision for each open."""
 
@@ -199,6 +207,6 @@ class Handles:
         node.dirty = True
         node.gen += 1
 
-    def statistics(self) -> dict[str, int]:
-        return {"open_handles": len(self._handles),
-                "passthrough_handles": sum(1 for h in self._handles.values() if h.passthrough)}
+    def statistics(self) -> HandleStats:
+        passthrough = sum(1 for h in self._handles.values() if h.passthrough)
+        return HandleStats(open_handles=len(self._handles), passthrough_handles=passthrough)

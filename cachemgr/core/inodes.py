@@ -176,6 +176,15 @@ def kill_setid(node: Inode, caller: Caller | None) -> bool:
     return True
 
 
+@dataclass(frozen=True, slots=True)
+class InodeStats:
+    """`InodeTable.statistics()`: the in-memory inodes (`dataclasses.asdict` for JSON)."""
+
+    loaded: int
+    purge_pending: int
+    dirty: int
+
+
 class InodeTable:
     """Owner of the in-memory inodes and of the transaction discipline that ties them to the
     index (`tx`)."""
@@ -336,6 +345,6 @@ class InodeTable:
                 if node.nlink == 0:
                     self.purge(node)
 
-    def statistics(self) -> dict[str, int]:
-        return {"loaded": len(self._inodes), "purge_pending": len(self._purge_pending),
-                "dirty": sum(1 for n in self._inodes.values() if n.dirty)}
+    def statistics(self) -> InodeStats:
+        return InodeStats(loaded=len(self._inodes), purge_pending=len(self._purge_pending),
+                          dirty=sum(1 for n in self._inodes.values() if n.dirty))

@@ -36,7 +36,6 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +82,19 @@ class _Reader:
     handles: int
     since: float          # monotonic time of its latest open
     rchar: int = -1       # its read counter at the last probe (-1: not read yet)
+
+
+@dataclass(frozen=True, slots=True)
+class BackingStats:
+    """`Backings.statistics()`: the data path (`dataclasses.asdict` for JSON)."""
+
+    mode: str
+    off_reason: str | None
+    open_backings: int
+    passthrough_opens: int
+    passthrough_reader_processes: int
+    user_space_opens_of_whole_files: int
+    attr_refreshes: int
 
 
 class Backings:
@@ -243,9 +255,9 @@ class Backings:
             b = self._by_ino.pop(ino)
             os.close(b.fd)
 
-    def statistics(self) -> dict[str, Any]:
-        return {"mode": self.mode, "off_reason": self.off_reason,
-                "open_backings": len(self._by_ino), "passthrough_opens": self.opens,
-                "passthrough_reader_processes": len(self._readers),
-                "user_space_opens_of_whole_files": self.fallbacks,
-                "attr_refreshes": self.refreshes}
+    def statistics(self) -> BackingStats:
+        return BackingStats(mode=self.mode, off_reason=self.off_reason,
+                            open_backings=len(self._by_ino), passthrough_opens=self.opens,
+                            passthrough_reader_processes=len(self._readers),
+                            user_space_opens_of_whole_files=self.fallbacks,
+                            attr_refreshes=self.refreshes)

@@ -22,6 +22,7 @@ import errno
 import logging
 import os
 import stat
+from dataclasses import dataclass
 
 from cachemgr.core.errors import FsError
 from cachemgr.core.filecache import FileCache
@@ -150,6 +151,14 @@ class RawTree:
         self.table.maybe_drop(node)
 
 
+@dataclass(frozen=True, slots=True)
+class ResidencyStats:
+    """`Residency.statistics()`: eviction (`dataclasses.asdict` for JSON)."""
+
+    evictions: int
+    evicted_bytes: int
+
+
 class Residency:
     """Eviction and refill of cache files (the data stays in the store)."""
 
@@ -193,8 +202,9 @@ class Residency:
         log.debug("evicted inode %d (%d bytes)", ino, node.size)
         return True
 
-    def statistics(self) -> dict[str, int]:
-        return {"evictions": self.stats.evictions, "evicted_bytes": self.stats.evicted_bytes}
+    def statistics(self) -> ResidencyStats:
+        return ResidencyStats(evictions=self.stats.evictions,
+                              evicted_bytes=self.stats.evicted_bytes)
 
     def fetched(self, ino: int, size: int) -> None:
         """The cache file of an evicted inode was refilled from the store."""

@@ -82,6 +82,16 @@ _SET_COLS = ("seq, path, kind, root_ino, state, reason, committed_ns, durable_ns
 _S_COLS = ", ".join("s." + c.strip() for c in _SET_COLS.split(","))  # the same, of `sets s`
 
 
+@dataclass(frozen=True, slots=True)
+class SetStats:
+    """`SetRegistry.statistics()`: every set (`dataclasses.asdict` for JSON)."""
+
+    by_state: dict[str, int]
+    pending_files: int
+    pending_bytes: int
+    oldest_live_committed_ns: int | None
+
+
 class SetRegistry:
     """The `sets`, `set_files` and `objects` tables: their one owner, and the only code that
     writes SQL on them (the SQL on `dentries`, `inodes` and `meta` is `Index`'s, asked through
@@ -273,7 +283,7 @@ class SetRegistry:
         return [SetRow(*r) for r in self.conn.execute(
             f"SELECT {_SET_COLS} FROM sets WHERE state IN ({q}) ORDER BY seq", states)]
 
-    def statistics(self) -> dict[str, Any]:
+    def statistics(self) -> SetStats:
         """Totals over every set (metrics): sets by state; the files and bytes of live sets not
         uploaded yet (each content once, however many live sets hold it); and when the oldest
         live set was committed (None when none is live)."""
@@ -284,8 +294,8 @@ class SetRegistry:
             f" WHERE s.state IN {LIVE_STATES} AND f.obj IS NULL)").fetchone()
         oldest = self.conn.execute(
             f"SELECT MIN(committed_ns) FROM sets WHERE state IN {LIVE_STATES}").fetchone()[0]
-        return {"by_state": by_state, "pending_files": files, "pending_bytes": nbytes,
-                "oldest_live_committed_ns": oldest}
+        return SetStats(by_state=by_state, pending_files=files, pending_bytes=nbytes,
+                        oldest_live_committed_ns=oldest)
 
     def failed_newest(self) -> list[tuple[SetRow, int]]:
         """Failed sets that are still the newest set of their path (no later commit of the same

@@ -11,6 +11,7 @@ Loop thread only.
 from __future__ import annotations
 
 import errno
+from dataclasses import dataclass
 
 from cachemgr.core.errors import FsError
 from cachemgr.core.index import Index
@@ -26,6 +27,13 @@ def _check_name(name: bytes) -> None:
         raise FsError(errno.ENOTSUP, "system.* xattrs are not supported")
     if not name or len(name) > 255:
         raise FsError(errno.ERANGE if name else errno.EINVAL)
+
+
+@dataclass(frozen=True, slots=True)
+class XattrStats:
+    """`Xattrs.statistics()`: extended attributes (`dataclasses.asdict` for JSON)."""
+
+    inodes_with_xattrs: int
 
 
 class Xattrs:
@@ -79,5 +87,5 @@ class Xattrs:
             node.ctime_ns = now_ns()
             self.table.save(node, "ctime_ns")
 
-    def statistics(self) -> dict[str, int]:
-        return {"inodes_with_xattrs": len(self._inos)}
+    def statistics(self) -> XattrStats:
+        return XattrStats(inodes_with_xattrs=len(self._inos))

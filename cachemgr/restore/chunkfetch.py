@@ -42,7 +42,8 @@ import errno
 import logging
 import os
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -62,6 +63,20 @@ FETCH_ATTEMPTS = 3
 # make_room(need, protect): evict until `need` more bytes fit under --cache-size, never a file
 # of `protect`; True if they fit (Tiering.make_room).
 MakeRoom = Callable[[int, set[int]], bool]
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkStats:
+    """`ChunkFetcher.statistics()`: chunk fetches (`dataclasses.asdict` for JSON)."""
+
+    bytes_fetched: int
+    chunks_fetched: int
+    gets: int
+    in_flight_chunks: int
+    integrity_errors: int
+    damaged_cache_chunks: int
+    partial_files: int
+    partial_bytes: int
 
 
 class ChunkFetcher:
@@ -436,9 +451,9 @@ class ChunkFetcher:
                 return False
         return True
 
-    def statistics(self) -> dict[str, Any]:
-        return {"bytes_fetched": self.bytes_fetched, "chunks_fetched": self.chunks_fetched,
-                "gets": self.gets, "in_flight_chunks": len(self._inflight),
-                "integrity_errors": self.integrity_errors,
-                "damaged_cache_chunks": self.damaged_chunks,
-                "partial_files": len(self.partial), "partial_bytes": sum(self.partial.values())}
+    def statistics(self) -> ChunkStats:
+        return ChunkStats(bytes_fetched=self.bytes_fetched, chunks_fetched=self.chunks_fetched,
+                          gets=self.gets, in_flight_chunks=len(self._inflight),
+                          integrity_errors=self.integrity_errors,
+                          damaged_cache_chunks=self.damaged_chunks, partial_files=len(self.partial),
+                          partial_bytes=sum(self.partial.values()))

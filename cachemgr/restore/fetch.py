@@ -20,6 +20,7 @@ import errno
 import json
 import logging
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import trio
@@ -33,6 +34,14 @@ if TYPE_CHECKING:
     from cachemgr.core.cache import Cache
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class FetchStats:
+    """`Fetcher.statistics()`: whole-file downloads (`dataclasses.asdict` for JSON)."""
+
+    in_flight: int
+    fetched: int
 
 
 class Fetcher:
@@ -95,5 +104,5 @@ class Fetcher:
                 break
         raise FsError(errno.EIO, f"cannot fetch {obj.key} from the store: {last}")
 
-    def statistics(self) -> dict[str, int]:
-        return {"in_flight": len(self._fetches), "fetched": self.fetched}
+    def statistics(self) -> FetchStats:
+        return FetchStats(in_flight=len(self._fetches), fetched=self.fetched)

@@ -38,6 +38,7 @@ import re
 import stat
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -70,6 +71,17 @@ FetchWhole = Callable[[int], Awaitable[None]]
 # live_members(): {node: mtime} of the other live nodes on the store (Members.live).
 LiveMembers = Callable[[], Awaitable[dict[str, float]]]
 Job = dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class PrefetchStats:
+    """`Prefetcher.statistics()`: the restore policy (`dataclasses.asdict` for JSON)."""
+
+    policy: str
+    readahead_bytes: int
+    readahead_running: int
+    set_policies: dict[str, str]
+    jobs: list[dict[str, Any]]
 
 
 class Prefetcher:
@@ -411,8 +423,8 @@ class Prefetcher:
             log.exception("prefetch %s: inode %d failed", job["path"], ino)
             job["error"] = f"internal error: {e!r}"
 
-    def statistics(self) -> dict[str, Any]:
-        return {"policy": self.mode, "readahead_bytes": self.readahead_bytes,
-                "readahead_running": self._ahead_running,
-                "set_policies": dict(list(self._policy_paths.items())[-20:]),
-                "jobs": [dict(j) for j in list(self._jobs.values())[-20:]]}
+    def statistics(self) -> PrefetchStats:
+        return PrefetchStats(policy=self.mode, readahead_bytes=self.readahead_bytes,
+                             readahead_running=self._ahead_running,
+                             set_policies=dict(list(self._policy_paths.items())[-20:]),
+                             jobs=[dict(j) for j in list(self._jobs.values())[-20:]])

@@ -34,14 +34,15 @@ from __future__ import annotations
 
 import errno
 import logging
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 import trio
 
 from cachemgr.core.errors import FsError
 from cachemgr.format.objects import StoredObject, chunk_span
-from cachemgr.restore.chunkfetch import ChunkFetcher, MakeRoom
-from cachemgr.restore.prefetch import FetchWhole, Job, LiveMembers, Prefetcher
+from cachemgr.restore.chunkfetch import ChunkFetcher, ChunkStats, MakeRoom
+from cachemgr.restore.prefetch import FetchWhole, Job, LiveMembers, Prefetcher, PrefetchStats
 from cachemgr.store import ObjectStore
 
 if TYPE_CHECKING:
@@ -53,6 +54,14 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 __all__ = ["Restorer"]
+
+
+@dataclass(frozen=True, slots=True)
+class RestoreStats:
+    """`Restorer.statistics()`: its chunk fetcher's and its prefetcher's."""
+
+    chunks: ChunkStats
+    prefetch: PrefetchStats
 
 
 class Restorer:
@@ -171,20 +180,11 @@ class Restorer:
 
     # -- statistics --------------------------------------------------------------------------
 
-    def statistics(self) -> dict[str, Any]:
-        c = self.chunks.statistics()
-        p = self.prefetch.statistics()
-        return {"policy": p["policy"], "bytes_fetched": c["bytes_fetched"],
-                "chunks_fetched": c["chunks_fetched"], "gets": c["gets"],
-                "readahead_bytes": p["readahead_bytes"],
-                "readahead_running": p["readahead_running"],
-                "in_flight_chunks": c["in_flight_chunks"],
-                "set_policies": p["set_policies"],
-                "integrity_errors": c["integrity_errors"],
-                "damaged_cache_chunks": c["damaged_cache_chunks"],
-                "jobs": p["jobs"],
-                "partial_files": c["partial_files"], "partial_bytes": c["partial_bytes"]}
+    def statistics(self) -> RestoreStats:
+        return RestoreStats(chunks=self.chunks.statistics(), prefetch=self.prefetch.statistics())
 
     def status(self) -> dict[str, Any]:
-        """`ckptfs status`'s "restore" (statistics())."""
-        return self.statistics()
+        """`ckptfs status`'s "restore": the chunk fetcher's and the prefetcher's statistics
+        side by side."""
+        s = self.statistics()
+        return {**asdict(s.chunks), **asdict(s.prefetch)}

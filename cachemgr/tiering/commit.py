@@ -30,6 +30,7 @@ import errno
 import logging
 import stat
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from cachemgr.core.errors import FsError
@@ -52,6 +53,14 @@ if TYPE_CHECKING:
     from cachemgr.tiering.uploads import UploadQueue
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class CommitStats:
+    """`Committer.statistics()`: commits (`dataclasses.asdict` for JSON)."""
+
+    commits: int
+    deletes: int
 
 
 class Committer:
@@ -301,8 +310,8 @@ class Committer:
         if n_live or self.uploads.queued():
             log.info("tiering: resuming %d sets, %d uploads", n_live, self.uploads.queued())
 
-    def statistics(self) -> dict[str, int]:
-        return {"commits": self.commits, "deletes": self.deletes}
+    def statistics(self) -> CommitStats:
+        return CommitStats(commits=self.commits, deletes=self.deletes)
 
 
 def _s(name: bytes) -> str:

@@ -22,6 +22,7 @@ import json
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -40,6 +41,15 @@ if TYPE_CHECKING:
     from cachemgr.tiering.signals import Signals
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class GatherStats:
+    """`Gatherer.statistics()`: other nodes' files (`dataclasses.asdict` for JSON)."""
+
+    gathering: int
+    waiting: int
+    ready: int
 
 
 class Gatherer:
@@ -96,9 +106,9 @@ class Gatherer:
         """A `gather` task runs for set `seq` now (status: what a stuck set waits for)."""
         return seq in self._gathering
 
-    def statistics(self) -> dict[str, int]:
-        return {"gathering": len(self._gathering), "waiting": len(self._waiting),
-                "ready": len(self._foreign)}
+    def statistics(self) -> GatherStats:
+        return GatherStats(gathering=len(self._gathering), waiting=len(self._waiting),
+                           ready=len(self._foreign))
 
     def fail(self, seq: int, path: str, msg: str) -> None:
         """Set `seq` can never be published as committed: `failed`, with `msg` as its error."""

@@ -75,6 +75,7 @@ import logging
 import os
 import stat
 import time
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -150,6 +151,20 @@ def _load(data: bytes, kind: str) -> dict[str, Any] | None:
     except validate.DocumentError as e:
         log.debug("not a valid %s: %s", kind, e)
         return None
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseStats:
+    """`Lease.statistics()`: this node's lease (`dataclasses.asdict` for JSON)."""
+
+    registered: bool
+    lease_s: float
+    lease_held: bool
+    lease_left_s: float
+    generation: int
+    renewals: int
+    lease_lapses: int
+    last_lapse: str | None
 
 
 class Lease:
@@ -263,11 +278,28 @@ class Lease:
             await self.store.delete(member_key(self.node))
             self.registered = False
 
-    def statistics(self) -> dict[str, Any]:
-        return {"registered": self.registered, "lease_s": self.lease,
-                "lease_held": self.holds(), "lease_left_s": round(self.left_s(), 1),
-                "generation": self.generation, "renewals": self.renewals,
-                "lease_lapses": self.lapses, "last_lapse": self.last_lapse}
+    def statistics(self) -> LeaseStats:
+        return LeaseStats(registered=self.registered, lease_s=self.lease, lease_held=self.holds(),
+                          lease_left_s=round(self.left_s(), 1), generation=self.generation,
+                          renewals=self.renewals, lease_lapses=self.lapses,
+                          last_lapse=self.last_lapse)
+
+
+@dataclass(frozen=True, slots=True)
+class MemberStats:
+    """`Members.statistics()`: the lease and the commit acknowledgements; `as_json` is what
+    status shows (the lease's fields beside the others)."""
+
+    lease: LeaseStats
+    acks_sent: int
+    acks_ignored: int
+    intents_written: int
+    intents_open: int
+
+    def as_json(self) -> dict[str, Any]:
+        return {**asdict(self.lease), "acks_sent": self.acks_sent,
+                "acks_ignored": self.acks_ignored, "intents_written": self.intents_written,
+                "intents_open": self.intents_open}
 
 
 class Members:
@@ -480,12 +512,12 @@ class Members:
 
     def status(self) -> dict[str, Any]:
         """`ckptfs status`'s "members" (statistics())."""
-        return self.statistics()
+        return self.statistics().as_json()
 
-    def statistics(self) -> dict[str, Any]:
-        return {**self.lease.statistics(), "acks_sent": self.acks_sent,
-                "acks_ignored": self.acks_ignored, "intents_written": self.intents_written,
-                "intents_open": len(self.mine)}
+    def statistics(self) -> MemberStats:
+        return MemberStats(lease=self.lease.statistics(), acks_sent=self.acks_sent,
+                           acks_ignored=self.acks_ignored, intents_written=self.intents_written,
+                           intents_open=len(self.mine))
 
 
 async def drop_intent(store: ObjectStore, iid: str) -> None:

@@ -45,7 +45,7 @@ crash): recovery (`run` starts with `mark_all`) rewrites or deletes every record
 not know: if the row named the directory's old path, recovery writes the new one and deletes
 the old; if there was no row, the record is brought up to date the next time its directory is
 marked (a file in it closes, moves or goes). A failed pass is retried after `retry_pause`; its
-error is kept in `statistics()["last_error"]` and told to `report_error` (the store's last
+error is kept in `statistics().last_error` and told to `report_error` (the store's last
 error in `ckptfs status`).
 """
 
@@ -57,6 +57,7 @@ import logging
 import stat
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -132,6 +133,18 @@ class _Waiter:
     def __init__(self) -> None:
         self.ev = trio.Event()
         self.ok = False
+
+
+@dataclass(frozen=True, slots=True)
+class PartStats:
+    """`PartPublisher.statistics()`: this node's part records (`dataclasses.asdict` for JSON)."""
+
+    records: int
+    puts: int
+    deletes: int
+    dirty: int
+    failed_passes: int
+    last_error: str | None
 
 
 class PartPublisher:
@@ -281,14 +294,14 @@ class PartPublisher:
                     w.ev.set()
             self._inflight = set()
 
-    def statistics(self) -> dict[str, Any]:
-        return {"records": len(self.published), "puts": self.puts, "deletes": self.deletes,
-                "dirty": len(self.pending()), "failed_passes": self.syncs_failed,
-                "last_error": self.last_error}
+    def statistics(self) -> PartStats:
+        return PartStats(records=len(self.published), puts=self.puts, deletes=self.deletes,
+                         dirty=len(self.pending()), failed_passes=self.syncs_failed,
+                         last_error=self.last_error)
 
     def status(self) -> dict[str, Any]:
         """`ckptfs status`'s "parts" (statistics())."""
-        return self.statistics()
+        return asdict(self.statistics())
 
 
 async def read_records(store: ObjectStore, path: str, self_node: str,

@@ -105,6 +105,13 @@ class Probes:
     publishing: Callable[[int], bool] = lambda seq: False  # Publisher.publishing: in hand now
 
 
+@dataclass(frozen=True, slots=True)
+class ProgressStats:
+    """`Progress.statistics()`: `ckptfs wait` (`dataclasses.asdict` for JSON)."""
+
+    waits: int
+
+
 class Progress:
     """Waits and per-set progress (see the module docstring)."""
 
@@ -290,8 +297,8 @@ class Progress:
                         "committed_ns": r.committed_ns})
         return out
 
-    def statistics(self) -> dict[str, int]:
-        return {"waits": self.waits}
+    def statistics(self) -> ProgressStats:
+        return ProgressStats(waits=self.waits)
 
     # -- waiting for one set ------------------------------------------------------------------
 

@@ -42,6 +42,7 @@ import json
 import logging
 from collections import deque
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -63,6 +64,19 @@ Event = tuple[Any, ...]
 
 class _LostRace(Exception):
     pass
+
+
+@dataclass(frozen=True, slots=True)
+class PublishStats:
+    """`Publisher.statistics()`: the namespace worker (`dataclasses.asdict` for JSON)."""
+
+    events: int
+    blocked: int
+    deletes_waiting: int
+    gc_refused: int
+    published: int
+    unpublished: int
+    gc_deleted: int
 
 
 class Publisher:
@@ -246,11 +260,11 @@ class Publisher:
                 return i
         return None
 
-    def statistics(self) -> dict[str, int]:
-        return {"events": len(self._events), "blocked": len(self._blocked),
-                "deletes_waiting": len(self._blocked_unpublish),
-                "gc_refused": len(self._gc_refused), "published": self.published,
-                "unpublished": self.unpublished, "gc_deleted": self.gc_deleted}
+    def statistics(self) -> PublishStats:
+        return PublishStats(events=len(self._events), blocked=len(self._blocked),
+                            deletes_waiting=len(self._blocked_unpublish),
+                            gc_refused=len(self._gc_refused), published=self.published,
+                            unpublished=self.unpublished, gc_deleted=self.gc_deleted)
 
     # -- the worker ---------------------------------------------------------------------------
 

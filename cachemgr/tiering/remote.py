@@ -47,6 +47,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -81,6 +82,21 @@ _InTheWay = InTheWay  # the name this module used before cachemgr.tiering.materi
 def _b(s: str) -> bytes:
     """The name (bytes) of one component of a set path (escaped form, cachemgr.format.names)."""
     return unescape_name(s)
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteStats:
+    """`RemoteSync.statistics()`: the store's listings (`dataclasses.asdict` for JSON)."""
+
+    interval_s: float
+    syncs: int
+    last_sync: float | None
+    restored_sets: int
+    adopted_files: int
+    removed_sets: int
+    not_restored: dict[str, str]
+    invalid_manifests: dict[str, str]
+    invalid_count: int
 
 
 class RemoteSync:
@@ -334,12 +350,12 @@ class RemoteSync:
 
     def status(self) -> dict[str, Any]:
         """`ckptfs status`'s "remote" (statistics())."""
-        return self.statistics()
+        return asdict(self.statistics())
 
-    def statistics(self) -> dict[str, Any]:
-        return {"interval_s": self.interval, "syncs": self.syncs, "last_sync": self.last_sync,
-                "restored_sets": self.applied, "adopted_files": self.adopted_files,
-                "removed_sets": self.removed, "not_restored": dict(self._blocked),
-                "invalid_manifests": {k: why for k, (_e, why) in
-                                      sorted(self._invalid.items())[:100]},
-                "invalid_count": len(self._invalid)}
+    def statistics(self) -> RemoteStats:
+        return RemoteStats(interval_s=self.interval, syncs=self.syncs, last_sync=self.last_sync,
+                           restored_sets=self.applied, adopted_files=self.adopted_files,
+                           removed_sets=self.removed, not_restored=dict(self._blocked),
+                           invalid_manifests={k: why for k, (_e, why) in
+                                              sorted(self._invalid.items())[:100]},
+                           invalid_count=len(self._invalid))

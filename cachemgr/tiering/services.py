@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -226,9 +226,12 @@ class Tiering:
 
     def services(self) -> dict[str, Any]:
         """Each tiering service's own statistics (status and metrics show them as "services")."""
-        return {"commit": self.commits.statistics(), "publish": self.publisher.statistics(),
-                "gather": self.gatherer.statistics(), "space": self.space.statistics(),
-                "fetch": self.fetcher.statistics(), "progress": self.progress.statistics()}
+        return {"commit": asdict(self.commits.statistics()),
+                "publish": asdict(self.publisher.statistics()),
+                "gather": asdict(self.gatherer.statistics()),
+                "space": asdict(self.space.statistics()),
+                "fetch": asdict(self.fetcher.statistics()),
+                "progress": asdict(self.progress.statistics())}
 
     def status(self, limit: int = 50, stuck_after: float | None = None) -> dict[str, Any]:
         """`ckptfs status --json`'s "tiering". `stuck_after`: the stuck threshold in seconds
@@ -261,7 +264,7 @@ class Tiering:
             # upload threads at idle CPU and I/O priority (cachemgr.host.background; root only)
             "uploads": {**self.uploads.status(), "idle_priority": background.enabled()},
             "restore": self.restorer.status(),
-            "filecache": self.cache.files.statistics(),
+            "filecache": asdict(self.cache.files.statistics()),
             "remote": self.remote.status(),
             "parts": self.parts.status(),
             "members": self.members.status(),
@@ -299,7 +302,7 @@ class Tiering:
         from cachemgr.tiering.progress import stuck_after as threshold
 
         retry = getattr(self.store, "stats", None)  # RetryingStore; absent: a bare store
-        r = self.restorer.statistics()
+        r = self.restorer.statistics().chunks
         failed = self.progress.failed_sets()
         after_s = threshold(self.cfg.commit_timeout) if stuck_after is None else stuck_after
         nstuck, stuck = self.progress.stuck_sets(after_s, Probes(
@@ -307,7 +310,7 @@ class Tiering:
             gathering=self.gatherer.gathering, publish_queued=self.publisher.publish_queued,
             publishing=self.publisher.publishing))
         return {
-            "sets": {**self.sets.statistics(), "failed_sets": len(failed),
+            "sets": {**asdict(self.sets.statistics()), "failed_sets": len(failed),
                      "failed_bytes": sum(f["bytes"] for f in failed),
                      "stuck_after_s": after_s, "stuck_sets": nstuck,
                      "stuck": [{k: x[k] for k in ("seq", "path", "state", "committed_ns",
@@ -318,10 +321,10 @@ class Tiering:
                       "requests": dict(getattr(retry, "by_op", {})),
                       "retries": dict(getattr(retry, "by_error", {})),
                       "errors": dict(getattr(retry, "errors", {}))},
-            "uploads": self.uploads.statistics(),
-            "restore": {"bytes": r["bytes_fetched"], "chunks": r["chunks_fetched"],
-                        "integrity_errors": r["integrity_errors"],
-                        "damaged_cache_chunks": r["damaged_cache_chunks"]},
+            "uploads": asdict(self.uploads.statistics()),
+            "restore": {"bytes": r.bytes_fetched, "chunks": r.chunks_fetched,
+                        "integrity_errors": r.integrity_errors,
+                        "damaged_cache_chunks": r.damaged_cache_chunks},
             "cache_size": self.cfg.cache_size,
             "services": self.services(),
         }

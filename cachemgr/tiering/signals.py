@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import trio
 
@@ -90,6 +91,15 @@ class Signals:
         await self._changed.wait()
 
 
+@dataclass(frozen=True, slots=True)
+class HealthStats:
+    """`StoreHealth.statistics()`: the store's health (`dataclasses.asdict` for JSON)."""
+
+    health: str
+    last_error: str | None
+    consecutive_failures: int
+
+
 class StoreHealth:
     """The store's health as the services see it (trio thread only)."""
 
@@ -119,6 +129,6 @@ class StoreHealth:
             return "normal"
         return "unstable" if self.consecutive_failures < 5 else "down"
 
-    def statistics(self) -> dict[str, object]:
-        return {"health": self.health(), "last_error": self.last_error,
-                "consecutive_failures": self.consecutive_failures}
+    def statistics(self) -> HealthStats:
+        return HealthStats(health=self.health(), last_error=self.last_error,
+                           consecutive_failures=self.consecutive_failures)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from cachemgr.core.sets import SetRegistry
@@ -33,6 +34,17 @@ if TYPE_CHECKING:
     from cachemgr.tiering.signals import Signals
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class SpaceStats:
+    """`Space.statistics()`: the cache-size policy (`dataclasses.asdict` for JSON)."""
+
+    cache_size: int | None
+    keep_local: int | None
+    cached_bytes: int
+    evicted: int
+    waits: int
 
 
 class Space:
@@ -106,7 +118,7 @@ class Space:
                 self.waits += 1
             await self.signals.wait_changed()
 
-    def statistics(self) -> dict[str, int | None]:
-        return {"cache_size": self.cache_size, "keep_local": self.keep_local,
-                "cached_bytes": self.cache.cached_bytes, "evicted": self.evicted,
-                "waits": self.waits}
+    def statistics(self) -> SpaceStats:
+        return SpaceStats(cache_size=self.cache_size, keep_local=self.keep_local,
+                          cached_bytes=self.cache.cached_bytes, evicted=self.evicted,
+                          waits=self.waits)

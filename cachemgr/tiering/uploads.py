@@ -68,6 +68,20 @@ class _Job:
     cancel: trio.CancelScope | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class UploadQueueStats:
+    """`UploadQueue.statistics()`: the upload queue, metrics "uploads" (`dataclasses.asdict`
+    for JSON)."""
+
+    done: int
+    cancelled: int
+    bytes: int
+    stored_bytes: int
+    parts: int
+    running: int
+    queued: int
+
+
 class UploadQueue:
     """Pending uploads, the workers that do them, and their statistics."""
 
@@ -320,12 +334,12 @@ class UploadQueue:
                 "done": self.uploads_done, "cancelled": self.uploads_cancelled,
                 "bytes_uploaded": self.bytes_uploaded, "rate_bytes_per_s": self.rate()}
 
-    def statistics(self) -> dict[str, Any]:
+    def statistics(self) -> UploadQueueStats:
         """Metrics "uploads" (ckptfs.metrics)."""
         up = self.uploader.statistics()
-        return {"done": self.uploads_done, "cancelled": self.uploads_cancelled,
-                "bytes": self.bytes_uploaded, "stored_bytes": up.stored_bytes,
-                "parts": up.parts, "running": len(self._running), "queued": len(self._jobs)}
+        return UploadQueueStats(done=self.uploads_done, cancelled=self.uploads_cancelled,
+                                bytes=self.bytes_uploaded, stored_bytes=up.stored_bytes,
+                                parts=up.parts, running=len(self._running), queued=len(self._jobs))
 
 
 def object_key(node: str, ino: int, version: int, path: str) -> str:
