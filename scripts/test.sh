@@ -54,21 +54,8 @@ fi
 pytest=("$VENV/bin/python" -m pytest --maxschedchunk 1 --durations=15)
 echo "test.sh: the whole suite, $WORKERS workers"
 "${pytest[@]}" -n "$WORKERS"
-# The two passes again side by side (each one's tail fills the other's idle workers); their
-# output follows, one after the other.
-echo "test.sh: the operations, torch and crash tests again with --no-passthrough, beside the" \
-    "store-facing tests (marked s3) again on a real S3 server, Ceph RGW"
-CKPTFS_TEST_DATA_PATH=fuse "${pytest[@]}" -n "$(( (WORKERS + 1) / 2 ))" \
-    tests/test_ops.py tests/test_torch.py tests/test_crash.py tests/test_setid.py \
-    >"$rgw_dir/fuse.log" 2>&1 &
-fuse_pass=$!
-CKPTFS_TEST_S3=rgw "${pytest[@]}" -n "$WORKERS" -m s3 >"$rgw_dir/rgw.log" 2>&1 &
-rgw_pass=$!
-rc=0
-wait "$fuse_pass" || rc=1
-wait "$rgw_pass" || rc=1
-echo "test.sh: --no-passthrough pass"
-cat "$rgw_dir/fuse.log"
-echo "test.sh: RGW pass"
-cat "$rgw_dir/rgw.log"
-exit "$rc"
+echo "test.sh: the operations, torch and crash tests again with --no-passthrough"
+CKPTFS_TEST_DATA_PATH=fuse "${pytest[@]}" -n "$WORKERS" \
+    tests/test_ops.py tests/test_torch.py tests/test_crash.py tests/test_setid.py
+echo "test.sh: the store-facing tests (marked s3) again on a real S3 server, Ceph RGW"
+CKPTFS_TEST_S3=rgw "${pytest[@]}" -n "$WORKERS" -m s3
