@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
-from . import __version__, api, storetools
+from . import __version__, api, storeargs
 from .config import (
     LOG_LEVELS,
     PREFETCH_MODES,
@@ -93,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_prefetch(sub)
     _add_wait(sub)
     _add_status(sub)
-    storetools.add_parsers(sub)  # ls, restore, fsck: on a store, no mount (ckptfs/storetools.py)
+    storeargs.add_parsers(sub)  # ls, restore, fsck: on a store, no mount (ckptfs/storetools.py)
     return p
 
 
@@ -414,6 +414,12 @@ def cmd_status(a: argparse.Namespace) -> int:
     return ui.print_status(st)
 
 
+def _store_tools(args: argparse.Namespace) -> int:
+    from . import storetools  # reads stores: imported by these commands only
+
+    return storetools.run(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -429,12 +435,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_wait(args)
         if args.cmd == "prefetch":
             return cmd_prefetch(args)
-        if args.cmd == "ls":
-            return storetools.run(args)
-        if args.cmd == "restore":
-            return storetools.run(args)
-        if args.cmd == "fsck":
-            return storetools.run(args)
+        if args.cmd in ("ls", "restore", "fsck"):
+            return _store_tools(args)
     except KeyboardInterrupt:
         return _fail(EXIT_ERROR, "interrupted")
     except Exception as e:  # noqa: BLE001 (never a traceback on the terminal)

@@ -32,8 +32,10 @@ import struct
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-import trio
+if TYPE_CHECKING:
+    import trio
 
 log = logging.getLogger(__name__)
 
@@ -89,10 +91,15 @@ def _peer_groups(sock, pid: int, uid: int) -> frozenset[int]:
 
 
 async def serve(path: Path, handler: Handler, *, mode: int = 0o600,
-                task_status=trio.TASK_STATUS_IGNORED) -> None:
+                task_status: Any = None) -> None:
     """Serve `handler` on a Unix socket at `path` (in a directory the caller created and
     checked). `mode`: 0666 for a root daemon that answers other users (each request is checked
-    against the caller's credentials), 0600 otherwise."""
+    against the caller's credentials), 0600 otherwise. The daemon's side: trio is imported
+    here, not by the clients (every `ckptfs` command imports this module)."""
+    import trio
+
+    if task_status is None:
+        task_status = trio.TASK_STATUS_IGNORED
     try:
         path.unlink()
     except FileNotFoundError:
@@ -118,6 +125,7 @@ async def serve(path: Path, handler: Handler, *, mode: int = 0o600,
 
 
 async def _handle(stream: trio.SocketStream, handler: Handler, per_uid: dict[int, int]) -> None:
+
     async with stream:
         try:
             pid, uid, gid = peer_creds(stream.socket)
@@ -137,6 +145,8 @@ async def _handle(stream: trio.SocketStream, handler: Handler, per_uid: dict[int
 
 async def _answer(stream: trio.SocketStream, handler: Handler, peer: Peer,
                   over_limit: bool) -> None:
+    import trio
+
     buf = b""
     try:
         with trio.move_on_after(10):

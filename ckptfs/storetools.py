@@ -31,12 +31,10 @@ import contextlib
 import datetime
 import json
 import logging
-import math
 import os
 import sys
 import threading
 import time
-from pathlib import Path
 from typing import Any, Self, cast
 
 from cachemgr.format import keys, names, storeread, validate
@@ -50,22 +48,12 @@ from .mount import EXIT_ERROR, EXIT_NO_SET, EXIT_OK, EXIT_STORE, EXIT_USAGE
 EXIT_DAMAGE = 10   # the store holds damage: an invalid manifest, an object missing/wrong/bad CRC
 EXIT_DEST = 11     # restore: the destination refused (an unrelated file in the way, ...)
 
-COMMANDS = ("ls", "restore", "fsck")
-# docs/FORMAT.md: lifecycle rules may delete protocol keys after a day
-DEFAULT_OLDER_THAN = 86400.0
 # Manifest bytes held at once while reading many (each at most MAX_DOCUMENT_BYTES): what bounds
 # the memory of `ls` and `fsck`, whatever the store holds (as cachemgr.tiering.remote's
 # _HOLD_BYTES).
 _HOLD_BYTES = validate.MAX_DOCUMENT_BYTES
 _DOC_READERS = 8          # documents read at once
 _DELETE_BATCH = 500       # garbage deleted between two re-listings of manifests/
-
-GARBAGE_RULE = (
-    "A live mount may be uploading right now: an object not yet named by any manifest because "
-    "its set is still being published is not garbage: only objects older than --older-than "
-    "(store LastModified / mtime) count as garbage, and fsck re-checks that no manifest names "
-    "an object right before deleting it.")
-
 
 class ToolError(Exception):
     def __init__(self, code: int, msg: str) -> None:
@@ -92,100 +80,10 @@ def _fail(code: int, msg: str) -> int:
 
 # -- the command line ----------------------------------------------------------------------------
 
-def _seconds(s: str) -> float:
-    try:
-        v = float(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {s!r}") from None
-    if not math.isfinite(v) or v < 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0: {s!r}")
-    return v
-
-
-def _workers(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {s!r}") from None
-    if not 1 <= v <= 256:
-        raise argparse.ArgumentTypeError(f"must be between 1 and 256: {s}")
-    return v
-
-
-def _store_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("store", metavar="STORE",
-                   help="the store, as `ckptfs mount --store` takes it: s3://bucket[/prefix] "
-                   "or file:///dir")
-    o = p.add_argument_group("S3 (as for `ckptfs mount`; credentials come only from the AWS "
-                             "chain: environment, config files, profile)")
-    o.add_argument("--s3-endpoint", default=None, help="S3 endpoint URL (MinIO, Ceph, ...)")
-    o.add_argument("--s3-region", default=None, help="S3 region")
-    o.add_argument("--s3-path-style", action="store_true", help="path-style S3 addressing")
-    o.add_argument("--s3-profile", default=None, help="AWS profile name")
-
-
-def add_parsers(sub) -> None:
-    """Register `ls`, `restore` and `fsck` on the `ckptfs` subparsers."""
-    ls = sub.add_parser(
-        "ls", help="list the checkpoints published in a store (no mount needed)",
-        description="List the shard sets published in STORE under PATH (all if omitted): "
-        "size, files, committing node(s), commit time, compression ratio (stored/raw). A "
-        "manifest that fails validation is listed as invalid with the reason. Exit 0; 7 "
-        "store unusable; 8 nothing at PATH.")
-    _store_args(ls)
-    ls.add_argument("path", metavar="PATH", nargs="?", default=None,
-                    help="a set path or a directory of sets, as in the mount (e.g. ckpt)")
-    ls.add_argument("--json", action="store_true", help="machine-readable output")
-
-    r = sub.add_parser(
-        "restore", help="restore a checkpoint from a store into a directory (no mount needed)",
-        description="Restore set SET of STORE at DEST/SET: parallel ranged GETs, every chunk "
-        "checked against its CRC32C as it arrives and every file read back and checked "
-        "whole before it takes its place; a progress bar on a terminal. Resumable: a rerun "
-        "after an interruption fetches only what is missing or fails its check (its state is "
-        "in DEST/.ckptfs-restore). A rerun over a restored set repairs it. Never writes "
-        "outside DEST and never follows a symlink there; an existing file that restore did not "
-        "put there and that holds other content is refused unless --overwrite. Exit 0 done; "
-        "1 interrupted (rerun to resume); 2 usage; 7 store unusable; 8 no such set; 10 the set "
-        "is damaged in the store; 11 the destination refused.")
-    _store_args(r)
-    r.add_argument("set", metavar="SET", help="the set's path as in the mount (ckpt/step_100),"
-                   " or as `ckptfs ls` prints it")
-    r.add_argument("dest", metavar="DEST", type=Path,
-                   help="directory to restore into (created if missing); the set goes to "
-                   "DEST/SET, so links between sets (`latest`) keep working")
-    r.add_argument("--overwrite", action="store_true",
-                   help="replace files (and symlinks) at the set's paths that hold other "
-                   "content, even if restore did not put them there")
-    r.add_argument("--parallel", type=_workers, default=storeread.DEFAULT_WORKERS,
-                   help="ranged GETs in flight (default 8; memory is about 8 MiB each)")
-
-    f = sub.add_parser(
-        "fsck", help="check a store; list (and with --repair delete) its garbage",
-        description="Check that every manifest in STORE is valid and every object it names is "
-        "there with the right size (--verify: and the right CRC32C, by reading it). List as "
-        "garbage: objects under data/ that no manifest (and no kept part record) names, and "
-        "part, member, intent and ack records of nodes not seen (no member record renewed) for "
-        "longer than --older-than; --repair deletes the garbage, and never an object a "
-        "manifest names. " + GARBAGE_RULE + " Exit 0: no damage (garbage found but not "
-        "repaired is still 0); 7 store unusable or a deletion failed; 10 damage found.")
-    _store_args(f)
-    f.add_argument("--verify", action="store_true",
-                   help="also read every object a manifest names and check its CRC32C (and "
-                   "chunk CRC32Cs, lz4 frames): reads the whole store")
-    f.add_argument("--repair", action="store_true",
-                   help="delete the garbage found (never an object a manifest names; see above)")
-    f.add_argument("--older-than", type=_seconds, default=DEFAULT_OLDER_THAN, metavar="SECONDS",
-                   help="how old (store LastModified / mtime) unreferenced objects and records "
-                   "of nodes not seen must be to count as garbage (default 86400: 24 h). Choose "
-                   "it above --commit-timeout and above the longest time a file may stay "
-                   "uploaded but uncommitted (a *.tmp directory renamed later)")
-    f.add_argument("--parallel", type=_workers, default=storeread.DEFAULT_WORKERS,
-                   help="objects read at once with --verify (default 8)")
-
-
 def run(a: argparse.Namespace) -> int:
     """Run `ls`, `restore` or `fsck`: the exit code (README "Exit codes")."""
+    if getattr(a, "parallel", None) is None:
+        a.parallel = storeread.DEFAULT_WORKERS
     cmd = {"ls": cmd_ls, "restore": cmd_restore, "fsck": cmd_fsck}[a.cmd]
     # The store layer logs its retries; these tools report in one line each, so no log line
     # may reach stderr through logging's last-resort handler.
