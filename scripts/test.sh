@@ -21,7 +21,7 @@ cd "$ROOT"
 WORKERS="${CKPTFS_TEST_WORKERS:-$(( $(nproc) * 2 ))}"
 if [ "${1:-}" = "--quick" ]; then
     shift
-    exec "$VENV/bin/python" -m pytest -m "unit and not slow" -n "$WORKERS" --maxschedchunk 1 "$@"
+    exec "$VENV/bin/python" -m pytest -m "unit and not slow" -n "$WORKERS" --dist loadgroup "$@"
 fi
 if [ "$#" -gt 0 ]; then
     exec "$VENV/bin/python" -m pytest "$@"
@@ -49,9 +49,11 @@ else
         "start their own" >&2
 fi
 
-# --maxschedchunk 1: a worker takes the next test when it is free (xdist's default hands each
-# worker a block of consecutive tests first: the slow ones, collected first, all to one worker)
-pytest=("$VENV/bin/python" -m pytest --maxschedchunk 1 --durations=15)
+# --dist loadgroup: a worker takes the next test when it is free (xdist's default hands each
+# worker a block of consecutive tests first: the slow ones, collected first, all to one
+# worker), and the tests of one xdist_group (those that install paths of the whole machine:
+# tests/test_fstab.py) all go to one worker.
+pytest=("$VENV/bin/python" -m pytest --dist loadgroup --durations=15)
 echo "test.sh: the whole suite, $WORKERS workers"
 "${pytest[@]}" -n "$WORKERS"
 echo "test.sh: the operations, torch and crash tests again with --no-passthrough"

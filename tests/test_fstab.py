@@ -34,6 +34,10 @@ from ckptfs.mounthelper import IGNORED, mount_options, translate
 VENV_BIN = Path(sys.executable).parent
 HELPER = Path("/sbin/mount.fuse.ckptfs")
 CLI_LINK = Path("/usr/local/bin/ckptfs")
+# HELPER and CLI_LINK are paths of the whole machine, installed by module fixtures and removed
+# by the one that made them: every test of this module on one xdist worker (scripts/test.sh
+# runs --dist loadgroup), or one worker's teardown removes a link another's test is using.
+pytestmark = pytest.mark.xdist_group("system-paths")
 UNIT = REPO / "scripts" / "systemd" / "ckptfs@.service"
 EXAMPLE_CONF = REPO / "scripts" / "systemd" / "ckptfs.conf.example"
 
