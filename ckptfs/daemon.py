@@ -321,7 +321,6 @@ class _Daemon:
             refresh_interval=cfg.refresh_interval, commit_timeout=cfg.commit_timeout,
             lease=cfg.lease), foreground=foreground, kernel=fuse.KERNEL)
         core = CacheFs(cache, hooks=tiering.commits, reads=tiering.restorer, room=tiering.space,
-                       kernel=fuse.KERNEL,
                        direct_io_writes=cfg.direct_io_writes and not cfg.writeback_cache)
         ops = fuse.FuseOps(Filesystem(core, foreground, io_threads=cfg.io_threads),
                            attr_timeout=cfg.attr_timeout, writeback_cache=cfg.writeback_cache,

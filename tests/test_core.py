@@ -19,7 +19,7 @@ import pytest
 from cachemgr.core.cache import LAYOUT, Cache
 from cachemgr.core.errors import FsError
 from cachemgr.core.fs import CacheFs
-from cachemgr.core.hooks import NO_HOOKS, NO_KERNEL, NO_LIMIT, NO_STORE
+from cachemgr.core.hooks import NO_HOOKS, NO_LIMIT, NO_STORE
 from cachemgr.core.index import Index
 from cachemgr.core.namespace import RENAME_EXCHANGE, RENAME_NOREPLACE
 from cachemgr.host.foreground import Foreground
@@ -60,7 +60,7 @@ def crash(fs: CacheFs) -> None:
 
 def local(cache: Cache, **kw) -> CacheFs:
     """The core over `cache` with no store (CacheFs.load's stand-ins), or the given ones."""
-    parts = {"hooks": NO_HOOKS, "reads": NO_STORE, "room": NO_LIMIT, "kernel": NO_KERNEL, **kw}
+    parts = {"hooks": NO_HOOKS, "reads": NO_STORE, "room": NO_LIMIT, **kw}
     return CacheFs(cache, **parts)
 
 
@@ -795,8 +795,7 @@ def test_layout_version_mismatch_refused(fs, cache):
     fs2.close()
 
 
-# -- the index's tree queries and the async layer (cachemgr.core.fs.Filesystem)
-# ---------------------
+# -- the index's tree queries and the async layer (cachemgr.core.fs.Filesystem) ----------------
 
 
 def test_index_tree_queries(fs):

@@ -152,7 +152,7 @@ class Node:
         self.t = Tiering(cache, self.store, config(), foreground=Foreground(),
                          kernel=NO_KERNEL)
         self.core = CacheFs(cache, hooks=self.t.commits, reads=self.t.restorer,
-                            room=self.t.space, kernel=NO_KERNEL)
+                            room=self.t.space)
         self.sets = SetRegistry(self.core.index)
 
     # -- the tree ----------------------------------------------------------------------------

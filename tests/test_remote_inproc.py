@@ -143,8 +143,7 @@ class Harness:
         cache = Cache.open(self.cache_dir)
         self.store = store if store is not None else LocalStore(root / "store")
         self.t = StandIn(cache, self.store)
-        self.core = CacheFs(cache, hooks=NO_HOOKS, reads=self.t.restorer, room=NO_LIMIT,
-                            kernel=NO_KERNEL)
+        self.core = CacheFs(cache, hooks=NO_HOOKS, reads=self.t.restorer, room=NO_LIMIT)
         self.sets = self.t.sets
         self.remote = RemoteSync(cache=cache, index=cache.index, sets=self.sets,
                                  store=self.store, kernel=NO_KERNEL, node=self.t.node, interval=0,

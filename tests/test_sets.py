@@ -24,7 +24,7 @@ def attach(cache: Cache, store: LocalStore,
            cfg: TieringConfig | None = None) -> tuple[CacheFs, Tiering]:
     """A Tiering over `cache`, and the core over both, built as ckptfs.daemon builds them."""
     t = Tiering(cache, store, cfg or TieringConfig(), foreground=Foreground(), kernel=NO_KERNEL)
-    core = CacheFs(cache, hooks=t.commits, reads=t.restorer, room=t.space, kernel=NO_KERNEL)
+    core = CacheFs(cache, hooks=t.commits, reads=t.restorer, room=t.space)
     return core, t
 
 

@@ -7,7 +7,7 @@ Two classes, no FUSE dependency (tested in-process as well as through a real mou
     `FsError(errno)` on refusal. It is built over a `cachemgr.core.cache.Cache` (the owners of
     the directory's state: index, inodes, cache files, xattrs, backing files, raw tree,
     residency) and the layers above it, given in its constructor (cachemgr.core.hooks: tiering's
-    hooks, restore's read-through, the room policy, the kernel notifier), and composes the
+    hooks, restore's read-through, the room policy), and composes the
     operations over them:
 
         Handles     (cachemgr.core.handles)    open handles; the passthrough decision
@@ -23,7 +23,7 @@ Two classes, no FUSE dependency (tested in-process as well as through a real mou
     cachemgr.host.foreground), and the optional worker threads for pread/pwrite (--io-threads).
 
 Built bottom-up by the composition root (ckptfs.daemon): `Cache.open`, then the tiering and
-restore services from the cache, then `CacheFs(cache, hooks=, reads=, room=, kernel=)`, then
+restore services from the cache, then `CacheFs(cache, hooks=, reads=, room=)`, then
 `Filesystem(core, foreground)`, then the FUSE adapter; each is whole when its constructor
 returns. `CacheFs.load` is a cache with no store (the stand-ins of cachemgr.core.hooks).
 
@@ -69,11 +69,9 @@ from cachemgr.core.fileops import FileOps
 from cachemgr.core.handles import Handle, Handles, OpenResult
 from cachemgr.core.hooks import (
     NO_HOOKS,
-    NO_KERNEL,
     NO_LIMIT,
     NO_STORE,
     FsHooks,
-    KernelNotifier,
     ReadThrough,
     Room,
 )
@@ -87,7 +85,7 @@ class CacheFs:
     """POSIX filesystem semantics over one cache directory (see the module docstring)."""
 
     def __init__(self, cache: Cache, *, hooks: FsHooks, reads: ReadThrough, room: Room,
-                 kernel: KernelNotifier, direct_io_writes: bool = True) -> None:
+                 direct_io_writes: bool = True) -> None:
         self.cache = cache
         # the owners, read by the operations below and by the async face (Filesystem)
         self.cache_dir, self.index, self.files = cache.cache_dir, cache.index, cache.files
@@ -95,7 +93,6 @@ class CacheFs:
         self.stats = cache.stats
         self.reads = reads    # data from the store before it is read or changed here
         self.room = room      # --cache-size backpressure for writes
-        self.kernel = kernel  # directory entries changed behind the kernel's back
         self.handles = Handles(cache.index, cache.table, cache.files, cache.backings, reads, room,
                                direct_io_writes=direct_io_writes)
         self.namespace = Namespace(cache.index, cache.table, cache.files, hooks)
@@ -108,7 +105,7 @@ class CacheFs:
         """A cache with no store (the core's tests, the tools): `Cache.open` with the stand-ins
         of cachemgr.core.hooks for the layers above."""
         return cls(Cache.open(cache_dir, backings=backings), hooks=NO_HOOKS, reads=NO_STORE,
-                   room=NO_LIMIT, kernel=NO_KERNEL, direct_io_writes=direct_io_writes)
+                   room=NO_LIMIT, direct_io_writes=direct_io_writes)
 
     def close(self) -> None:
         """Persist everything and release the index. Called after the kernel unmounted, so every
@@ -117,8 +114,7 @@ class CacheFs:
         self.fileops.retry_unclosed()  # a close the full disk kept from being recorded
         self.cache.close()
 
-    # -- namespace (cachemgr.core.namespace)
-    # --------------------------------------------------------
+    # -- namespace (cachemgr.core.namespace) ---------------------------------------------------
 
     def lookup(self, parent: int, name: bytes) -> Inode:
         return self.namespace.lookup(parent, name)
@@ -168,8 +164,7 @@ class CacheFs:
     def fsyncdir(self, ino: int) -> None:
         retrying(self.index.sync)
 
-    # -- files (cachemgr.core.fileops)
-    # --------------------------------------------------------------
+    # -- files (cachemgr.core.fileops) ---------------------------------------------------------
 
     def setattr(self, ino: int, **kw: Any) -> Inode:
         return self.fileops.setattr(ino, **kw)
@@ -212,8 +207,7 @@ class CacheFs:
     def release(self, fh: int) -> None:
         self.fileops.release(fh)
 
-    # -- xattrs (cachemgr.core.xattrs)
-    # --------------------------------------------------------------
+    # -- xattrs (cachemgr.core.xattrs) ---------------------------------------------------------
 
     def getxattr(self, ino: int, name: bytes) -> bytes:
         return self.xattrs.get(ino, name)

@@ -1,8 +1,9 @@
 """The interfaces the filesystem core calls out through, and their stand-ins for a cache alone.
 
 The core knows nothing of tiering, restore or FUSE. What it must tell them, or ask of them, goes
-through four small interfaces that `CacheFs` is given in its constructor (the daemon builds the
-tiering and restore services first, from the cache's owners, then the core from them):
+through three small interfaces that `CacheFs` is given in its constructor (the daemon builds the
+tiering and restore services first, from the cache's owners, then the core from them), and a
+fourth that the tiering services that change the tree behind the kernel's back are given:
 
   * `FsHooks`: what happened to the tree (a content version began or closed, a rename, a
     removal, a symlink), and "announce this directory" after a writer's close.
@@ -12,7 +13,7 @@ tiering and restore services first, from the cache's owners, then the core from 
   * `Room`: backpressure under --cache-size (`limit`): a write waits until there is room for
     it. `cachemgr.tiering.space.Space` implements it.
   * `KernelNotifier`: tell the kernel to forget a directory entry changed behind its back.
-    The FUSE adapter (ckptfs.fuse.KERNEL) implements it.
+    The FUSE adapter (ckptfs.fuse.KERNEL) implements it; `Tiering` hands it to `RemoteSync`.
 
 What the owners below the core tell whoever keeps something per inode or waits for room (an
 inode purged, cached bytes freed) is not here: those are events of the owners themselves

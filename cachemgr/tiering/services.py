@@ -209,8 +209,7 @@ class Tiering:
     def commit_path(self, path: str) -> int:
         return self.commits.commit_path(path)
 
-    # -- space and read-through: cachemgr.tiering.space, cachemgr.restore.fetch
-    # --------------------------------
+    # -- space and read-through: cachemgr.tiering.space, cachemgr.restore.fetch ----------------
 
     def make_room(self, need: int, protect: set[int] | frozenset[int] = frozenset()) -> bool:
         return self.space.make_room(need, protect)
