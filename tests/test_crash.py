@@ -25,7 +25,7 @@ import pytest
 
 from cachemgr.core.cache import Cache
 from cachemgr.core.fs import CacheFs
-from cachemgr.core.hooks import NO_HOOKS, NO_KERNEL, NO_LIMIT, NO_STORE
+from cachemgr.core.hooks import NO_HOOKS, NO_LIMIT, NO_STORE
 from cachemgr.core.index import Index
 from tests.conftest import REPO, _alive, ckptfs_cmd, is_mounted, run_cli, wait_for
 
@@ -87,8 +87,7 @@ def open_cache_unrecovered(cache_dir: Path) -> CacheFs:
     """A CacheFs on the cache dir *without* the recovery `CacheFs.load` runs, to see what
     recovery finds (no daemon may hold the cache)."""
     index = Index.open(cache_dir / "index.sqlite", uid=os.getuid(), gid=os.getgid())
-    return CacheFs(Cache(cache_dir, index), hooks=NO_HOOKS, reads=NO_STORE, room=NO_LIMIT,
-                   kernel=NO_KERNEL)
+    return CacheFs(Cache(cache_dir, index), hooks=NO_HOOKS, reads=NO_STORE, room=NO_LIMIT)
 
 
 def check_cache_offline(cache_dir: Path, *, expect_clean: bool) -> None:

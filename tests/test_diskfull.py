@@ -22,7 +22,7 @@ from conftest import wait_for
 from cachemgr.core.cache import Cache
 from cachemgr.core.errors import FsError
 from cachemgr.core.fs import CacheFs
-from cachemgr.core.hooks import NO_HOOKS, NO_KERNEL, NO_LIMIT, NO_STORE
+from cachemgr.core.hooks import NO_HOOKS, NO_LIMIT, NO_STORE
 from cachemgr.core.index import INODE_COLUMNS, RESERVE_BYTES, Index
 from cachemgr.core.namespace import RENAME_EXCHANGE
 
@@ -227,7 +227,7 @@ def test_operation_refused_on_a_full_disk_changes_nothing(disk, op):
     memory, index and cache files are exactly as before; with room back, it works."""
     cache = disk / "cache"
     fs = CacheFs(Cache(cache, _open_index(cache, reserve_bytes=0)), hooks=NO_HOOKS,
-                 reads=NO_STORE, room=NO_LIMIT, kernel=NO_KERNEL)
+                 reads=NO_STORE, room=NO_LIMIT)
     fs.cache.recover()
     inos = _setup(fs)
     prepare, run = OPERATIONS[op]
@@ -275,7 +275,7 @@ def test_release_and_forget_on_a_full_disk_keep_memory_for_later(disk):
     and the file's size waits in memory; a purge that fails waits for a later drop."""
     cache = disk / "cache"
     fs = CacheFs(Cache(cache, _open_index(cache, reserve_bytes=0)), hooks=NO_HOOKS,
-                 reads=NO_STORE, room=NO_LIMIT, kernel=NO_KERNEL)
+                 reads=NO_STORE, room=NO_LIMIT)
     fs.cache.recover()
     inos = _setup(fs)
     fh = _open_dirty(fs, inos["a"])
