@@ -107,7 +107,9 @@ class StandIn:
         self.node = cache.index.meta("node_id")
         self.parts = _Parts()
         self.changes = 0
-        self.restorer = Restorer(cache=cache, index=cache.index, sets=self.sets, store=store,
+        self.restorer = Restorer(table=cache.table, files=cache.files,
+                                 residency=cache.residency, cache_dir=cache.cache_dir,
+                                 index=cache.index, sets=self.sets, store=store,
                                  cache_size=None, make_room=self._make_room,
                                  fetch_whole=self._fetch,
                                  live_members=self._live, mode="none")
@@ -145,8 +147,9 @@ class Harness:
         self.t = StandIn(cache, self.store)
         self.core = CacheFs(cache, hooks=NO_HOOKS, reads=self.t.restorer, room=NO_LIMIT)
         self.sets = self.t.sets
-        self.remote = RemoteSync(cache=cache, index=cache.index, sets=self.sets,
-                                 store=self.store, kernel=NO_KERNEL, node=self.t.node, interval=0,
+        self.remote = RemoteSync(table=cache.table, tree=cache.tree, index=cache.index,
+                                 sets=self.sets, store=self.store, kernel=NO_KERNEL,
+                                 node=self.t.node, interval=0,
                                  mark_parts=self.t.parts.mark_all, changed=self.t._changed_now)
         self._objects = 0
         self._seq = 0
@@ -1100,7 +1103,7 @@ def test_a_removal_that_fails_does_not_stop_the_listing(h, caplog):
     h.sync()
     for name in ("a", "b"):
         h.delete(mf.manifest_key(f"ckpt/{name}"))
-    real_remove_tree = h.core.cache.remove_tree
+    real_remove_tree = h.core.cache.tree.remove_tree
     armed = [True]
 
     def remove_tree(parent, name):  # ckpt/a cannot go (the index cannot be written)
@@ -1108,7 +1111,7 @@ def test_a_removal_that_fails_does_not_stop_the_listing(h, caplog):
             raise IndexFull("disk full", released=False)
         return real_remove_tree(parent, name)
 
-    h.core.cache.remove_tree = remove_tree
+    h.core.cache.tree.remove_tree = remove_tree
     late = h.manifest("ckpt/c", {"z": b"3"})
     etag = h.publish(late)
     h.sync()
@@ -1140,12 +1143,12 @@ RAW_CREATES_OF_V2 = 5
 
 
 class Fault:
-    """`owner.attr` (the cache's raw_create unless told) refuses its `n`th call while armed: a
+    """`owner.attr` (the raw tree's raw_create unless told) refuses its `n`th call while armed: a
     full disk half-way through an apply, once every entry of the replaced set is removed."""
 
     def __init__(self, core: CacheFs, n: int, exc: Exception, *, owner=None,
                  attr: str = "raw_create") -> None:
-        owner = core.cache if owner is None else owner
+        owner = core.cache.tree if owner is None else owner
         self.real = getattr(owner, attr)
         self.n = n
         self.exc = exc
@@ -1165,7 +1168,7 @@ class Fault:
 def _memory(core: CacheFs, inos) -> dict:
     out = {}
     for ino in inos:
-        node = core.cache.inode(ino)
+        node = core.cache.table.get(ino)
         out[ino] = (node.nlink, node.cached, node.size, node.mode, node.version)
     return out
 
@@ -1180,9 +1183,9 @@ def _v1(h: Harness) -> tuple[dict, str, int, dict]:
     root = resolve(h.core, "ckpt/step")
     inos = {rel: resolve(h.core, "ckpt/step/" + rel) for rel in tree(h.core, root)}
     a = inos["a.bin"]
-    with open(h.core.cache.data_path(a), "r+b") as f:
+    with open(h.core.cache.files.path(a), "r+b") as f:
         f.write(V1["a.bin"])
-    h.core.cache.fetched(a, len(V1["a.bin"]))
+    h.core.cache.residency.fetched(a, len(V1["a.bin"]))
     assert h.core.files.cached_bytes == len(V1["a.bin"])
     return m1, etag1, root, inos
 
@@ -1225,7 +1228,7 @@ def test_failed_apply_changes_nothing(tmp_path, caplog, n, exc, refs, then):
     assert h.core.files.cached_bytes == cached_before == len(V1["a.bin"])
     assert memory_problems(h.core) == []
     assert h.core.check_consistency() == []
-    with open(h.core.cache.data_path(inos["a.bin"]), "rb") as f:
+    with open(h.core.cache.files.path(inos["a.bin"]), "rb") as f:
         assert f.read() == V1["a.bin"]
     s = h.sets.newest_at("ckpt/step")
     assert (s.seq, s.state, s.etag, s.root_ino) == (seq1, "durable", etag1, root)
@@ -1240,7 +1243,7 @@ def test_failed_apply_changes_nothing(tmp_path, caplog, n, exc, refs, then):
         assert _memory(fresh, watched) == before
         assert fresh.files.cached_bytes == cached_before
         assert fresh.check_consistency() == []
-        with open(fresh.cache.data_path(inos["a.bin"]), "rb") as f:
+        with open(fresh.cache.files.path(inos["a.bin"]), "rb") as f:
             assert f.read() == V1["a.bin"]
         fresh.close()
         h = Harness(tmp_path, h.store)
@@ -1255,9 +1258,9 @@ def test_failed_apply_changes_nothing(tmp_path, caplog, n, exc, refs, then):
     if then == "retry" and refs:
         # Replaced entries the kernel still knows stay (unlinked) until it forgets them.
         for rel in ("a.bin", "sub", "sub/c.bin", "ln"):
-            h.core.forget(inos[rel], h.core.cache.inode(inos[rel]).lookups)
+            h.core.forget(inos[rel], h.core.cache.table.get(inos[rel]).lookups)
     assert h.core.files.cached_bytes == 0  # the replaced cached copy is gone
-    assert not os.path.exists(h.core.cache.data_path(inos["a.bin"]))
+    assert not os.path.exists(h.core.cache.files.path(inos["a.bin"]))
     assert memory_problems(h.core) == []
     assert h.core.check_consistency() == []
     mem = _memory(h.core, [ROOT_INO, ckpt, root])
@@ -1279,8 +1282,8 @@ def test_failed_apply_over_a_new_path_leaves_nothing(h):
     assert h.core.index.all_inos() == inodes_before
     assert resolve(h.core, "new") is None and h.sets.newest_at("new/deep/step") is None
     assert memory_problems(h.core) == [] and h.core.check_consistency() == []
-    assert h.core.cache.inode(ROOT_INO).nlink == 2
-    h.core.cache.raw_create.armed = False
+    assert h.core.cache.table.get(ROOT_INO).nlink == 2
+    h.core.cache.tree.raw_create.armed = False
     h.sync()
     assert_set_restored(h, _normalised(m))
 
@@ -1303,9 +1306,9 @@ def test_failed_apply_keeps_a_partly_restored_file(h):
     assert fault.raised == 1 and resolve(h.core, "ckpt/step/big") == ino
     assert r.chunks.partial == {ino: 8} and h.core.files.cached_bytes == 8
     trio.run(r.ensure_range, ino, 0, 40)  # the rest
-    assert h.core.cache.inode(ino).cached and r.chunks.partial == {}
+    assert h.core.cache.table.get(ino).cached and r.chunks.partial == {}
     assert h.core.files.cached_bytes == 40
-    with open(h.core.cache.data_path(ino), "rb") as f:
+    with open(h.core.cache.files.path(ino), "rb") as f:
         assert f.read() == big
     assert memory_problems(h.core) == [] and h.core.check_consistency() == []
 
@@ -1334,7 +1337,7 @@ def test_part_publisher_keeps_its_last_error_and_reports_it(h):
     lease = members.Lease(store=store, node=node, index=h.core.index, lease=30,
                           register_timeout=5)
     pp = parts.PartPublisher(index=h.core.index, store=store, node=node, lease=lease,
-                             inode_if_loaded=h.core.cache.inode_if_loaded, retry_pause=0,
+                             inode_if_loaded=h.core.cache.table.if_loaded, retry_pause=0,
                              report_error=reported.append)
     assert pp.published == {999: rec} and pp.statistics().last_error is None
 

@@ -178,7 +178,7 @@ class TreeQueries:
     def children_with_inodes(self, parent: int) -> list[tuple[Any, ...]]:
         """(name, ino, mode, size, mtime_ns, version, writing, target, obj, obj_version) of
         every entry of `parent`: a directory listing with its inodes' index rows (the sizes
-        of files open for writing are newer in memory: CacheFs.inode_if_loaded)."""
+        of files open for writing are newer in memory: InodeTable.if_loaded)."""
         return [(bytes(r[0]), *r[1:]) for r in self.conn.execute(
             "SELECT d.name, i.ino, i.mode, i.size, i.mtime_ns, i.version, i.writing, i.target,"
             " i.obj, i.obj_version FROM dentries d JOIN inodes i ON i.ino = d.ino"

@@ -225,6 +225,8 @@ class InodeTable:
         return node
 
     def if_loaded(self, ino: int) -> Inode | None:
+        """The in-memory inode if the table holds it (open, known to the kernel, or loaded
+        since), without reading the index: what tiering asks about files being written."""
         return self._inodes.get(ino)
 
     def loaded(self) -> list[Inode]:

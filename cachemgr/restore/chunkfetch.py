@@ -53,8 +53,12 @@ from cachemgr.store import IntegrityError, ObjectStore, StoreError
 from cachemgr.transfer.download import fetch_chunk, fetch_chunks
 
 if TYPE_CHECKING:
-    from cachemgr.core.cache import Cache
+    from pathlib import Path
+
+    from cachemgr.core.filecache import FileCache
     from cachemgr.core.index import Index
+    from cachemgr.core.inodes import InodeTable
+    from cachemgr.core.rawtree import Residency
 
 log = logging.getLogger(__name__)
 
@@ -82,11 +86,15 @@ class ChunkStats:
 class ChunkFetcher:
     """Chunks from the store into cache files; see the module docstring."""
 
-    def __init__(self, *, cache: Cache, index: Index, store: ObjectStore,
-                 cache_size: int | None, make_room: MakeRoom) -> None:
+    def __init__(self, *, table: InodeTable, files: FileCache, residency: Residency,
+                 cache_dir: Path, index: Index, store: ObjectStore, cache_size: int | None,
+                 make_room: MakeRoom) -> None:
         """`make_room`: the --cache-size policy (evicts, then calls `drop_partials`). Dropped
         chunks free room through `FileCache.chunks_out`, which tells writers waiting for it."""
-        self.cache = cache
+        self.table = table
+        self.files = files
+        self.residency = residency
+        self.cache_dir = cache_dir  # measured for the disk's room (disk_room, data_may_take)
         self.index = index
         self.store = store
         self.cache_size = cache_size
@@ -112,7 +120,7 @@ class ChunkFetcher:
 
     def obj_of(self, ino: int) -> StoredObject | None:
         """The uploaded object of `ino`'s current content, or None."""
-        node = self.cache.inode(ino)
+        node = self.table.get(ino)
         hit = self._objs.get(ino)
         if hit is not None and hit[0] == node.version:
             return hit[1]
@@ -141,7 +149,7 @@ class ChunkFetcher:
         """The file's cache state changed behind us (evicted, rewritten, fetched, deleted)."""
         freed = self.partial.pop(ino, 0)
         if freed:
-            self.cache.files.chunks_out(freed)
+            self.files.chunks_out(freed)
         self._bitmaps.pop(ino, None)
         self._verified.pop(ino, None)
         self._objs.pop(ino, None)
@@ -166,7 +174,7 @@ class ChunkFetcher:
         a read always proceeds (over the limit if nothing can be evicted)."""
         n = chunk_count(obj)
         while True:
-            node = self.cache.inode(ino)
+            node = self.table.get(ino)
             if node.cached or self.obj_of(ino) != obj:
                 return True  # completed, or rewritten/evicted meanwhile: the caller re-checks
             if self._has(self._bitmap(ino, n), i):
@@ -186,7 +194,7 @@ class ChunkFetcher:
                 if not self._warned_full:
                     self._warned_full = True
                     log.warning("cache full (%d of %d bytes, nothing evictable): reads of data "
-                                "not in the cache go over --cache-size", self.cache.cached_bytes,
+                                "not in the cache go over --cache-size", self.files.cached_bytes,
                                 self.cache_size)
             ev = self._inflight[(ino, i)] = trio.Event()
             self._reserved += length
@@ -221,7 +229,7 @@ class ChunkFetcher:
         while True:
             # The next group is picked and registered with no await in between (a read may
             # have taken some of them while the previous group was in flight).
-            node = self.cache.inode(ino)
+            node = self.table.get(ino)
             if node.cached or self.obj_of(ino) != obj:
                 return None
             g = self._next_group(ino, first, last, n)
@@ -267,20 +275,20 @@ class ChunkFetcher:
         if limit is None:
             return True
         for ino in list(self.partial):
-            if self.cache.cached_bytes + need <= limit:
+            if self.files.cached_bytes + need <= limit:
                 return True
             if ino not in protect:
                 self._drop_partial(ino)
-        return self.cache.cached_bytes + need <= limit
+        return self.files.cached_bytes + need <= limit
 
     def _drop_partial(self, ino: int) -> bool:
         """Drop the chunks of an incomplete, unused file from the cache (they come back from
         the store when read)."""
-        node = self.cache.inode(ino)
+        node = self.table.get(ino)
         if node.cached or node.opens or any(k[0] == ino for k in self._inflight) or \
-                self.cache.files.busy(ino):
+                self.files.busy(ino):
             return False
-        os.truncate(self.cache.data_path(ino), 0)
+        os.truncate(self.files.path(ino), 0)
         with self.index.tx():
             self.index.clear_present(ino)
         self.forget(ino)
@@ -292,7 +300,7 @@ class ChunkFetcher:
         (5% of the disk, at most 256 MiB) keeps room for the trainer's next checkpoint writes
         and the index; a prefetch never takes it, reads by range still may."""
         try:
-            st = os.statvfs(self.cache.cache_dir)
+            st = os.statvfs(self.cache_dir)
         except OSError:
             return True
         free = st.f_bavail * st.f_frsize
@@ -359,33 +367,33 @@ class ChunkFetcher:
         them present (one index update). Nothing is written if the file's content changed
         since the chunks were fetched."""
         def still_valid() -> bool:
-            return not self.cache.inode(ino).cached and self.obj_of(ino) == obj
+            return not self.table.get(ino).cached and self.obj_of(ino) == obj
 
-        if not self.index.data_may_take(self.cache.cache_dir, sum(len(r) for _, r in chunks)):
+        if not self.index.data_may_take(self.cache_dir, sum(len(r) for _, r in chunks)):
             # the index reserve is released: what is left is for the index (Index.data_may_take)
             raise OSError(errno.ENOSPC, "the cache disk is full (what is left is kept for the "
                           "index)")
-        wrote = await self.cache.files.fill(
+        wrote = await self.files.fill(
             ino, [(chunk_span(obj, i)[0], raw) for i, raw in chunks], size=obj.size,
             still_valid=still_valid)
         if not wrote:
             return
-        node = self.cache.inode(ino)
+        node = self.table.get(ino)
         if node.cached or self.obj_of(ino) != obj:
             return
         bm = self._bitmap(ino, n)
         for i, raw in chunks:
             if not self._has(bm, i):
                 self.partial[ino] = self.partial.get(ino, 0) + len(raw)
-                self.cache.files.chunks_in(len(raw))
+                self.files.chunks_in(len(raw))
             bm[i >> 3] |= 1 << (i & 7)
         if all(self._has(bm, j) for j in range(n)):
             # fetched() counts the size instead
-            self.cache.files.chunks_out(self.partial.pop(ino, 0), freed=False)
+            self.files.chunks_out(self.partial.pop(ino, 0), freed=False)
             self._bitmaps.pop(ino, None)
             self._verified[ino] = set(range(n))
             self.clean.add(ino)
-            self.cache.fetched(ino, obj.size)
+            self.residency.fetched(ino, obj.size)
         else:
             with self.index.tx():
                 self.index.set_present(ino, bytes(bm))
@@ -432,11 +440,11 @@ class ChunkFetcher:
         version = self._objs.get(ino, (-1,))[0]
 
         def unchanged() -> bool:
-            node = self.cache.inode(ino)
+            node = self.table.get(ino)
             return node.version == version and bool(node.cached) and not node.writers and \
                 node.nlink > 0
 
-        data = await self.cache.files.read(ino, c_off, c_len)
+        data = await self.files.read(ino, c_off, c_len)
         if not unchanged():
             return False
         if not verify_chunk(obj, i, data):
@@ -446,7 +454,7 @@ class ChunkFetcher:
             raw = await self.fetch(obj, i, None)
             # Written only if nobody opened the file for writing (or truncated it) since the
             # check: FileCache holds the file's lock across the check and the write.
-            if not await self.cache.files.fill(ino, [(c_off, raw)], size=None,
+            if not await self.files.fill(ino, [(c_off, raw)], size=None,
                                               still_valid=unchanged, sync=True):
                 return False
         return True

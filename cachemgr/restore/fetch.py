@@ -31,7 +31,10 @@ from cachemgr.store import IntegrityError, ObjectStore, StoreError
 from cachemgr.transfer.download import download_file
 
 if TYPE_CHECKING:
-    from cachemgr.core.cache import Cache
+    from cachemgr.core.filecache import FileCache
+    from cachemgr.core.index import Index
+    from cachemgr.core.inodes import InodeTable
+    from cachemgr.core.rawtree import Residency
 
 log = logging.getLogger(__name__)
 
@@ -47,12 +50,15 @@ class FetchStats:
 class Fetcher:
     """Whole-object downloads of evicted files (see the module docstring)."""
 
-    def __init__(self, *, cache: Cache, store: ObjectStore,
+    def __init__(self, *, table: InodeTable, files: FileCache, residency: Residency, index: Index,
+                 store: ObjectStore,
                  wait_for_room: Callable[[int], Awaitable[None]],
                  obj_of: Callable[[int], StoredObject | None],
                  forget: Callable[[int], None]) -> None:
-        self.cache = cache
-        self.index = cache.index
+        self.table = table
+        self.files = files
+        self.residency = residency
+        self.index = index
         self.store = store
         self._wait_for_room = wait_for_room  # cachemgr.tiering.space
         self._obj_of = obj_of                # restore.restorer: the object of a file's content
@@ -78,12 +84,12 @@ class Fetcher:
             await self._wait_for_room(obj.size)
             # Under the file's lock (cachemgr.core.filecache): no write or truncating open lands in
             # the cache file while the download fills it.
-            async with self.cache.files.exclusive(ino):
-                node = self.cache.inode(ino)
+            async with self.files.exclusive(ino):
+                node = self.table.get(ino)
                 if node.cached or self._obj_of(ino) != obj:
                     return  # rewritten (O_TRUNC) while we waited for room
                 await self._download(ino, obj)
-                self.cache.fetched(ino, obj.size)
+                self.residency.fetched(ino, obj.size)
             self.fetched += 1
             self._forget(ino)
         finally:
@@ -94,7 +100,7 @@ class Fetcher:
         last: Exception | None = None
         for _attempt in range(3):
             try:
-                await download_file(self.store, obj, self.cache.data_path(ino))
+                await download_file(self.store, obj, self.files.path(ino))
                 return
             except IntegrityError as e:  # the bytes failed their check: fetch again
                 last = e

@@ -51,8 +51,8 @@ from cachemgr.restore.chunkfetch import ChunkFetcher
 from cachemgr.store import StoreError
 
 if TYPE_CHECKING:
-    from cachemgr.core.cache import Cache
     from cachemgr.core.index import Index
+    from cachemgr.core.inodes import InodeTable
     from cachemgr.core.sets import SetRegistry
 
 log = logging.getLogger(__name__)
@@ -87,13 +87,13 @@ class PrefetchStats:
 class Prefetcher:
     """The restore policy, prefetch jobs and read-ahead; see the module docstring."""
 
-    def __init__(self, *, chunks: ChunkFetcher, cache: Cache, index: Index,
+    def __init__(self, *, chunks: ChunkFetcher, table: InodeTable, index: Index,
                  sets: SetRegistry, fetch_whole: FetchWhole, live_members: LiveMembers,
                  mode: str, concurrency: int, range_size: int) -> None:
         if mode not in MODES:
             raise ValueError(f"restore policy must be one of {', '.join(MODES)}")
         self.chunks = chunks
-        self.cache = cache
+        self.table = table
         self.index = index
         self.sets = sets
         self._fetch_whole = fetch_whole
@@ -221,7 +221,7 @@ class Prefetcher:
         self._start_set(s)
 
     def _start_file(self, ino: int) -> None:
-        if self.index.get_inode(ino) is None or self.cache.inode(ino).cached:
+        if self.index.get_inode(ino) is None or self.table.get(ino).cached:
             return
         path = self.index.path_of(ino)
         if path is not None and not (path in self._jobs and not self._jobs[path]["finished"]):
@@ -231,7 +231,7 @@ class Prefetcher:
         if s.path in self._jobs and not self._jobs[s.path]["finished"]:
             return
         inos = [f[1] for f in self.sets.files(s.seq)]
-        if any(not self.cache.inode(i).cached for i in inos if self.index.get_inode(i)):
+        if any(not self.table.get(i).cached for i in inos if self.index.get_inode(i)):
             self._start(s.path, inos)
 
     def _open_split(self, ino: int) -> None:
@@ -311,7 +311,7 @@ class Prefetcher:
 
     def _files_under(self, ino: int) -> list[int]:
         """Regular files at or below `ino`, depth first in name-list order."""
-        node = self.cache.inode(ino)
+        node = self.table.get(ino)
         if node.is_reg:
             return [ino]
         if not node.is_dir:
@@ -322,7 +322,7 @@ class Prefetcher:
     def _start(self, key: str, inos: list[int]) -> Job:
         work = []
         for ino in inos:
-            if self.index.get_inode(ino) is None or self.cache.inode(ino).cached:
+            if self.index.get_inode(ino) is None or self.table.get(ino).cached:
                 continue
             obj = self.chunks.obj_of(ino)
             if obj is not None:

@@ -46,9 +46,12 @@ from cachemgr.restore.prefetch import FetchWhole, Job, LiveMembers, Prefetcher, 
 from cachemgr.store import ObjectStore
 
 if TYPE_CHECKING:
+    from pathlib import Path
 
-    from cachemgr.core.cache import Cache
+    from cachemgr.core.filecache import FileCache
     from cachemgr.core.index import Index
+    from cachemgr.core.inodes import InodeTable
+    from cachemgr.core.rawtree import Residency
     from cachemgr.core.sets import SetRegistry
 
 log = logging.getLogger(__name__)
@@ -67,17 +70,20 @@ class RestoreStats:
 class Restorer:
     """Reads of data not in the cache, and what comes in ahead of them; see the docstring."""
 
-    def __init__(self, *, cache: Cache, index: Index, sets: SetRegistry, store: ObjectStore,
+    def __init__(self, *, table: InodeTable, files: FileCache, residency: Residency,
+                 cache_dir: Path, index: Index, sets: SetRegistry, store: ObjectStore,
                  cache_size: int | None, make_room: MakeRoom, fetch_whole: FetchWhole,
                  live_members: LiveMembers, concurrency: int = 8,
                  range_size: int = 64 << 20, mode: str = "auto") -> None:
         """`make_room(need, protect)`: the --cache-size policy (Tiering.make_room).
         `fetch_whole(ino)`: download an object stored without chunk checksums whole (Tiering.fetch).
         `live_members()`: the other live nodes (Members.live), for policy auto."""
-        self.cache = cache
-        self.chunks = ChunkFetcher(cache=cache, index=index, store=store, cache_size=cache_size,
-                                   make_room=make_room)
-        self.prefetch = Prefetcher(chunks=self.chunks, cache=cache, index=index, sets=sets,
+        self.table = table
+        self.residency = residency
+        self.chunks = ChunkFetcher(table=table, files=files, residency=residency,
+                                   cache_dir=cache_dir, index=index, store=store,
+                                   cache_size=cache_size, make_room=make_room)
+        self.prefetch = Prefetcher(chunks=self.chunks, table=table, index=index, sets=sets,
                                    fetch_whole=fetch_whole, live_members=live_members,
                                    mode=mode, concurrency=concurrency, range_size=range_size)
         self._fetch_whole = fetch_whole
@@ -130,7 +136,7 @@ class Restorer:
     async def ensure_range(self, ino: int, off: int, size: int, *, read: bool = False) -> None:
         """Return once bytes [off, off+size) of `ino` are in its cache file. `read`: a reader's
         read (FuseOps.read), which may start a read-ahead (Prefetcher.on_read)."""
-        node = self.cache.inode(ino)
+        node = self.table.get(ino)
         if node.cached:
             return
         obj = self.chunks.obj_of(ino)
@@ -140,7 +146,7 @@ class Restorer:
             await self._fetch_whole(ino)  # an object without chunk checksums: whole download
             return
         if obj.size == 0:
-            self.cache.fetched(ino, 0)  # nothing to fetch: the empty cache file is the file
+            self.residency.fetched(ino, 0)  # nothing to fetch: the empty cache file is the file
             return
         end = min(off + size, obj.size)
         if end <= off:
@@ -152,7 +158,7 @@ class Restorer:
             await self.chunks.ensure_chunk(ino, obj, i)
 
     async def ensure_all(self, ino: int) -> None:
-        node = self.cache.inode(ino)
+        node = self.table.get(ino)
         if not node.cached:
             await self.ensure_range(ino, 0, max(node.size, 1))
 

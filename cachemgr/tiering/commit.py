@@ -45,9 +45,8 @@ from cachemgr.core.sets import (
 from cachemgr.format import names
 
 if TYPE_CHECKING:
-    from cachemgr.core.cache import Cache
     from cachemgr.core.index import Index
-    from cachemgr.core.inodes import Inode
+    from cachemgr.core.inodes import Inode, InodeTable
     from cachemgr.tiering.publish import Publisher
     from cachemgr.tiering.signals import Signals
     from cachemgr.tiering.uploads import UploadQueue
@@ -66,11 +65,11 @@ class CommitStats:
 class Committer:
     """Commit triggers and recovery (see the module docstring)."""
 
-    def __init__(self, *, cache: Cache, index: Index, sets: SetRegistry, uploads: UploadQueue,
+    def __init__(self, *, table: InodeTable, index: Index, sets: SetRegistry, uploads: UploadQueue,
                  publisher: Publisher, signals: Signals, forget: Callable[[int], None],
                  written: Callable[[int], None], mark_dir: Callable[[int], object],
                  mark_all: Callable[[], None]) -> None:
-        self.cache = cache
+        self.table = table
         self.index = index
         self.sets = sets
         self.uploads = uploads
@@ -199,7 +198,7 @@ class Committer:
             raise FsError(errno.EINVAL, "the mount root cannot be a set; commit a directory in it")
         ino = self.resolve(path)
         with self.index.tx():
-            node = self.cache.inode(ino)
+            node = self.table.get(ino)
             if node.is_reg and node.writers:
                 raise FsError(errno.EBUSY, f"{path} is still open for writing")
             return self.commit(path, ino, "request", absorb_paths=[path])
@@ -284,7 +283,7 @@ class Committer:
                 self.sets.supersede_content(ino, version, "the daemon crashed while a file was"
                                             " being written")
                 self.index.update_inode(ino, version=version + 1, writing=0)
-                node = self.cache.inode_if_loaded(ino)
+                node = self.table.if_loaded(ino)
                 if node is not None:
                     node.version, node.writing = version + 1, 0
             for s in self.sets.by_states(LIVE_STATES):

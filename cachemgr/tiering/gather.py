@@ -35,8 +35,9 @@ from cachemgr.store import ObjectStore, StoreError
 from cachemgr.tiering.parts import read_records
 
 if TYPE_CHECKING:
-    from cachemgr.core.cache import Cache
+    from cachemgr.core.filecache import FileCache
     from cachemgr.core.index import Index
+    from cachemgr.core.inodes import InodeTable
     from cachemgr.tiering.members import CommitAcks
     from cachemgr.tiering.signals import Signals
 
@@ -55,11 +56,12 @@ class GatherStats:
 class Gatherer:
     """Other nodes' files of the sets being published (see the module docstring)."""
 
-    def __init__(self, *, cache: Cache, index: Index, sets: SetRegistry, store: ObjectStore,
-                 node: str, signals: Signals, ensure_all: Callable[[int], Any],
+    def __init__(self, *, table: InodeTable, files: FileCache, index: Index, sets: SetRegistry,
+                 store: ObjectStore, node: str, signals: Signals, ensure_all: Callable[[int], Any],
                  commit_acks: Callable[[int, str, list[str]], CommitAcks],
                  commit_timeout: float, gather_poll: float) -> None:
-        self.cache = cache
+        self.table = table
+        self.files = files
         self.index = index
         self.sets = sets
         self.store = store
@@ -125,7 +127,7 @@ class Gatherer:
         for rel, ino, _version, _size, _mode, _mtime, _obj in self.sets.files(seq):
             if rel == DCP_METADATA:
                 try:
-                    with open(self.cache.data_path(ino), "rb") as f:
+                    with open(self.files.path(ino), "rb") as f:
                         data = f.read()
                 except OSError as e:
                     log.warning("set %d: cannot read its .metadata: %s", seq, e)
@@ -139,7 +141,7 @@ class Gatherer:
     async def _required(self, seq: int) -> set[str] | None:
         """The files a DCP set needs, from its `.metadata` (brought back first if evicted)."""
         for rel, ino, *_ in self.sets.files(seq):
-            if rel == DCP_METADATA and not self.cache.inode(ino).cached:
+            if rel == DCP_METADATA and not self.table.get(ino).cached:
                 try:
                     await self._ensure_all(ino)
                 except (FsError, StoreError, OSError) as e:

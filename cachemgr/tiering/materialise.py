@@ -38,8 +38,9 @@ from cachemgr.format.names import escape_path, unescape_name, unescape_path
 from cachemgr.format.objects import StoredObject
 
 if TYPE_CHECKING:
-    from cachemgr.core.cache import Cache
     from cachemgr.core.index import Index
+    from cachemgr.core.inodes import InodeTable
+    from cachemgr.core.rawtree import RawTree
     from cachemgr.core.sets import SetRegistry
 
 log = logging.getLogger(__name__)
@@ -77,9 +78,10 @@ class _Build:
 class Materialiser:
     """The namespace side of applying a manifest; see the module docstring."""
 
-    def __init__(self, *, cache: Cache, index: Index, sets: SetRegistry,
+    def __init__(self, *, table: InodeTable, tree: RawTree, index: Index, sets: SetRegistry,
                  kernel: KernelNotifier, node: str) -> None:
-        self.cache = cache
+        self.table = table
+        self.tree = tree
         self.kernel = kernel  # entries changed behind the kernel's back (ckptfs.fuse.KERNEL)
         self.index = index
         self.sets = sets
@@ -104,7 +106,7 @@ class Materialiser:
             if not validate.is_own_object(key, self.node):
                 continue
             ino = self._own_current(key)
-            if ino is None or self.cache.inode(ino).writers:
+            if ino is None or self.table.get(ino).writers:
                 continue
             where = self.index.path_of(ino)
             at = [root for root in roots
@@ -139,17 +141,17 @@ class Materialiser:
         out = {}
         for d, rel, row in self.index.walk_with_inodes(root):
             ino = row[1]
-            out[rel] = (ino, self.cache.inode(ino).mode, d, row[0])
+            out[rel] = (ino, self.table.get(ino).mode, d, row[0])
         return out
 
     def busy(self, ino: int) -> bool:
         """Is a file at or under `ino` open?"""
-        node = self.cache.inode(ino)
+        node = self.table.get(ino)
         if node.is_reg:
             return node.opens > 0
         if not node.is_dir:
             return False
-        return any(self.cache.inode(row[1]).opens > 0
+        return any(self.table.get(row[1]).opens > 0
                    for _d, _rel, row in self.index.walk_with_inodes(ino)
                    if stat.S_ISREG(row[2]))
 
@@ -168,14 +170,14 @@ class Materialiser:
                        else set())
         existing = self.index.lookup(parent, name)
         if existing is not None:
-            node = self.cache.inode(existing)
+            node = self.table.get(existing)
             kind = "dir" if node.is_dir else "symlink" if stat.S_ISLNK(node.mode) else "file"
             if kind != m["kind"] or m["kind"] == "symlink" or (
                     m["kind"] == "file" and own.get("") != existing):
                 if not (restored and cur is not None and cur.root_ino == existing) or \
                         self.busy(existing):
                     raise InTheWay(f"a local {kind} is at {m['path']}")
-                self.cache.remove_tree(parent, name)
+                self.tree.remove_tree(parent, name)
                 existing = None
         keep: dict[str, int] = {}
         if existing is not None and m["kind"] == "dir":
@@ -206,14 +208,14 @@ class Materialiser:
             elif stat.S_ISREG(mode):
                 if own.get(rel) == ino:
                     keep[rel] = ino
-                elif (self.cache.inode(ino).version == 0 or ino in replaceable) and \
-                        restored and not self.cache.inode(ino).opens:
+                elif (self.table.get(ino).version == 0 or ino in replaceable) and \
+                        restored and not self.table.get(ino).opens:
                     remove.append((rel, d, n))
                 else:
                     raise InTheWay(f"{m['path']}/{rel} holds data this node has and the"
                                    " manifest does not name")
             elif stat.S_ISLNK(mode):
-                target = self.cache.inode(ino).target or b""
+                target = self.table.get(ino).target or b""
                 if want_links.get(rel) == escape_path(target):
                     keep[rel] = ino
                 elif restored:
@@ -228,7 +230,7 @@ class Materialiser:
                 raise InTheWay(f"{m['path']}/{rel} holds files this node wrote")
         for _rel, d, n in sorted(remove, key=lambda x: x[0].count("/")):
             if self.index.lookup(d, n) is not None:
-                self.cache.remove_tree(d, n)
+                self.tree.remove_tree(d, n)
         return keep
 
     def _place(self, b: _Build, d: int, fname: bytes, f: dict[str, Any], rel: str) -> None:
@@ -245,16 +247,16 @@ class Materialiser:
             if entry is None:
                 ino = None
             else:
-                self.cache.raw_move(entry[0], entry[1], d, fname)
+                self.tree.raw_move(entry[0], entry[1], d, fname)
                 b.moved.append(entry)
                 b.emptied.add(entry[0])
         if ino is not None:
-            node = self.cache.inode(ino)
+            node = self.table.get(ino)
             b.files.append((rel, ino, node.version, f["size"], mode, f.get("mtime_ns", 0),
                             obj_json))
             b.adopted += 1
             return
-        ino = self.cache.raw_create(d, fname, stat.S_IFREG | mode, size=f["size"],
+        ino = self.tree.raw_create(d, fname, stat.S_IFREG | mode, size=f["size"],
                                    mtime_ns=f.get("mtime_ns"), obj=obj_json)
         b.files.append((rel, ino, 0, f["size"], mode, f.get("mtime_ns", 0), obj_json))
 
@@ -264,13 +266,13 @@ class Materialiser:
         d = root
         for p in parts[:-1]:
             child = self.index.lookup(d, _b(p))
-            d = child if child is not None else self.cache.raw_create(
+            d = child if child is not None else self.tree.raw_create(
                 d, _b(p), stat.S_IFDIR | 0o755)
         return d, _b(parts[-1])
 
     def _materialise(self, m: Manifest, parent: int, name: bytes, existing: int | None,
                      b: _Build) -> tuple[int, list[SetFile], list[tuple[int, bytes]], int]:
-        raw = self.cache.raw_create
+        raw = self.tree.raw_create
         if m["kind"] == "file":
             (f,) = m["files"]
             self._place(b, parent, name, f, "")
@@ -303,7 +305,7 @@ class Materialiser:
             pd, dn = self._under(root, d["path"])
             ino = self.index.lookup(pd, dn)
             if ino is not None:
-                self.cache.raw_set_mtime(ino, d["mtime_ns"])
+                self.tree.raw_set_mtime(ino, d["mtime_ns"])
         self._drop_emptied(b.emptied, root)
         return root, b.files, b.moved, b.adopted
 
@@ -319,7 +321,7 @@ class Materialiser:
                 entry = self.index.dentry_of(cur)
                 if entry is None:
                     break
-                self.cache.remove_tree(*entry)
+                self.tree.remove_tree(*entry)
                 self.invalidate(*entry)
                 cur = entry[0]
 
@@ -339,9 +341,9 @@ class Materialiser:
             for p in parts[:-1]:
                 child = self.index.lookup(d, _b(p))
                 if child is None:
-                    child = self.cache.raw_create(d, _b(p), stat.S_IFDIR | 0o755)
+                    child = self.tree.raw_create(d, _b(p), stat.S_IFDIR | 0o755)
                     added.append((d, _b(p)))
-                elif not self.cache.inode(child).is_dir:
+                elif not self.table.get(child).is_dir:
                     blocked = True
                     break
                 d = child
@@ -353,7 +355,7 @@ class Materialiser:
             obj = StoredObject.from_json(f["object"])  # validates
             obj_json = json.dumps(obj.to_json())
             mode = stat.S_IMODE(f.get("mode", 0o644))
-            ino = self.cache.raw_create(d, name, stat.S_IFREG | mode, size=f["size"],
+            ino = self.tree.raw_create(d, name, stat.S_IFREG | mode, size=f["size"],
                                        mtime_ns=f.get("mtime_ns"), obj=obj_json)
             self.sets.add_file(seq, (f["path"], ino, 0, f["size"], mode,
                                      f.get("mtime_ns", 0), obj_json))

@@ -154,7 +154,7 @@ class PartPublisher:
                  inode_if_loaded: Callable[[int], Inode | None], retry_pause: float,
                  report_error: Callable[[str], None] | None = None) -> None:
         """`inode_if_loaded`: the in-memory inode of a file if the core has it loaded (sizes
-        of open files live there: CacheFs.inode_if_loaded). `report_error`: told the text of
+        of open files live there: InodeTable.if_loaded). `report_error`: told the text of
         each failed pass (the store's last error in `ckptfs status`). `lease`: no record is
         written or deleted unless it holds, and each names its generation."""
         self.index = index

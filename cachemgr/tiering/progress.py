@@ -37,8 +37,8 @@ from cachemgr.core.sets import KEPT_STATES, LIVE_STATES, SetRegistry, SetRow
 from cachemgr.format import names
 
 if TYPE_CHECKING:
-    from cachemgr.core.cache import Cache
     from cachemgr.core.index import Index
+    from cachemgr.core.inodes import InodeTable
     from cachemgr.tiering.signals import Signals, StoreHealth
 
 log = logging.getLogger(__name__)
@@ -115,10 +115,10 @@ class ProgressStats:
 class Progress:
     """Waits and per-set progress (see the module docstring)."""
 
-    def __init__(self, *, cache: Cache, index: Index, sets: SetRegistry, signals: Signals,
+    def __init__(self, *, table: InodeTable, index: Index, sets: SetRegistry, signals: Signals,
                  waiting_for: Callable[[int], dict[str, Any] | None],
                  blocked_by: Callable[[int], int | None]) -> None:
-        self.cache = cache
+        self.table = table
         self.index = index
         self.sets = sets
         self.signals = signals
@@ -254,7 +254,7 @@ class Progress:
         gone: list[str] = []
         for rel_, ino, version in missing:
             rel = f"{s.path}/{rel_}" if rel_ else s.path  # its path in the mount
-            node = self.cache.inode_if_loaded(ino)
+            node = self.table.if_loaded(ino)
             if node is not None and node.writers:
                 writing.append(rel)
                 continue
@@ -351,7 +351,7 @@ class Progress:
         if ino is None:
             return None
         try:
-            return ino if self.cache.inode(ino).is_dir else None
+            return ino if self.table.get(ino).is_dir else None
         except FsError:
             return None
 
@@ -384,7 +384,7 @@ class Progress:
         loose: list[str] = []
         for rel, ino, version, *_ in files:
             if (ino, version) not in contents:
-                if self.cache.inode(ino).writers:
+                if self.table.get(ino).writers:
                     writing[ino] = prefix + rel
                 else:
                     loose.append(prefix + rel)
@@ -440,7 +440,7 @@ class Progress:
         """Files waited for that were closed since: their sets are waited for instead."""
         for ino, p in list(writing.items()):
             try:
-                node = self.cache.inode(ino)
+                node = self.table.get(ino)
             except FsError:
                 node = None
             if node is None or not node.nlink:
@@ -494,7 +494,7 @@ class Progress:
             if ino is None:  # removed, or renamed away, before its upload
                 return {"state": "deleted", "seq": r.seq, "path": r.path,
                         "error": f"{r.path} is no longer in the mount ({r.error})"}
-            if r.kind == "file" and self.cache.inode(ino).is_reg:
+            if r.kind == "file" and self.table.get(ino).is_reg:
                 pending.discard(r.seq)  # the file is waited for: its next commit, at its close
                 writing[ino] = r.path
                 return self._dir_step(pending, durable, writing)

@@ -62,8 +62,9 @@ from cachemgr.store import NotFound, ObjectInfo, ObjectStore, StoreError
 from cachemgr.tiering.materialise import InTheWay, Manifest, Materialiser
 
 if TYPE_CHECKING:
-    from cachemgr.core.cache import Cache
     from cachemgr.core.index import Index
+    from cachemgr.core.inodes import InodeTable
+    from cachemgr.core.rawtree import RawTree
     from cachemgr.core.sets import SetRegistry
 
 log = logging.getLogger(__name__)
@@ -102,20 +103,22 @@ class RemoteStats:
 class RemoteSync:
     """Materialise the store's sets in the local namespace; see the module docstring."""
 
-    def __init__(self, *, cache: Cache, index: Index, sets: SetRegistry, store: ObjectStore,
-                 kernel: KernelNotifier, node: str, interval: float, mark_parts: Callable[[], None],
-                 changed: Callable[[], None]) -> None:
+    def __init__(self, *, table: InodeTable, tree: RawTree, index: Index, sets: SetRegistry,
+                 store: ObjectStore, kernel: KernelNotifier, node: str, interval: float,
+                 mark_parts: Callable[[], None], changed: Callable[[], None]) -> None:
         """`mark_parts`: every part record must be looked at again (PartPublisher.mark_all: a
         subtree moved or went). `changed`: the namespace changed (wakes waiters on sets and
         space: Tiering's `_changed_now`)."""
-        self.cache = cache
+        self.table = table
+        self.tree = tree
         self.index = index
         self.sets = sets
         self.store = store
         self.node = node
         self.mark_parts = mark_parts
         self.changed = changed
-        self.mat = Materialiser(cache=cache, index=index, sets=sets, kernel=kernel, node=node)
+        self.mat = Materialiser(table=table, tree=tree, index=index, sets=sets, kernel=kernel,
+                                node=node)
         self.interval = interval
         self.syncs = 0
         self.last_sync: float | None = None
@@ -291,12 +294,12 @@ class RemoteSync:
         name = _b(parts[-1])
         moved: list[tuple[int, bytes]] = []
         try:
-            # One transaction tied to memory (CacheFs.transaction): if the apply fails half
+            # One transaction tied to memory (InodeTable.tx): if the apply fails half
             # way, the index, the in-memory inodes and the cache files are as they were (cache
             # files of removed entries are deleted only once it committed).
-            with self.cache.transaction():
+            with self.table.tx():
                 # ensure_dirs takes names as os functions do (undecodable bytes as surrogates).
-                parent = self.cache.ensure_dirs([to_str(p) for p in parts[:-1]])
+                parent = self.tree.ensure_dirs([to_str(p) for p in parts[:-1]])
                 root, files, moved, adopted = self.mat.install(m, parent, name, cur)
                 if cur is not None and cur.state in KEPT_STATES:
                     self.sets.set_state(cur.seq, "replaced", "a newer manifest in the store")
@@ -339,7 +342,7 @@ class RemoteSync:
         with self.index.tx():
             if parent is not None and self.index.lookup(parent, name) == s.root_ino and \
                     not self.mat.busy(s.root_ino):
-                self.cache.remove_tree(parent, name)
+                self.tree.remove_tree(parent, name)
             self.sets.set_state(s.seq, "deleted", "its manifest left the store")
         self.removed += 1
         log.info("set %s left the store; removed it here", s.path)

@@ -2,12 +2,14 @@
 deletes and garbage-collects, evicts durable data, and answers "is it durable yet?".
 
 `Tiering` is the tiering part of the daemon's composition: built from the cache's owners
-(cachemgr.core.cache.Cache), it builds the tiering and restore services once, each with its
-collaborators, subscribes them to the owners' events (an inode purged, cached bytes freed),
-starts their tasks in one nursery (`run`) and answers the daemon (`status`, `statistics`,
-`wait`, `commit_path`). The core is built after it, from its services: `commits` (the core's
-hooks), `restorer` (read-through), `space` (room). The one cycle left: the Restorer is given
-`make_room` and `fetch`, delegations to `Space` and `Fetcher`, built after it from its `forget`.
+(cachemgr.core.cache.Cache), it builds the tiering and restore services once, each given only
+the owners it uses (of the inode table, the file cache, the raw tree, residency and the index:
+never the `Cache`) and its collaborators, subscribes them to the owners' events (an inode
+purged, cached bytes freed), starts their tasks in one nursery (`run`) and answers the daemon
+(`status`, `statistics`, `wait`, `commit_path`). The core is built after it, from its services:
+`commits` (the core's hooks), `restorer` (read-through), `space` (room). The one cycle left:
+the Restorer is given `make_room` and `fetch`, delegations to `Space` and `Fetcher`, built
+after it from its `forget`.
 The services:
 
   cachemgr.tiering.signals   Signals (the wake-ups between services) and StoreHealth (last error)
@@ -112,36 +114,39 @@ class Tiering:
         self.lease = Lease(store=store, node=self.node, index=self.index, lease=cfg.lease,
                            register_timeout=cfg.register_timeout)
         self.parts = PartPublisher(index=self.index, store=store, node=self.node,
-                                   lease=self.lease, inode_if_loaded=cache.inode_if_loaded,
+                                   lease=self.lease, inode_if_loaded=cache.table.if_loaded,
                                    retry_pause=cfg.retry_pause,
                                    report_error=self.store_health.record)
         self.members = Members(store=store, node=self.node, index=self.index, sets=self.sets,
                                parts=self.parts, lease=self.lease,
                                poll=cfg.refresh_interval if cfg.refresh_interval > 0 else 10.0)
-        self.restorer = Restorer(cache=cache, index=self.index, sets=self.sets, store=store,
+        self.restorer = Restorer(table=cache.table, files=cache.files,
+                                 residency=cache.residency, cache_dir=cache.cache_dir,
+                                 index=self.index, sets=self.sets, store=store,
                                  cache_size=cfg.cache_size, make_room=self.make_room,
                                  fetch_whole=self.fetch,
                                  live_members=self.members.live,
                                  concurrency=cfg.prefetch_concurrency, mode=cfg.prefetch,
                                  range_size=cfg.prefetch_range)
-        self.remote = RemoteSync(cache=cache, index=self.index, sets=self.sets, store=store,
-                                 kernel=kernel, node=self.node, interval=cfg.refresh_interval,
+        self.remote = RemoteSync(table=cache.table, tree=cache.tree, index=self.index,
+                                 sets=self.sets, store=store, kernel=kernel, node=self.node,
+                                 interval=cfg.refresh_interval,
                                  mark_parts=self.parts.mark_all, changed=self.signals.changed_now)
         self._build_services()
         self.running = False
 
     def _build_services(self) -> None:
         """The tiering services, each given its collaborators (see the module docstring)."""
-        cfg, restorer, parts = self.cfg, self.restorer, self.parts
+        cfg, restorer, parts, cache = self.cfg, self.restorer, self.parts, self.cache
         self.gatherer = Gatherer(
-            cache=self.cache, index=self.index, sets=self.sets, store=self.store, node=self.node,
-            signals=self.signals, ensure_all=restorer.ensure_all,
-            commit_acks=self.members.commit_acks, commit_timeout=cfg.commit_timeout,
-            gather_poll=cfg.gather_poll)
+            table=cache.table, files=cache.files, index=self.index, sets=self.sets,
+            store=self.store, node=self.node, signals=self.signals,
+            ensure_all=restorer.ensure_all, commit_acks=self.members.commit_acks,
+            commit_timeout=cfg.commit_timeout, gather_poll=cfg.gather_poll)
         self.space = Space(
-            cache=self.cache, sets=self.sets, signals=self.signals, forget=restorer.forget,
-            drop_partials=restorer.drop_partials, cache_size=cfg.cache_size,
-            keep_local=cfg.keep_local)
+            files=cache.files, residency=cache.residency, sets=self.sets, signals=self.signals,
+            forget=restorer.forget, drop_partials=restorer.drop_partials,
+            cache_size=cfg.cache_size, keep_local=cfg.keep_local)
         self.publisher = Publisher(
             index=self.index, sets=self.sets, store=self.store, node=self.node,
             signals=self.signals, health=self.store_health, gatherer=self.gatherer,
@@ -150,24 +155,26 @@ class Tiering:
             retention=self.space.retention, retry_pause=cfg.retry_pause,
             fence=self.lease.ensure)
         self.uploads = UploadQueue(
-            cache=self.cache, index=self.index, sets=self.sets, uploader=self.uploader,
-            node=self.node, signals=self.signals, health=self.store_health, mark_dir=parts.mark,
+            table=cache.table, files=cache.files, index=self.index, sets=self.sets,
+            uploader=self.uploader, node=self.node, signals=self.signals,
+            health=self.store_health, mark_dir=parts.mark,
             dir_published=lambda ino: ino in parts.published, ready=self.publisher.publish,
             gc=self.publisher.gc, spawn=self.publisher.spawn, retry_pause=cfg.retry_pause)
         self.commits = Committer(
-            cache=self.cache, index=self.index, sets=self.sets, uploads=self.uploads,
+            table=cache.table, index=self.index, sets=self.sets, uploads=self.uploads,
             publisher=self.publisher, signals=self.signals, forget=restorer.forget,
             written=restorer.clean.add, mark_dir=parts.mark, mark_all=parts.mark_all)
-        self.fetcher = Fetcher(cache=self.cache, store=self.store,
+        self.fetcher = Fetcher(table=cache.table, files=cache.files, residency=cache.residency,
+                               index=self.index, store=self.store,
                                wait_for_room=self.space.wait_for_room, obj_of=restorer.obj_of,
                                forget=restorer.forget)
-        self.progress = Progress(cache=self.cache, index=self.index, sets=self.sets,
+        self.progress = Progress(table=cache.table, index=self.index, sets=self.sets,
                                  signals=self.signals, waiting_for=self.gatherer.waiting,
                                  blocked_by=self.publisher.blocked_by)
         # what the cache's owners tell: an inode purged (a partly restored file's chunks go
         # with it, GC looks again), cached bytes freed (writers waiting for room look again)
-        self.cache.table.on_purged(self.commits.on_purge)
-        self.cache.files.on_space_freed(self.signals.changed_now)
+        cache.table.on_purged(self.commits.on_purge)
+        cache.files.on_space_freed(self.signals.changed_now)
 
     # ==========================================================================================
     # the service

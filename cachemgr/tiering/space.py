@@ -30,7 +30,8 @@ from typing import TYPE_CHECKING
 from cachemgr.core.sets import SetRegistry
 
 if TYPE_CHECKING:
-    from cachemgr.core.cache import Cache
+    from cachemgr.core.filecache import FileCache
+    from cachemgr.core.rawtree import Residency
     from cachemgr.tiering.signals import Signals
 
 log = logging.getLogger(__name__)
@@ -50,11 +51,12 @@ class SpaceStats:
 class Space:
     """Eviction and backpressure policy (see the module docstring)."""
 
-    def __init__(self, *, cache: Cache, sets: SetRegistry, signals: Signals,
-                 forget: Callable[[int], None],
+    def __init__(self, *, files: FileCache, residency: Residency, sets: SetRegistry,
+                 signals: Signals, forget: Callable[[int], None],
                  drop_partials: Callable[[int, set[int] | frozenset[int]], bool],
                  cache_size: int | None, keep_local: int | None) -> None:
-        self.cache = cache
+        self.files = files
+        self.residency = residency
         self.sets = sets
         self.signals = signals
         self._forget = forget                # restore.restorer: a file's chunks left the cache
@@ -70,7 +72,7 @@ class Space:
         return self.cache_size
 
     def _evict(self, ino: int, version: int) -> None:
-        if self.cache.evict(ino, version):
+        if self.residency.evict(ino, version):
             self.evicted += 1
             self._forget(ino)
 
@@ -91,18 +93,18 @@ class Space:
         limit = self.cache_size
         if limit is None:
             return True
-        if self.cache.cached_bytes + need <= limit:
+        if self.files.cached_bytes + need <= limit:
             return True
         newest = self.sets.by_states(("durable",))
         keep = {r[1] for r in self.sets.files(newest[-1].seq)} if newest else set()
-        cands = [c for c in self.cache.eviction_candidates() if c[0] not in protect]
+        cands = [c for c in self.residency.eviction_candidates() if c[0] not in protect]
         # The newest durable set goes last, not never: when it is all that can make room (a
         # file being written plus the last checkpoint exceed the limit), skipping it would
         # block the writer forever.
         for ino, version in ([c for c in cands if c[0] not in keep] +
                              [c for c in cands if c[0] in keep]):
             self._evict(ino, version)
-            if self.cache.cached_bytes + need <= limit:
+            if self.files.cached_bytes + need <= limit:
                 return True
         # Then the chunks of partly restored files nobody has open (they count too).
         return self._drop_partials(need, protect)
@@ -113,12 +115,12 @@ class Space:
         while not self.make_room(need):
             if not warned:
                 log.warning("cache full (%d of %d bytes, none evictable yet): writers wait for"
-                            " uploads", self.cache.cached_bytes, self.cache_size)
+                            " uploads", self.files.cached_bytes, self.cache_size)
                 warned = True
                 self.waits += 1
             await self.signals.wait_changed()
 
     def statistics(self) -> SpaceStats:
         return SpaceStats(cache_size=self.cache_size, keep_local=self.keep_local,
-                          cached_bytes=self.cache.cached_bytes, evicted=self.evicted,
+                          cached_bytes=self.files.cached_bytes, evicted=self.evicted,
                           waits=self.waits)

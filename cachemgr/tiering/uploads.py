@@ -48,8 +48,9 @@ from cachemgr.store import StoreError
 from cachemgr.transfer.upload import Superseded, Uploader
 
 if TYPE_CHECKING:
-    from cachemgr.core.cache import Cache
+    from cachemgr.core.filecache import FileCache
     from cachemgr.core.index import Index
+    from cachemgr.core.inodes import InodeTable
     from cachemgr.tiering.signals import Signals, StoreHealth
 
 log = logging.getLogger(__name__)
@@ -85,12 +86,13 @@ class UploadQueueStats:
 class UploadQueue:
     """Pending uploads, the workers that do them, and their statistics."""
 
-    def __init__(self, *, cache: Cache, index: Index, sets: SetRegistry, uploader: Uploader,
-                 node: str, signals: Signals, health: StoreHealth,
+    def __init__(self, *, table: InodeTable, files: FileCache, index: Index, sets: SetRegistry,
+                 uploader: Uploader, node: str, signals: Signals, health: StoreHealth,
                  mark_dir: Callable[[int], object], dir_published: Callable[[int], bool],
                  ready: Callable[[int], None], gc: Callable[[], None], spawn: Spawn,
                  retry_pause: float) -> None:
-        self.cache = cache
+        self.table = table
+        self.files = files
         self.index = index
         self.sets = sets
         self.uploader = uploader
@@ -192,7 +194,7 @@ class UploadQueue:
             await self._upload(job)
 
     def _valid(self, ino: int, version: int) -> bool:
-        node = self.cache.inode_if_loaded(ino)
+        node = self.table.if_loaded(ino)
         if node is not None:
             return bool(node.version == version and node.nlink > 0 and not node.writers)
         return self.content_present(ino, version)
@@ -217,7 +219,7 @@ class UploadQueue:
         row = self.index.inode_fields(ino, "obj_version", "size")
         if row is None or row[0] == version:
             return  # already uploaded (e.g. enqueued twice)
-        node = self.cache.inode_if_loaded(ino)
+        node = self.table.if_loaded(ino)
         size: int = node.size if node is not None else row[1]
         key = self._key_for(ino, version, size)
         self._running[(ino, version)] = job
@@ -226,7 +228,7 @@ class UploadQueue:
         try:
             with job.cancel:
                 obj = await self.uploader.upload_file(
-                    self.cache.data_path(ino), key, size=size,
+                    self.files.path(ino), key, size=size,
                     still_valid=lambda: self._valid(ino, version), progress=self._progress)
         except Superseded:
             self.uploads_cancelled += 1
