@@ -15,8 +15,9 @@ documented exit code before the next one starts):
                 (fails: EXIT_STORE), bind the cache dir to the store URL (another URL:
                 EXIT_CACHE_DIR).
   5. services   bottom-up, each whole when its constructor returns: the foreground signal,
-                `Tiering` from the cache (it builds its services), the core `CacheFs` from the
-                cache and those services, `Filesystem`, then `FuseOps`.
+                `Tiering` from the cache (it builds its services, each from the cache's owners
+                it uses), the core `CacheFs` from the cache and those services, `Filesystem`,
+                then `FuseOps`.
   6. mount      open the FUSE session (`fuse.mount_and_serve`; fails: EXIT_NOT_READY).
   7. serve      `trio.run`: one nursery holds, started in this order, the control socket, the
                 tiering services, the metrics scrape hook (the loop's token), readiness (stat

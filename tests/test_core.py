@@ -98,7 +98,7 @@ def read_all(fs: CacheFs, ino: int) -> bytes:
 
 def forget(fs: CacheFs, ino: int) -> None:
     """The kernel drops every reference it holds on `ino`."""
-    fs.forget(ino, fs.cache.inode(ino).lookups)
+    fs.forget(ino, fs.cache.table.get(ino).lookups)
 
 
 def names(fs: CacheFs, d: int) -> list[bytes]:
@@ -316,7 +316,7 @@ def test_remove_tree_of_a_deep_tree(fs):
         chain.append(d)
     bottom = mkfile(fs, d, b"f", b"bottom")
     fh = fs.open(bottom, os.O_RDONLY).fh
-    fs.cache.remove_tree(ROOT, b"top")
+    fs.cache.tree.remove_tree(ROOT, b"top")
     assert fs.index.lookup(ROOT, b"top") is None and names(fs, ROOT) == []
     assert fs.getattr(ROOT).nlink == 2
     assert fs.read(fh, 0, 100) == b"bottom"  # still readable through its descriptor
@@ -835,9 +835,9 @@ class _Reads:
         self.calls: list[tuple] = []
 
     def _fill(self, ino: int) -> None:
-        with open(self.fs.cache.data_path(ino), "r+b") as f:
+        with open(self.fs.cache.files.path(ino), "r+b") as f:
             f.write(self.data)
-        self.fs.cache.fetched(ino, len(self.data))
+        self.fs.cache.residency.fetched(ino, len(self.data))
         self.clean.add(ino)
 
     async def ensure_all(self, ino: int) -> None:
@@ -877,8 +877,8 @@ def test_filesystem_read_through_and_backpressure(fs):
     from cachemgr.core.fs import Filesystem
 
     data = b"restored bytes"
-    ino = fs.cache.raw_create(ROOT, b"r", stat.S_IFREG | 0o644, size=len(data), obj="{}")
-    w = fs.cache.raw_create(ROOT, b"w", stat.S_IFREG | 0o644, size=len(data), obj="{}")
+    ino = fs.cache.tree.raw_create(ROOT, b"r", stat.S_IFREG | 0o644, size=len(data), obj="{}")
+    w = fs.cache.tree.raw_create(ROOT, b"w", stat.S_IFREG | 0o644, size=len(data), obj="{}")
     fsys = Filesystem(fs, Foreground())
     # No store: an evicted file cannot be opened for writing (nothing to fetch it from).
     with pytest.raises(FsError) as e:
@@ -894,7 +894,7 @@ def test_filesystem_read_through_and_backpressure(fs):
     fs.release(res.fh)
     # A write-open without O_TRUNC fetches the whole file first.
     res = trio.run(fsys.open, w, os.O_WRONLY, None)
-    assert ("all", w) in reads.calls and fs.cache.inode(w).cached == 1
+    assert ("all", w) in reads.calls and fs.cache.table.get(w).cached == 1
     # Under --cache-size a write past the limit waits for room first, then writes.
     assert trio.run(fsys.write, res.fh, len(data), b"x" * 10) == 10
     assert room.asked == [10]
@@ -911,7 +911,7 @@ def test_residency_and_restored_entries_change_memory_only_with_the_index(fs, mo
     from cachemgr.core.index import IndexFull
 
     ino = mkfile(fs, ROOT, b"f", b"data" * 100)
-    node = fs.cache.inode(ino)
+    node = fs.cache.table.get(ino)
     fs.index.set_uploaded(ino, node.version, "{}")   # its content is in the store
     real = fs.index.set_cached
 
@@ -919,14 +919,14 @@ def test_residency_and_restored_entries_change_memory_only_with_the_index(fs, mo
         raise IndexFull("injected: cache disk full", released=False)
     monkeypatch.setattr(fs.index, "set_cached", full)
     with pytest.raises(IndexFull):
-        fs.cache.evict(ino, node.version)
+        fs.cache.residency.evict(ino, node.version)
     assert node.cached == 1 and os.path.getsize(fs.files.path(ino)) == 400
     assert fs.check_consistency() == []
     monkeypatch.setattr(fs.index, "set_cached", real)
-    assert fs.cache.evict(ino, node.version) and node.cached == 0
+    assert fs.cache.residency.evict(ino, node.version) and node.cached == 0
     monkeypatch.setattr(fs.index, "set_cached", full)
     with pytest.raises(IndexFull):
-        fs.cache.fetched(ino, 400)
+        fs.cache.residency.fetched(ino, 400)
     assert node.cached == 0
     assert fs.check_consistency() == []
     monkeypatch.setattr(fs.index, "set_cached", real)
@@ -935,7 +935,7 @@ def test_residency_and_restored_entries_change_memory_only_with_the_index(fs, mo
     monkeypatch.setattr(fs.index, "add_dentry", full)
     before = set(os.listdir(fs.files.path(ino).rsplit("/", 1)[0]))
     with pytest.raises(IndexFull):
-        fs.cache.raw_create(ROOT, b"r", stat.S_IFREG | 0o644, size=10, obj="{}")
+        fs.cache.tree.raw_create(ROOT, b"r", stat.S_IFREG | 0o644, size=10, obj="{}")
     assert set(os.listdir(fs.files.path(ino).rsplit("/", 1)[0])) == before
     assert fs.index.lookup(ROOT, b"r") is None
     assert fs.check_consistency() == []

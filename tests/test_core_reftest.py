@@ -166,7 +166,7 @@ class Node:
 
     def fill(self, ino: int, off: int = 0, size: int | None = None) -> None:
         """What FuseOps does before a read or a write-open of data not in the cache."""
-        if self.core.cache.needs_fetch(ino):
+        if self.core.cache.residency.needs_fetch(ino):
             if size is None:
                 trio.run(self.t.restorer.ensure_all, ino)
             else:
@@ -189,7 +189,7 @@ class Node:
                 node = self.core.getattr(child)
                 if stat.S_ISDIR(node.mode):
                     out[name] = walk(child)
-                elif not fetch and self.core.cache.needs_fetch(child):
+                elif not fetch and self.core.cache.residency.needs_fetch(child):
                     out[name] = ("evicted", node.size)
                 else:
                     out[name] = self.read(child)
@@ -623,10 +623,10 @@ class CoreMachine(RuleBasedStateMachine):
         fill from the store)."""
         # (What is uploaded after a crash inside the service depends on the trio scheduler:
         # no precondition may depend on it, or hypothesis's replays diverge.)
-        cands = self.node.core.cache.eviction_candidates()
+        cands = self.node.core.cache.residency.eviction_candidates()
         if cands:
             ino, version = cands[pick % len(cands)]
-            assert self.node.core.cache.evict(ino, version)
+            assert self.node.core.cache.residency.evict(ino, version)
             SEEN["evict"] += 1
             if then_read:
                 path = next(p for p in self.files if self.node.resolve(p) == ino)
@@ -639,7 +639,7 @@ class CoreMachine(RuleBasedStateMachine):
     def read(self, data, off: int, size: int) -> None:
         path = data.draw(st.sampled_from(sorted(self.files)))
         want = self.files[path][off:off + size]
-        SEEN["read of evicted data"] += self.node.core.cache.needs_fetch(self.ino(path))
+        SEEN["read of evicted data"] += self.node.core.cache.residency.needs_fetch(self.ino(path))
         assert self.node.read(self.ino(path), off, size) == want, path
 
     @precondition(lambda self: self.open or self.pending)

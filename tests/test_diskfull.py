@@ -97,7 +97,7 @@ def memory_matches_index(fs: CacheFs) -> list[str]:
     for ino, mode, row_size, cached in fs.index.conn.execute(
             "SELECT ino, mode, size, cached FROM inodes"):
         if stat.S_ISREG(mode) and cached:
-            node = fs.cache.inode_if_loaded(ino)
+            node = fs.cache.table.if_loaded(ino)
             size = node.size if node is not None else row_size
             # --cache-size counts blocks: a hole a file was grown over does not count.
             hole = fs.files.hole(ino)
@@ -131,7 +131,7 @@ def test_full_disk_close_and_delete_use_the_reserve_and_it_comes_back(disk, capl
     assert fs.index.reserve_held
     assert os.stat(cache / "index.reserve").st_blocks * 512 >= RESERVE_BYTES
     old = mkfile(fs, ROOT, b"old.pt", os.urandom(20 * MiB))
-    fs.forget(old, fs.cache.inode(old).lookups)
+    fs.forget(old, fs.cache.table.get(old).lookups)
     # The trainer writes the next checkpoint until the disk is full, and closes it.
     res, node = fs.create(ROOT, b"new.pt", 0o644, os.O_WRONLY | os.O_CREAT, UID, GID)
     chunk = os.urandom(MiB)
@@ -144,7 +144,7 @@ def test_full_disk_close_and_delete_use_the_reserve_and_it_comes_back(disk, capl
     fs.release(res.fh)  # needs the reserve
     assert "released the 8 MiB index reserve" in caplog.text
     assert not fs.index.reserve_held and free_bytes(disk) > RESERVE_BYTES - MiB
-    size = fs.cache.inode(node.ino).size
+    size = fs.cache.table.get(node.ino).size
     assert fs.index.get_inode(node.ino)[INODE_COLUMNS.index("size")] == size
     # What the reserve freed is not for file data.
     res = fs.open(node.ino, os.O_WRONLY | os.O_APPEND)
@@ -164,7 +164,7 @@ def test_full_disk_close_and_delete_use_the_reserve_and_it_comes_back(disk, capl
     fs.close()
     fs = CacheFs.load(cache)
     assert [bytes(n) for _, n, _ in fs.index.list_dentries(ROOT, 0, 10)] == [b"new.pt"]
-    assert fs.cache.inode(node.ino).size == size
+    assert fs.cache.table.get(node.ino).size == size
     assert fs.check_consistency() == []
     fs.close()
 
@@ -179,7 +179,7 @@ def _setup(fs: CacheFs) -> dict[str, int]:
     inos["in_d"] = mkfile(fs, d, b"f", b"f" * 10)
     fs.setxattr(inos["a"], b"user.k", b"v")
     # "gone" is unlinked and the kernel holds no reference: the next drop purges it.
-    fs.forget(inos["gone"], fs.cache.inode(inos["gone"]).lookups)
+    fs.forget(inos["gone"], fs.cache.table.get(inos["gone"]).lookups)
     return inos
 
 
@@ -192,7 +192,7 @@ def _open_dirty(fs: CacheFs, ino: int) -> int:
 # name -> (prepare(fs, inos) -> ctx, operation(fs, inos, ctx)); each needs an index write.
 OPERATIONS = {
     "unlink": (None, lambda fs, i, c: fs.unlink(ROOT, b"a")),
-    "unlink+purge": (lambda fs, i: fs.forget(i["b"], fs.cache.inode(i["b"]).lookups),
+    "unlink+purge": (lambda fs, i: fs.forget(i["b"], fs.cache.table.get(i["b"]).lookups),
                      lambda fs, i, c: fs.unlink(ROOT, b"b")),
     "rmdir": (None, lambda fs, i, c: fs.rmdir(ROOT, b"e")),
     "rename": (None, lambda fs, i, c: fs.rename(ROOT, b"a", i["d"], b"a2")),
@@ -216,8 +216,8 @@ OPERATIONS = {
     "fsync": (lambda fs, i: _open_dirty(fs, i["a"]), lambda fs, i, fh: fs.fsync(fh, False)),
     "setxattr": (None, lambda fs, i, c: fs.setxattr(i["b"], b"user.x", b"y")),
     "removexattr": (None, lambda fs, i, c: fs.removexattr(i["a"], b"user.k")),
-    "remove_tree": (None, lambda fs, i, c: fs.cache.remove_tree(ROOT, b"d")),
-    "raw_move": (None, lambda fs, i, c: fs.cache.raw_move(i["d"], b"f", ROOT, b"moved")),
+    "remove_tree": (None, lambda fs, i, c: fs.cache.tree.remove_tree(ROOT, b"d")),
+    "raw_move": (None, lambda fs, i, c: fs.cache.tree.raw_move(i["d"], b"f", ROOT, b"moved")),
 }
 
 
@@ -279,22 +279,23 @@ def test_release_and_forget_on_a_full_disk_keep_memory_for_later(disk):
     fs.cache.recover()
     inos = _setup(fs)
     fh = _open_dirty(fs, inos["a"])
-    size = fs.cache.inode(inos["a"]).size
+    size = fs.cache.table.get(inos["a"]).size
     fs.unlink(ROOT, b"b")
     wal_empty(fs)
     filler = fill(disk)
     with pytest.raises(FsError) as e:
         fs.release(fh)
     assert e.value.errno == errno.ENOSPC
-    assert fs.handles.find(fh) is None and fs.cache.inode(inos["a"]).opens == 0
-    assert fs.cache.inode(inos["a"]).dirty
-    fs.forget(inos["b"], fs.cache.inode(inos["b"]).lookups)  # the purge fails: kept, no exception
-    assert fs.cache.inode_if_loaded(inos["b"]) is not None
+    assert fs.handles.find(fh) is None and fs.cache.table.get(inos["a"]).opens == 0
+    assert fs.cache.table.get(inos["a"]).dirty
+    # the purge fails: kept, no exception
+    fs.forget(inos["b"], fs.cache.table.get(inos["b"]).lookups)
+    assert fs.cache.table.if_loaded(inos["b"]) is not None
     assert memory_matches_index(fs) == []
     assert fs.check_consistency() == []
     filler.unlink()
-    fs.forget(inos["a"], fs.cache.inode(inos["a"]).lookups)  # persists "a", then purges "b"
-    assert fs.cache.inode_if_loaded(inos["b"]) is None and fs.index.get_inode(inos["b"]) is None
+    fs.forget(inos["a"], fs.cache.table.get(inos["a"]).lookups)  # persists "a", then purges "b"
+    assert fs.cache.table.if_loaded(inos["b"]) is None and fs.index.get_inode(inos["b"]) is None
     assert fs.index.get_inode(inos["a"])[INODE_COLUMNS.index("size")] == size
     assert fs.check_consistency() == []
     fs.close()

@@ -109,7 +109,7 @@ def test_refused_registration(fs, kernel):
 
 def test_takes_in_what_the_kernel_wrote(fs, kernel):
     res, node = create(fs, b"f")
-    path = fs.cache.data_path(node.ino)
+    path = fs.cache.files.path(node.ino)
     before = fs.files.cached_bytes
     with open(path, "r+b") as f:  # the kernel writing the backing file
         f.write(b"x" * 5000)

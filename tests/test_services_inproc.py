@@ -631,7 +631,7 @@ def test_a_set_committed_while_a_file_is_open_and_a_lost_upload_are_named(node, 
         node.write("lost.pt", b"l" * 3000)
         ino = node.core.index.resolve("lost.pt")
         await until(lambda: store.held, "lost.pt's upload to be held")
-        node.t.uploads.drop(ino, node.core.cache.inode(ino).version)  # cancels it: lost
+        node.t.uploads.drop(ino, node.core.cache.table.get(ino).version)  # cancels it: lost
         got = await until(lambda: (g := stuck(node)) and "lost.pt" in g and
                           g["lost.pt"]["waits_for"] == "upload_lost" and g,
                           "lost.pt to be named")
@@ -735,7 +735,7 @@ def test_ensure_range_fills_only_the_chunks_a_range_needs(tmp_path, node, store)
     try:
         trio.run(other.t.remote.sync_once)
         ino = other.core.index.resolve("model.pt")
-        assert ino is not None and other.core.cache.needs_fetch(ino)
+        assert ino is not None and other.core.cache.residency.needs_fetch(ino)
         r = other.t.restorer
         before = r.status()["chunks_fetched"]
         off, size = 2 * CHUNK + 10, CHUNK  # spans chunks 2 and 3
@@ -744,7 +744,7 @@ def test_ensure_range_fills_only_the_chunks_a_range_needs(tmp_path, node, store)
         fh = other.core.open(ino, os.O_RDONLY).fh
         assert other.core.read(fh, off, size) == data[off:off + size]
         other.core.release(fh)
-        assert other.core.cache.needs_fetch(ino)  # the rest is still in the store
+        assert other.core.cache.residency.needs_fetch(ino)  # the rest is still in the store
         assert other.core.check_consistency() == []
         trio.run(r.ensure_all, ino)
         assert r.status()["chunks_fetched"] - before == 6
@@ -774,7 +774,7 @@ def test_a_chunk_the_store_keeps_failing_costs_one_retry_budget_then_eio(tmp_pat
     try:
         trio.run(other.t.remote.sync_once)
         ino = other.core.index.resolve("model.pt")
-        assert ino is not None and other.core.cache.needs_fetch(ino)
+        assert ino is not None and other.core.cache.residency.needs_fetch(ino)
         faulty.fail_next("get", 1000)
         gets = faulty.calls.get("get", 0)
         with pytest.raises(FsError) as e:

@@ -59,7 +59,7 @@ def write_file(fs, parent: int, name: bytes, data: bytes = b"x", fsync: bool = F
     if existing is None:
         res, node = fs.create(parent, name, 0o644, O_W, 0, 0)
     else:
-        node = fs.cache.inode(existing)
+        node = fs.cache.table.get(existing)
         res = fs.open(existing, O_W)
     fs.write(res.fh, 0, data)
     if fsync:
@@ -189,7 +189,7 @@ def test_crash_while_writing_supersedes_commits_of_old_content(tmp_path):
     ino = core.lookup(ROOT, b"model.pt").ino
     res = core.open(ino, os.O_WRONLY)  # a writer is active when the daemon dies
     core.write(res.fh, 0, b"v2-partial")
-    version = core.cache.inode(ino).version
+    version = core.cache.table.get(ino).version
     core.index.conn.close()  # kill -9: nothing is released or flushed
     again, t = attach(Cache.open(tmp_path / "cache"), LocalStore(tmp_path / "store"))
     t.commits.recover()
@@ -246,7 +246,7 @@ def test_publication_waits_for_the_set_committed_before_it(tmp_path):
     write_file(core, ROOT, b"b.pt", b"B" * 1000)
     seq_a, seq_b = (s.seq for s in t.sets.recent(10))
     # a.pt's upload is held back: b.pt is uploaded first, and is not published before a.pt.
-    t.uploads.drop(a, core.cache.inode(a).version)
+    t.uploads.drop(a, core.cache.table.get(a).version)
     # (b.pt's upload done and its publish event taken: both happen without an await between
     # them and the decision to hold it back.)
     _drive(t, lambda: t.uploads.statistics().done == 1 and
@@ -255,7 +255,7 @@ def test_publication_waits_for_the_set_committed_before_it(tmp_path):
     assert sets(core) == {"a.pt": "committed", "b.pt": "uploading"}
     assert not _has_manifest(store, "a.pt") and not _has_manifest(store, "b.pt")
     # a.pt uploads and publishes; its state change releases b.pt, published after it.
-    t.uploads.enqueue(a, core.cache.inode(a).version)
+    t.uploads.enqueue(a, core.cache.table.get(a).version)
     _drive(t, lambda: sets(core) == {"a.pt": "durable", "b.pt": "durable"})
     assert t.publisher.blocked_by(seq_b) is None
     assert _has_manifest(store, "a.pt") and _has_manifest(store, "b.pt")
@@ -341,5 +341,5 @@ def test_a_close_the_full_disk_kept_from_being_recorded_is_recorded_at_the_next(
     fail[0] = False                           # the user deleted something: room again
     write_file(fs, ROOT, b"other.pt")         # any later close retries it
     assert sets(fs) == {"model.pt": "committed", "other.pt": "committed"}
-    assert fs.cache.inode(node.ino).writing == 0
+    assert fs.cache.table.get(node.ino).writing == 0
     assert fs.fileops._unclosed == {}

@@ -13,8 +13,11 @@ the only owner of its part:
     RawTree     (cachemgr.core.rawtree)    tree changes for restored sets (remote, restore)
     Residency   (cachemgr.core.rawtree)    eviction and refill
 
-and the few questions the services ask of them (`inode`, `data_path`, `transaction`, ...). The
-tiering and restore services are built from a `Cache`; then the POSIX operations over it
+`Cache` itself answers nothing about files: it is the owners, `open` (with crash recovery,
+`recover`), `check_consistency` (cachemgr.core.fsck) and `close`. The tiering and restore
+services are built from the owners each of them uses (cachemgr.tiering.services.Tiering hands
+them out: a service asks `InodeTable.get`, `FileCache.path`, `RawTree.raw_create`,
+`Residency.evict` ... itself); then the POSIX operations over the cache
 (cachemgr.core.fs.CacheFs) from the cache and those services; then the FUSE adapter. Nothing
 here calls out to a layer above: what the owners have to tell (an inode purged, cached bytes
 freed) are their own events, which the services subscribe to as they are built.
@@ -32,20 +35,18 @@ files from worker threads through `FileCache.fill` (module docstring of cachemgr
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import json
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from cachemgr.core import fsck
 from cachemgr.core.errors import FsError
 from cachemgr.core.filecache import FileCache
 from cachemgr.core.fileops import CoreStats
 from cachemgr.core.index import Index
-from cachemgr.core.inodes import Inode, InodeTable, retrying
+from cachemgr.core.inodes import InodeTable, retrying
 from cachemgr.core.passthrough import Backings
 from cachemgr.core.rawtree import RawTree, Residency
 from cachemgr.core.xattrs import Xattrs
@@ -115,67 +116,13 @@ class Cache:
         """Bring index and cache files into agreement after a crash (cachemgr.core.fsck)."""
         return fsck.recover(self.index, self.files)
 
+    def check_consistency(self) -> list[str]:
+        """Invariants of index and cache files, for tests and `ckptfs fsck`-style checks."""
+        return fsck.check(self.index, self.table, self.files)
+
     def close(self) -> None:
         """Persist the inodes and release the index (after the operations closed their
         handles: CacheFs.close)."""
         retrying(self.table.persist_all)
         self.index.sync()
         self.index.close()
-
-    # -- what the services ask -----------------------------------------------------------------
-
-    @property
-    def cached_bytes(self) -> int:
-        """Bytes of file data in cache files (FileCache owns it)."""
-        return self.files.cached_bytes
-
-    def inode(self, ino: int) -> Inode:
-        return self.table.get(ino)
-
-    def inode_if_loaded(self, ino: int) -> Inode | None:
-        """The in-memory inode if the table holds it (open, known to the kernel, or loaded
-        since), without reading the index: what tiering asks about files being written."""
-        return self.table.if_loaded(ino)
-
-    def data_path(self, ino: int) -> str:
-        return self.files.path(ino)
-
-    @contextlib.contextmanager
-    def transaction(self, *nodes: Inode) -> Iterator[None]:
-        """`InodeTable.tx`: for the services that change the tree without the kernel."""
-        with self.table.tx(*nodes):
-            yield
-
-    # -- restored sets and residency (cachemgr.core.rawtree) -----------------------------------
-
-    def ensure_dirs(self, parts: list[str]) -> int:
-        return self.tree.ensure_dirs(parts)
-
-    def raw_create(self, parent: int, name: bytes, mode: int, **kw: Any) -> int:
-        return self.tree.raw_create(parent, name, mode, **kw)
-
-    def raw_set_mtime(self, ino: int, mtime_ns: int) -> None:
-        self.tree.raw_set_mtime(ino, mtime_ns)
-
-    def raw_move(self, old_parent: int, old_name: bytes, new_parent: int,
-                 new_name: bytes) -> None:
-        self.tree.raw_move(old_parent, old_name, new_parent, new_name)
-
-    def remove_tree(self, parent: int, name: bytes) -> None:
-        self.tree.remove_tree(parent, name)
-
-    def needs_fetch(self, ino: int) -> bool:
-        return self.residency.needs_fetch(ino)
-
-    def eviction_candidates(self) -> list[tuple[int, int]]:
-        return self.residency.eviction_candidates()
-
-    def evict(self, ino: int, version: int) -> bool:
-        return self.residency.evict(ino, version)
-
-    def fetched(self, ino: int, size: int) -> None:
-        self.residency.fetched(ino, size)
-
-    def check_consistency(self) -> list[str]:
-        """Invariants of index and cache files, for tests and `ckptfs fsck`-style checks."""
-        return fsck.check(self.index, self.table, self.files)

@@ -23,7 +23,7 @@ Two classes, no FUSE dependency (tested in-process as well as through a real mou
     cachemgr.host.foreground), and the optional worker threads for pread/pwrite (--io-threads).
 
 Built bottom-up by the composition root (ckptfs.daemon): `Cache.open`, then the tiering and
-restore services from the cache, then `CacheFs(cache, hooks=, reads=, room=)`, then
+restore services from the cache's owners, then `CacheFs(cache, hooks=, reads=, room=)`, then
 `Filesystem(core, foreground)`, then the FUSE adapter; each is whole when its constructor
 returns. `CacheFs.load` is a cache with no store (the stand-ins of cachemgr.core.hooks).
 
@@ -289,7 +289,7 @@ class Filesystem:
 
     async def ensure_cached(self, ino: int) -> None:
         """Data not in the cache comes back from the store before anything changes it."""
-        if self.core.cache.needs_fetch(ino):
+        if self.core.cache.residency.needs_fetch(ino):
             await self.core.reads.ensure_all(ino)
 
     async def setattr(self, ino: int, *, truncating: bool, **kw: Any) -> Inode:
