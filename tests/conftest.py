@@ -7,6 +7,8 @@ run instead of skipping (the brief: a test that cannot mount must fail in CI).
 
 from __future__ import annotations
 
+import multiprocessing
+import multiprocessing.context
 import os
 import re
 import shutil
@@ -72,6 +74,33 @@ def assert_loaded(saved: dict, loaded: dict, rank: int) -> None:
             assert loaded[k] == v, (rank, k)
 
 
+# Gloo ranks start from a forkserver: one process per test process that imports torch once,
+# from which every rank is forked. A spawned rank re-imports torch and its test module (~2 s of
+# CPU each on this 2-core machine; the multi-node and torch tests start dozens), and forking the
+# pytest worker itself is not safe: it has threads (execnet's, the tests' own), whose locks a
+# forked child may inherit held. The ranks get everything through their arguments, not from
+# the environment (the forkserver's is that of its start).
+RANK_PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint",
+                "torch.distributed.tensor"]
+
+
+def rank_context() -> multiprocessing.context.ForkServerContext:
+    """The multiprocessing context gloo ranks start from (see RANK_PRELOAD)."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(RANK_PRELOAD)  # no effect once its server runs: the same list
+    return ctx
+
+
+def start_ranks(fn, args: tuple, nprocs: int) -> None:
+    """torch.multiprocessing.start_processes(fn, args, nprocs) from the ranks' forkserver:
+    returns when every rank exited 0, raises ProcessRaisedException / ProcessExitedException
+    otherwise."""
+    import torch.multiprocessing as mp
+
+    rank_context()
+    mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method="forkserver")
+
+
 def is_mounted(path: Path) -> bool:
     target = os.path.abspath(path)
     with open("/proc/self/mountinfo") as f:
@@ -114,11 +143,15 @@ class Mount:
         return res
 
     def status(self) -> dict:
+        """What `ckptfs status MOUNTPOINT --json` prints, asked in this process: the same
+        request to the daemon's control socket and the same JSON (ckptfs.api.status) without a
+        process start for each of a wait_for's polls (test_status and test_cli run the
+        command itself)."""
         import json
 
-        res = run_cli("status", str(self.mountpoint), "--json")
-        assert res.returncode == 0, res.stderr
-        return json.loads(res.stdout)
+        import ckptfs.api
+
+        return json.loads(json.dumps(ckptfs.api.status(self.mountpoint.absolute())))
 
     @property
     def passthrough(self) -> bool:

@@ -24,7 +24,6 @@ Every test checks at the end that no daemon logged an unexpected error.
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import shutil
 import signal
@@ -39,7 +38,7 @@ torch = pytest.importorskip("torch")
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from ckpt_restore import S3StoreView, manifests, restore
-from conftest import assert_loaded, run_cli, wait_for
+from conftest import assert_loaded, rank_context, run_cli, wait_for
 
 import ckptfs
 
@@ -176,7 +175,7 @@ def run_ranks(tmp: Path, ckpts: list[str], seed: int, mode: str = "save", kill_r
               big: bool = False, timeout: float = 240) -> list[int]:
     """Run len(ckpts) gloo ranks (rank r uses ckpts[r]); returns their exit codes."""
     init = tmp / f"pg-{mode}-{seed}-{time.monotonic_ns()}"
-    ctx = multiprocessing.get_context("spawn")
+    ctx = rank_context()
     procs = [ctx.Process(target=_rank, args=(r, len(ckpts), str(init), ckpts, seed, mode,
                                              kill_rank, big)) for r in range(len(ckpts))]
     for p in procs:

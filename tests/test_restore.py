@@ -27,9 +27,8 @@ import pytest
 torch = pytest.importorskip("torch")
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
 from ckpt_restore import FileStoreView, S3StoreView, manifests
-from conftest import run_cli, wait_for
+from conftest import run_cli, start_ranks, wait_for
 
 import ckptfs
 
@@ -381,10 +380,8 @@ def _dcp_load_rank(rank: int, world: int, store_path: str, ckpt: str, seed: int)
 
 
 def run_ranks(fn, world: int, store_path: Path, ckpt: Path, seed: int) -> None:
-    """`world` gloo ranks as processes. Forked, not spawned: a spawned child re-imports torch
-    and this module (~4 s each on a small machine); the ranks use one thread each."""
-    mp.start_processes(fn, args=(world, str(store_path), str(ckpt), seed), nprocs=world,
-                       join=True, start_method="fork")
+    """`world` gloo ranks as processes, from the ranks' forkserver (conftest.rank_context)."""
+    start_ranks(fn, (world, str(store_path), str(ckpt), seed), world)
 
 
 def test_dcp_world_size_change(nodes, tmp_path):

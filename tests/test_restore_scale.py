@@ -23,8 +23,7 @@ import pytest
 torch = pytest.importorskip("torch")
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
-from conftest import wait_for
+from conftest import start_ranks, wait_for
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
 import ckptfs
@@ -168,8 +167,7 @@ def test_dcp_resharded_and_subset_loads_fetch_what_each_node_reads(nodes, tmp_pa
     a = nodes("a")
     a.start()
     ckpt_a = a.path / "run" / "step_5"
-    mp.start_processes(_save_rank, args=(SAVE_WORLD, str(tmp_path / "fs-save"), str(ckpt_a), 5),
-                       nprocs=SAVE_WORLD, join=True, start_method="fork")
+    start_ranks(_save_rank, (SAVE_WORLD, str(tmp_path / "fs-save"), str(ckpt_a), 5), SAVE_WORLD)
     ckptfs.wait_durable(ckpt_a, timeout=180)
     shards = sorted(p.name for p in ckpt_a.iterdir() if p.name.endswith(".distcp"))
     assert len(shards) == SAVE_WORLD, shards
@@ -183,8 +181,7 @@ def test_dcp_resharded_and_subset_loads_fetch_what_each_node_reads(nodes, tmp_pa
     b.start(*store)
     c.start(*store)
     ckpts = [str(wait_shown(m, "run/step_5/.metadata").parent) for m in (b, c)]
-    mp.start_processes(_load_rank, args=(LOAD_WORLD, str(tmp_path / "fs-load"), ckpts, 5),
-                       nprocs=LOAD_WORLD, join=True, start_method="fork")
+    start_ranks(_load_rank, (LOAD_WORLD, str(tmp_path / "fs-load"), ckpts, 5), LOAD_WORLD)
     keys = set(_state(5)) | {"meta"}
     for rank, m in enumerate((b, c)):
         st = settled(m)

@@ -20,8 +20,7 @@ import pytest
 torch = pytest.importorskip("torch")
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
-from conftest import assert_loaded
+from conftest import assert_loaded, start_ranks
 from torch import nn
 
 pytestmark = [
@@ -384,7 +383,7 @@ def _dcp_rank(rank: int, store_path: str, ckpt: str, seed: int) -> None:
 def test_dcp_two_gloo_ranks(mnt, tmp_path):
     ckpt = mnt.path / "dist" / "step_100"
     store = tmp_path / "filestore"  # outside the mount: only checkpoint data goes through it
-    mp.spawn(_dcp_rank, args=(str(store), str(ckpt), 100), nprocs=WORLD, join=True)
+    start_ranks(_dcp_rank, (str(store), str(ckpt), 100), WORLD)
 
     names = dcp_files(ckpt)
     assert {".metadata", "__0_0.distcp", "__1_0.distcp"} <= names, names
