@@ -294,8 +294,11 @@ def test_deep_tree_commits_restores_prefetches_and_deletes(mount_factory, s3_buc
                          check=False)
     assert res.returncode == 0, res.stderr
     wait_for(lambda: "deep" not in manifests(view), timeout=60, what="manifest deletion")
-    st = ckptfs.status(a.path)["tiering"]
-    assert {s["path"]: s["state"] for s in st["sets"]}["deep"] == "deleted"
+    # The manifest goes first, the objects after it: until they are gone too the set is
+    # `deleting` (docs/SEMANTICS.md), then `deleted`.
+    wait_for(lambda: {s["path"]: s["state"]
+                      for s in ckptfs.status(a.path)["tiering"]["sets"]}["deep"] == "deleted",
+             timeout=60, what="the deep set deleted (its objects too)")
     assert os.listdir(a.path) == []
     for m in (a, b):
         assert not m.unexpected_errors(), m.unexpected_errors()
