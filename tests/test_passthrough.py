@@ -79,7 +79,8 @@ def test_status_says_passthrough(pt):
     # The daemon runs the libfuse it was built against, and says so once.
     lines = [ln for ln in pt.log_text().splitlines() if "data path:" in ln]
     assert len(lines) == 1 and "passthrough" in lines[0], lines
-    assert "/native/libfuse/lib/libfuse3.so" in lines[0], lines[0]
+    # (scripts/native/build.sh's prefix, in the machine's build cache: not the system's)
+    assert "/libfuse/lib/libfuse3.so" in lines[0], lines[0]
 
 
 def test_writes_bypass_the_daemon_and_are_committed(pt, mount_factory):

@@ -5,8 +5,13 @@
 #   $VENV/native/libfuse, and pyfuse3 3.5.0 (PyPI sdist) with scripts/native/pyfuse3-3.5.0-
 #   passthrough.patch, linked against that libfuse with an rpath, installed into $VENV.
 #
-# Usage: build.sh VENV. Idempotent: a stamp in $VENV/native records what was built (the pinned
-# versions and hashes, the patch, this script); a second run with the same inputs does nothing.
+# Usage: build.sh VENV. Built once per machine: libfuse and the pyfuse3 wheel go to
+# $CKPTFS_BUILD_CACHE/<hash of the inputs> (default /var/cache/ckptfs-build, or
+# ~/.cache/ckptfs-build where that is not writable), under a lock, and every virtual environment
+# (a fresh clone's too) installs that wheel, whose rpath names that libfuse: a few seconds instead
+# of ~40. Idempotent: a stamp in $VENV/native records what the venv got (the pinned versions and
+# hashes, the patch, this script); a second run with the same inputs does nothing. Deleting the
+# build cache is safe: the next setup finds the venv's pyfuse3 cannot load and builds again.
 # Never fatal: if any step fails, it says why in one line, leaves the PyPI pyfuse3 in place and
 # exits 0, and ckptfs runs its user-space data path (`ckptfs status` shows the mode).
 # CKPTFS_NO_NATIVE_BUILD=1 skips it.
@@ -24,7 +29,9 @@ WHEEL_VERSION="$PYFUSE3_VERSION+ckptfs.passthrough3"
 
 [ "${CKPTFS_NO_NATIVE_BUILD:-0}" = "1" ] && { echo "setup: native build skipped (CKPTFS_NO_NATIVE_BUILD=1)"; exit 0; }
 
-want="$( (echo "$LIBFUSE_VERSION $LIBFUSE_SHA256 $PYFUSE3_VERSION $PYFUSE3_SHA256 $WHEEL_VERSION";
+# The inputs, and the interpreter the wheel is built for (its ABI tag and machine).
+abi="$("$VENV/bin/python" -c 'import sys, platform; print(sys.implementation.cache_tag, platform.machine())')"
+want="$( (echo "$LIBFUSE_VERSION $LIBFUSE_SHA256 $PYFUSE3_VERSION $PYFUSE3_SHA256 $WHEEL_VERSION $abi";
           cat "$PATCH" "${BASH_SOURCE[0]}") | sha256sum | cut -d' ' -f1)"
 stamp="$NATIVE/.stamp"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] \
@@ -34,18 +41,47 @@ fi
 
 fail() {
     echo "setup: FUSE passthrough build failed ($*); ckptfs will use its user-space data path" >&2
-    echo "setup: (details in $NATIVE/build.log)" >&2
+    echo "setup: (details in $log)" >&2
     exit 0
 }
-mkdir -p "$NATIVE" || fail "cannot create $NATIVE"
 log="$NATIVE/build.log"
+mkdir -p "$NATIVE" || fail "cannot create $NATIVE"
 : > "$log"
-echo "setup: building libfuse $LIBFUSE_VERSION and pyfuse3 $PYFUSE3_VERSION with FUSE passthrough (once)"
-work="$NATIVE/src"
-rm -rf "$work" && mkdir -p "$work" || fail "cannot create $work"
+cache_root="${CKPTFS_BUILD_CACHE:-/var/cache/ckptfs-build}"
+if ! { mkdir -p "$cache_root" && [ -w "$cache_root" ]; } 2>/dev/null; then
+    cache_root="${XDG_CACHE_HOME:-$HOME/.cache}/ckptfs-build"
+    mkdir -p "$cache_root" || fail "cannot create $cache_root"
+fi
+BUILT="$cache_root/$want"  # libfuse/, wheels/, .done: what one build of these inputs made
+exec 9>"$cache_root/.lock" && flock 9 || fail "cannot lock $cache_root/.lock"  # one build at a time
+
+install_wheel() {
+    local whl
+    whl="$(ls "$BUILT"/wheels/pyfuse3-*.whl 2>/dev/null | head -n 1)"
+    [ -n "$whl" ] || return 1
+    # Replace whatever pyfuse3 is there, then let pip add what it needs (trio).
+    "$VENV/bin/pip" install -q --disable-pip-version-check --no-deps --force-reinstall "$whl" >>"$log" 2>&1 \
+        && "$VENV/bin/pip" install -q --disable-pip-version-check "$whl" >>"$log" 2>&1 || return 1
+    "$VENV/bin/python" - "$BUILT/libfuse" >>"$log" 2>&1 <<'EOF'
+import sys, pyfuse3
+pyfuse3.passthrough_open, pyfuse3.killpriv_v2_active, pyfuse3.Operations.fallocate  # the patched API
+maps = open("/proc/self/maps").read()
+assert sys.argv[1] + "/lib/libfuse3.so" in maps, "libfuse not loaded from " + sys.argv[1]
+EOF
+}
+
+if [ -f "$BUILT/.done" ] && install_wheel; then
+    echo "$want" > "$stamp"
+    echo "setup: FUSE passthrough binding installed from the build cache ($BUILT)"
+    exit 0
+fi
+echo "setup: building libfuse $LIBFUSE_VERSION and pyfuse3 $PYFUSE3_VERSION with FUSE passthrough (once, into $BUILT)"
+rm -rf "$BUILT" && mkdir -p "$BUILT" || fail "cannot create $BUILT"
+work="$BUILT/src"
+mkdir -p "$work" || fail "cannot create $work"
 
 # 1. libfuse: the Debian 13 (trixie) source package, signed by Debian's archive keys.
-apt_dir="$NATIVE/apt"
+apt_dir="$BUILT/apt"
 mkdir -p "$apt_dir/lists/partial" "$apt_dir/cache/archives/partial"
 keyring=/usr/share/keyrings/debian-archive-keyring.gpg
 [ -r "$keyring" ] || fail "no $keyring (package debian-archive-keyring)"
@@ -63,14 +99,13 @@ echo "$LIBFUSE_SHA256  $tarball" | sha256sum -c --quiet >>"$log" 2>&1 || fail "f
 tar xzf "$tarball" -C "$work" || fail "unpacking fuse3"
 
 # Build tools in their own virtual environment (not the runtime one).
-tools="$NATIVE/tools"
+tools="$cache_root/tools"
 if [ ! -x "$tools/bin/meson" ]; then
     python3 -m venv "$tools" >>"$log" 2>&1 || fail "venv for the build tools"
     "$tools/bin/pip" install -q --disable-pip-version-check meson ninja >>"$log" 2>&1 \
         || fail "pip install meson ninja"
 fi
-prefix="$NATIVE/libfuse"
-rm -rf "$prefix"
+prefix="$BUILT/libfuse"
 (cd "$work/fuse-$LIBFUSE_VERSION" \
     && PATH="$tools/bin:$PATH" meson setup build --prefix="$prefix" --libdir=lib \
         -Dexamples=false -Dutils=false -Dtests=false -Duseroot=false >>"$log" 2>&1 \
@@ -86,23 +121,13 @@ tar xzf "$sdist" -C "$work" || fail "unpacking pyfuse3"
 src="$work/pyfuse3-$PYFUSE3_VERSION"
 (cd "$src" && patch -p1 -s < "$PATCH" >>"$log" 2>&1) || fail "applying the pyfuse3 patch"
 rm -f "$src/src/pyfuse3/__init__.c"  # generated from the patched .pyx by Cython
-wheels="$NATIVE/wheels"
-rm -rf "$wheels"
+wheels="$BUILT/wheels"
 (cd "$src" && PKG_CONFIG_PATH="$prefix/lib/pkgconfig" LDFLAGS="-Wl,-rpath,$prefix/lib" \
     SETUPTOOLS_SCM_PRETEND_VERSION="$WHEEL_VERSION" \
     "$VENV/bin/pip" wheel -q --disable-pip-version-check --no-deps -w "$wheels" . >>"$log" 2>&1) \
     || fail "building pyfuse3"
-whl="$(ls "$wheels"/pyfuse3-*.whl)"
-# Replace whatever pyfuse3 is there, then let pip add what it needs (trio).
-"$VENV/bin/pip" install -q --disable-pip-version-check --no-deps --force-reinstall "$whl" >>"$log" 2>&1 \
-    && "$VENV/bin/pip" install -q --disable-pip-version-check "$whl" >>"$log" 2>&1 \
-    || fail "installing the pyfuse3 wheel"
-"$VENV/bin/python" - "$prefix" >>"$log" 2>&1 <<'EOF' || fail "the installed pyfuse3 does not load the built libfuse"
-import sys, pyfuse3
-pyfuse3.passthrough_open, pyfuse3.killpriv_v2_active, pyfuse3.Operations.fallocate  # the patched API
-maps = open("/proc/self/maps").read()
-assert sys.argv[1] + "/lib/libfuse3.so" in maps, "libfuse not loaded from " + sys.argv[1]
-EOF
-rm -rf "$work"
+install_wheel || fail "installing the pyfuse3 wheel (or it does not load the built libfuse)"
+rm -rf "$work" "$apt_dir"
+touch "$BUILT/.done"
 echo "$want" > "$stamp"
 echo "setup: FUSE passthrough binding ready (libfuse $LIBFUSE_VERSION in $prefix)"
