@@ -43,6 +43,7 @@ KINDS = ("lz4", "none")
 # The in-process download: argv = store dir, object JSON file, destination; prints seconds.
 _DOWNLOAD = """
 import json, sys, time
+from pathlib import Path
 import trio
 import cachemgr
 from cachemgr.format.objects import StoredObject
@@ -50,7 +51,7 @@ from cachemgr.store.local import LocalStore
 from cachemgr.transfer.download import download_file
 assert cachemgr.__file__.startswith(sys.argv[4]), cachemgr.__file__
 obj = StoredObject.from_json(json.loads(open(sys.argv[2]).read()))
-store = LocalStore(sys.argv[1])
+store = LocalStore(Path(sys.argv[1]))
 async def main() -> float:
     t = time.perf_counter()
     await download_file(store, obj, sys.argv[3])
@@ -123,7 +124,7 @@ def run_once(case: str, kind: str, tree: Path, store: Path, objfile: Path, work:
     if case == "download":
         r = subprocess.run([py, "-c", _DOWNLOAD, str(store), str(objfile), str(dest / "out"),
                             str(tree)], env=_env(tree), capture_output=True, text=True,
-                           check=False, timeout=600)
+                           check=False, timeout=600, cwd=work)  # not the caller's tree first
         if r.returncode != 0:
             raise SystemExit(f"download ({tree}) failed: {r.stderr[-2000:]}")
         secs = float(r.stdout.split()[-1])
