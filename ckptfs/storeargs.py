@@ -1,7 +1,7 @@
 """The command line of the store tools (`ckptfs ls`, `restore`, `fsck`): their arguments only,
 so that every `ckptfs` command builds its parser without importing the tools themselves
 (ckptfs/storetools.py, which reads stores). `--parallel` left out is None here: the tools take
-cachemgr.format.storeread.DEFAULT_WORKERS (8)."""
+cachemgr.format.resumable.DEFAULT_WORKERS (8)."""
 
 from __future__ import annotations
 

@@ -4,12 +4,13 @@ For people who restore, audit and clean up. STORE is a store URL as `ckptfs moun
 takes it, with the same S3 options, and the store is built as the mount builds it
 (cachemgr.store.open_store wrapped in a RetryingStore), so the same credentials, endpoints and
 retries apply. Everything read from the store passes cachemgr.format.validate (through
-cachemgr.format.storeread, the implementation shared with scripts/ckpt_restore.py) before use, and
+cachemgr.format.storeread, the reader shared with scripts/ckpt_restore.py) before use, every
+object is decoded and checked by cachemgr.format.decode (the decoder the mount uses too), and
 no document is read past validate.MAX_DOCUMENT_BYTES.
 
 Threads: the async store runs in a trio loop on a thread of its own (`_Bridge`); the tools are
 plain threads that call into it (trio.from_thread), so the caller's thread keeps Ctrl-C and
-the progress display, and cachemgr.format.storeread's worker threads read objects in parallel.
+the progress display, and cachemgr.format.resumable's worker threads read objects in parallel.
 State: a `Session` owns its `_Bridge` (the loop thread) and the store view over it; an `_Fsck`
 run's findings (`named`, `protected`, `damage`, counts) are filled by the document reader
 threads under `_Fsck.lock`, and read by the calling thread only after they have all finished.
@@ -37,7 +38,7 @@ import threading
 import time
 from typing import Any, Self, cast
 
-from cachemgr.format import keys, names, storeread, validate
+from cachemgr.format import keys, names, readerrors, resumable, storeread, validate
 from cachemgr.store.base import PROBE_PREFIX
 from cachemgr.tiering import members as mem
 from cachemgr.tiering import parts as prt
@@ -61,14 +62,14 @@ class ToolError(Exception):
         self.code = code
 
 
-def _code(e: storeread.RestoreError) -> int:
-    if isinstance(e, storeread.NoSuchSet):
+def _code(e: readerrors.RestoreError) -> int:
+    if isinstance(e, readerrors.NoSuchSet):
         return EXIT_NO_SET
-    if isinstance(e, storeread.UsageError):
+    if isinstance(e, readerrors.UsageError):
         return EXIT_USAGE
-    if isinstance(e, storeread.DestinationError):
+    if isinstance(e, readerrors.DestinationError):
         return EXIT_DEST
-    if isinstance(e, storeread.StoreError):
+    if isinstance(e, readerrors.StoreError):
         return EXIT_STORE
     return EXIT_DAMAGE  # CorruptError: invalid or damaged data in the store
 
@@ -83,7 +84,7 @@ def _fail(code: int, msg: str) -> int:
 def run(a: argparse.Namespace) -> int:
     """Run `ls`, `restore` or `fsck`: the exit code (README "Exit codes")."""
     if getattr(a, "parallel", None) is None:
-        a.parallel = storeread.DEFAULT_WORKERS
+        a.parallel = resumable.DEFAULT_WORKERS
     cmd = {"ls": cmd_ls, "restore": cmd_restore, "fsck": cmd_fsck}[a.cmd]
     # The store layer logs its retries; these tools report in one line each, so no log line
     # may reach stderr through logging's last-resort handler.
@@ -93,7 +94,7 @@ def run(a: argparse.Namespace) -> int:
         return cmd(a)
     except ToolError as e:
         return _fail(e.code, str(e))
-    except storeread.RestoreError as e:
+    except readerrors.RestoreError as e:
         return _fail(_code(e), str(e))
 
 
@@ -143,7 +144,7 @@ class _Reader:
             return b""
         data = self.view.call(self.view.store.get, self.key, offset, n)
         if len(data) != n:
-            raise storeread.CorruptError(f"{self.key}: {len(data)} bytes at {offset}, expected "
+            raise readerrors.CorruptError(f"{self.key}: {len(data)} bytes at {offset}, expected "
                                          f"{n} (the object is shorter than it was)")
         return data
 
@@ -152,9 +153,9 @@ class _Reader:
 
 
 class StoreView:
-    """cachemgr.format.storeread's view of a store (listing, get, open) over cachemgr.store, plus
+    """A store view (cachemgr.format.views) (listing, get, open) over cachemgr.store, plus
     what fsck needs (infos with LastModified, head, delete). Every failure of the store is a
-    storeread.StoreError (exit 7), an absent key None."""
+    readerrors.StoreError (exit 7), an absent key None."""
 
     def __init__(self, bridge: _Bridge, store, url: str) -> None:
         self.bridge, self.store, self.url = bridge, store, url
@@ -168,11 +169,11 @@ class StoreView:
         except NotFound:
             raise
         except Unusable as e:
-            raise storeread.StoreError(f"object store {self.url}: {e}") from None
-        except storeread.RestoreError:
+            raise readerrors.StoreError(f"object store {self.url}: {e}") from None
+        except readerrors.RestoreError:
             raise
         except Exception as e:  # noqa: BLE001 - botocore credential/config errors, a stopped loop
-            raise storeread.StoreError(f"object store {self.url}: {type(e).__name__}: "
+            raise readerrors.StoreError(f"object store {self.url}: {type(e).__name__}: "
                                        f"{e}") from None
 
     def infos(self, prefix: str) -> list:
@@ -190,7 +191,7 @@ class StoreView:
         except NotFound:
             return None
         if max_bytes is not None and len(data) > max_bytes:
-            raise storeread.CorruptError(f"{key} is more than {max_bytes} bytes")
+            raise readerrors.CorruptError(f"{key} is more than {max_bytes} bytes")
         return data
 
     def head(self, key: str):
@@ -212,7 +213,7 @@ class StoreView:
 class Session:
     """An open store: `view`, and the listing of manifests/ the probe made."""
 
-    def __init__(self, a: argparse.Namespace, workers: int = storeread.DEFAULT_WORKERS) -> None:
+    def __init__(self, a: argparse.Namespace, workers: int = resumable.DEFAULT_WORKERS) -> None:
         from cachemgr.store import RetryingStore, RetryPolicy, open_store
         from cachemgr.store import StoreError as Unusable
 
@@ -249,7 +250,7 @@ class Session:
                                                                           max_delay=1.0)), url)
         try:
             self.manifest_infos = probe.infos(keys.MANIFEST_PREFIX)
-        except storeread.StoreError as e:
+        except readerrors.StoreError as e:
             self.close()
             raise ToolError(EXIT_STORE, f"{e} (the store is unusable)") from None
 
@@ -319,7 +320,7 @@ def _read_docs(view: StoreView, infos: list, fn) -> None:
         finally:
             budget.give(n)
 
-    storeread.run_parallel(infos, one, _DOC_READERS, threading.Event(), lambda: None)
+    resumable.run_parallel(infos, one, _DOC_READERS, threading.Event(), lambda: None)
 
 
 def _load(info, raw: bytes | None) -> dict | None:
@@ -328,7 +329,7 @@ def _load(info, raw: bytes | None) -> dict | None:
     if raw is None:
         return None
     if info.size > validate.MAX_DOCUMENT_BYTES or len(raw) > validate.MAX_DOCUMENT_BYTES:
-        raise storeread.CorruptError(f"{info.key}: a manifest of {info.size} bytes (at most "
+        raise readerrors.CorruptError(f"{info.key}: a manifest of {info.size} bytes (at most "
                                      f"{validate.MAX_DOCUMENT_BYTES})")
     return storeread.parse_manifest(raw, info.key)
 
@@ -437,7 +438,7 @@ def cmd_ls(a: argparse.Namespace) -> int:
         def one(info, raw) -> None:
             try:
                 m = _load(info, raw)
-            except storeread.CorruptError as e:
+            except readerrors.CorruptError as e:
                 p = keys.path_of_manifest_key(info.key)
                 if forms is None or (p is not None and _under(p, forms)):
                     with lock:
@@ -478,7 +479,7 @@ def cmd_restore(a: argparse.Namespace) -> int:
         m = storeread.find_set(s.view, a.set)
         bar = _Progress(f"restore {m['path']}")
         try:
-            r = storeread.restore_resumable(s.view, m, a.dest, overwrite=a.overwrite,
+            r = resumable.restore_resumable(s.view, m, a.dest, overwrite=a.overwrite,
                                             workers=a.parallel, progress=bar.update)
         except KeyboardInterrupt:
             bar.close()
@@ -562,7 +563,7 @@ class _Fsck:
     def add_manifest(self, info, raw) -> None:
         try:
             m = _load(info, raw)
-        except storeread.CorruptError as e:
+        except readerrors.CorruptError as e:
             loose = _loose_keys(raw)
             with self.lock:
                 self.manifests += 1
@@ -587,7 +588,7 @@ class _Fsck:
         deleted since it was read takes its objects with it, which is no damage."""
         try:
             m = storeread.load_manifest(self.view, mkey)
-        except storeread.CorruptError:
+        except readerrors.CorruptError:
             return True
         return m is not None and any(f["object"]["key"] == key for f in m["files"])
 
@@ -623,7 +624,7 @@ class _Fsck:
             _key, obj, mkey = item
             try:
                 storeread.verify_object(self.view, obj)
-            except storeread.CorruptError as e:
+            except readerrors.CorruptError as e:
                 with self.lock:
                     self.damage.append(f"DAMAGED {e} (named by {mkey})")
             with self.lock:
@@ -637,7 +638,7 @@ class _Fsck:
                     bar.update(dict(snap))
 
         try:
-            storeread.run_parallel(todo, one, self.a.parallel, threading.Event(), tick)
+            resumable.run_parallel(todo, one, self.a.parallel, threading.Event(), tick)
         finally:
             if bar is not None:
                 bar.close()
@@ -649,7 +650,7 @@ class _Fsck:
         try:
             raw = self.view.get(info.key, validate.MAX_PROTOCOL_BYTES)
             lease = validate.protocol_doc(raw, "member")["lease_s"] if raw else 0.0
-        except (validate.DocumentError, storeread.CorruptError):
+        except (validate.DocumentError, readerrors.CorruptError):
             return False  # not a member record ckptfs can read: liveness by age only
         return self.now - info.mtime <= lease + mem.LEASE_SKEW_S
 
@@ -724,7 +725,7 @@ class _Fsck:
         (whatever it is: it was not part of the check)."""
         try:
             m = _load(info, raw)
-        except storeread.CorruptError:
+        except readerrors.CorruptError:
             loose = _loose_keys(raw)
             with self.lock:
                 self.seen_manifests[info.key] = info.etag
@@ -765,7 +766,7 @@ class _Fsck:
                         self.out(f"KEPT    {key}: rewritten since it was listed")
                         continue
                     self.view.delete(key)
-                except storeread.StoreError as e:
+                except readerrors.StoreError as e:
                     errors.append(str(e))
                     self.out(f"FAILED  {key}: {e}")
                     continue

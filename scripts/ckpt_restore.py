@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Restore a checkpoint from a ckptfs store without ckptfs: manifests, objects, lz4 frames and
 CRC32C, exactly as docs/FORMAT.md describes (needs only boto3 for s3://, lz4 and crc32c, and
-cachemgr/format/{names,keys,validate,storeread}.py of this checkout, which need nothing else: no
-trio, nothing of ckptfs).
+the modules of this checkout listed in MODULES below, which need nothing else: no trio, nothing
+of ckptfs).
 
     python scripts/ckpt_restore.py list    file:///var/lib/ckptfs/store
     python scripts/ckpt_restore.py restore s3://bucket/prefix ckpt/step_100 ./restored \\
@@ -32,11 +32,13 @@ Exit codes (one line on stderr for each failure, never a traceback; the same und
   4  the destination: the target exists, a symlink or a file is in the way, a write failed
   5  the store cannot be read (I/O error, network, permissions; boto3 missing for s3://)
 
-The implementation is cachemgr/format/storeread.py, shared with `ckptfs restore` (which adds
+The implementation is cachemgr/format/storeread.py (manifests, objects) over
+cachemgr/format/decode.py (the one decoder of stored objects, also the mount's) and
+cachemgr/format/restoreto.py (the destination), shared with `ckptfs restore` (which adds
 parallel ranged reads, resuming and a progress bar, and reads the store as the mount does). This
 file is its plain command line: it keeps working without ckptfs installed, from a copy of this file
-and those five modules. The tests and the main job use the same functions (re-exported here) to
-check what ckptfs published.
+and the modules in MODULES. The tests and the main job use the same functions (re-exported here)
+to check what ckptfs published.
 """
 
 from __future__ import annotations
@@ -46,16 +48,31 @@ import os
 import sys
 from pathlib import Path
 
-# cachemgr/format/{names,keys,validate,storeread}.py need only the standard library, lz4 and crc32c.
-# This checkout's copy is used when ckptfs is not installed (and when it is installed in
-# editable mode from elsewhere: an entry of sys.path comes before the editable finder); a
-# regular install comes first.
+# The modules this script runs on, relative to the checkout: the standard library, lz4 and
+# crc32c are all they need (no trio; boto3 only for s3://). A copy of this file beside exactly
+# these runs (tests/test_ckpt_restore.py copies this list). This checkout's copy is used when
+# ckptfs is not installed (and when it is installed in editable mode from elsewhere: an entry of
+# sys.path comes before the editable finder); a regular install comes first.
+MODULES = [
+    "cachemgr/__init__.py",
+    "cachemgr/format/__init__.py",
+    "cachemgr/format/names.py",          # path escaping
+    "cachemgr/format/keys.py",           # the key layout
+    "cachemgr/format/validate.py",       # every document checked before use
+    "cachemgr/format/readerrors.py",     # the errors and their exit codes
+    "cachemgr/format/decode.py",         # the one decoder of stored objects
+    "cachemgr/format/views.py",          # file:// and s3:// store views
+    "cachemgr/format/storeread.py",      # manifests and objects
+    "cachemgr/format/restoreto.py",      # the atomic restore into DEST
+]
 _REPO = Path(__file__).resolve().parent.parent
-if (_REPO / "cachemgr" / "format" / "storeread.py").is_file() and str(_REPO) not in sys.path:
+if all((_REPO / m).is_file() for m in MODULES) and str(_REPO) not in sys.path:
     sys.path.append(str(_REPO))
 from cachemgr.format import storeread
 from cachemgr.format.names import unescape_name, unescape_path  # noqa: F401  (re-exported)
-from cachemgr.format.storeread import (  # noqa: F401  (re-exported: tests, fault_loop, train_demo)
+
+# re-exported: tests, fault_loop, train_demo
+from cachemgr.format.readerrors import (  # noqa: F401
     EXIT_CORRUPT,
     EXIT_DEST,
     EXIT_NO_SET,
@@ -64,19 +81,14 @@ from cachemgr.format.storeread import (  # noqa: F401  (re-exported: tests, faul
     EXIT_USAGE,
     CorruptError,
     DestinationError,
-    FileStoreView,
     NoSuchSet,
     RestoreError,
-    S3StoreView,
     StoreError,
     UsageError,
-    decode,
-    find_set,
-    load_manifest,
-    open_view,
-    restore,
-    restore_to,
 )
+from cachemgr.format.restoreto import restore_to
+from cachemgr.format.storeread import decode, find_set, load_manifest, restore  # noqa: F401
+from cachemgr.format.views import FileStoreView, S3StoreView, open_view  # noqa: F401
 
 
 def _warn(msg: str) -> None:

@@ -27,7 +27,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cachemgr.format import keys, names, storeread, validate
+from cachemgr.format import decode, keys, names, validate
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "ckpt_restore.py"
 NODE = "n1"
@@ -743,8 +743,8 @@ def test_s3_store_restores_by_ranges_and_refuses_a_corrupt_object(s3_bucket, tmp
         if p.is_file():
             s3.put_object(Bucket=bucket, Key="pre/" + str(p.relative_to(
                 tmp_path / "local" / "objects")), Body=p.read_bytes())
-    # many ranges; frames in pieces (the implementation lives in cachemgr.format.storeread)
-    monkeypatch.setattr(storeread, "READ_BYTES", 3000)
+    # many ranges; frames in pieces (the decoder's streaming step: cachemgr.format.decode)
+    monkeypatch.setattr(decode, "READ_BYTES", 3000)
     url = f"s3://{bucket}/pre"
     rc, out, err = run_main("list", url, "--endpoint-url", endpoint)
     assert rc == 0 and [ln.split()[-1] for ln in out.splitlines()] == ["ck/bad", "ck/step_1"]
@@ -818,18 +818,20 @@ def test_a_256_mib_file_restores_in_bounded_memory(tmp_path, compression):
 # -- without ckptfs installed ------------------------------------------------------------------
 
 def test_the_script_needs_only_the_stdlib_modules_of_cachemgr(tmp_path):
-    """A copy of the script beside only cachemgr/__init__.py and
-    cachemgr/format/{__init__,names,keys,validate,storeread}.py
-    validates with them (an invalid manifest: one line on stderr in `list`, exit 3 in
-    `restore`) and imports nothing else of ckptfs (no trio, no pyfuse3)."""
+    """A copy of the script beside only the modules it declares (`MODULES`: cachemgr/__init__.py
+    and the stdlib-only modules of cachemgr/format/, the decoder among them) validates with them
+    (an invalid manifest: one line on stderr in `list`, exit 3 in `restore`), loads every one of
+    them and imports nothing else of ckptfs (no trio, no pyfuse3, no boto3 for file://)."""
     repo = Path(__file__).resolve().parent.parent
     copy = tmp_path / "copy"
     (copy / "scripts").mkdir(parents=True)
-    (copy / "cachemgr" / "format").mkdir(parents=True)
     shutil.copy(SCRIPT, copy / "scripts")
-    shutil.copy(repo / "cachemgr" / "__init__.py", copy / "cachemgr")
-    for n in ("__init__.py", "names.py", "keys.py", "validate.py", "storeread.py"):
-        shutil.copy(repo / "cachemgr" / "format" / n, copy / "cachemgr" / "format")
+    assert "cachemgr/format/decode.py" in cr.MODULES and "cachemgr/__init__.py" in cr.MODULES
+    for m in cr.MODULES:
+        (copy / m).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(repo / m, copy / m)
+    want = sorted(m.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
+                  for m in cr.MODULES)
     s = Store(tmp_path / "store")
     s.manifest(doc("ok", "file", [file_entry("", s.obj(b"fine"))]))
     s.manifest(doc("../bad", "file", [file_entry("", s.obj(b"x"))]), key="manifests/bad.json")
@@ -843,15 +845,14 @@ def test_the_script_needs_only_the_stdlib_modules_of_cachemgr(tmp_path):
              "import cachemgr\n"
              "print('cachemgr', cachemgr.__file__)\n"
              "print('loaded', sorted(m for m in sys.modules if m.split('.')[0] in "
-             "('cachemgr', 'ckptfs', 'trio', 'pyfuse3')))\n"
+             "('cachemgr', 'ckptfs', 'trio', 'pyfuse3', 'boto3', 'botocore')))\n"
              "sys.exit(rc)\n")
     r = subprocess.run([sys.executable, "-c", probe, "list", s.url], check=False,
                        capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert "ok" in r.stdout and f"cachemgr {copy / 'cachemgr' / '__init__.py'}" in r.stdout
-    assert ("loaded ['cachemgr', 'cachemgr.format', 'cachemgr.format.keys', "
-            "'cachemgr.format.names', 'cachemgr.format.storeread', "
-            "'cachemgr.format.validate']") in r.stdout
+    assert f"loaded {want}" in r.stdout, r.stdout  # exactly MODULES: no trio, nothing else
+    assert "trio" not in r.stdout.split("loaded", 1)[1]
     assert one_line(r.stderr) and "manifests/bad.json" in r.stderr, r.stderr
     r = subprocess.run([sys.executable, "-c", probe, "restore", s.url, "bad",
                         str(tmp_path / "d")], check=False, capture_output=True, text=True,

@@ -30,7 +30,7 @@ from ckpt_restore import FileStoreView, S3StoreView, manifests
 from conftest import REPO, ckptfs_cmd, run_cli
 
 import ckptfs
-from cachemgr.format import keys, storeread, validate
+from cachemgr.format import keys, readerrors, resumable, storeread, validate
 from ckptfs import cli, storetools
 
 DAY = 86400
@@ -232,7 +232,7 @@ class CutView(storetools.StoreView):
         if getattr(afn, "__name__", "") == "get" and args and str(args[0]).startswith("data/"):
             with self.lock:
                 if self.after is not None and self.gets >= self.after:
-                    raise storeread.StoreError("connection reset (the test cut it)")
+                    raise readerrors.StoreError("connection reset (the test cut it)")
                 self.gets += 1
         return super().call(afn, *args)
 
@@ -250,8 +250,8 @@ def test_restore_resumes_after_an_interruption_and_repairs_its_target(file_store
         a = next(f["object"] for f in m["files"] if f["path"] == "a.bin")
         assert a["compression"] == "none" and len(a["chunk_crcs"]) == 3
         # One worker, two reads: chunks 0 and 1 of a.bin land, then the connection drops.
-        with pytest.raises(storeread.StoreError, match="connection reset"):
-            storeread.restore_resumable(CutView(s.view, 2), m, dest, workers=1)
+        with pytest.raises(readerrors.StoreError, match="connection reset"):
+            resumable.restore_resumable(CutView(s.view, 2), m, dest, workers=1)
         assert not (dest / "ckpt" / "step_1").exists()  # built aside: no partial set visible
         part = work / _h("a.bin")
         assert part.stat().st_size == a["size"]
@@ -261,7 +261,7 @@ def test_restore_resumes_after_an_interruption_and_repairs_its_target(file_store
             f.seek(100)
             f.write(bytes([b[0] ^ 0xFF]))
         counted = CutView(s.view, None)
-        r = storeread.restore_resumable(counted, m, dest, workers=3)
+        r = resumable.restore_resumable(counted, m, dest, workers=3)
     # Fetched again: chunk 0 of a.bin (planted byte) and chunk 2 (never fetched). Chunk 1 is
     # kept, and so is sub/z.bin: its work file, created sparse by the first run, already holds
     # its zeros, and every chunk of it checks out against its CRC32C.

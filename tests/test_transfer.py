@@ -1,6 +1,6 @@
 """Uploads, ranged reads and verified downloads of one file (cachemgr.transfer.upload,
-cachemgr.transfer.download, cachemgr.format.compress), against both real backends: a file://
-directory and S3 over HTTP (moto_server on loopback).
+cachemgr.transfer.download, cachemgr.format.compress, cachemgr.format.decode), against both real
+backends: a file:// directory and S3 over HTTP (moto_server on loopback).
 
 Parts are 5 MiB (S3's minimum) and lz4 frames 1 MiB so that multipart uploads, several frames
 per part and frame-crossing reads all happen on small files.
@@ -22,11 +22,17 @@ import pytest
 import trio
 
 from cachemgr.format import compress
+from cachemgr.format.decode import (
+    Chunk,
+    DecodeError,
+    crc32c_combine,
+    decode_chunk,
+    decode_chunks,
+)
 from cachemgr.format.objects import (
     StoredObject,
     chunk_count,
     chunk_span,
-    crc32c_combine,
     verify_chunk,
 )
 from cachemgr.host.foreground import Foreground
@@ -114,7 +120,7 @@ class Recorder(_Wrapper):
 
 
 # ----------------------------------------------------------------------------------------------
-# compress.py units
+# compress.py and decode.py units
 
 
 def test_frames_for_range():
@@ -134,22 +140,36 @@ def test_frames_for_range():
         compress.frames_for_range(100, lengths, 0, 0)
 
 
+def _frames(lengths, raw_lengths, first=0):
+    """The decoder's chunks of consecutive lz4 frames (no chunk CRCs: lengths and structure)."""
+    out, pos = [], 0
+    for i, (n, r) in enumerate(zip(lengths, raw_lengths, strict=True), start=first):
+        out.append(Chunk(i, i * FRAME, r, pos, n, None))
+        pos += n
+    return out
+
+
+def _frame(stored, raw_len, index=0):
+    """One stored frame through the decoder, as a chunk fetch decodes it."""
+    return decode_chunk("k", Chunk(index, 0, raw_len, 0, len(stored), None), stored, lz4=True)
+
+
 def test_frames_decompress_independently():
     data = mixed(3 * FRAME + 17)
     frames = [compress.compress_frame(data[o:o + FRAME]) for o in range(0, len(data), FRAME)]
     lengths = [len(f) for f in frames]
     raws = [FRAME, FRAME, FRAME, 17]
     blob = b"".join(frames)
-    assert compress.decompress_frames(blob, lengths, raw_lengths=raws) == data
+    assert decode_chunks("k", blob, _frames(lengths, raws), lz4=True) == data
     # Any frame alone, and any run of frames, decompresses without its predecessors.
-    assert compress.decompress_frames(frames[2], lengths[2:3],
-                                      raw_lengths=raws[2:3]) == data[2 * FRAME:3 * FRAME]
-    assert compress.decompress_frames(b"".join(frames[1:]), lengths[1:],
-                                      raw_lengths=raws[1:]) == data[FRAME:]
-    with pytest.raises(compress.FrameError):
-        compress.decompress_frames(frames[0], lengths[:1], raw_lengths=[FRAME - 1])
-    with pytest.raises(compress.FrameError):
-        compress.decompress_frames(b"\0" * lengths[0], lengths[:1], raw_lengths=raws[:1])
+    assert decode_chunks("k", frames[2], _frames(lengths[2:3], raws[2:3], 2),
+                         lz4=True) == data[2 * FRAME:3 * FRAME]
+    assert decode_chunks("k", b"".join(frames[1:]), _frames(lengths[1:], raws[1:], 1),
+                         lz4=True) == data[FRAME:]
+    with pytest.raises(DecodeError):
+        decode_chunks("k", frames[0], _frames(lengths[:1], [FRAME - 1]), lz4=True)
+    with pytest.raises(DecodeError):
+        decode_chunks("k", b"\0" * lengths[0], _frames(lengths[:1], raws[:1]), lz4=True)
 
 
 def _lz4_bomb(raw_bytes: int) -> bytes:
@@ -169,26 +189,34 @@ def test_decompress_is_bounded_by_the_stated_raw_length():
     bomb = _lz4_bomb(1 << 30)
     assert len(bomb) < 8 << 20
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB
-    with pytest.raises(compress.FrameError, match="more than the 1048576 bytes"):
-        compress.decompress_frame(bomb, FRAME, index=3)
-    with pytest.raises(compress.FrameError, match="more than"):
-        compress.decompress_frames(bomb, [len(bomb)], raw_lengths=[FRAME])
+    with pytest.raises(DecodeError, match="frame 3 decompresses to more than the 1048576 bytes"):
+        _frame(bomb, FRAME, index=3)
+    with pytest.raises(DecodeError, match="more than"):
+        decode_chunks("k", bomb, [Chunk(0, 0, FRAME, 0, len(bomb), None)], lz4=True)
+    # Streaming, a few bytes at a time: bounded while it is produced, too.
+    with pytest.raises(DecodeError, match="more than"):
+        from cachemgr.format.decode import ChunkDecoder, stream_chunk
+
+        dec = ChunkDecoder("k", Chunk(0, 0, FRAME, 0, len(bomb), None), lz4=True,
+                           max_out=64 << 10)
+        for _ in stream_chunk(lambda off, n: bomb[off:off + n], dec, step=4096):
+            pass
     # Bounded: a few MiB of output and lz4 buffers, not the GiB the frame holds.
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 64 << 10
     good = compress.compress_frame(b"x" * 1000)
-    assert compress.decompress_frame(good, 1000) == b"x" * 1000
-    with pytest.raises(compress.FrameError, match="decompressed to 1000 bytes, expected 1001"):
-        compress.decompress_frame(good, 1001)         # fewer bytes than stated
-    with pytest.raises(compress.FrameError, match="more than"):
-        compress.decompress_frame(good, 999)
-    with pytest.raises(compress.FrameError, match="trailing data"):
-        compress.decompress_frame(good + b"junk", 1000)
-    with pytest.raises(compress.FrameError, match="trailing data"):
-        compress.decompress_frame(good + good, 1000)  # a second frame hidden behind the first
-    with pytest.raises(compress.FrameError, match="does not end"):
-        compress.decompress_frame(good[:-4], 1000)    # no end mark
-    with pytest.raises(compress.FrameError, match="frame 7"):
-        compress.decompress_frame(b"\0" * 20, 1000, index=7)
+    assert _frame(good, 1000) == b"x" * 1000
+    with pytest.raises(DecodeError, match="decompressed to 1000 bytes, expected 1001"):
+        _frame(good, 1001)         # fewer bytes than stated
+    with pytest.raises(DecodeError, match="more than"):
+        _frame(good, 999)
+    with pytest.raises(DecodeError, match="trailing data"):
+        _frame(good + b"junk", 1000)
+    with pytest.raises(DecodeError, match="trailing data"):
+        _frame(good + good, 1000)  # a second frame hidden behind the first
+    with pytest.raises(DecodeError, match="does not end"):
+        _frame(good[:-4], 1000)    # no end mark
+    with pytest.raises(DecodeError, match="frame 7"):
+        _frame(b"\0" * 20, 1000, index=7)
 
 
 def test_should_compress_is_cheap_and_right():

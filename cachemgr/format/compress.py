@@ -1,6 +1,7 @@
 """lz4 framing that stays range-readable, and the cheap "is this worth compressing?" test.
 
-This module owns the stored layout of a compressed object, nothing else (no I/O, no trio):
+This module owns the stored layout of a compressed object and how it is written, nothing else
+(no I/O, no trio); reading it back is cachemgr.format.decode's:
 
     raw:     [ frame 0: frame_size bytes ][ frame 1 ] ... [ frame n-1: 1..frame_size bytes ]
     stored:  [ lz4 frame 0 ][ lz4 frame 1 ] ... [ lz4 frame n-1 ]
@@ -10,7 +11,7 @@ independent `lz4.frame` frame, and the stored frames are concatenated. The frame
 the list of stored frame lengths (it goes into the set manifest with the object): raw frame i
 covers [i*frame_size, (i+1)*frame_size), and its stored bytes start at sum(lengths[:i]). A
 ranged read therefore fetches only the stored frames that overlap the raw range and decompresses
-them alone (`frames_for_range`, `decompress_frames`).
+them alone (`frames_for_range`, then cachemgr.format.decode).
 
 Frame parameters (measured on this 2-core VM, 4 MiB frames, best of 30):
 - lz4 block size 1 MiB (`BLOCKSIZE_MAX1MB`): 3.0 GB/s compress / 4.6 GB/s decompress on fp32
@@ -19,8 +20,8 @@ Frame parameters (measured on this 2-core VM, 4 MiB frames, best of 30):
 - No lz4 content checksum: xxh32 cut decompression to ~1.35 GB/s (3x slower). Integrity is
   end to end instead: the object's CRC32C of the raw content is checked after a full download,
   and every decompressed frame must have exactly its expected raw length. That length is also
-  the bound on what decompression may produce (`decompress_frame`): the frames come from the
-  store, which is not trusted to be benign.
+  the bound on what decompression may produce (cachemgr.format.decode.ChunkDecoder): the
+  frames come from the store, which is not trusted to be benign.
 - `frame_size` 4 MiB: a random read decompresses at most ~4 MiB (~1 ms) of extra data, while the
   per-frame costs (a Python call, ~20 bytes of lz4 header, one int in the manifest: 256 per GiB)
   stay negligible.
@@ -29,7 +30,7 @@ Frame parameters (measured on this 2-core VM, 4 MiB frames, best of 30):
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 
 import lz4.block
 import lz4.frame
@@ -58,10 +59,6 @@ SAMPLE_WINDOW = 64 << 10
 AUTO_MIN_RATIO = 1.1
 
 _BLOCK_SIZE = lz4.frame.BLOCKSIZE_MAX1MB
-
-
-class FrameError(ValueError):
-    """A stored frame does not decompress, or decompresses to the wrong length."""
 
 
 def compress_frame(raw: bytes | memoryview) -> bytes:
@@ -102,58 +99,6 @@ def frames_for_range(frame_size: int, stored_lengths: Sequence[int], offset: int
         start = sum(stored_lengths[:first])
         end = start + sum(stored_lengths[first:last + 1])
     return first, last, start, end
-
-
-def decompress_frame(stored: bytes | memoryview, raw_len: int, *, index: int = 0) -> bytes:
-    """One stored frame, which must hold exactly `raw_len` raw bytes and nothing after its end.
-    The output is bounded: lz4 writes at most raw_len + 1 bytes (plus its own block buffer of
-    at most 4 MiB), so a frame that claims to expand to gigabytes (an "lz4 bomb" planted in the
-    store) costs no more memory than a good one. Raises FrameError on any lz4 error, on more or
-    fewer than `raw_len` bytes, on a frame that does not end, and on trailing data; `index` is
-    for messages."""
-    if raw_len < 0:
-        raise FrameError(f"frame {index}: negative raw length {raw_len}")
-    d = lz4.frame.LZ4FrameDecompressor()
-    try:
-        raw: bytes = d.decompress(stored, max_length=raw_len + 1)
-    except RuntimeError as e:  # lz4 reports corrupt input as RuntimeError
-        raise FrameError(f"frame {index}: {e}") from None
-    if len(raw) > raw_len:
-        raise FrameError(f"frame {index} decompresses to more than the {raw_len} bytes "
-                         "the manifest states")
-    if len(raw) < raw_len:
-        raise FrameError(f"frame {index} decompressed to {len(raw)} bytes, expected {raw_len}")
-    if not d.eof:
-        raise FrameError(f"frame {index} does not end after its {raw_len} bytes "
-                         "(truncated, or more data than stated)")
-    if d.unused_data:
-        raise FrameError(f"frame {index} has {len(d.unused_data)} bytes of trailing data")
-    return raw
-
-
-def decompress_frames(blob: bytes | memoryview, lengths: Sequence[int], *,
-                      raw_lengths: Sequence[int]) -> bytes:
-    """Decompress consecutive stored frames (`blob` is exactly their concatenation, `lengths`
-    their stored lengths) into the raw bytes; frame i must decompress to exactly
-    `raw_lengths[i]` bytes (the bound: see `decompress_frame`). Raises FrameError on any
-    mismatch or lz4 error."""
-    return b"".join(iter_decompress(blob, lengths, raw_lengths=raw_lengths))
-
-
-def iter_decompress(blob: bytes | memoryview, lengths: Sequence[int], *,
-                    raw_lengths: Sequence[int], first: int = 0) -> Iterator[bytes]:
-    """Like `decompress_frames`, one raw frame at a time (lets a caller write each frame out
-    without joining them first). `first` is the object-wide number of the first frame, for
-    error messages only."""
-    mv = memoryview(blob)
-    if sum(lengths) != len(mv):
-        raise FrameError(f"blob is {len(mv)} bytes, frame index says {sum(lengths)}")
-    if len(raw_lengths) != len(lengths):
-        raise FrameError(f"{len(lengths)} stored frames but {len(raw_lengths)} raw lengths")
-    pos = 0
-    for i, n in enumerate(lengths):
-        yield decompress_frame(mv[pos:pos + n], raw_lengths[i], index=first + i)
-        pos += n
 
 
 def sample_ratio(sample_fn: Callable[[int, int], bytes], size: int) -> float:

@@ -1,12 +1,13 @@
 """What one stored object is, independent of how it is moved: `StoredObject` (the description
-a set manifest carries), its chunk geometry, and CRC32C arithmetic. No I/O, no trio: pure
-functions and one frozen dataclass, safe to call from any thread.
+a set manifest carries) and its chunk geometry. No I/O, no trio: pure functions and one
+frozen dataclass, safe to call from any thread. Decoding and checking stored bytes is
+cachemgr.format.decode's (`chunk_at` hands it a chunk).
 
 Integrity
-    `StoredObject.crc32c` is the CRC32C of the RAW content. `crc32c_combine` folds the CRCs of
-    consecutive pieces into the CRC of their concatenation (GF(2) arithmetic, ~10 us per fold),
-    so `cachemgr.transfer` checksums raw bytes once, piece by piece in any order, and still
-    checks the whole file without re-reading it.
+    `StoredObject.crc32c` is the CRC32C of the RAW content. `decode.crc32c_combine` folds the
+    CRCs of consecutive pieces into the CRC of their concatenation (GF(2) arithmetic, ~10 us
+    per fold), so `cachemgr.transfer` checksums raw bytes once, piece by piece in any order,
+    and still checks the whole file without re-reading it.
 
 Chunks
     Every object is cut into raw chunks of `chunk_size` bytes (the frame size, 4 MiB by
@@ -25,15 +26,14 @@ Invariants
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from cachemgr.format.compress import DEFAULT_FRAME_SIZE, frame_offsets
+from cachemgr.format.decode import Chunk, crc32c
 from cachemgr.format.validate import object_geometry
-from cachemgr.store.base import IntegrityError, crc32c
 
 
 @dataclass(frozen=True)
@@ -102,59 +102,6 @@ class StoredObject:
 
 
 # ----------------------------------------------------------------------------------------------
-# CRC32C combine: crc(A || B) from crc(A), crc(B) and len(B). zlib's crc32_combine (1.2.12+
-# algorithm: multiply by x^(8*len2) modulo the polynomial) with the Castagnoli polynomial;
-# CRC32C has the same reflected form and all-ones pre/post conditioning as CRC-32.
-
-_POLY = 0x82F63B78  # CRC32C, reflected
-
-
-def _multmodp(a: int, b: int) -> int:
-    m = 1 << 31
-    p = 0
-    while True:
-        if a & m:
-            p ^= b
-            if (a & (m - 1)) == 0:
-                break
-        m >>= 1
-        b = (b >> 1) ^ _POLY if b & 1 else b >> 1
-    return p
-
-
-def _make_x2n() -> list[int]:
-    table = [0] * 32
-    p = 1 << 30  # x^1
-    table[0] = p
-    for n in range(1, 32):
-        p = table[n] = _multmodp(p, p)
-    return table
-
-
-_X2N = _make_x2n()  # x^(2^n) mod P
-
-
-def _x2nmodp(n: int, k: int) -> int:
-    p = 1 << 31  # x^0 == 1
-    while n:
-        if n & 1:
-            p = _multmodp(_X2N[k & 31], p)
-        n >>= 1
-        k += 1
-    return p
-
-
-@functools.lru_cache(maxsize=64)
-def _shift_for(len2: int) -> int:
-    return _x2nmodp(len2, 3)  # x^(8*len2) mod P: the same few lengths (chunks, ranges) recur
-
-
-def crc32c_combine(crc1: int, crc2: int, len2: int) -> int:
-    """CRC32C of A||B given crc1 = crc32c(A), crc2 = crc32c(B), len2 = len(B)."""
-    return _multmodp(_shift_for(len2), crc1) ^ crc2
-
-
-# ----------------------------------------------------------------------------------------------
 # chunk geometry
 
 
@@ -199,11 +146,13 @@ def stored_span(obj: StoredObject, first: int, last: int) -> tuple[int, int]:
     return s, min((last + 1) * cs, obj.size) - s
 
 
-def crc_mismatch(obj: StoredObject, index: int, got: int) -> IntegrityError:
+def chunk_at(obj: StoredObject, index: int) -> Chunk:
+    """Chunk `index` of `obj` as the decoder takes it (cachemgr.format.decode): its raw and
+    stored place and its CRC32C. IndexError outside [0, count)."""
     off, n = chunk_span(obj, index)
-    want = obj.chunk_crcs[index] if obj.chunk_crcs is not None else 0
-    return IntegrityError(f"{obj.key}: chunk {index} (raw bytes [{off}, {off + n})) has CRC32C "
-                          f"{got:08x}, manifest says {want:08x}", key=obj.key)
+    s, sn = stored_span(obj, index, index)
+    return Chunk(index, off, n, s, sn,
+                 obj.chunk_crcs[index] if obj.chunk_crcs is not None else None)
 
 
 def verify_chunk(obj: StoredObject, index: int, raw: bytes | memoryview) -> bool:

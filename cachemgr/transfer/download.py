@@ -20,8 +20,10 @@ Integrity
     `StoredObject.crc32c` (the raw content's CRC32C) is checked end to end by `download_file`
     after decompression: ranges are fetched and written in any order, each range's raw CRC32C
     is computed in the worker thread that decodes it, and the per-range values are folded in
-    order with `crc32c_combine`, so the file is never re-read. `read_range` checks lengths and
-    frame structure only (a ranged GET carries no checksum of its own); `download_file`,
+    order (`ObjectCheck`), so the file is never re-read. Every stored byte is decoded and
+    checked by cachemgr.format.decode (the one decoder; its DecodeError becomes IntegrityError
+    here). `read_range` checks lengths, frame structure and the CRCs of the whole chunks it
+    fetched (a partial uncompressed chunk has only its length to check); `download_file`,
     `fetch_chunk` and `fetch_chunks` are verified paths: `fetch_chunk` fetches one chunk (see
     `cachemgr.format.objects` "Chunks") with one ranged GET and checks it against `chunk_crcs`, so a
     read is served as soon as its range is in, and `download_file` checks every chunk it
@@ -32,23 +34,29 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeVar
 
 import trio
 
-from cachemgr.format.compress import FrameError, frames_for_range, iter_decompress
+from cachemgr.format.compress import frames_for_range
+from cachemgr.format.decode import (
+    DecodeError,
+    ObjectCheck,
+    crc32c_combine,
+    decode_chunk,
+    decode_chunks,
+    iter_chunks,
+)
 from cachemgr.format.objects import (
     StoredObject,
+    chunk_at,
     chunk_count,
     chunk_size_of,
     chunk_span,
-    crc32c_combine,
-    crc_mismatch,
     frames_of,
     stored_span,
 )
 from cachemgr.host.nodefiles import open_private
-from cachemgr.store.base import IntegrityError, ObjectStore, crc32c
+from cachemgr.store.base import IntegrityError, ObjectStore
 from cachemgr.transfer.upload import unwrap_group
 
 __all__ = ["download_file", "fetch_chunk", "fetch_chunks", "read_range"]
@@ -57,22 +65,21 @@ MiB = 1 << 20
 DEFAULT_RANGE_SIZE = 64 * MiB
 DEFAULT_DOWNLOAD_CONCURRENCY = 8
 
-# bytes in, bytes out; a memoryview in (a slice of one fetched buffer), a view or bytes out
-_Blob = TypeVar("_Blob", bytes, memoryview)
-
-
 # ----------------------------------------------------------------------------------------------
 # chunks
 
 
-def _decode_chunk(obj: StoredObject, index: int, blob: _Blob) -> _Blob | bytes:
-    # _decode checks the raw length too
-    raw = _decode(obj, blob, index, index) if obj.compression == "lz4" else blob
-    if obj.chunk_crcs is not None:
-        c = crc32c(raw)
-        if c != obj.chunk_crcs[index]:
-            raise crc_mismatch(obj, index, c)
-    return raw
+def _integrity(obj: StoredObject, e: DecodeError) -> IntegrityError:
+    """The decoder's error as the daemon's (a read answers EIO; the caller may re-read), with
+    the CRC32C values for the log."""
+    return IntegrityError(f"{e}{e.detail}", key=obj.key)
+
+
+def _decode_chunk(obj: StoredObject, index: int, blob: bytes | memoryview) -> bytes | memoryview:
+    try:
+        return decode_chunk(obj.key, chunk_at(obj, index), blob, lz4=obj.compression == "lz4")
+    except DecodeError as e:
+        raise _integrity(obj, e) from None
 
 
 async def fetch_chunk(store: ObjectStore, obj: StoredObject, index: int) -> bytes:
@@ -89,7 +96,7 @@ async def fetch_chunk(store: ObjectStore, obj: StoredObject, index: int) -> byte
                              f"expected {n}", key=obj.key)
     if obj.compression == "none" and obj.chunk_crcs is None:
         return blob  # nothing to decode or check: skip the thread hop
-    return await trio.to_thread.run_sync(_decode_chunk, obj, index, blob)
+    return bytes(await trio.to_thread.run_sync(_decode_chunk, obj, index, blob))
 
 
 async def fetch_chunks(store: ObjectStore, obj: StoredObject, first: int,
@@ -108,13 +115,13 @@ async def fetch_chunks(store: ObjectStore, obj: StoredObject, first: int,
                              f"{last} at {s}, expected {n}", key=obj.key)
 
     def split() -> list[bytes | memoryview]:
-        out: list[bytes | memoryview] = []
-        view = memoryview(blob).toreadonly()
-        for i in range(first, last + 1):
-            cs, cn = stored_span(obj, i, i)
-            # a view, not a copy: _decode_chunk checks its CRC32C (lz4 decodes it into bytes)
-            out.append(_decode_chunk(obj, i, view[cs - s:cs - s + cn]))
-        return out
+        # views, not copies, of an uncompressed blob (lz4 decodes each chunk into bytes)
+        chunks = [chunk_at(obj, i) for i in range(first, last + 1)]
+        try:
+            return [raw for _, raw, _ in iter_chunks(obj.key, memoryview(blob).toreadonly(),
+                                                      chunks, lz4=obj.compression == "lz4")]
+        except DecodeError as e:
+            raise _integrity(obj, e) from None
 
     return await trio.to_thread.run_sync(split)
 
@@ -125,11 +132,10 @@ async def fetch_chunks(store: ObjectStore, obj: StoredObject, first: int,
 
 def _decode(obj: StoredObject, blob: bytes | memoryview, first: int, last: int) -> bytes:
     try:
-        return b"".join(iter_decompress(
-            blob, frames_of(obj)[first:last + 1],
-            raw_lengths=[obj.raw_frame_len(i) for i in range(first, last + 1)], first=first))
-    except FrameError as e:
-        raise IntegrityError(f"{obj.key}: {e}", key=obj.key) from None
+        return decode_chunks(obj.key, blob, [chunk_at(obj, i) for i in range(first, last + 1)],
+                             lz4=True)
+    except DecodeError as e:
+        raise _integrity(obj, e) from None
 
 
 async def read_range(store: ObjectStore, obj: StoredObject, offset: int, length: int) -> bytes:
@@ -195,44 +201,20 @@ def _pwrite_all(fd: int, data: bytes | memoryview, off: int) -> None:
 
 
 def _write_range(fd: int, obj: StoredObject, r: _Range, blob: bytes) -> int:
-    """Decode one fetched range, check each chunk's CRC32C (when the object has chunk CRCs),
-    write it at its raw offset, return the range's raw CRC32C (folded from its chunks')."""
+    """Decode one fetched range chunk by chunk, each checked (its CRC32C when the object has
+    chunk CRCs) before it is written at its raw offset, one decoded chunk held at a time;
+    return the range's raw CRC32C (folded from its chunks')."""
     if len(blob) != r.stored_len:
         raise IntegrityError(f"{obj.key}: got {len(blob)} bytes at {r.stored_off}, expected "
                              f"{r.stored_len}", key=obj.key)
-    crcs = obj.chunk_crcs
-    if obj.compression == "none":
-        if crcs is None:
-            _pwrite_all(fd, blob, r.raw_off)
-            return crc32c(blob)
-        mv = memoryview(blob)
-        crc = pos = 0
-        for i in range(r.first, r.last + 1):
-            _, n = chunk_span(obj, i)
-            c = crc32c(mv[pos:pos + n])
-            if c != crcs[i]:
-                raise crc_mismatch(obj, i, c)
-            crc = crc32c_combine(crc, c, n)
-            pos += n
-        _pwrite_all(fd, blob, r.raw_off)  # checked before a byte of it lands
-        return crc
+    chunks = [chunk_at(obj, i) for i in range(r.first, r.last + 1)]
     crc = 0
-    pos = r.raw_off
     try:
-        for i, raw in enumerate(
-                iter_decompress(blob, frames_of(obj)[r.first:r.last + 1],
-                                raw_lengths=[obj.raw_frame_len(i)
-                                             for i in range(r.first, r.last + 1)],
-                                first=r.first),
-                start=r.first):
-            c = crc32c(raw)
-            if crcs is not None and c != crcs[i]:
-                raise crc_mismatch(obj, i, c)
-            crc = crc32c_combine(crc, c, len(raw))
-            _pwrite_all(fd, raw, pos)
-            pos += len(raw)
-    except FrameError as e:
-        raise IntegrityError(f"{obj.key}: {e}", key=obj.key) from None
+        for c, raw, ccrc in iter_chunks(obj.key, blob, chunks, lz4=obj.compression == "lz4"):
+            _pwrite_all(fd, raw, c.raw_off)
+            crc = crc32c_combine(crc, ccrc, c.raw_len)
+    except DecodeError as e:
+        raise _integrity(obj, e) from None
     return crc
 
 
@@ -293,10 +275,11 @@ async def download_file(store: ObjectStore, obj: StoredObject, dest_path: str | 
             raise e from None
     finally:
         os.close(fd)
-    total = 0
+    check = ObjectCheck(obj.key, obj.size, obj.crc32c)
     for r, c in zip(ranges, crcs, strict=True):
         assert c is not None  # every worker stored its range's CRC, or the nursery raised
-        total = crc32c_combine(total, c, r.raw_len)
-    if total != obj.crc32c:
-        raise IntegrityError(f"{obj.key}: downloaded content has CRC32C {total:08x}, manifest "
-                             f"says {obj.crc32c:08x}", key=obj.key)
+        check.add(c, r.raw_len)
+    try:
+        check.finish()
+    except DecodeError as e:
+        raise _integrity(obj, e) from None

@@ -4,7 +4,8 @@ the chunk CRCs computed on the way (downloads: cachemgr.transfer.download).
 This module owns the byte movement of one upload and its integrity checks; it does not decide
 *what* to upload or when (the scheduler does), and it does not retry (the caller wraps the store
 in `RetryingStore`, and retries a whole transfer on `IntegrityError`). What an object is
-(`StoredObject`, chunk geometry, `crc32c_combine`) lives in `cachemgr.format.objects`.
+(`StoredObject`, chunk geometry) lives in `cachemgr.format.objects`, `crc32c_combine` in
+`cachemgr.format.decode`.
 
 Threads and state
     Everything here runs on the caller's trio loop except the byte work, which goes to
@@ -85,10 +86,8 @@ from cachemgr.format.compress import (
     compress_frame,
     should_compress,
 )
-from cachemgr.format.objects import (
-    StoredObject,
-    crc32c_combine,
-)
+from cachemgr.format.decode import crc32c_combine
+from cachemgr.format.objects import StoredObject
 from cachemgr.host.background import run_idle
 from cachemgr.host.foreground import Foreground
 from cachemgr.store.base import IntegrityError, NotFound, ObjectInfo, ObjectStore, Part, crc32c
