@@ -81,6 +81,8 @@ import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import FrameType
+from typing import Any, NoReturn
 
 from benchlib import (
     CLK_TCK,
@@ -97,7 +99,7 @@ from benchlib import (
     read_file,
     run_text,
 )
-from restore_report import MODES, SET_PATH, fmt_size, report
+from restore_report import MODES, SET_PATH, Json, fmt_size, report
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -157,7 +159,16 @@ def self_cpu_s() -> float:
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]
+        return port
+
+
+def delta(x1: float | None, x0: float | None) -> float:
+    """x1 - x0 of two CPU-time readings of a process that ran at both (a None: it had
+    exited, and the run fails with that)."""
+    if x1 is None or x0 is None:
+        raise BenchError("a process's CPU time could not be read (did it exit?)")
+    return x1 - x0
 
 
 
@@ -171,7 +182,7 @@ class MotoServer:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = workdir / "moto.log"
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen[bytes] | None = None
         self.cmd = [python, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)]
 
     def start(self, timeout: float = 60.0) -> None:
@@ -210,7 +221,7 @@ class MotoServer:
             self.proc.wait(timeout=10)
 
 
-def s3_client(endpoint: str, pool: int = 64):
+def s3_client(endpoint: str, pool: int = 64) -> Any:  # a boto3 S3 client (boto3 is untyped)
     import boto3
     import botocore.config
 
@@ -239,7 +250,7 @@ class Mount:
         self.cmd = [ckptfs, "mount", str(mnt), "--cache-dir", str(cache),
                     "--log-file", str(self.log_file), *args]
         self.pid: int | None = None
-        self.info: dict = {"cmd": shlex.join(self.cmd)}
+        self.info: Json = {"cmd": shlex.join(self.cmd)}
 
     def open(self) -> None:
         self.mnt.mkdir(parents=True, exist_ok=True)
@@ -257,7 +268,7 @@ class Mount:
         if self.pid is None:
             raise BenchError(f"mount succeeded but printed no pid: {out!r}")
 
-    def status(self) -> dict | None:
+    def status(self) -> Json | None:
         try:
             res = subprocess.run([self.ckptfs, "status", "--json", str(self.mnt)], check=False,
                                  capture_output=True, text=True, timeout=60)
@@ -336,9 +347,9 @@ class Bench:
         self.moto = MotoServer(self.python, self.work)
         self.mounts: list[Mount] = []  # open ones, closed in finally
         self.store_url = f"s3://{BUCKET}/{PREFIX}"
-        self.files: list[dict] = []  # manifest entries of the set
+        self.files: list[Json] = []  # manifest entries of the set
         self.total = 0
-        self.results: dict = {}
+        self.results: Json = {}
 
     # -- bookkeeping --
 
@@ -347,7 +358,7 @@ class Bench:
         tmp.write_text(json.dumps(self.results, indent=2, sort_keys=False) + "\n")
         os.replace(tmp, self.out / "results.json")
 
-    def machine(self) -> dict:
+    def machine(self) -> Json:
         cpu = ""
         for line in read_file("/proc/cpuinfo").splitlines():
             if line.startswith("model name"):
@@ -411,7 +422,7 @@ class Bench:
         sizes[-1] += a.size - per * a.files
         log(f"node A: writing {SET_PATH} ({a.files} files, {fmt_size(a.size)} of random bytes)")
         ma = self.new_mount("A", [])
-        setup: dict = {"mount": ma.info}
+        setup: Json = {"mount": ma.info}
         try:
             ckpt = ma.mnt / "ckpt"
             ckpt.mkdir()
@@ -430,10 +441,10 @@ class Bench:
                         left -= k
                     os.fsync(f.fileno())
             meta = json.dumps({"storage": dict(zip(names, sizes))}).encode()
-            with open(tmp / ".metadata", "wb") as f:
-                f.write(meta)
-                f.flush()
-                os.fsync(f.fileno())
+            with open(tmp / ".metadata", "wb") as mf:
+                mf.write(meta)
+                mf.flush()
+                os.fsync(mf.fileno())
             os.rename(tmp, ckpt / "step_1")
             setup["write_s"] = round(time.perf_counter() - t0, 3)
             t0 = time.perf_counter()
@@ -480,7 +491,7 @@ class Bench:
         time.sleep(interval)
         return (machine_busy_s() - b0 - (ours() - o0)) / interval
 
-    def prepare(self, rec: dict, pids: list[int | None]) -> None:
+    def prepare(self, rec: Json, pids: list[int | None]) -> None:
         """Right before a timed run: wait (up to --idle-wait s) until nothing else keeps a CPU
         busy, flush dirty pages, touch and free memory (see the docstring)."""
         t0 = time.monotonic()
@@ -492,13 +503,13 @@ class Bench:
         os.sync()
         rec["touch_gib_s"] = round(touch_memory(int(self.a.touch_gib * GiB)), 2)
 
-    def flag_contended(self, rec: dict) -> None:
+    def flag_contended(self, rec: Json) -> None:
         if rec.get("other_busy") is not None:
             rec["contended"] = rec["other_busy"] > self.a.max_other_busy
 
     # -- the store's ceiling --
 
-    def ceiling(self, rep: int, chunk: int) -> dict:
+    def ceiling(self, rep: int, chunk: int) -> Json:
         from boto3.s3.transfer import TransferConfig
 
         dest = self.work / "ceiling"
@@ -507,7 +518,7 @@ class Bench:
         cfg = TransferConfig(max_concurrency=8, multipart_chunksize=chunk,
                              multipart_threshold=chunk, use_threads=True)
         objs = [f["object"] for f in self.files]
-        rec: dict = {"rep": rep, "chunk": chunk,
+        rec: Json = {"rep": rep, "chunk": chunk,
                      "cmd": f"boto3 download_file x{len(objs)} in parallel, TransferConfig("
                             f"max_concurrency=8, multipart_chunksize={chunk}, "
                             f"multipart_threshold={chunk})"}
@@ -526,7 +537,7 @@ class Bench:
             if got != stored:
                 raise BenchError(f"downloaded {got} bytes, expected {stored}")
             rec.update(seconds=round(secs, 3), mb_s=round(self.total / 1e6 / secs, 1),
-                       moto_busy=round((self.moto.cpu_s() - moto0) / secs, 2),
+                       moto_busy=round(delta(self.moto.cpu_s(), moto0) / secs, 2),
                        machine_busy=round((machine_busy_s() - busy0) / secs, 2))
             rec["other_busy"] = round(rec["machine_busy"] - rec["moto_busy"]
                                       - (self_cpu_s() - self0) / secs, 2)
@@ -555,14 +566,14 @@ class Bench:
                 raise BenchError(f"{SET_PATH} did not appear in mount B within {timeout:.0f}s")
             time.sleep(0.1)
 
-    def restore_run(self, rep: int, mode: str, n: int, rng: str | None) -> dict:
+    def restore_run(self, rep: int, mode: str, n: int, rng: str | None) -> Json:
         a = self.a
         name = f"B-r{rep + 1}-{mode}-c{n}" + (f"-r{rng}" if rng else "")
         extra = ["--prefetch-concurrency", str(n), "--refresh-interval", "0"]
         if rng:
             extra += ["--prefetch-range", rng]
         extra += shlex.split(a.mount_args)
-        rec: dict = {"rep": rep, "mode": mode, "concurrency": n,
+        rec: Json = {"rep": rep, "mode": mode, "concurrency": n,
                      "prefetch_range": self.range_bytes(rng)}
         m = None
         try:
@@ -628,14 +639,15 @@ class Bench:
                 rec["cache_bytes"] = cached
             rec.update(seconds=round(secs, 3), bytes=nbytes,
                        mb_s=round(nbytes / 1e6 / secs, 1),
-                       daemon_cpu_s=round(cpu1 - cpu0, 2) if cpu0 is not None else None,
-                       moto_busy=round((moto1 - moto0) / secs, 2) if moto0 is not None else None,
+                       daemon_cpu_s=round(delta(cpu1, cpu0), 2) if cpu0 is not None else None,
+                       moto_busy=(round(delta(moto1, moto0) / secs, 2) if moto0 is not None
+                                  else None),
                        machine_busy=round((busy1 - busy0) / secs, 2))
             if cpu0 is not None and moto0 is not None:
                 # busy CPUs not accounted to the daemon, moto or this script: other load on the
                 # machine (kernel work on their behalf, e.g. FUSE request handling, counts too)
                 rec["other_busy"] = round(rec["machine_busy"] - (
-                    (cpu1 - cpu0) + (moto1 - moto0) + (self1 - self0)) / secs, 2)
+                    delta(cpu1, cpu0) + delta(moto1, moto0) + (self1 - self0)) / secs, 2)
                 self.flag_contended(rec)
             if rec["integrity_errors"]:
                 raise BenchError(f"{rec['integrity_errors']} chunks failed their CRC32C")
@@ -721,7 +733,7 @@ class Bench:
         self.results["finished"] = _dt.datetime.now().isoformat(timespec="seconds")
         self.save()
 
-    def _progress(self, k: int, total: int, rep: int, what: str, r: dict) -> None:
+    def _progress(self, k: int, total: int, rep: int, what: str, r: Json) -> None:
         head = f"[{k:>3}/{total}] rep {rep + 1}/{self.a.repeats} {what}: "
         if "error" in r:
             self.results["errors"].append(f"rep {rep + 1} {what}: {r['error']}")
@@ -766,7 +778,7 @@ class Bench:
             shutil.rmtree(self.work, ignore_errors=True)
 
 
-def _interrupt(signum, _frame):
+def _interrupt(signum: int, _frame: FrameType | None) -> NoReturn:
     raise KeyboardInterrupt(signal.Signals(signum).name)
 
 

@@ -68,8 +68,7 @@ def log(msg: str) -> None:
 def wait_for(cond: Callable[[], T], timeout: float, what: str,
              exc: type[Exception] = Violation) -> T:
     """procwait.wait_for, failing with a Violation by default."""
-    v: T = _wait_for(cond, timeout, what, exc)
-    return v
+    return _wait_for(cond, timeout, what, exc)
 
 
 def pid_alive(pid: int | None) -> bool:
