@@ -317,6 +317,14 @@ def _file_hashes(root: Path) -> dict[str, str]:
     return out
 
 
+def _prefetch_seconds(out: str) -> float:
+    """The time `ckptfs prefetch` reports for its prefetch."""
+    m = re.search(r"prefetched \S+: (\d+) files, .* in ([\d.]+)s", out)
+    check(m is not None, f"ckptfs prefetch did not report a prefetch: {out!r}")
+    assert m is not None
+    return float(m.group(2))
+
+
 def _natural(name: str) -> tuple[int | str, ...]:
     """Sort key: step_9 before step_10."""
     return tuple(int(x) if x.isdigit() else x for x in re.split(r"(\d+)", name))
@@ -701,12 +709,9 @@ class Demo:
         out = res.stdout.strip()
         check(res.returncode == 0, f"ckptfs prefetch {dcp_rel} failed ({res.returncode}): "
               f"{res.stderr.strip() or out}")
-        m = re.search(r"prefetched \S+: (\d+) files, .* in ([\d.]+)s", out)
-        check(m is not None, f"ckptfs prefetch did not report a prefetch: {out!r}")
-        assert m is not None
+        secs = _prefetch_seconds(out)
         dcp_bytes = sum(size for k, size in expected_sizes.items()
                         if k.startswith(f"dcp/step_{newest}/"))
-        secs = float(m.group(2))
         took = f"{dcp_bytes / 1e6:.1f} MB in {secs:.1f} s" + (
             f", {dcp_bytes / 1e6 / secs:.0f} MB/s" if secs > 0 else "")
         st = ckptfs.status(self.node2_mnt)
@@ -782,21 +787,25 @@ class Demo:
         a = torch.load(final, weights_only=True)
         b = torch.load(ref_final, weights_only=True)
 
-        def walk(x: object, y: Any, path: str) -> None:
-            if isinstance(x, torch.Tensor):
-                check(x.dtype == y.dtype and torch.equal(x, y), f"final {path} differs")
-            elif isinstance(x, dict):
-                check(set(x) == set(y), f"final {path}: keys differ")
-                for k in x:
-                    walk(x[k], y[k], f"{path}.{k}")
-            elif isinstance(x, list):
-                check(len(x) == len(y), f"final {path}: lengths differ")
-                for i, (u, v) in enumerate(zip(x, y)):
-                    walk(u, v, f"{path}[{i}]")
-            else:
-                check(x == y, f"final {path} differs")
+        _same_final(a, b, "state")
 
-        walk(a, b, "state")
+
+def _same_final(x: object, y: Any, path: str) -> None:
+    """The final state of the run `x` equals the reference's `y`, tensor by tensor."""
+    import torch
+
+    if isinstance(x, torch.Tensor):
+        check(x.dtype == y.dtype and torch.equal(x, y), f"final {path} differs")
+    elif isinstance(x, dict):
+        check(set(x) == set(y), f"final {path}: keys differ")
+        for k in x:
+            _same_final(x[k], y[k], f"{path}.{k}")
+    elif isinstance(x, list):
+        check(len(x) == len(y), f"final {path}: lengths differ")
+        for i, (u, v) in enumerate(zip(x, y)):
+            _same_final(u, v, f"{path}[{i}]")
+    else:
+        check(x == y, f"final {path} differs")
 
 
 def _preimport_torch() -> None:
