@@ -157,6 +157,7 @@ class Peers:
             import torch.distributed.checkpoint as dcp
             from s3torchconnector._s3client import S3Client, S3ClientConfig
             from s3torchconnector.dcp import S3StorageReader, S3StorageWriter
+            from s3torchconnector.dcp.s3_file_system import S3FileSystem
         except Exception as e:
             raise BenchError(
                 f"cannot import s3torchconnector: {e.__class__.__name__}: {e}") from e
@@ -171,7 +172,9 @@ class Peers:
         def save() -> None:
             w = S3StorageWriter(region=REGION, path=path, s3client_config=cfg,
                                 thread_count=self.p.a.dcp_threads)
-            w.fs._client = client()
+            fs = w.fs  # (typed as torch's FileSystem by the writer it subclasses)
+            assert isinstance(fs, S3FileSystem)
+            fs._client = client()
             dcp.save(sd, storage_writer=w)
 
         def load() -> None:
