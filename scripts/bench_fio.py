@@ -71,7 +71,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 from benchlib import (
     BenchError,
@@ -87,6 +89,9 @@ from benchlib import (
     read_file,
     run_text,
 )
+
+# a JSON document: results.json, its records, a daemon's status
+Json = dict[str, Any]
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -122,7 +127,7 @@ def fmt_size(n: int) -> str:
 
 
 
-def mountinfo_entry(path: Path) -> dict | None:
+def mountinfo_entry(path: Path) -> Json | None:
     """The /proc/self/mountinfo entry of the filesystem holding `path` (longest prefix)."""
     path = Path(os.path.realpath(path))
     best = None
@@ -160,13 +165,13 @@ def drop_caches() -> None:
 
 
 
-def rep_label(rec: dict) -> str:
+def rep_label(rec: Json) -> str:
     return (f"{rec['rep'] + 1} {rec['variant']} {rec['target']} {rec['phase']} "
             f"nj={rec['numjobs']}")
 
 
-def median_min_max(xs: list[float]) -> tuple[float, float, float] | None:
-    xs = [x for x in xs if x is not None]
+def median_min_max(values: Iterable[float | None]) -> tuple[float, float, float] | None:
+    xs = [x for x in values if x is not None]
     if not xs:
         return None
     return statistics.median(xs), min(xs), max(xs)
@@ -177,7 +182,7 @@ def median_min_max(xs: list[float]) -> tuple[float, float, float] | None:
 
 
 
-def machine_info(ckptfs: str, workdir: Path) -> dict:
+def machine_info(ckptfs: str, workdir: Path) -> Json:
     cpu = ""
     for line in read_file("/proc/cpuinfo").splitlines():
         if line.startswith("model name"):
@@ -192,7 +197,7 @@ def machine_info(ckptfs: str, workdir: Path) -> dict:
     probe = "import sys, pyfuse3, trio; print(pyfuse3.__version__, trio.__version__, sys.version)"
     pyver = run_text([py, "-c", probe]).split()[:3]
     fs = mountinfo_entry(workdir) or {}
-    disk: dict = {"filesystem": fs}
+    disk: Json = {"filesystem": fs}
     src = fs.get("source", "")
     if src.startswith("/dev/"):
         dev = Path(os.path.realpath(src)).name
@@ -240,7 +245,7 @@ class Mount:
         self.cache = cache
         self.cmd = [ckptfs, "mount", str(mnt), "--cache-dir", str(cache), *args]
         self.pid: int | None = None
-        self.info: dict = {"cmd": shlex.join(self.cmd)}
+        self.info: Json = {"cmd": shlex.join(self.cmd)}
         self.dead = False
         self.keep_log_as: Path | None = None  # where to copy the daemon log if it had problems
 
@@ -284,7 +289,7 @@ class Mount:
     def cpu_s(self) -> float | None:
         return proc_cpu_s(self.pid) if self.pid else None
 
-    def status(self) -> dict | None:
+    def status(self) -> Json | None:
         """`ckptfs status --json` of this mount, or None if it does not answer."""
         try:
             res = subprocess.run([self.ckptfs, "status", "--json", str(self.mnt)], check=False,
@@ -293,7 +298,7 @@ class Mount:
         except (OSError, ValueError, subprocess.SubprocessError):
             return None
 
-    def wait_idle(self, timeout: float) -> tuple[float, dict | None]:
+    def wait_idle(self, timeout: float) -> tuple[float, Json | None]:
         """Wait until the daemon has no upload or store work pending (tiering idle).
         Returns (seconds waited, last status); status None if the mount cannot tell."""
         t0 = time.monotonic()
@@ -368,11 +373,11 @@ class Mount:
 
 
 def run_fio(phase: str, directory: Path, per_job: int, numjobs: int, out_json: Path,
-            timeout: float) -> dict:
+            timeout: float) -> Json:
     env = dict(os.environ, DIR=str(directory), SIZE=str(per_job), NUMJOBS=str(numjobs))
     job = FIO_DIR / JOB_FILES[phase]
     cmd = ["fio", "--output-format=json", f"--output={out_json}", "--eta=never", str(job)]
-    rec: dict = {"cmd": f"DIR={directory} SIZE={per_job} NUMJOBS={numjobs} {shlex.join(cmd)}"}
+    rec: Json = {"cmd": f"DIR={directory} SIZE={per_job} NUMJOBS={numjobs} {shlex.join(cmd)}"}
     out_json.unlink(missing_ok=True)
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -461,11 +466,11 @@ class Bench:
         self.a = a
         self.variants = variants
         self.out = Path(a.out)
-        self.samples: list[dict] = []
-        self.mounts: list[dict] = []
+        self.samples: list[Json] = []
+        self.mounts: list[Json] = []
         self.errors: list[str] = []
-        self.meta: dict = {}
-        self.config: dict = {}
+        self.meta: Json = {}
+        self.config: Json = {}
         self.n_runs = a.repeats * len(variants) * len(a.jobs) * 2 * len(PHASES)
         self.run_no = 0
         self.t_start = time.monotonic()
@@ -490,7 +495,7 @@ class Bench:
     # -- one timed run -------------------------------------------------------------------------
 
     def timed(self, rep: int, variant: str, target: str, phase: str, nj: int, d: Path,
-              mount: Mount | None) -> dict:
+              mount: Mount | None) -> Json:
         a = self.a
         per_job = (a.size // nj) // MiB * MiB
         if phase == "read-cold":
@@ -500,6 +505,7 @@ class Bench:
         before = mount.check_alive() if mount else None
         st0 = mount.status() if mount and not before else None
         touch_s = touch_memory(a.touch_bytes)
+        rec: Json
         if before:  # never let fio write into the bare mount-point directory
             rec = {"error": f"mount gone before the run: {before}"}
             cpu0 = cpu1 = None
@@ -547,7 +553,7 @@ class Bench:
         self.save()
         return rec
 
-    def mount_counters(self, rec: dict, mount: Mount, st0: dict) -> None:
+    def mount_counters(self, rec: Json, mount: Mount, st0: Json) -> None:
         """FUSE requests the run caused (from `ckptfs status`), then, unless
         --overlap-uploads, wait for the uploads it started and record how long they took."""
         st1 = mount.status()
@@ -593,7 +599,7 @@ class Bench:
                 if mount is not None and not self.a.overlap_uploads:
                     mount.wait_idle(self.a.upload_timeout)  # deletes reach the store
 
-    def skip(self, rep: int, variant: str, target: str, nj: int, phases) -> None:
+    def skip(self, rep: int, variant: str, target: str, nj: int, phases: Iterable[str]) -> None:
         for phase in phases:
             self.samples.append({"rep": rep, "variant": variant, "target": target,
                                  "phase": phase, "numjobs": nj, "skipped": True,
@@ -671,7 +677,7 @@ class Bench:
 
     # -- summary -------------------------------------------------------------------------------
 
-    def summary(self) -> list[dict]:
+    def summary(self) -> list[Json]:
         rows = []
         ok = [s for s in self.samples if "error" not in s and "bw_bytes" in s]
         for variant in self.variants:
@@ -702,7 +708,7 @@ class Bench:
     def markdown(self) -> str:
         m, c = self.meta, self.config
 
-        def mmm(t, fmt="{:.0f}"):
+        def mmm(t: tuple[float, float, float] | None, fmt: str = "{:.0f}") -> str:
             if t is None:
                 return "—"
             med, lo, hi = t

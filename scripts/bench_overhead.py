@@ -46,10 +46,18 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 PY = sys.executable
+# a JSON document: a daemon's status, the report and its rows
+Json = dict[str, Any]
+# a workload: fn(dir) -> MB/s or seconds; prep(dir) runs untimed before it
+Work = Callable[[Path], float]
+Prep = Callable[[Path], object]
+Workload = tuple[str, Work, int, int, Prep | None]
 MiB = 1 << 20
 
 TORCH_SAVE = r"""
@@ -68,7 +76,7 @@ print(time.perf_counter() - t0)
 """
 
 
-def sh(*cmd: str, **kw) -> subprocess.CompletedProcess:
+def sh(*cmd: str, **kw: Any) -> subprocess.CompletedProcess[str]:
     return subprocess.run(cmd, check=True, capture_output=True, text=True, **kw)
 
 
@@ -116,13 +124,17 @@ class Mount:
         r = sh(PY, "-m", "ckptfs", "mount", str(self.path), "--cache-dir", str(self.cache),
                "--store", f"file://{self.store}", "--metrics", f"127.0.0.1:{self.port}", *opts,
                cwd=REPO)
-        self.pid = int(re.search(r"pid (\d+)", r.stdout).group(1))
+        m = re.search(r"pid (\d+)", r.stdout)
+        if m is None:
+            raise RuntimeError(f"ckptfs mount printed no pid: {r.stdout!r}")
+        self.pid = int(m.group(1))
         st = self.status()
         self.data_path = st["data_path"]["mode"]
 
-    def status(self) -> dict:
-        return json.loads(sh(PY, "-m", "ckptfs", "status", str(self.path), "--json",
-                             cwd=REPO).stdout)
+    def status(self) -> Json:
+        st: Json = json.loads(sh(PY, "-m", "ckptfs", "status", str(self.path), "--json",
+                                 cwd=REPO).stdout)
+        return st
 
     def wait_idle(self, timeout: float = 300) -> None:
         end = time.monotonic() + timeout
@@ -239,10 +251,12 @@ def torch_save(d: Path, ranks: int, mib: int, tag: str) -> float:
                                str(r)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
              for r in range(ranks)]
     for p in procs:  # a barrier: the ranks' start and tensor generation stay out of the saves
+        assert p.stdout is not None and p.stdin is not None  # both PIPE
         if p.stdout.readline() != "ready\n":
             raise RuntimeError("torch.save rank failed before its save")
     times = []
     for p in procs:
+        assert p.stdin is not None
         p.stdin.write("go\n")
         p.stdin.flush()
     for p in procs:
@@ -267,29 +281,32 @@ class Bench:
         self.floor: dict[str, list[float]] = {}
         self.floor_dir: Path | None = None
 
-    def workloads(self) -> list[tuple[str, object, int, int, object]]:
+    def workloads(self) -> list[Workload]:
         """(name, fn(dir) -> value, bytes, files, prep(dir) or None); value: MB/s or seconds.
         `prep` runs untimed before `fn` (then the mount goes idle and the page cache is
         dropped); the bytes and files are what `fn` writes or reads."""
         a, size = self.a, self.a.size
-        out: list = [("fio 64 KiB writes, 1 writer", lambda d: fio(d, "write", "64k", 1, size),
-                      size, 1, None)]
+        out: list[Workload] = [("fio 64 KiB writes, 1 writer",
+                                lambda d: fio(d, "write", "64k", 1, size), size, 1, None)]
+
+        def write(j: int) -> Work:
+            return lambda d: fio(d, "write", "1m", j, size)
+
+        def read(j: int, loops: int = 1) -> Work:
+            return lambda d: fio(d, "read", "1m", j, size, loops=loops)
+
+        def write_read(j: int) -> Work:
+            return lambda d: (fio(d, "write", "1m", j, size),
+                              fio(d, "read", "1m", j, size, loops=4))[1]
         for j in a.jobs:
-            out.append((f"fio 1 MiB writes, {j} writers",
-                        lambda d, j=j: fio(d, "write", "1m", j, size), size, j, None))
-            out.append((f"read right after, {j} writers",
-                        lambda d, j=j: (fio(d, "write", "1m", j, size),
-                                        fio(d, "read", "1m", j, size, loops=4))[1],
-                        size, j, None))
-            out.append((f"read after drop_caches, {j} writers",
-                        lambda d, j=j: fio(d, "read", "1m", j, size), size, j,
-                        lambda d, j=j: fio(d, "write", "1m", j, size)))
+            out.append((f"fio 1 MiB writes, {j} writers", write(j), size, j, None))
+            out.append((f"read right after, {j} writers", write_read(j), size, j, None))
+            out.append((f"read after drop_caches, {j} writers", read(j), size, j, write(j)))
             if j > 1:
                 # The read right after, but with the mount idle (every upload done) before it:
                 # what is left of the gap when no upload runs beside the readers.
-                out.append((f"read with the mount idle first, {j} writers",
-                            lambda d, j=j: fio(d, "read", "1m", j, size, loops=4), size, j,
-                            lambda d, j=j: fio(d, "write", "1m", j, size)))
+                out.append((f"read with the mount idle first, {j} writers", read(j, loops=4),
+                            size, j, write(j)))
         out.append((f"{a.ranks} ranks torch.save + fsync (s)",
                     lambda d: torch_save(d, a.ranks, a.torch_mib, "s"),
                     a.ranks * a.torch_mib * MiB, a.ranks, None))
@@ -298,7 +315,8 @@ class Bench:
                     a.ranks * a.torch_mib * MiB, 5, None))
         return out
 
-    def one(self, name: str, fn, target: str, d: Path, m: Mount | None, prep=None) -> None:
+    def one(self, name: str, fn: Work, target: str, d: Path, m: Mount | None,
+            prep: Prep | None = None) -> None:
         clear(d)
         if prep is not None:
             prep(d)
@@ -351,7 +369,7 @@ class Bench:
         name = "save while the previous one uploads (idle/busy)"
         self.results.setdefault(name, {}).setdefault(target, []).append(idle / busy)
 
-    def run(self) -> dict:
+    def run(self) -> Json:
         a = self.a
         work = Path(tempfile.mkdtemp(prefix="ckptfs-overhead-", dir="/dev/shm"))
         disk = RamDisk(a.disk, work / "disk")
@@ -389,7 +407,7 @@ class Bench:
             shutil.rmtree(work, ignore_errors=True)
         return self.report()
 
-    def report(self) -> dict:
+    def report(self) -> Json:
         rows = []
         sizes = {name: (n, f) for name, _fn, n, f, _p in self.workloads()}
         for name, by in self.results.items():
@@ -402,7 +420,7 @@ class Bench:
                 ratios = [x / r for r, x in zip(raw, mnt, strict=True)]
             med = statistics.median(ratios)
             spread = (min(ratios), max(ratios))
-            row = {"workload": name, "median": round(med, 3),
+            row: Json = {"workload": name, "median": round(med, 3),
                    "spread": [round(spread[0], 3), round(spread[1], 3)],
                    "raw": [round(v, 3) for v in raw], "mount": [round(v, 3) for v in mnt],
                    "warning": spread[1] - spread[0] > abs(1 - med)}
@@ -451,7 +469,7 @@ class Bench:
         return {"args": dict(vars(self.a)), "meta": meta, "rows": rows}
 
 
-def print_report(rep: dict) -> None:
+def print_report(rep: Json) -> None:
     print(f"\n{'workload':52} {'median':>7}  spread        requests/MiB (per file)   "
           f"daemon CPU s/GiB (request path / with upload; user on the request path)   "
           f"extra CPU s/GiB over raw")
@@ -464,28 +482,28 @@ def print_report(rep: dict) -> None:
               f"  {req} ({per_file})  {_cpu(cpu)}   {_extra(r)}{warn}{_control(r)}")
 
 
-def _cpu(cpu: dict) -> str:
+def _cpu(cpu: Json) -> str:
     out = f"{cpu.get('request', '-')} / {cpu.get('with upload', '-')}; user {cpu.get('user', '-')}"
     if "copy floor" in cpu:
         out += f"; copy floor {cpu['copy floor']}"
     return out
 
 
-def _control(r: dict) -> str:
+def _control(r: Json) -> str:
     if "raw_control" not in r:
         return ""
     lo, hi = r["raw_control_spread"]
     return f" (the raw disk, same saves: {r['raw_control']:.3f} [{lo:.2f}-{hi:.2f}])"
 
 
-def _extra(r: dict) -> str:
+def _extra(r: Json) -> str:
     if "extra_cpu_s_per_gib" not in r:
         return "-"
     lo, hi = r["extra_cpu_spread"]
     return f"{r['extra_cpu_s_per_gib']} [{lo}-{hi}]"
 
 
-def markdown(rep: dict, argv: list[str]) -> str:
+def markdown(rep: Json, argv: list[str]) -> str:
     """The report as docs/bench/overhead.md: the command, the machine, the table."""
     import platform
 

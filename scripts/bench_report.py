@@ -5,480 +5,30 @@ the JSON; nothing is typed in. Re-render an old run:
     .venv/bin/python scripts/bench_report.py bench-results/perf/results.json [--docs docs]
 """
 
+
 from __future__ import annotations
 
 import argparse
 import json
 import shutil
-import statistics
 import sys
 from collections import Counter
 from pathlib import Path
 
-MiB = 1 << 20
-GiB = 1 << 30
-RSS_BOUND_MIB = 1024  # 64M parts x 8 in flight + 32M prefetch x 8 + the daemon itself
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-TARGET_NAMES = {
-    "raw": "raw cache disk (ceiling)",
-    "ckptfs": "ckptfs",
-    "ckptfs-fuse": "ckptfs --no-passthrough",
-    "s3fs": "s3fs-fuse (use_cache)",
-    "rclone": "rclone mount --vfs-cache-mode writes --ignore-checksum --no-checksum",
-    "rclone-ro": "rclone mount, cold restore only: reads the objects the store-ceiling step "
-                 "uploaded (its own upload failed)",
-    "s3torch": "s3torchconnector DCP (direct to S3)",
-    "ceiling": "boto3 transfer manager (store ceiling)",
-}
+from report_plots import plots
+from report_summary import CKPTFS_TARGETS, TARGET_NAMES, GiB, Json, MiB, f3, summarize
 
-
-# the ckptfs targets, in report order; fio records of runs before ckptfs-fuse say "mount"
-CKPTFS_TARGETS = ("ckptfs", "ckptfs-fuse")
-FIO_COLORS = {"ckptfs": "#1f77b4", "ckptfs-fuse": "#17becf"}
-# goals of the passthrough issue (fio, torch.save, DCP save, daemon CPU): see issue_targets
-ISSUE_RATIO = 0.9
-ISSUE_DCP_SAVE = 1.1
-ISSUE_CPU_S_PER_GIB = 0.1
-
-
-def fio_target(r: dict) -> str:
-    return "ckptfs" if r.get("target") == "mount" else r.get("target")
-
-
-def mount_target(m: dict) -> str:
-    return m.get("target") or "ckptfs"
-
-
-def mmm(xs):
-    xs = [x for x in xs if x is not None]
-    if not xs:
-        return None
-    return [statistics.median(xs), min(xs), max(xs)]
-
-
-def f3(t, fmt="{:.2f}"):
-    if not t:
-        return "—"
-    med, lo, hi = t
-    if len({round(lo, 6), round(hi, 6)}) == 1:
-        return fmt.format(med)
-    return f"{fmt.format(med)} [{fmt.format(lo)}–{fmt.format(hi)}]"
-
-
-def la_range(recs):
-    """min–max of the 1-minute load average over the start/end readings of these records."""
-    vals = []
-    for r in recs:
-        la = r.get("loadavg")
-        if isinstance(la, dict):
-            for pair in la.values():
-                vals += [pair[0][0], pair[1][0]]
-        elif isinstance(la, list) and la:
-            vals += [la[0][0], la[1][0]]
-    if not vals:
-        return "—"
-    return f"{min(vals):.1f}–{max(vals):.1f}"
-
-
-# ----------------------------------------------------------------------------------------------
-# summaries
-
-
-def data_paths(res: dict) -> dict:
-    """Per ckptfs target: the data path its mounts actually ran (from `ckptfs status --json`
-    -> data_path, recorded per mount), as a label, with the evidence."""
-    out: dict = {}
-    mounts = res.get("mounts", [])
-    present = [t for t in CKPTFS_TARGETS
-               if any(mount_target(m) == t for m in mounts)
-               or any(fio_target(r) == t for r in res.get("fio", []))
-               or any(r.get("target") == t for r in res.get("torch", []))]
-    for t in present:
-        ms = [m for m in mounts if mount_target(m) == t]
-        dps = [m.get("data_path") for m in ms]
-        known = [d for d in dps if d]
-        modes = Counter(d.get("mode") for d in known)
-        reasons = list(dict.fromkeys(d.get("off_reason") for d in known
-                                     if d.get("mode") != "passthrough" and d.get("off_reason")))
-        opens = sum(d.get("passthrough_opens") or 0 for d in known)
-        served = sum(((m.get("final_status") or {}).get("io") or {}).get(k) or 0
-                     for m in ms for k in ("bytes_written", "bytes_read"))
-        fio_recs = [r for r in res.get("fio", []) if fio_target(r) == t and "error" not in r]
-        fio_moved = sum(r.get("io_bytes") or 0 for r in fio_recs
-                        if "daemon_bytes_written" in r or "daemon_bytes_read" in r)
-        fio_served = sum((r.get("daemon_bytes_written") or 0) + (r.get("daemon_bytes_read") or 0)
-                         for r in fio_recs)
-        why = "; ".join(reasons) or "no reason recorded"
-        if not known:
-            label, passthrough = "not recorded (run before data_path existed)", None
-        elif modes.get("passthrough") == len(known):
-            passthrough = opens > 0
-            label = ("passthrough" if opens else
-                     "passthrough on, but no open was answered in passthrough")
-            if len(known) < len(dps):
-                label += f" ({len(dps) - len(known)} of {len(dps)} mounts not recorded)"
-        elif not modes.get("passthrough"):
-            label, passthrough = f"fuse ({why})", False
-        else:
-            label = (f"mixed: passthrough on {modes.get('passthrough')} of {len(dps)} mounts, "
-                     f"fuse ({why}) on the rest")
-            passthrough = False
-        out[t] = {"label": label, "passthrough": passthrough, "mounts": len(ms),
-                  "modes": dict(modes), "off_reasons": reasons, "passthrough_opens": opens,
-                  "daemon_served_bytes": served, "fio_bytes_moved": fio_moved,
-                  "fio_daemon_served_bytes": fio_served}
-    return out
-
-
-def summarize(res: dict) -> dict:
-    s: dict = {"fio": [], "torch": [], "ceiling": {}, "targets": [], "rss": []}
-    s["data_paths"] = data_paths(res)
-    fio = [r for r in res.get("fio", []) if "error" not in r and "bw_bytes" in r]
-    phases = ["write", "read-warm", "read-cold"]
-    jobs = sorted({r["numjobs"] for r in fio})
-    cts = [t for t in CKPTFS_TARGETS if any(fio_target(r) == t for r in fio)]
-    for ph in phases:
-        for nj in jobs:
-            sel = [r for r in fio if r["phase"] == ph and r["numjobs"] == nj]
-            raw = {r["rep"]: r for r in sel if r["target"] == "raw"}
-            row = {"phase": ph, "numjobs": nj, "raw_mbps": mmm([r["mbps"] for r in raw.values()]),
-                   "loadavg": la_range(sel), "by": {}}
-            for t in cts:
-                mnt = {r["rep"]: r for r in sel if fio_target(r) == t}
-                ratios = [mnt[k]["bw_bytes"] / raw[k]["bw_bytes"]
-                          for k in raw.keys() & mnt.keys()]
-                cpu = [m["daemon_cpu_s"] / (m["io_bytes"] / GiB) for m in mnt.values()
-                       if m.get("daemon_cpu_s") is not None and m.get("io_bytes")]
-                key = "daemon_bytes_written" if ph == "write" else "daemon_bytes_read"
-                share = [m[key] / m["io_bytes"] for m in mnt.values()
-                         if m.get(key) is not None and m.get("io_bytes")]
-                row["by"][t] = {
-                    "mbps": mmm([r["mbps"] for r in mnt.values()]), "ratio": mmm(ratios),
-                    "daemon_cpu_s_per_gib": mmm(cpu),
-                    "daemon_main_cpu_s_per_gib": mmm(
-                        [m["daemon_main_thread_cpu_s"] / (m["io_bytes"] / GiB)
-                         for m in mnt.values()
-                         if m.get("daemon_main_thread_cpu_s") is not None and m.get("io_bytes")]),
-                    "daemon_served_share": mmm(share),
-                    "upload_drain_s": mmm([m.get("upload_drain_s") for m in mnt.values()]),
-                    "n": len(ratios)}
-            # the `ckptfs` target under the keys of earlier reports
-            ck = row["by"].get("ckptfs") or {}
-            row.update(mount_mbps=ck.get("mbps"), ratio=ck.get("ratio"),
-                       daemon_cpu_s_per_gib=ck.get("daemon_cpu_s_per_gib"),
-                       upload_drain_s=ck.get("upload_drain_s"), n=ck.get("n", 0))
-            s["fio"].append(row)
-    tr = [r for r in res.get("torch", []) if "error" not in r]
-    ceil = res.get("ceiling", [])
-    wls = []
-    for r in res.get("torch", []):
-        if r["workload"] not in wls:
-            wls.append(r["workload"])
-    for wl in wls:
-        c = [x for x in ceil if x["workload"] == wl]
-        s["ceiling"][wl] = {"upload_s": mmm([x["upload_s"] for x in c]),
-                            "download_s": mmm([x["download_s"] for x in c]),
-                            "bytes": c[0]["bytes"] if c else None,
-                            "upload_mbps": mmm([x["bytes"] / 1e6 / x["upload_s"] for x in c]),
-                            "download_mbps": mmm([x["bytes"] / 1e6 / x["download_s"] for x in c]),
-                            "upload_moto_busy": mmm([x.get("upload_moto_busy") for x in c]),
-                            "download_moto_busy": mmm([x.get("download_moto_busy") for x in c]),
-                            "loadavg": la_range(c), "n": len(c)}
-        for t in ("raw", *CKPTFS_TARGETS, "s3fs", "rclone", "rclone-ro", "s3torch"):
-            sel = [r for r in tr if r["workload"] == wl and r["target"] == t]
-            if not sel and not any(r["workload"] == wl and r["target"] == t
-                                   for r in res.get("torch", [])):
-                continue
-            row = {"workload": wl, "target": t, "n": len(sel), "loadavg": la_range(sel)}
-            for k in ("save_s", "durable_s", "commit_to_durable_s", "warm_s", "cold_s"):
-                row[k] = mmm([r.get(k) for r in sel])
-            row["bytes"] = sel[0]["bytes"] if sel else None
-            b = row["bytes"]
-            row["save_mbps"] = mmm([b / 1e6 / r["save_s"] for r in sel if r.get("save_s")])
-            row["cold_mbps"] = mmm([b / 1e6 / r["cold_s"] for r in sel if r.get("cold_s")])
-            row["moto_busy_cold"] = mmm([(r.get("moto_busy") or {}).get("cold") for r in sel])
-            row["daemon_cpu_cold_s"] = mmm([r.get("daemon_cpu_cold_s") for r in sel])
-            row["daemon_cpu_save_s"] = mmm([r.get("daemon_cpu_save_s") for r in sel])
-            row["daemon_cpu_during_save_s_per_gib"] = mmm(
-                [r["daemon_cpu_during_save_s"] / (r["bytes"] / GiB) for r in sel
-                 if r.get("daemon_cpu_during_save_s") is not None and r.get("bytes")])
-            row["daemon_main_cpu_during_save_s_per_gib"] = mmm(
-                [r["daemon_main_thread_cpu_during_save_s"] / (r["bytes"] / GiB) for r in sel
-                 if r.get("daemon_main_thread_cpu_during_save_s") is not None and r.get("bytes")])
-            row["daemon_cpu_save_durable_s_per_gib"] = mmm(
-                [r["daemon_cpu_save_s"] / (r["bytes"] / GiB) for r in sel
-                 if r.get("daemon_cpu_save_s") is not None and r.get("bytes")])
-            row["daemon_served_save_share"] = mmm(
-                [(r.get("save_io") or {}).get("daemon_bytes_written", 0) / r["bytes"]
-                 for r in sel if r.get("save_io") and r.get("bytes")])
-            for ph, key in (("warm", "warm_io"), ("cold", "cold_io")):
-                row[f"daemon_served_{ph}_share"] = mmm(
-                    [(r.get(key) or {}).get("daemon_bytes_read", 0) / r["bytes"]
-                     for r in sel if r.get(key) and r.get("bytes")])
-                row[f"passthrough_opens_{ph}"] = mmm(
-                    [(r.get(key) or {}).get("passthrough_opens") for r in sel if r.get(key)])
-            row["passthrough_opens_save"] = mmm(
-                [(r.get("save_io") or {}).get("passthrough_opens") for r in sel
-                 if r.get("save_io")])
-            row["node_peak_rss_mib"] = mmm([r.get("node_peak_rss_mib") for r in sel])
-            row["cold_node_peak_rss_mib"] = mmm([r.get("cold_node_peak_rss_mib") for r in sel])
-            errs = [r["error"] for r in res.get("torch", [])
-                    if r["workload"] == wl and r["target"] == t and "error" in r]
-            if errs:
-                row["error"] = errs[0]
-            s["torch"].append(row)
-    s["targets"] = targets(res, s)
-    s["issue_targets"] = issue_targets(res, s)
-    for m in res.get("mounts", []):
-        dpm = m.get("data_path") or {}
-        s["rss"].append({"name": m.get("name"), "target": mount_target(m),
-                         "data_path": (None if not dpm else dpm.get("mode") if
-                                       dpm.get("mode") == "passthrough" else
-                                       f"{dpm.get('mode')} ({dpm.get('off_reason')})"),
-                         "bytes_through": m.get("bytes_through"),
-                         "peak_rss_mib": m.get("peak_rss_sampled_mib") or m.get("peak_rss_mib")})
-    return s
-
-
-def _paired(res, wl, num, den, key_num, key_den=None, invert=False):
-    """Per-repeat ratios num.key_num / den.key_den (den may be 'ceiling')."""
-    key_den = key_den or key_num
-    tr = [r for r in res.get("torch", []) if "error" not in r and r["workload"] == wl]
-    by = {}
-    for r in tr:
-        by[(r["target"], r["rep"])] = r
-    for c in res.get("ceiling", []):
-        if c["workload"] == wl:
-            by[("ceiling", c["rep"])] = c
-    out = []
-    for (t, rep), r in by.items():
-        if t != num or (den, rep) not in by:
-            continue
-        a, b = r.get(key_num), by[(den, rep)].get(key_den)
-        if a is None or b is None or a <= 0 or b <= 0:
-            continue
-        out.append(b / a if invert else a / b)
-    return mmm(out)
-
-
-def targets(res, s) -> list[dict]:
-    out = []
-
-    def add(name, goal, op, val, why_key, note=""):
-        met = None
-        if val:
-            met = val[0] >= goal if op == ">=" else val[0] <= goal
-        out.append({"target": name, "goal": f"{op} {goal:g}", "measured": val, "met": met,
-                    "key": why_key, "note": note})
-
-    for r in s["fio"]:
-        if r["phase"] == "write":
-            add(f"fio write (end_fsync) mount/raw, {r['numjobs']} writer(s)", 0.6, ">=",
-                r["ratio"], "fio-write")
-    for r in s["fio"]:
-        if r["phase"] == "read-warm":
-            add(f"fio warm read (right after the write) mount/raw, {r['numjobs']} job(s)", 0.8,
-                ">=", r["ratio"], "fio-read-warm")
-    for r in s["fio"]:
-        if r["phase"] == "read-cold":
-            add(f"fio read after drop_caches (data in the local cache) mount/raw, "
-                f"{r['numjobs']} job(s)", 0.8, ">=", r["ratio"], "fio-read-cold",
-                "same goal applied to the page-cache-cold read")
-    add("DCP save, trainer-visible: ckptfs / raw disk", 1.3, "<=",
-        _paired(res, "dcp", "ckptfs", "raw", "save_s"), "dcp-raw")
-    add("DCP save, trainer-visible: ckptfs / s3torchconnector", 0.2, "<=",
-        _paired(res, "dcp", "ckptfs", "s3torch", "save_s"), "dcp-s3torch")
-    for wl in ("mlperf", "dcp"):
-        add(f"{wl}: commit-to-durable / store ceiling upload", 1.2, "<=",
-            _paired(res, wl, "ckptfs", "ceiling", "commit_to_durable_s", "upload_s"),
-            "durable")
-        add(f"{wl}: cold restore throughput / store ceiling download", 0.8, ">=",
-            _paired(res, wl, "ckptfs", "ceiling", "cold_s", "download_s", invert=True), "cold")
-        add(f"{wl}: cold restore speed-up over s3fs", 2.0, ">=",
-            _paired(res, wl, "ckptfs", "s3fs", "cold_s", invert=True), "cold-s3fs")
-        val = _paired(res, wl, "ckptfs", "rclone", "cold_s", invert=True)
-        if val:
-            add(f"{wl}: cold restore speed-up over rclone", 2.0, ">=", val, "cold-rclone")
-        else:
-            add(f"{wl}: cold restore speed-up over rclone (rclone reading the store-ceiling "
-                f"objects of the same checkpoint: its own upload failed)", 2.0, ">=",
-                _paired(res, wl, "ckptfs", "rclone-ro", "cold_s", invert=True), "cold-rclone")
-    a_mounts = [m for m in res.get("mounts", [])
-                if str(m.get("name", "")).endswith("-A") and mount_target(m) == "ckptfs"]
-    peaks = [m.get("peak_rss_sampled_mib") or m.get("peak_rss_mib") for m in a_mounts]
-    tot = sum((m.get("bytes_through") or 0) for m in a_mounts)
-    add(f"daemon peak RSS (MiB) while checkpointing {tot / GiB:.1f} GiB through one mount",
-        RSS_BOUND_MIB, "<=", mmm(peaks), "rss")
-    return out
-
-
-def issue_targets(res, s) -> list[dict]:
-    """The goals of the passthrough issue, each with the measured value of every ckptfs target
-    (median [min–max] over repeats) and met / not met. Only measured values."""
-    cts = [t for t in CKPTFS_TARGETS if t in s.get("data_paths", {})
-           or any(t in r.get("by", {}) for r in s["fio"])]
-    out = []
-
-    def add(name, goal, op, vals: dict, fmt="{:.2f}", main: dict | None = None):
-        by = {}
-        for t in cts:
-            v = vals.get(t)
-            met = None
-            if v:
-                met = v[0] >= goal if op == ">=" else v[0] <= goal
-            by[t] = {"measured": v, "met": met}
-            if main is not None:  # the daemon's main thread alone (FUSE requests): evidence
-                by[t]["main_thread"] = main.get(t)
-        out.append({"target": name, "goal": f"{op} {goal:g}", "by": by, "fmt": fmt})
-
-    phase_names = {"write": "fio write (end_fsync) mount/raw",
-                   "read-warm": "fio read right after the write mount/raw",
-                   "read-cold": "fio read after drop_caches mount/raw"}
-    for ph, title in phase_names.items():
-        for r in s["fio"]:
-            if r["phase"] == ph:
-                add(f"{title}, {r['numjobs']} job(s)", ISSUE_RATIO, ">=",
-                    {t: (r["by"].get(t) or {}).get("ratio") for t in cts})
-    add("mlperf per-rank torch.save: mount/raw throughput (raw save s / mount save s)",
-        ISSUE_RATIO, ">=", {t: _paired(res, "mlperf", t, "raw", "save_s", invert=True)
-                            for t in cts})
-    add("DCP save time (trainer-visible): mount/raw", ISSUE_DCP_SAVE, "<=",
-        {t: _paired(res, "dcp", t, "raw", "save_s") for t in cts})
-    for r in s["fio"]:
-        if r["phase"] == "write":
-            add(f"daemon CPU s per GiB written: fio write, {r['numjobs']} job(s)",
-                ISSUE_CPU_S_PER_GIB, "<=",
-                {t: (r["by"].get(t) or {}).get("daemon_cpu_s_per_gib") for t in cts}, "{:.3f}",
-                {t: (r["by"].get(t) or {}).get("daemon_main_cpu_s_per_gib") for t in cts})
-    for wl, title in (("mlperf", "mlperf torch.save"), ("dcp", "DCP save")):
-        rows = {r["target"]: r for r in s["torch"] if r["workload"] == wl}
-        if any(t in rows for t in cts):
-            add(f"daemon CPU s per GiB written: {title} (until the save returns)",
-                ISSUE_CPU_S_PER_GIB, "<=",
-                {t: (rows.get(t) or {}).get("daemon_cpu_during_save_s_per_gib") for t in cts},
-                "{:.3f}",
-                {t: (rows.get(t) or {}).get("daemon_main_cpu_during_save_s_per_gib")
-                 for t in cts})
-    return out
-
-
-# ----------------------------------------------------------------------------------------------
-# plots
-
-
-def plots(res, s, outdir: Path) -> list[str]:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as e:
-        return [f"not available: matplotlib ({e})"]
-    outdir.mkdir(parents=True, exist_ok=True)
-    made = []
-    mode = res.get("config", {}).get("mode", "?")
-
-    def err(t):
-        return [[t[0] - t[1]], [t[2] - t[0]]] if t else [[0], [0]]
-
-    # fio
-    rows = [r for r in s["fio"] if r["raw_mbps"] and any(b["mbps"] for b in r["by"].values())]
-    if rows:
-        dp = s.get("data_paths", {})
-        series = [("raw", "raw cache disk", "#888")] + [
-            (t, f"{TARGET_NAMES[t]} [{(dp.get(t) or {}).get('label', '?')}]", FIO_COLORS[t])
-            for t in CKPTFS_TARGETS if any(t in r["by"] for r in rows)]
-        fig, ax = plt.subplots(figsize=(11, 4.4))
-        x = range(len(rows))
-        w = 0.8 / len(series)
-        for i, (t, lab, col) in enumerate(series):
-            xs, ys, e = [], [], [[], []]
-            for xi, r in zip(x, rows):
-                v = r["raw_mbps"] if t == "raw" else (r["by"].get(t) or {}).get("mbps")
-                if not v:
-                    continue
-                xs.append(xi + (i - (len(series) - 1) / 2) * w)
-                ys.append(v[0])
-                e[0].append(v[0] - v[1])
-                e[1].append(v[2] - v[0])
-                if t != "raw" and (r["by"][t] or {}).get("ratio"):
-                    ax.annotate(f"{r['by'][t]['ratio'][0]:.2f}x", (xs[-1], v[0]),
-                                ha="center", va="bottom", fontsize=6)
-            ax.bar(xs, ys, w, yerr=e, capsize=2, label=lab[:90], color=col)
-        ax.set_xticks(list(x), [f"{r['phase']}\nnj={r['numjobs']}" for r in rows], fontsize=8)
-        ax.set_ylabel("MB/s (median, min/max bars)")
-        ax.set_yscale("log")
-        ax.set_title(f"fio, 1 MiB sequential, incompressible: mounts vs raw, mount/raw above "
-                     f"the bars ({mode} run)")
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(outdir / "perf-fio.png", dpi=110, bbox_inches="tight")
-        plt.close(fig)
-        made.append("perf-fio.png")
-    # torch
-    wls = list(dict.fromkeys(r["workload"] for r in s["torch"]))
-    if wls:
-        fig, axes = plt.subplots(1, len(wls), figsize=(6.2 * len(wls), 4.4), squeeze=False)
-        metrics = [("save_s", "save\n(trainer back)"), ("durable_s", "durable\nin store"),
-                   ("warm_s", "warm\nrestore"), ("cold_s", "cold\nrestore")]
-        colors = {"raw": "#888", "ckptfs": "#1f77b4", "ckptfs-fuse": "#17becf",
-                  "s3fs": "#ff7f0e", "rclone": "#2ca02c", "s3torch": "#d62728",
-                  "ceiling": "#9467bd"}
-        for ax, wl in zip(axes[0], wls):
-            rows = [r for r in s["torch"] if r["workload"] == wl and r["n"]]
-            c = s["ceiling"].get(wl)
-            if c and c["upload_s"]:
-                rows = rows + [{"target": "ceiling", "durable_s": c["upload_s"],
-                                "cold_s": c["download_s"]}]
-            w = 0.8 / max(1, len(rows))
-            for i, r in enumerate(rows):
-                xs, ys, es = [], [], [[], []]
-                for j, (k, _) in enumerate(metrics):
-                    t = r.get(k)
-                    if not t:
-                        continue
-                    xs.append(j + (i - (len(rows) - 1) / 2) * w)
-                    ys.append(t[0])
-                    es[0].append(t[0] - t[1])
-                    es[1].append(t[2] - t[0])
-                ax.bar(xs, ys, w, yerr=es, capsize=2, label=TARGET_NAMES.get(r["target"]),
-                       color=colors.get(r["target"]))
-            ax.set_xticks(range(len(metrics)), [m[1] for m in metrics], fontsize=8)
-            ax.set_ylabel("seconds (median, min/max bars; lower is better)")
-            b = next((r.get("bytes") for r in rows if r.get("bytes")), None)
-            ax.set_title(f"{wl}: {b / GiB:.2f} GiB checkpoint" if b else wl)
-            ax.legend(fontsize=7)
-        fig.suptitle(f"torch workloads ({mode} run)")
-        fig.tight_layout()
-        fig.savefig(outdir / "perf-torch.png", dpi=110, bbox_inches="tight")
-        plt.close(fig)
-        made.append("perf-torch.png")
-    # targets
-    ts = [t for t in s["targets"] if t["measured"] and t["key"] != "rss"]
-    if ts:
-        fig, ax = plt.subplots(figsize=(10, 0.32 * len(ts) + 1.2))
-        for i, t in enumerate(ts):
-            goal = float(t["goal"].split()[1])
-            v = t["measured"][0] / goal  # normalised: 1.0 = exactly the goal
-            good = t["met"]
-            ax.barh(i, v, color="#2ca02c" if good else "#d62728")
-            ax.text(v, i, f" {t['measured'][0]:.2f} ({t['goal']})", va="center", fontsize=7)
-        ax.axvline(1.0, color="k", lw=1)
-        ax.set_yticks(range(len(ts)), [t["target"] for t in ts], fontsize=7)
-        ax.invert_yaxis()
-        ax.set_xlabel("measured / goal (green: met; for '<=' goals smaller is better)")
-        ax.set_title(f"targets ({mode} run)")
-        fig.tight_layout()
-        fig.savefig(outdir / "perf-targets.png", dpi=110, bbox_inches="tight")
-        plt.close(fig)
-        made.append("perf-targets.png")
-    return made
+# re-exported: scripts/bench_perf.py and earlier callers read these from here
+__all__ = ["main", "markdown", "plots", "summarize", "write_all"]
 
 
 # ----------------------------------------------------------------------------------------------
 # markdown
 
 
-def why(t, res, s) -> str:
+def why(t: Json, res: Json, s: Json) -> str:
     """Evidence for a missed target, from the measurements."""
     k = t["key"]
     prof = res.get("profiles", {})
@@ -556,8 +106,8 @@ def why(t, res, s) -> str:
                 f"disk before the reader gets it.{top}")
     if k == "dcp-raw":
         dp = (s.get("data_paths") or {}).get("ckptfs") or {}
-        row = next((r for r in s["torch"] if r["workload"] == "dcp" and r["target"] == "ckptfs"),
-                   {})
+        row: Json = next((r for r in s["torch"] if r["workload"] == "dcp"
+                          and r["target"] == "ckptfs"), {})
         if dp.get("passthrough"):
             return (f"`ckptfs` ran with FUSE passthrough: the daemon served "
                     f"{f3(row.get('daemon_served_save_share'), '{:.0%}')} of the save's bytes "
@@ -597,7 +147,7 @@ OVERHEAD_GOALS = [
 OVERHEAD_CPU_GOALS = (0.02, 0.3)  # daemon s/GiB: request path, including the upload (file://)
 
 
-def overhead_section(ov: dict) -> list[str]:
+def overhead_section(ov: Json) -> list[str]:
     """docs/PERFORMANCE.md's section for bench_overhead's report (`res["overhead"]`)."""
     meta, a, rows = ov.get("meta", {}), ov.get("args", {}), ov.get("rows", [])
     cmd = ("python scripts/bench_overhead.py --rounds "
@@ -674,10 +224,12 @@ def overhead_section(ov: dict) -> list[str]:
     return L
 
 
-def markdown(res: dict, s: dict, pngs: list[str], docs: bool) -> str:
+
+
+def header(res: Json, docs: bool) -> list[str]:
+    L: list[str] = []
     m, c = res.get("meta", {}), res.get("config", {})
     mode = c.get("mode", "?")
-    L = []
     L.append("# ckptfs performance" if docs else "# ckptfs benchmark results")
     L.append("")
     L.append("_Generated by `bash scripts/bench.sh" + (" --quick" if mode == "quick" else
@@ -700,6 +252,11 @@ def markdown(res: dict, s: dict, pngs: list[str], docs: bool) -> str:
              f"readings at its start and end). Other jobs on this 2-core machine disturb "
              f"absolute numbers; every ratio pairs runs made back to back in the same repeat.")
     L.append("")
+    return L
+
+
+def data_paths_section(res: Json, s: Json) -> list[str]:
+    L: list[str] = []
     # data paths
     dps = s.get("data_paths", {})
     cts = [t for t in CKPTFS_TARGETS if t in dps]
@@ -751,6 +308,14 @@ def markdown(res: dict, s: dict, pngs: list[str], docs: bool) -> str:
             L.append(f"- {n}")
         if res.get("notes"):
             L.append("")
+    return L
+
+
+def issue_targets_section(res: Json, s: Json) -> list[str]:
+    L: list[str] = []
+    c = res.get("config", {})
+    dps = s.get("data_paths", {})
+    cts = [t for t in CKPTFS_TARGETS if t in dps]
     # targets of the passthrough issue
     it = s.get("issue_targets") or []
     if it and cts:
@@ -795,8 +360,12 @@ def markdown(res: dict, s: dict, pngs: list[str], docs: bool) -> str:
         for t, j in short.items():
             L += [(f"`{t}` ran fio at {', '.join(map(str, j)) or 'no'} job count(s) only "
                   f"(`--fuse-jobs`), not at every one of {c.get('fio_jobs')}."), ""]
-    if res.get("overhead"):
-        L += overhead_section(res["overhead"])
+    return L
+
+
+def targets_section(res: Json, s: Json) -> list[str]:
+    L: list[str] = []
+    dps = s.get("data_paths", {})
     # targets
     L += ["## Targets", "",
           ("Goals set before passthrough, for the `ckptfs` target (data path: "
@@ -821,10 +390,11 @@ def markdown(res: dict, s: dict, pngs: list[str], docs: bool) -> str:
             L.append(f"- **{t['target']}** ({f3(t['measured'])}, goal {t['goal']}): "
                      f"{why(t, res, s)}")
         L.append("")
-    for p in pngs:
-        if p.endswith(".png"):
-            L.append(f"![{p}](bench/{p})" if docs else f"![{p}]({p})")
-            L.append("")
+    return L
+
+
+def data_path_notes() -> list[str]:
+    L: list[str] = []
     L += ["## Data-path notes", "",
           ("- **Uploads hold back while the trainer writes** (`cachemgr/host/foreground.py`, "
           "`Foreground.yield_to`): py-spy on the daemon during a DCP save showed about half of "
@@ -866,6 +436,13 @@ def markdown(res: dict, s: dict, pngs: list[str], docs: bool) -> str:
            "RSS 186 -> 317 MiB (measured while developing with the 32 MiB default; the tables "
            "here use the default of the run's commit)."),
           ""]
+    return L
+
+
+def fio_section(res: Json, s: Json) -> list[str]:
+    L: list[str] = []
+    c = res.get("config", {})
+    dps = s.get("data_paths", {})
     # fio
     L += ["## fio checkpoint jobs: ckptfs mount vs the raw cache disk", "",
           (f"`scripts/fio/write.fio` (1 MiB sequential writes, `refill_buffers`, "
@@ -903,6 +480,13 @@ def markdown(res: dict, s: dict, pngs: list[str], docs: bool) -> str:
         L.append(f"| {r['phase']} | {r['numjobs']} | {f3(r['raw_mbps'], '{:.0f}')} | "
                  + " | ".join(cells) + f" | {'; '.join(drains)} | {r['loadavg']} |")
     L.append("")
+    return L
+
+
+def torch_section(res: Json, s: Json) -> list[str]:
+    L: list[str] = []
+    c = res.get("config", {})
+    dps = s.get("data_paths", {})
     # torch
     peers = res.get("peers", {})
     for wl, title in (("mlperf", "MLPerf-Storage-like checkpoint (per-rank torch.save)"),
@@ -968,6 +552,11 @@ def markdown(res: dict, s: dict, pngs: list[str], docs: bool) -> str:
                      f"download {f3(cc['download_s'])} | up {f3(cc['upload_mbps'], '{:.0f}')} "
                      f"| {f3(cc['download_mbps'], '{:.0f}')} | | | | {cc['loadavg']} |")
         L.append("")
+    return L
+
+
+def rss_section(s: Json) -> list[str]:
+    L: list[str] = []
     # rss
     L += ["## ckptfs daemon memory", "",
           ("Peak RSS of each daemon (VmRSS sampled every 0.1 s from /proc and the kernel's "
@@ -981,6 +570,11 @@ def markdown(res: dict, s: dict, pngs: list[str], docs: bool) -> str:
         L.append(f"| {r['name']} | {r['target']} | {r.get('data_path') or '—'} | "
                  f"{f'{bt / GiB:.2f} GiB' if bt else '—'} | {r['peak_rss_mib']} |")
     L.append("")
+    return L
+
+
+def profiles_section(res: Json) -> list[str]:
+    L: list[str] = []
     # profiles
     prof = res.get("profiles", {})
     if prof:
@@ -1015,6 +609,12 @@ def markdown(res: dict, s: dict, pngs: list[str], docs: bool) -> str:
             for f, share in p.get("top_inclusive", [])[:12]:
                 L.append(f"| {share * 100:.1f}% | `{f}` |")
             L.append("")
+    return L
+
+
+def peers_section(res: Json) -> list[str]:
+    L: list[str] = []
+    peers = res.get("peers", {})
     # peers
     L += ["## Peers", "", "| peer | workload | status |", "|---|---|---|"]
     for k in ("s3fs", "rclone", "s3torch"):
@@ -1028,6 +628,12 @@ def markdown(res: dict, s: dict, pngs: list[str], docs: bool) -> str:
                 st = f"ok, but {len(bad)} run(s) failed: {bad[0]}"
             L.append(f"| {TARGET_NAMES[k]} | {wl} | {st} |")
     L.append("")
+    return L
+
+
+def method_section(res: Json) -> list[str]:
+    L: list[str] = []
+    c = res.get("config", {})
     # method
     L += ["## Method and exact commands", "",
           "- Entry: `" + " ".join(c.get("argv", [])) + "` (via `bash scripts/bench.sh`).",
@@ -1071,10 +677,31 @@ def markdown(res: dict, s: dict, pngs: list[str], docs: bool) -> str:
           ""]
     errs = res.get("errors", [])
     L += ["## Errors", ""] + ([f"- {e.splitlines()[0]}" for e in errs] or ["none"]) + [""]
+    return L
+
+
+def markdown(res: Json, s: Json, pngs: list[str], docs: bool) -> str:
+    L = header(res, docs)
+    L += data_paths_section(res, s)
+    L += issue_targets_section(res, s)
+    if res.get("overhead"):
+        L += overhead_section(res["overhead"])
+    L += targets_section(res, s)
+    for p in pngs:
+        if p.endswith(".png"):
+            L.append(f"![{p}](bench/{p})" if docs else f"![{p}]({p})")
+            L.append("")
+    L += data_path_notes()
+    L += fio_section(res, s)
+    L += torch_section(res, s)
+    L += rss_section(s)
+    L += profiles_section(res)
+    L += peers_section(res)
+    L += method_section(res)
     return "\n".join(L)
 
 
-def write_all(res: dict, out: Path, docs: Path | None) -> None:
+def write_all(res: Json, out: Path, docs: Path | None) -> None:
     s = summarize(res)
     res = dict(res, summary=s)
     out.mkdir(parents=True, exist_ok=True)
@@ -1091,7 +718,7 @@ def write_all(res: dict, out: Path, docs: Path | None) -> None:
         (docs / "PERFORMANCE.md").write_text(markdown(res, s, pngs, docs=True))
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("results")
     p.add_argument("--docs", default=None)

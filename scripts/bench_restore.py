@@ -74,7 +74,6 @@ import shlex
 import shutil
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -82,6 +81,8 @@ import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import FrameType
+from typing import Any, NoReturn
 
 from benchlib import (
     CLK_TCK,
@@ -98,13 +99,12 @@ from benchlib import (
     read_file,
     run_text,
 )
+from restore_report import MODES, SET_PATH, Json, fmt_size, report
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 BUCKET = "ckptfs-bench"
 PREFIX = "bench"
-SET_PATH = "ckpt/step_1"
-MODES = ("prefetch", "read")
 
 
 
@@ -125,15 +125,6 @@ def parse_int_list(s: str) -> list[int]:
 
 def parse_size_list(s: str) -> list[int]:
     return [parse_size(x) for x in s.split(",") if x.strip()]
-
-
-def fmt_size(n: int) -> str:
-    if n % GiB == 0:
-        return f"{n // GiB} GiB"
-    if n % MiB == 0:
-        return f"{n // MiB} MiB"
-    return f"{n / MiB:.1f} MiB"
-
 
 
 def touch_memory(nbytes: int) -> float:
@@ -165,17 +156,19 @@ def self_cpu_s() -> float:
     return t.user + t.system + t.children_user + t.children_system
 
 
-def mmm(xs: list[float | None]) -> tuple[float, float, float] | None:
-    xs = [x for x in xs if x is not None]
-    if not xs:
-        return None
-    return statistics.median(xs), min(xs), max(xs)
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]
+        return port
+
+
+def delta(x1: float | None, x0: float | None) -> float:
+    """x1 - x0 of two CPU-time readings of a process that ran at both (a None: it had
+    exited, and the run fails with that)."""
+    if x1 is None or x0 is None:
+        raise BenchError("a process's CPU time could not be read (did it exit?)")
+    return x1 - x0
 
 
 
@@ -189,7 +182,7 @@ class MotoServer:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = workdir / "moto.log"
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen[bytes] | None = None
         self.cmd = [python, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)]
 
     def start(self, timeout: float = 60.0) -> None:
@@ -228,7 +221,7 @@ class MotoServer:
             self.proc.wait(timeout=10)
 
 
-def s3_client(endpoint: str, pool: int = 64):
+def s3_client(endpoint: str, pool: int = 64) -> Any:  # a boto3 S3 client (boto3 is untyped)
     import boto3
     import botocore.config
 
@@ -257,7 +250,7 @@ class Mount:
         self.cmd = [ckptfs, "mount", str(mnt), "--cache-dir", str(cache),
                     "--log-file", str(self.log_file), *args]
         self.pid: int | None = None
-        self.info: dict = {"cmd": shlex.join(self.cmd)}
+        self.info: Json = {"cmd": shlex.join(self.cmd)}
 
     def open(self) -> None:
         self.mnt.mkdir(parents=True, exist_ok=True)
@@ -275,7 +268,7 @@ class Mount:
         if self.pid is None:
             raise BenchError(f"mount succeeded but printed no pid: {out!r}")
 
-    def status(self) -> dict | None:
+    def status(self) -> Json | None:
         try:
             res = subprocess.run([self.ckptfs, "status", "--json", str(self.mnt)], check=False,
                                  capture_output=True, text=True, timeout=60)
@@ -354,9 +347,9 @@ class Bench:
         self.moto = MotoServer(self.python, self.work)
         self.mounts: list[Mount] = []  # open ones, closed in finally
         self.store_url = f"s3://{BUCKET}/{PREFIX}"
-        self.files: list[dict] = []  # manifest entries of the set
+        self.files: list[Json] = []  # manifest entries of the set
         self.total = 0
-        self.results: dict = {}
+        self.results: Json = {}
 
     # -- bookkeeping --
 
@@ -365,7 +358,7 @@ class Bench:
         tmp.write_text(json.dumps(self.results, indent=2, sort_keys=False) + "\n")
         os.replace(tmp, self.out / "results.json")
 
-    def machine(self) -> dict:
+    def machine(self) -> Json:
         cpu = ""
         for line in read_file("/proc/cpuinfo").splitlines():
             if line.startswith("model name"):
@@ -429,7 +422,7 @@ class Bench:
         sizes[-1] += a.size - per * a.files
         log(f"node A: writing {SET_PATH} ({a.files} files, {fmt_size(a.size)} of random bytes)")
         ma = self.new_mount("A", [])
-        setup: dict = {"mount": ma.info}
+        setup: Json = {"mount": ma.info}
         try:
             ckpt = ma.mnt / "ckpt"
             ckpt.mkdir()
@@ -448,10 +441,10 @@ class Bench:
                         left -= k
                     os.fsync(f.fileno())
             meta = json.dumps({"storage": dict(zip(names, sizes))}).encode()
-            with open(tmp / ".metadata", "wb") as f:
-                f.write(meta)
-                f.flush()
-                os.fsync(f.fileno())
+            with open(tmp / ".metadata", "wb") as mf:
+                mf.write(meta)
+                mf.flush()
+                os.fsync(mf.fileno())
             os.rename(tmp, ckpt / "step_1")
             setup["write_s"] = round(time.perf_counter() - t0, 3)
             t0 = time.perf_counter()
@@ -498,7 +491,7 @@ class Bench:
         time.sleep(interval)
         return (machine_busy_s() - b0 - (ours() - o0)) / interval
 
-    def prepare(self, rec: dict, pids: list[int | None]) -> None:
+    def prepare(self, rec: Json, pids: list[int | None]) -> None:
         """Right before a timed run: wait (up to --idle-wait s) until nothing else keeps a CPU
         busy, flush dirty pages, touch and free memory (see the docstring)."""
         t0 = time.monotonic()
@@ -510,13 +503,13 @@ class Bench:
         os.sync()
         rec["touch_gib_s"] = round(touch_memory(int(self.a.touch_gib * GiB)), 2)
 
-    def flag_contended(self, rec: dict) -> None:
+    def flag_contended(self, rec: Json) -> None:
         if rec.get("other_busy") is not None:
             rec["contended"] = rec["other_busy"] > self.a.max_other_busy
 
     # -- the store's ceiling --
 
-    def ceiling(self, rep: int, chunk: int) -> dict:
+    def ceiling(self, rep: int, chunk: int) -> Json:
         from boto3.s3.transfer import TransferConfig
 
         dest = self.work / "ceiling"
@@ -525,7 +518,7 @@ class Bench:
         cfg = TransferConfig(max_concurrency=8, multipart_chunksize=chunk,
                              multipart_threshold=chunk, use_threads=True)
         objs = [f["object"] for f in self.files]
-        rec: dict = {"rep": rep, "chunk": chunk,
+        rec: Json = {"rep": rep, "chunk": chunk,
                      "cmd": f"boto3 download_file x{len(objs)} in parallel, TransferConfig("
                             f"max_concurrency=8, multipart_chunksize={chunk}, "
                             f"multipart_threshold={chunk})"}
@@ -544,7 +537,7 @@ class Bench:
             if got != stored:
                 raise BenchError(f"downloaded {got} bytes, expected {stored}")
             rec.update(seconds=round(secs, 3), mb_s=round(self.total / 1e6 / secs, 1),
-                       moto_busy=round((self.moto.cpu_s() - moto0) / secs, 2),
+                       moto_busy=round(delta(self.moto.cpu_s(), moto0) / secs, 2),
                        machine_busy=round((machine_busy_s() - busy0) / secs, 2))
             rec["other_busy"] = round(rec["machine_busy"] - rec["moto_busy"]
                                       - (self_cpu_s() - self0) / secs, 2)
@@ -573,14 +566,14 @@ class Bench:
                 raise BenchError(f"{SET_PATH} did not appear in mount B within {timeout:.0f}s")
             time.sleep(0.1)
 
-    def restore_run(self, rep: int, mode: str, n: int, rng: str | None) -> dict:
+    def restore_run(self, rep: int, mode: str, n: int, rng: str | None) -> Json:
         a = self.a
         name = f"B-r{rep + 1}-{mode}-c{n}" + (f"-r{rng}" if rng else "")
         extra = ["--prefetch-concurrency", str(n), "--refresh-interval", "0"]
         if rng:
             extra += ["--prefetch-range", rng]
         extra += shlex.split(a.mount_args)
-        rec: dict = {"rep": rep, "mode": mode, "concurrency": n,
+        rec: Json = {"rep": rep, "mode": mode, "concurrency": n,
                      "prefetch_range": self.range_bytes(rng)}
         m = None
         try:
@@ -646,14 +639,15 @@ class Bench:
                 rec["cache_bytes"] = cached
             rec.update(seconds=round(secs, 3), bytes=nbytes,
                        mb_s=round(nbytes / 1e6 / secs, 1),
-                       daemon_cpu_s=round(cpu1 - cpu0, 2) if cpu0 is not None else None,
-                       moto_busy=round((moto1 - moto0) / secs, 2) if moto0 is not None else None,
+                       daemon_cpu_s=round(delta(cpu1, cpu0), 2) if cpu0 is not None else None,
+                       moto_busy=(round(delta(moto1, moto0) / secs, 2) if moto0 is not None
+                                  else None),
                        machine_busy=round((busy1 - busy0) / secs, 2))
             if cpu0 is not None and moto0 is not None:
                 # busy CPUs not accounted to the daemon, moto or this script: other load on the
                 # machine (kernel work on their behalf, e.g. FUSE request handling, counts too)
                 rec["other_busy"] = round(rec["machine_busy"] - (
-                    (cpu1 - cpu0) + (moto1 - moto0) + (self1 - self0)) / secs, 2)
+                    delta(cpu1, cpu0) + delta(moto1, moto0) + (self1 - self0)) / secs, 2)
                 self.flag_contended(rec)
             if rec["integrity_errors"]:
                 raise BenchError(f"{rec['integrity_errors']} chunks failed their CRC32C")
@@ -739,7 +733,7 @@ class Bench:
         self.results["finished"] = _dt.datetime.now().isoformat(timespec="seconds")
         self.save()
 
-    def _progress(self, k: int, total: int, rep: int, what: str, r: dict) -> None:
+    def _progress(self, k: int, total: int, rep: int, what: str, r: Json) -> None:
         head = f"[{k:>3}/{total}] rep {rep + 1}/{self.a.repeats} {what}: "
         if "error" in r:
             self.results["errors"].append(f"rep {rep + 1} {what}: {r['error']}")
@@ -763,130 +757,7 @@ class Bench:
     # -- report --
 
     def report(self) -> str:
-        res = self.results
-
-        def clean(rs: list[dict]) -> list[dict]:
-            """Runs not contended by other load; all of them if none is clean."""
-            c = [r for r in rs if not r.get("contended")]
-            return c or rs
-
-        def runs_col(rs: list[dict]) -> str:
-            """`clean/total` runs; the medians are over the clean ones (all, if none is)."""
-            ok = [r for r in rs if "error" not in r]
-            n_clean = sum(1 for r in ok if not r.get("contended"))
-            return f"{n_clean}/{len(rs)}" + (" (all contended)" if ok and not n_clean else "")
-        cfg = res["config"]
-        setup = res.get("setup", {})
-        lines = ["# ckptfs cold restore from S3 (moto_server on loopback)", ""]
-        mach = res["machine"]
-        lines.append(f"{res.get('started')}: {mach['cpus']} CPUs ({mach['cpu']}), kernel "
-                     f"{mach['kernel']}, Python {mach['python']}, boto3 {mach['boto3']}, moto "
-                     f"{mach['moto']}, {mach['ckptfs']} ({mach['git_head'][:10]}"
-                     f"{', dirty tree' if mach['git_dirty'] else ''}).")
-        nf = len(setup.get("files", []))
-        stored = sorted({f["compression"] for f in setup.get("files", []) if f["size"] >= MiB})
-        lines.append(f"Set: `{SET_PATH}`, {nf} files ({cfg['files']} shards of random bytes + "
-                     f"`.metadata`), {fmt_size(setup.get('total_bytes', 0))}, chunk "
-                     f"{fmt_size(setup.get('chunk_size') or 0)}, stored "
-                     f"{'/'.join(stored)}. "
-                     f"Repeats: {cfg['repeats']}. Wall time: {res.get('wall_s', '?')} s.")
-        lines.append("MB/s = 10^6 B/s of file content; median [min-max] over the repeats. "
-                     "`prefetch` = wall time of `ckptfs prefetch` (includes "
-                     f"~{res.get('cli_startup_s', 0):.2f}s CLI start-up); `read` = sequential "
-                     "1 MiB reads of every file, prefetch on. Each run on a fresh mount with an "
-                     "empty cache dir.")
-        lines.append("")
-        # ceilings
-        head = "## Store ceiling (boto3 download_file, 8 threads per object, objects in parallel)"
-        lines += [head, "",
-                  "| range size | MB/s | moto busy | machine busy | other busy | runs |",
-                  "|---|---|---|---|---|---|"]
-        ceil: dict[int, float] = {}
-        for c in res.get("ceiling_chunks_used", []):
-            allc = [r for r in res["ceiling"] if r["chunk"] == c]
-            rs = clean([r for r in allc if "error" not in r])
-            t = mmm([r["mb_s"] for r in rs])
-            b = mmm([r["moto_busy"] for r in rs])
-            mb = mmm([r.get("machine_busy") for r in rs]) or (0, 0, 0)
-            ob = mmm([r.get("other_busy") for r in rs]) or (0, 0, 0)
-            if t:
-                ceil[c] = t[0]
-                lines.append(f"| {fmt_size(c)} | {t[0]:.1f} [{t[1]:.1f}-{t[2]:.1f}] | "
-                             f"{b[0]:.2f} | {mb[0]:.2f} | {ob[0]:.2f} | {runs_col(allc)} |")
-            else:
-                lines.append(f"| {fmt_size(c)} | failed | | | | |")
-        best = max(ceil.values()) if ceil else None
-        best_c = max(ceil, key=ceil.get) if ceil else None
-        lines.append("")
-        # restores
-        lines += ["## ckptfs restore", "",
-                  "| mode | GET size | N | MB/s | x ceiling (same GET size) | x best ceiling"
-                  + (f" ({fmt_size(best_c)})" if best_c else "")
-                  + " | daemon job MB/s | daemon CPU s/GiB | moto busy | machine busy "
-                  "| other busy | peak RSS MiB | runs |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-        rows = []
-        for r in res["runs"]:
-            key = (MODES.index(r["mode"]), r["prefetch_range"], r["concurrency"])
-            if key not in rows:
-                rows.append(key)
-        for mi, rng, n in sorted(rows):
-            mode = MODES[mi]
-            same = ceil.get(rng)
-            rs = [r for r in res["runs"] if r["mode"] == mode and r["concurrency"] == n
-                  and r["prefetch_range"] == rng]
-            ok = [r for r in rs if "error" not in r]
-            nerr = len(rs) - len(ok)
-            ok = clean(ok)
-            t = mmm([r["mb_s"] for r in ok])
-            if not t:
-                lines.append(f"| {mode} | {fmt_size(rng)} | {n} | failed ({nerr}) "
-                             "| | | | | | | | | |")
-                continue
-            dj = mmm([r.get("daemon_job_mb_s") for r in ok])
-            cpu = mmm([r["daemon_cpu_s"] / (r["bytes"] / GiB) for r in ok
-                       if r.get("daemon_cpu_s") is not None])
-            busy = mmm([r.get("moto_busy") for r in ok])
-            mbusy = mmm([r.get("machine_busy") for r in ok])
-            obusy = mmm([r.get("other_busy") for r in ok])
-            rss = [r.get("peak_rss_mib") for r in ok if r.get("peak_rss_mib") is not None]
-            lines.append(
-                f"| {mode} | {fmt_size(rng)} | {n} | {t[0]:.1f} [{t[1]:.1f}-{t[2]:.1f}]"
-                + (f" ({nerr} failed)" if nerr else "") + " | "
-                + (f"{t[0] / same:.2f}" if same else "-")
-                + (f" (job {dj[0] / same:.2f})" if same and dj and mode == "prefetch" else "")
-                + " | "
-                + (f"{t[0] / best:.2f}" if best else "-") + " | "
-                + (f"{dj[0]:.1f}" if dj else "-") + " | "
-                + (f"{cpu[0]:.2f}" if cpu else "-") + " | "
-                + (f"{busy[0]:.2f}" if busy else "-") + " | "
-                + (f"{mbusy[0]:.2f}" if mbusy else "-") + " | "
-                + (f"{obusy[0]:.2f}" if obusy else "-") + " | "
-                + (f"{max(rss):.0f}" if rss else "-") + " | "
-                + runs_col(rs) + " |")
-        lines.append("")
-        lines.append("`GET size`: bytes per prefetch GET (`--prefetch-range`; a read not covered "
-                     "by the prefetch yet GETs its own chunk). `x ceiling (same GET size)`: "
-                     "against boto3 with ranges of that size (`job`: the daemon job's MB/s "
-                     "against it). "
-                     "`daemon job MB/s`: the daemon's own prefetch job time (open or request to "
-                     "last chunk stored). `moto busy`: moto_server CPU seconds per wall second "
-                     "(one Python process; ~1.0 = the store is saturated); `machine busy`: busy "
-                     f"CPU seconds of the whole machine ({os.cpu_count()} CPUs) per wall second; "
-                     "`other busy`: the part of it not spent by the daemon, moto or this "
-                     "script (other load on the machine, and kernel work such as FUSE request "
-                     "handling and page-cache writeback; ~0 on an idle machine): above ~0.2 "
-                     "means the runs competed with something else. `runs`: uncontended / all runs; "
-                     "MB/s and the other columns are medians over the uncontended runs (runs with "
-                     f"`other busy` > {self.a.max_other_busy} are left out, unless all are). "
-                     "`peak RSS`: the "
-                     "daemon's VmHWM before unmount, max over the repeats.")
-        if setup:
-            lines.append(f"Setup: node A wrote the set in {setup.get('write_s')} s, durable "
-                         f"{setup.get('upload_wait_s')} s later.")
-        if res.get("errors"):
-            lines += ["", "## Errors", ""] + [f"- {e}" for e in res["errors"]]
-        text = "\n".join(lines) + "\n"
+        text = report(self.results, self.a.max_other_busy)
         (self.out / "results.md").write_text(text)
         return text
 
@@ -907,7 +778,7 @@ class Bench:
             shutil.rmtree(self.work, ignore_errors=True)
 
 
-def _interrupt(signum, _frame):
+def _interrupt(signum: int, _frame: FrameType | None) -> NoReturn:
     raise KeyboardInterrupt(signal.Signals(signum).name)
 
 

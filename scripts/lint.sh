@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Static checks, configured in pyproject.toml ([tool.ruff.lint], [tool.mypy], [tool.importlinter]):
-# ruff on all Python in the repository, mypy on the packages (strict on cachemgr/), and
+# ruff on all Python in the repository, mypy on the packages and scripts/ (strict on cachemgr/
+# and on the bench and fault harnesses in scripts/), and
 # import-linter's contract that each layer of cachemgr/ imports only the layers below it. Uses the tools of the virtual
 # environment that scripts/setup.sh installs (the `test` extra pins them). Exit status is non-zero
 # on any finding; both tools run so one report shows everything.

@@ -9,10 +9,14 @@ import os
 import select
 import subprocess
 import time
+from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
-def wait_for(cond, timeout: float = 30.0, what: str = "condition",
-             exc: type[Exception] = AssertionError):
+def wait_for(cond: Callable[[], T], timeout: float = 30.0, what: str = "condition",
+             exc: type[Exception] = AssertionError) -> T:
     """Poll `cond` until it returns a truthy value (returned) or raise `exc` after `timeout`
     seconds."""
     deadline = time.monotonic() + timeout
@@ -30,7 +34,9 @@ def wait_for(cond, timeout: float = 30.0, what: str = "condition",
 class Events:
     """Line events from a child's stdout pipe, read with deadlines (never blocks forever)."""
 
-    def __init__(self, proc: subprocess.Popen, exc: type[Exception] = AssertionError) -> None:
+    def __init__(self, proc: subprocess.Popen[bytes],
+                 exc: type[Exception] = AssertionError) -> None:
+        assert proc.stdout is not None, "Events reads a child started with stdout=PIPE"
         self.proc, self.fd, self.buf, self.eof = proc, proc.stdout.fileno(), b"", False
         self.exc = exc
 

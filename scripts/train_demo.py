@@ -34,7 +34,20 @@ import sys
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
+from types import FrameType
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+# a JSON record (records.jsonl) or a checkpoint's state dict
+Json = dict[str, Any]
+T = TypeVar("T")
+# a trainer: its process, the thread copying its output, the lines so far
+TrainerRun = tuple["subprocess.Popen[str]", threading.Thread, list[str]]
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/ckpt_restore.py
 
@@ -45,7 +58,7 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 # the training program
 
 
-def build(seed: int = 0):
+def build(seed: int = 0) -> tuple[nn.Sequential, torch.optim.Adam]:
     import torch
     from torch import nn
 
@@ -60,7 +73,7 @@ def build(seed: int = 0):
     return model, opt
 
 
-def batch(step: int):
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The data of one step, generated from a per-step seed (a resumed run sees the same data)."""
     import torch
 
@@ -70,20 +83,21 @@ def batch(step: int):
     return x, y
 
 
-def _tensor_bytes(t) -> memoryview:
+def _tensor_bytes(t: torch.Tensor) -> memoryview:
     import torch
 
-    return memoryview(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data
 
 
-def state_hash(model, opt, rng, step: int) -> str:
+def state_hash(model: nn.Module, opt: torch.optim.Optimizer, rng: torch.Tensor, step: int
+               ) -> str:
     """sha256 over everything a resume depends on, in a canonical order (parameter names, not
     the optimizer's integer ids): identical for a state loaded from torch.save or from DCP."""
     import torch
 
     h = hashlib.sha256(f"step={int(step)}\n".encode())
 
-    def add(label: str, v) -> None:
+    def add(label: str, v: object) -> None:
         if isinstance(v, torch.Tensor):
             h.update(f"{label}:{v.dtype}:{tuple(v.shape)}\n".encode())
             h.update(_tensor_bytes(v))
@@ -106,8 +120,8 @@ def state_hash(model, opt, rng, step: int) -> str:
     return h.hexdigest()
 
 
-def _read_records(path: Path) -> dict[int, dict]:
-    out: dict[int, dict] = {}
+def _read_records(path: Path) -> dict[int, Json]:
+    out: dict[int, Json] = {}
     if path.exists():
         for line in path.read_text().splitlines():
             if line.strip():
@@ -116,14 +130,15 @@ def _read_records(path: Path) -> dict[int, dict]:
     return out
 
 
-def _append_record(path: Path, rec: dict) -> None:
+def _append_record(path: Path, rec: Json) -> None:
     with open(path, "a") as f:
         f.write(json.dumps(rec) + "\n")
         f.flush()
         os.fsync(f.fileno())
 
 
-def save_checkpoint(ckpt_dir: Path, step: int, model, opt, records: Path) -> str:
+def save_checkpoint(ckpt_dir: Path, step: int, model: nn.Module, opt: torch.optim.Optimizer,
+                    records: Path) -> str:
     """The careful checkpoint: torch.save to a tmp name, os.replace to the final name, a DCP
     save of the same state, then `latest` switched atomically (a symlink replaced by rename)."""
     import torch
@@ -151,7 +166,8 @@ def save_checkpoint(ckpt_dir: Path, step: int, model, opt, records: Path) -> str
     return digest
 
 
-def _same_state(m1, o1, m2, o2) -> list[str]:
+def _same_state(m1: nn.Module, o1: torch.optim.Optimizer, m2: nn.Module,
+                o2: torch.optim.Optimizer) -> list[str]:
     import torch
 
     bad = []
@@ -174,7 +190,12 @@ def _same_state(m1, o1, m2, o2) -> list[str]:
     return bad
 
 
-def load_checkpoints(ckpt_dir: Path, step: int, torch_file: Path | None = None):
+# (model, optimizer, rng state, step, state_hash) of a loaded checkpoint
+Loaded = tuple["nn.Sequential", "torch.optim.Adam", "torch.Tensor", int, str]
+
+
+def load_checkpoints(ckpt_dir: Path, step: int, torch_file: Path | None = None
+                     ) -> tuple[Loaded, Loaded]:
     """Load step `step` from torch.save and from DCP into two fresh model/optimizer pairs.
     Returns ((model, opt, rng, step, hash) for torch.save, the same for DCP)."""
     import torch
@@ -189,7 +210,7 @@ def load_checkpoints(ckpt_dir: Path, step: int, torch_file: Path | None = None):
 
     m2, o2 = build()
     msd, osd = get_state_dict(m2, o2)  # initialises the Adam state DCP loads into in place
-    sd = {"model": msd, "optim": osd, "rng": torch.zeros_like(ck["rng"]), "step": -1}
+    sd: Json = {"model": msd, "optim": osd, "rng": torch.zeros_like(ck["rng"]), "step": -1}
     dcp.load(sd, checkpoint_id=ckpt_dir / "dcp" / f"step_{step}")
     set_state_dict(m2, o2, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
     h2 = state_hash(m2, o2, sd["rng"], sd["step"])
@@ -210,7 +231,10 @@ def train(a: argparse.Namespace) -> int:
     if a.resume:
         latest = ckpt_dir / "latest"
         target = os.readlink(latest)
-        step = int(re.fullmatch(r"step_(\d+)\.pt", target).group(1))
+        m = re.fullmatch(r"step_(\d+)\.pt", target)
+        if m is None:
+            raise ValueError(f"latest names {target!r}, not a step_N.pt")
+        step = int(m.group(1))
         records = _read_records(a.records)
         want = records[step]["sha256"]
         (m1, o1, rng1, s1, h1), (m2, o2, rng2, s2, h2) = load_checkpoints(
@@ -237,7 +261,7 @@ def train(a: argparse.Namespace) -> int:
         x, y = batch(step)
         opt.zero_grad(set_to_none=True)
         loss = nn.functional.cross_entropy(model(x), y)
-        loss.backward()
+        torch.autograd.backward(loss)  # loss.backward(), which torch leaves unannotated
         opt.step()
         print(f"step {step} loss {loss.item():.6f}", flush=True)
         if step % a.every == 0:
@@ -275,7 +299,7 @@ def _alive(pid: int) -> bool:
     return pid_running(pid)
 
 
-def wait_until(cond, timeout: float, what: str):
+def wait_until(cond: Callable[[], T], timeout: float, what: str) -> T:
     from procwait import wait_for  # scripts/procwait.py, beside this script
 
     return wait_for(cond, timeout, what, exc=Failed)
@@ -293,7 +317,15 @@ def _file_hashes(root: Path) -> dict[str, str]:
     return out
 
 
-def _natural(name: str) -> tuple:
+def _prefetch_seconds(out: str) -> float:
+    """The time `ckptfs prefetch` reports for its prefetch."""
+    m = re.search(r"prefetched \S+: (\d+) files, .* in ([\d.]+)s", out)
+    check(m is not None, f"ckptfs prefetch did not report a prefetch: {out!r}")
+    assert m is not None
+    return float(m.group(2))
+
+
+def _natural(name: str) -> tuple[int | str, ...]:
     """Sort key: step_9 before step_10."""
     return tuple(int(x) if x.isdigit() else x for x in re.split(r"(\d+)", name))
 
@@ -317,7 +349,7 @@ class Demo:
         self.node2_cache = self.work / "node2-cache"
         self.node2_log_file = self.logs / "ckptfs-node2.log"
         self.node2_pid: int | None = None
-        self.trainers: list[subprocess.Popen] = []
+        self.trainers: list[subprocess.Popen[str]] = []
         self.n = 0
 
     def say(self, msg: str) -> None:
@@ -340,6 +372,7 @@ class Demo:
               f"{res.stderr.strip() or res.stdout.strip()}")
         m = re.search(r"pid (\d+)", res.stdout)
         check(m is not None and _mounted(mnt), f"mount did not report a pid: {res.stdout}")
+        assert m is not None
         return int(m.group(1))
 
     def _ckptfs_umount(self, mnt: Path) -> None:
@@ -412,7 +445,9 @@ class Demo:
                str(steps or self.a.steps), "--every", str(self.a.every)]
         return cmd + (["--resume"] if resume else [])
 
-    def start_trainer(self, cmd: list[str], log: Path, on_line=None) -> tuple:
+    def start_trainer(self, cmd: list[str], log: Path,
+                      on_line: Callable[[subprocess.Popen[str], str], None] | None = None
+                      ) -> TrainerRun:
         """Start a trainer; a thread copies its output to `log` and calls `on_line(proc, line)`
         for every line."""
         p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -421,6 +456,7 @@ class Demo:
         lines: list[str] = []
 
         def pump() -> None:
+            assert p.stdout is not None  # stdout=PIPE
             with open(log, "w") as f:
                 for line in p.stdout:
                     f.write(line)
@@ -433,7 +469,8 @@ class Demo:
         t.start()
         return p, t, lines
 
-    def finish(self, p, t, lines, log: Path, what: str) -> list[str]:
+    def finish(self, p: subprocess.Popen[str], t: threading.Thread, lines: list[str], log: Path,
+               what: str) -> list[str]:
         rc = p.wait(timeout=600)
         t.join(timeout=30)
         if rc != 0:
@@ -464,9 +501,9 @@ class Demo:
         final = self.work / "final.pt"
         progress = {"step": 0}
         killed = threading.Event()
-        state: dict = {}
+        state: Json = {}
 
-        def on_line(proc: subprocess.Popen, line: str) -> None:
+        def on_line(proc: subprocess.Popen[str], line: str) -> None:
             m = re.match(r"step (\d+) ", line)
             if not m or killed.is_set():
                 return
@@ -507,6 +544,7 @@ class Demo:
         for ln in lines2:
             if ln.startswith("resume:"):
                 self.info(ln)
+        assert latest_step is not None  # checked above
         check(first == latest_step + 1, f"resumed at step {first}, expected {latest_step + 1}")
         check(any("torch.save vs DCP: bit-identical" in ln for ln in lines2),
               "resume did not show torch.save and DCP bit-identical")
@@ -531,6 +569,7 @@ class Demo:
         expected_files = _file_hashes(run_dir)
         expected_latest = os.readlink(run_dir / "latest")
         old_pid = self.daemon_pid
+        assert old_pid is not None  # mounted
         os.kill(old_pid, signal.SIGKILL)
         wait_until(lambda: not _alive(old_pid), 30, "the daemon to die")
         self.daemon_pid = None
@@ -572,7 +611,7 @@ class Demo:
 
         self.new_node(run_recs, expected_sizes, expected_latest, records, ref_dir, ref_records)
 
-    def tiering(self, run_dir: Path, run_recs: dict) -> None:
+    def tiering(self, run_dir: Path, run_recs: dict[int, Json]) -> None:
         """Every checkpoint becomes durable in the object store; the newest one restores from
         the store with plain tools (no ckptfs) bit-exactly."""
         from ckpt_restore import FileStoreView, manifests, restore_to
@@ -609,8 +648,8 @@ class Demo:
                   f"(scripts/ckpt_restore.py: manifests, objects, CRC32C): torch.save and DCP "
                   f"sha256 {h1[:16]} match the ones recorded at save time")
 
-    def new_node(self, run_recs: dict, expected_sizes: dict[str, int], expected_latest: str,
-                 records: Path, ref_dir: Path, ref_records: Path) -> None:
+    def new_node(self, run_recs: dict[int, Json], expected_sizes: dict[str, int],
+                 expected_latest: str, records: Path, ref_dir: Path, ref_records: Path) -> None:
         """A new node: a fresh mount with an empty cache dir on the same store shows every
         committed checkpoint (from the store's manifests), prefetches the newest DCP checkpoint
         and resumes training from the store, bit-identically to the reference run resumed from
@@ -634,7 +673,7 @@ class Demo:
         run2 = self.node2_mnt / "run"
         want_pt = {f"step_{s}.pt" for s in run_recs}
         want_dcp = {f"step_{s}" for s in run_recs}
-        seen: dict = {}
+        seen: Json = {}
 
         def visible() -> bool:
             try:
@@ -670,11 +709,9 @@ class Demo:
         out = res.stdout.strip()
         check(res.returncode == 0, f"ckptfs prefetch {dcp_rel} failed ({res.returncode}): "
               f"{res.stderr.strip() or out}")
-        m = re.search(r"prefetched \S+: (\d+) files, .* in ([\d.]+)s", out)
-        check(m is not None, f"ckptfs prefetch did not report a prefetch: {out!r}")
+        secs = _prefetch_seconds(out)
         dcp_bytes = sum(size for k, size in expected_sizes.items()
                         if k.startswith(f"dcp/step_{newest}/"))
-        secs = float(m.group(2))
         took = f"{dcp_bytes / 1e6:.1f} MB in {secs:.1f} s" + (
             f", {dcp_bytes / 1e6 / secs:.0f} MB/s" if secs > 0 else "")
         st = ckptfs.status(self.node2_mnt)
@@ -750,21 +787,25 @@ class Demo:
         a = torch.load(final, weights_only=True)
         b = torch.load(ref_final, weights_only=True)
 
-        def walk(x, y, path):
-            if isinstance(x, torch.Tensor):
-                check(x.dtype == y.dtype and torch.equal(x, y), f"final {path} differs")
-            elif isinstance(x, dict):
-                check(set(x) == set(y), f"final {path}: keys differ")
-                for k in x:
-                    walk(x[k], y[k], f"{path}.{k}")
-            elif isinstance(x, list):
-                check(len(x) == len(y), f"final {path}: lengths differ")
-                for i, (u, v) in enumerate(zip(x, y)):
-                    walk(u, v, f"{path}[{i}]")
-            else:
-                check(x == y, f"final {path} differs")
+        _same_final(a, b, "state")
 
-        walk(a, b, "state")
+
+def _same_final(x: object, y: Any, path: str) -> None:
+    """The final state of the run `x` equals the reference's `y`, tensor by tensor."""
+    import torch
+
+    if isinstance(x, torch.Tensor):
+        check(x.dtype == y.dtype and torch.equal(x, y), f"final {path} differs")
+    elif isinstance(x, dict):
+        check(set(x) == set(y), f"final {path}: keys differ")
+        for k in x:
+            _same_final(x[k], y[k], f"{path}.{k}")
+    elif isinstance(x, list):
+        check(len(x) == len(y), f"final {path}: lengths differ")
+        for i, (u, v) in enumerate(zip(x, y)):
+            _same_final(u, v, f"{path}[{i}]")
+    else:
+        check(x == y, f"final {path} differs")
 
 
 def _preimport_torch() -> None:
@@ -781,7 +822,7 @@ def _preimport_torch() -> None:
 
 def _terminate_on_sigterm() -> None:
     # SIGTERM (e.g. a CI timeout) must still run the `finally` that unmounts.
-    def handler(signum, frame):
+    def handler(signum: int, frame: FrameType | None) -> None:
         raise KeyboardInterrupt(f"signal {signum}")
 
     signal.signal(signal.SIGTERM, handler)
