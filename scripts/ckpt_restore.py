@@ -68,11 +68,11 @@ MODULES = [
 _REPO = Path(__file__).resolve().parent.parent
 if all((_REPO / m).is_file() for m in MODULES) and str(_REPO) not in sys.path:
     sys.path.append(str(_REPO))
-from cachemgr.format import storeread
-from cachemgr.format.names import unescape_name, unescape_path  # noqa: F401  (re-exported)
+from collections.abc import Callable
 
-# re-exported: tests, fault_loop, train_demo
-from cachemgr.format.readerrors import (  # noqa: F401
+from cachemgr.format import storeread
+from cachemgr.format.names import unescape_name, unescape_path
+from cachemgr.format.readerrors import (
     EXIT_CORRUPT,
     EXIT_DEST,
     EXIT_NO_SET,
@@ -87,15 +87,23 @@ from cachemgr.format.readerrors import (  # noqa: F401
     UsageError,
 )
 from cachemgr.format.restoreto import restore_to
-from cachemgr.format.storeread import decode, find_set, load_manifest, restore  # noqa: F401
-from cachemgr.format.views import FileStoreView, S3StoreView, open_view  # noqa: F401
+from cachemgr.format.storeread import Manifest, decode, find_set, load_manifest, restore
+from cachemgr.format.views import FileStoreView, S3StoreView, StoreView, open_view
+
+# What the tests, the fault loop and train_demo import from here.
+__all__ = [
+    "EXIT_CORRUPT", "EXIT_DEST", "EXIT_NO_SET", "EXIT_OK", "EXIT_STORE", "EXIT_USAGE",
+    "MODULES", "CorruptError", "DestinationError", "FileStoreView", "NoSuchSet", "RestoreError",
+    "S3StoreView", "StoreError", "UsageError", "decode", "find_set", "load_manifest", "main",
+    "manifests", "open_view", "restore", "restore_to", "unescape_name", "unescape_path",
+]
 
 
 def _warn(msg: str) -> None:
     print(f"ckpt_restore: skipped {msg}", file=sys.stderr)
 
 
-def manifests(view, on_error=_warn) -> dict[str, dict]:
+def manifests(view: StoreView, on_error: Callable[[str], None] = _warn) -> dict[str, Manifest]:
     """storeread.manifests, reporting each invalid manifest on stderr (one line)."""
     return storeread.manifests(view, on_error)
 
@@ -106,7 +114,7 @@ def _show(b: bytes) -> str:
 
 # -- the command line --------------------------------------------------------------------------
 
-def _run(a) -> int:
+def _run(a: argparse.Namespace) -> int:
     view = open_view(a.store, a.endpoint_url)
     if a.cmd == "list":
         for path, m in sorted(manifests(view).items()):

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Static checks, configured in pyproject.toml ([tool.ruff.lint], [tool.mypy], [tool.importlinter]):
-# ruff on all Python in the repository, mypy on the packages and scripts/ (strict on cachemgr/
-# and on the bench and fault harnesses in scripts/), and
-# import-linter's contract that each layer of cachemgr/ imports only the layers below it. Uses the tools of the virtual
-# environment that scripts/setup.sh installs (the `test` extra pins them). Exit status is non-zero
-# on any finding; both tools run so one report shows everything.
+#   ruff          all Python in the repository
+#   mypy          ckptfs/ (the default checks), cachemgr/ and every script in scripts/ (strict)
+#   lint-imports  each layer of cachemgr/ imports only the layers below it
+#   sizes.py      modules <= 1000, classes <= 400, functions <= 120 code lines in ckptfs/,
+#                 cachemgr/ and scripts/ (scripts/sizes.py says what counts)
+# Uses the tools of the virtual environment that scripts/setup.sh installs (the `test` extra pins
+# them). Exit status is non-zero on any finding; every check runs so one report shows everything.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${CKPTFS_VENV:-$ROOT/.venv}"
@@ -13,4 +15,5 @@ rc=0
 "$VENV/bin/ruff" check ckptfs cachemgr tests scripts || rc=1
 "$VENV/bin/mypy" || rc=1
 "$VENV/bin/lint-imports" --no-cache || rc=1
+"$VENV/bin/python" scripts/sizes.py ckptfs cachemgr scripts || rc=1
 exit "$rc"
