@@ -13,4 +13,18 @@ Everything below the FUSE adapter, in layers, each importing only the layers bel
 
 `core` and `transfer` are independent of each other. `ckptfs/` (the FUSE adapter, the daemon,
 the CLI) sits above all of them; docs/ARCHITECTURE.md draws the data flow.
+
+Two walks, by file:
+
+    close() of a written file   ckptfs/fuse.py release -> core/fs.py Filesystem -> core/fileops.py
+                                FileOps.release -> core/hooks.py FsHooks.on_close, which is
+                                tiering/commit.py Committer.on_close: its upload queued
+                                (tiering/uploads.py) and, unless its name is a temporary one or
+                                it is in an open directory set, the file committed as a set
+                                (core/sets.py)
+    a set published             tiering/uploads.py UploadQueue uploads each file
+                                (transfer/upload.py); when the set has all its objects,
+                                tiering/publish.py Publisher checks them and PUTs the manifest
+                                (format/manifest.py), conditionally (store/); other nodes see
+                                it at their next listing (tiering/remote.py, materialise.py)
 """
