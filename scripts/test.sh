@@ -51,8 +51,8 @@ fi
 
 # --dist loadgroup: a worker takes the next test when it is free (xdist's default hands each
 # worker a block of consecutive tests first: the slow ones, collected first, all to one
-# worker), and the tests of one xdist_group (those that install paths of the whole machine:
-# tests/test_fstab.py) all go to one worker.
+# worker). It no longer keeps an xdist_group on one worker under pytest 9: the tests that
+# install paths of the whole machine (tests/test_fstab.py) count their users across processes.
 pytest=("$VENV/bin/python" -m pytest --dist loadgroup --durations=15)
 echo "test.sh: the whole suite, $WORKERS workers"
 "${pytest[@]}" -n "$WORKERS"

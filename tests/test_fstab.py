@@ -10,13 +10,18 @@ different file already at either path is not touched: the tests that need it fai
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import json
 import os
 import re
 import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
 import tomllib
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -34,10 +39,11 @@ from ckptfs.mounthelper import IGNORED, mount_options, translate
 VENV_BIN = Path(sys.executable).parent
 HELPER = Path("/sbin/mount.fuse.ckptfs")
 CLI_LINK = Path("/usr/local/bin/ckptfs")
-# HELPER and CLI_LINK are paths of the whole machine, installed by module fixtures and removed
-# by the one that made them: every test of this module on one xdist worker (scripts/test.sh
-# runs --dist loadgroup), or one worker's teardown removes a link another's test is using.
-pytestmark = pytest.mark.xdist_group("system-paths")
+# HELPER and CLI_LINK are paths of the whole machine, used by this module's tests on every xdist
+# worker at once (`xdist_group` + `--dist loadgroup` no longer keep them on one worker under
+# pytest 9: one worker's teardown removed /usr/local/bin/ckptfs while another's test ran its
+# unit's ExecStop). So their users are counted across processes (`_link`).
+USERS_DIR = Path(tempfile.gettempdir()) / "ckptfs-test-system-paths"
 UNIT = REPO / "scripts" / "systemd" / "ckptfs@.service"
 EXAMPLE_CONF = REPO / "scripts" / "systemd" / "ckptfs.conf.example"
 
@@ -49,23 +55,50 @@ def _need(cond: bool, why: str) -> None:
         pytest.skip(why)
 
 
+@contextlib.contextmanager
+def _users(link: Path) -> Iterator[dict]:
+    """The record of `link`'s users, {"pids": [...], "made": bool}, under an exclusive flock
+    shared by every test process of the machine; what the block leaves in it is written back.
+    Pids of processes that are gone (a killed worker) are dropped first."""
+    USERS_DIR.mkdir(mode=0o700, exist_ok=True)
+    name = str(link).strip("/").replace("/", "-")
+    with open(USERS_DIR / f"{name}.lock", "a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        state_file = USERS_DIR / f"{name}.json"
+        try:
+            state = json.loads(state_file.read_text())
+        except (FileNotFoundError, ValueError):
+            state = {"pids": [], "made": False}
+        state["pids"] = [p for p in state["pids"] if _alive(p)]
+        yield state
+        state_file.write_text(json.dumps(state))
+
+
 def _link(link: Path, target: Path):
-    """Install `link` -> `target` unless it is there already; yields; removes what it made."""
+    """`link` -> `target` for the tests of this process: installed by the first user on the
+    machine unless it is there already, removed by the last one if a test installed it; yields."""
     _need(os.geteuid() == 0, f"installing {link} needs root")
     _need(target.exists(), f"{target} missing: reinstall the package (pip install -e .)")
-    made = False
-    if os.path.lexists(link):
-        _need(os.path.realpath(link) == os.path.realpath(target),
-              f"{link} exists and is not a link to {target}; not replacing it (remove it, or "
-              f"run the tests from the checkout it belongs to)")
-    else:
-        os.symlink(target, link)
-        made = True
+    with _users(link) as state:
+        if os.path.lexists(link):
+            _need(os.path.realpath(link) == os.path.realpath(target),
+                  f"{link} exists and is not a link to {target}; not replacing it (remove it, "
+                  f"or run the tests from the checkout it belongs to)")
+            if not state["pids"]:
+                state["made"] = False  # there before any test: never ours to remove
+        else:
+            os.symlink(target, link)
+            state["made"] = True
+        state["pids"].append(os.getpid())
     try:
         yield link
     finally:
-        if made and os.path.islink(link) and os.readlink(link) == str(target):
-            os.unlink(link)
+        with _users(link) as state:
+            state["pids"] = [p for p in state["pids"] if p != os.getpid()]
+            if not state["pids"] and state["made"]:
+                if os.path.islink(link) and os.readlink(link) == str(target):
+                    os.unlink(link)
+                state["made"] = False
 
 
 @pytest.fixture(scope="module")
