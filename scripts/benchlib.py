@@ -8,8 +8,10 @@ import argparse
 import os
 import re
 import shutil
+import statistics
 import subprocess
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 
 MiB = 1 << 20
@@ -39,16 +41,35 @@ def run_text(args: list[str], timeout: float = 60) -> str:
         return f"unavailable ({e.__class__.__name__})"
 
 
-def proc_cpu_s(pid: int | None) -> float | None:
-    """utime + stime of a process (all threads), in seconds."""
-    if pid is None:
-        return None
+def _stat_cpu_s(stat_path: str) -> float | None:
+    """utime + stime of a /proc/.../stat file, in seconds (None: the process is gone)."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
+        stat = Path(stat_path).read_text()
     except OSError:
         return None
     fields = stat.rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def proc_cpu_s(pid: int | None) -> float | None:
+    """utime + stime of a process (all threads), in seconds."""
+    return None if pid is None else _stat_cpu_s(f"/proc/{pid}/stat")
+
+
+def main_thread_cpu_s(pid: int | None) -> float | None:
+    """utime + stime of a daemon's main thread (tid = pid), in seconds: the trio thread that
+    answers FUSE requests (inline with the default --io-threads 0). Reads of cache files for
+    uploads and the store's HTTP calls run in worker threads (trio.to_thread), so the rest of
+    the daemon's CPU (process total - this) is mostly upload/restore work."""
+    return None if pid is None else _stat_cpu_s(f"/proc/{pid}/task/{pid}/stat")
+
+
+def mmm(values: Iterable[float | None]) -> list[float] | None:
+    """[median, min, max] of the values that are not None (None if there is none)."""
+    xs = [x for x in values if x is not None]
+    if not xs:
+        return None
+    return [statistics.median(xs), min(xs), max(xs)]
 
 
 def find_ckptfs(explicit: str | None) -> str:

@@ -12,18 +12,25 @@ import json
 import os
 import shlex
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from benchlib import BenchError, MiB, RssSampler, is_mounted, loadavg, log, read_file
+from benchlib import (
+    BenchError,
+    MiB,
+    RssSampler,
+    is_mounted,
+    loadavg,
+    log,
+    read_file,
+)
 
 if TYPE_CHECKING:
     from bench_fio import Mount
@@ -58,21 +65,6 @@ def tsfx(target: str) -> str:
     return target[len("ckptfs"):]
 
 
-def main_thread_cpu_s(pid: int | None) -> float | None:
-    """utime + stime of a daemon's main thread (tid = pid), in seconds: the trio thread that
-    answers FUSE requests (inline with the default --io-threads 0). Reads of cache files for
-    uploads and the store's HTTP calls run in worker threads (trio.to_thread), so the rest of
-    the daemon's CPU (process total - this) is mostly upload/restore work."""
-    if pid is None:
-        return None
-    try:
-        stat = Path(f"/proc/{pid}/task/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = stat.rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def io_delta(st0: Json | None, st1: Json | None) -> Json:
     """What the daemon itself served between two `ckptfs status --json` readings (`io` counts
     only the requests the daemon served; passthrough I/O never reaches it), and the opens
@@ -89,13 +81,6 @@ def io_delta(st0: Json | None, st1: Json | None) -> Json:
         out["data_path"] = dp1.get("mode")
     return out
 
-
-
-def mmm(values: Iterable[float | None]) -> list[float] | None:
-    xs = [x for x in values if x is not None]
-    if not xs:
-        return None
-    return [statistics.median(xs), min(xs), max(xs)]
 
 
 def fmt_mmm(t: Sequence[float] | None, fmt: str = "{:.2f}") -> str:

@@ -5,8 +5,8 @@ each job count, through a mount of each ckptfs target and on the raw cache disk,
 
 from __future__ import annotations
 
-from benchlib import MiB, loadavg
-from perf_core import Json, Perf, drop_caches, io_delta, main_thread_cpu_s, tsfx
+from benchlib import MiB, loadavg, main_thread_cpu_s
+from perf_core import Json, Perf, drop_caches, io_delta, tsfx
 
 
 class FioBench:

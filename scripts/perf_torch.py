@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from benchlib import BenchError, GiB, MiB, loadavg, read_file
+from benchlib import BenchError, GiB, MiB, loadavg, main_thread_cpu_s, read_file
 from perf_ckpt import Ranks, StateDict, fs_load, fs_save, gpt_state_dict
 from perf_core import (
     BUCKET,
@@ -25,7 +25,6 @@ from perf_core import (
     cpu_delta,
     dir_bytes,
     io_delta,
-    main_thread_cpu_s,
     tsfx,
 )
 from perf_peers import Peers

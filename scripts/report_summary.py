@@ -5,10 +5,11 @@ the targets (goals) with their measured values. Every number comes from the JSON
 
 from __future__ import annotations
 
-import statistics
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import Any
+
+from benchlib import mmm
 
 # a JSON document (results.json and its parts, the summary and its rows)
 Json = dict[str, Any]
@@ -49,13 +50,6 @@ def fio_target(r: Json) -> str:
 def mount_target(m: Json) -> str:
     t: str = m.get("target") or "ckptfs"
     return t
-
-
-def mmm(values: Iterable[float | None]) -> Mmm:
-    xs = [x for x in values if x is not None]
-    if not xs:
-        return None
-    return [statistics.median(xs), min(xs), max(xs)]
 
 
 def f3(t: Sequence[float] | None, fmt: str = "{:.2f}") -> str:
