@@ -23,6 +23,7 @@ from .config import (
     default_store_url,
     parse_size,
 )
+from .csi import cli as csi_cli
 from .daemon import run_daemon
 from .mount import (
     EXIT_ERROR,
@@ -94,6 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_wait(sub)
     _add_status(sub)
     storeargs.add_parsers(sub)  # ls, restore, fsck: on a store, no mount (ckptfs/storetools.py)
+    csi_cli.add_parser(sub)  # the Kubernetes CSI node plugin (ckptfs/csi/)
     return p
 
 
@@ -435,6 +437,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_wait(args)
         if args.cmd == "prefetch":
             return cmd_prefetch(args)
+        if args.cmd == "csi":
+            return csi_cli.run(args)
         if args.cmd in ("ls", "restore", "fsck"):
             return _store_tools(args)
     except KeyboardInterrupt:
