@@ -360,6 +360,7 @@ _S3_FIXTURES = {"s3_bucket", "s3_endpoint", "moto_server", "rgw_server"}
 _FILE_LAYER = {
     "test_faults.py": "faults", "test_crash.py": "faults", "test_tiering_crash.py": "faults",
     "test_model.py": "faults", "test_multinode.py": "multinode", "test_resume.py": "multinode",
+    "test_csi.py": "multinode",  # two plugins ("nodes") publish one volume through the kernel
 }
 _MOUNT_FIXTURES = {"mnt", "mount_factory"}
 _MULTINODE_FIXTURES = {"cluster", "nodes"}

@@ -225,6 +225,7 @@ class Node(csi_pb2_grpc.NodeServicer):
                            f"volume {p.volume_id!r} is already published on this node at "
                            f"{elsewhere}: ckptfs serves one mount per volume per node")
         self.settings.cache_root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        made = not p.target.exists()
         p.target.mkdir(parents=True, exist_ok=True)
         try:
             # The CLI returns once the daemon it forked answers; the daemon lives on in its own
@@ -238,6 +239,9 @@ class Node(csi_pb2_grpc.NodeServicer):
                            f"ckptfs mount of volume {p.volume_id!r} at {p.target} did not "
                            f"return in {MOUNT_TIMEOUT_S:.0f}s") from None
         if res.returncode != EXIT_OK:
+            if made and find_mount(p.target) is None:
+                with contextlib.suppress(OSError):
+                    os.rmdir(p.target)  # leave no dir of ours behind a refusal
             why = volume.redact(_last_line(res.stderr), p.secret_values)
             code = _MOUNT_STATUS.get(res.returncode, grpc.StatusCode.INTERNAL)
             log.warning("publish of volume %r at %s failed (exit %d): %s", p.volume_id,
