@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
-from . import __version__, api, storeargs
+from . import __version__, api, setupnative, storeargs
 from .config import (
     LOG_LEVELS,
     PREFETCH_MODES,
@@ -96,6 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_status(sub)
     storeargs.add_parsers(sub)  # ls, restore, fsck: on a store, no mount (ckptfs/storetools.py)
     csi_cli.add_parser(sub)  # the Kubernetes CSI node plugin (ckptfs/csi/)
+    setupnative.add_parser(sub)  # setup-native: the passthrough binding (ckptfs/native)
     return p
 
 
@@ -441,6 +442,8 @@ def main(argv: list[str] | None = None) -> int:
             return csi_cli.run(args)
         if args.cmd in ("ls", "restore", "fsck"):
             return _store_tools(args)
+        if args.cmd == "setup-native":
+            return setupnative.run(args)
     except KeyboardInterrupt:
         return _fail(EXIT_ERROR, "interrupted")
     except Exception as e:  # noqa: BLE001 (never a traceback on the terminal)

@@ -29,6 +29,7 @@ import functools
 import logging
 import os
 import sqlite3
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -149,7 +150,7 @@ class FuseOps(pyfuse3.Operations):
 
     enable_writeback_cache = False  # measured: see docs/ARCHITECTURE.md
     supports_dot_lookup = True
-    # FUSE passthrough (patched pyfuse3, scripts/native): asked for at init when the composition
+    # FUSE passthrough (patched pyfuse3, ckptfs/native): asked for at init when the composition
     # root says it can work; cache files may sit on a stacked filesystem (overlayfs in a
     # container), at the price of this mount not being stackable itself.
     enable_passthrough = False
@@ -388,7 +389,7 @@ class FuseOps(pyfuse3.Operations):
 
 
 def _libfuse_loaded() -> str:
-    """Which libfuse this process runs with (the binding's rpath picks scripts/native's)."""
+    """Which libfuse this process runs with (the binding's rpath picks ckptfs/native's build)."""
     try:
         with open("/proc/self/maps") as f:
             for line in f:
@@ -423,8 +424,9 @@ def backings(cfg) -> Backings:
     elif cfg.writeback_cache:
         why = "--writeback-cache (the kernel's writeback cache excludes passthrough)"
     elif not hasattr(pyfuse3, "passthrough_open"):
-        why = ("this pyfuse3 has no passthrough (scripts/native/build.sh did not install the"
-               " patched binding: see .venv/native/build.log)")
+        why = ("this pyfuse3 has no passthrough (the patched binding is not installed: "
+               f"`ckptfs setup-native` builds it; a failed build says why in "
+               f"{sys.prefix}/native/build.log)")
     elif not _has_cap_sys_admin():
         why = "not root (registering a backing file needs CAP_SYS_ADMIN)"
     if why is not None:

@@ -196,6 +196,11 @@ def machine_info(ckptfs: str, workdir: Path) -> Json:
     py = str(venv_python) if venv_python.exists() else sys.executable
     probe = "import sys, pyfuse3, trio; print(pyfuse3.__version__, trio.__version__, sys.version)"
     pyver = run_text([py, "-c", probe]).split()[:3]
+    # the libfuse the binding loads (its rpath: ckptfs/native's build), not the system's
+    # pkg-config one, which the daemon does not run with where the passthrough build is installed
+    maps = run_text([py, "-c", "import pyfuse3; print(open('/proc/self/maps').read())"])
+    loaded = sorted({ln.split()[-1] for ln in maps.splitlines() if "libfuse3.so" in ln})
+    libfuse = loaded[0].rsplit(".so.", 1)[-1] if loaded else "?"
     fs = mountinfo_entry(workdir) or {}
     disk: Json = {"filesystem": fs}
     src = fs.get("source", "")
@@ -222,7 +227,9 @@ def machine_info(ckptfs: str, workdir: Path) -> Json:
         "pyfuse3": pyver[0] if len(pyver) == 3 else "?",
         "trio": pyver[1] if len(pyver) == 3 else "?",
         "python": pyver[2] if len(pyver) == 3 else "?",
-        "libfuse": run_text(["pkg-config", "--modversion", "fuse3"]),
+        "libfuse": libfuse,
+        "libfuse_path": loaded[0] if loaded else "?",
+        "libfuse_system": run_text(["pkg-config", "--modversion", "fuse3"]),
         "fusermount3": run_text(["fusermount3", "-V"]),
         "ckptfs": run_text([ckptfs, "--version"]),
         "ckptfs_cli": ckptfs,

@@ -31,7 +31,7 @@ fi
 # The FUSE binding with kernel passthrough (libfuse 3.17 + patched pyfuse3, built once and cached
 # in $VENV/native); before the packages, so pip finds pyfuse3 satisfied and builds no other one.
 # Never fatal: without it ckptfs runs its user-space data path.
-bash "$ROOT/scripts/native/build.sh" "$VENV"
+bash "$ROOT/ckptfs/native/build.sh" "$VENV"  # the same as `ckptfs setup-native --venv $VENV`
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     echo "setup: installing Python packages into $VENV (torch==2.13.0 CPU build)"
     "$VENV/bin/pip" install -q --disable-pip-version-check "torch==2.13.0" 2>&1 | grep -v "^WARNING: Location" || true

@@ -79,7 +79,7 @@ def test_status_says_passthrough(pt):
     # The daemon runs the libfuse it was built against, and says so once.
     lines = [ln for ln in pt.log_text().splitlines() if "data path:" in ln]
     assert len(lines) == 1 and "passthrough" in lines[0], lines
-    # (scripts/native/build.sh's prefix, in the machine's build cache: not the system's)
+    # (ckptfs/native/build.sh's prefix, in the machine's build cache: not the system's)
     assert "/libfuse/lib/libfuse3.so" in lines[0], lines[0]
 
 

@@ -2,16 +2,17 @@
 # Build the FUSE binding with kernel passthrough (docs/ARCHITECTURE.md "Data path"):
 #   libfuse 3.17.2 (Debian 13's source package, fetched with `apt-get source` through a private
 #   sources list: the machine's own apt configuration is not touched), installed under
-#   $VENV/native/libfuse, and pyfuse3 3.5.0 (PyPI sdist) with scripts/native/pyfuse3-3.5.0-
+#   $VENV/native/libfuse, and pyfuse3 3.5.0 (PyPI sdist) with ckptfs/native/pyfuse3-3.5.0-
 #   passthrough.patch, linked against that libfuse with an rpath, installed into $VENV.
 #
-# Usage: build.sh VENV. Built once per machine: libfuse and the pyfuse3 wheel go to
-# $CKPTFS_BUILD_CACHE/<hash of the inputs> (default /var/cache/ckptfs-build, or
-# ~/.cache/ckptfs-build where that is not writable), under a lock, and every virtual environment
-# (a fresh clone's too) installs that wheel, whose rpath names that libfuse: a few seconds instead
-# of ~40. Idempotent: a stamp in $VENV/native records what the venv got (the pinned versions and
-# hashes, the patch, this script); a second run with the same inputs does nothing. Deleting the
-# build cache is safe: the next setup finds the venv's pyfuse3 cannot load and builds again.
+# Usage: build.sh VENV (what `ckptfs setup-native [--venv VENV]` runs). Built once per machine:
+# libfuse and the pyfuse3 wheel go to $CKPTFS_BUILD_CACHE/<hash of the inputs> (default
+# /var/cache/ckptfs-build, or ~/.cache/ckptfs-build where that is not writable), under a lock,
+# and every virtual environment (a fresh clone's too) installs that wheel, whose rpath names that
+# libfuse: a few seconds instead of ~40. Idempotent: a stamp in $VENV/native records what the
+# venv got (the pinned versions and hashes, the patch, this script); a second run with the same
+# inputs does nothing. Deleting the build cache is safe: the next setup finds the venv's pyfuse3
+# cannot load and builds again.
 # Never fatal: if any step fails, it says why in one line, leaves the PyPI pyfuse3 in place and
 # exits 0, and ckptfs runs its user-space data path (`ckptfs status` shows the mode).
 # CKPTFS_NO_NATIVE_BUILD=1 skips it.
