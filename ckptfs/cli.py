@@ -22,6 +22,7 @@ from .config import (
     default_cache_dir,
     default_store_url,
     parse_size,
+    s3_from_env,
 )
 from .daemon import run_daemon
 from .mount import (
@@ -119,8 +120,37 @@ def _add_mount(sub: argparse._SubParsersAction) -> None:
                    help="serve Prometheus metrics at http://ADDR:PORT/metrics (ADDR default "
                    "127.0.0.1; IPv6 as [ADDR]:PORT); off by default. A scrape costs the "
                    "daemon's loop about a millisecond")
+    _add_mount_access(m)
     _add_mount_tuning(m)
     _add_mount_store(m)
+
+
+def _id(s: str) -> int:
+    """--uid / --gid: a number (names differ between the host and a container)."""
+    try:
+        return int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a numeric id: {s!r}") from None
+
+
+def _add_mount_access(m: argparse.ArgumentParser) -> None:
+    a = m.add_argument_group("access (as mount-s3 spells it)")
+    a.add_argument("--read-only", action="store_true",
+                   help="mount read-only (-o ro): every change is refused with EROFS, the "
+                   "store's checkpoints stay readable, and nothing is written to the store "
+                   "(no upload, publish, delete, or membership record)")
+    a.add_argument("--allow-other", action="store_true", default=None,
+                   help="let every user use the mount (FUSE allow_other; default for a root "
+                   "daemon; other daemons need user_allow_other in /etc/fuse.conf)")
+    a.add_argument("--allow-root", action="store_true",
+                   help="let only root and the mounting user use the mount (FUSE allow_root; "
+                   "for a root daemon: root only)")
+    a.add_argument("--uid", type=_id, default=None,
+                   help="report every file and directory as owned by this uid (the kernel "
+                   "checks permissions against it; chown to another uid is refused with "
+                   "EPERM); default: each inode's own owner")
+    a.add_argument("--gid", type=_id, default=None,
+                   help="the same for the group")
 
 
 def _add_mount_tuning(m: argparse.ArgumentParser) -> None:
@@ -146,12 +176,7 @@ def _add_mount_store(m: argparse.ArgumentParser) -> None:
     o.add_argument("--store", default=None,
                    help="s3://bucket[/prefix] or file:///dir (default: the embedded file store "
                    f"{default_store_url()})")
-    o.add_argument("--s3-endpoint", default=None,
-                   help="S3 endpoint URL for S3-compatible stores (MinIO, Ceph, ...); "
-                   "credentials always come from the AWS chain (env, config files, profile)")
-    o.add_argument("--s3-region", default=None, help="S3 region")
-    o.add_argument("--s3-path-style", action="store_true", help="path-style S3 addressing")
-    o.add_argument("--s3-profile", default=None, help="AWS profile name")
+    storeargs.add_s3_options(o)  # --endpoint-url, --region, ... (and their older spellings)
     o.add_argument("--store-ignores-conditions", action="store_true",
                    help="mount even if the store is found to ignore conditional PUTs "
                    "(If-None-Match/If-Match, probed at mount): commits then write their "
@@ -270,9 +295,10 @@ def _fail(code: int, msg: str) -> int:
 
 
 def cmd_mount(a: argparse.Namespace) -> int:
+    endpoint, region = s3_from_env(a.s3_endpoint, a.s3_region)
     try:
         cfg = MountConfig(
-            store=a.store, s3_endpoint=a.s3_endpoint, s3_region=a.s3_region,
+            store=a.store, s3_endpoint=endpoint, s3_region=region,
             s3_path_style=a.s3_path_style, s3_profile=a.s3_profile, compress=a.compress,
             part_size=a.part_size, parts_in_flight=a.parts_in_flight,
             upload_files=a.upload_files, cache_size=a.cache_size,
@@ -295,6 +321,8 @@ def cmd_mount(a: argparse.Namespace) -> int:
             passthrough=a.passthrough,
             io_threads=a.io_threads,
             read_ahead_kb=a.read_ahead_kb,
+            read_only=a.read_only, allow_other=a.allow_other, allow_root=a.allow_root,
+            uid=a.uid, gid=a.gid,
         )
     except ConfigError as e:
         return _fail(EXIT_USAGE, str(e))
