@@ -13,14 +13,13 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
-from . import __version__, api, storeargs
+from . import __version__, api, cliref, storeargs
 from .config import (
     LOG_LEVELS,
     PREFETCH_MODES,
     ConfigError,
     MountConfig,
     default_cache_dir,
-    default_store_url,
     parse_size,
     s3_from_env,
 )
@@ -95,6 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_wait(sub)
     _add_status(sub)
     storeargs.add_parsers(sub)  # ls, restore, fsck: on a store, no mount (ckptfs/storetools.py)
+    _add_reference(sub)
     return p
 
 
@@ -109,7 +109,8 @@ def _add_mount(sub: argparse._SubParsersAction) -> None:
     m.add_argument("mountpoint", type=Path, help="an existing, empty directory")
     m.add_argument("--cache-dir", type=Path, default=None,
                    help="local cache directory, ideally on NVMe: holds the data and the index "
-                   f"(default {default_cache_dir()}); one mount per cache dir")
+                   "(default /var/cache/ckptfs for root, else $XDG_CACHE_HOME/ckptfs or "
+                   "~/.cache/ckptfs); one mount per cache dir")
     m.add_argument("--foreground", "-f", action="store_true",
                    help="stay in the foreground and log to stderr (default: background)")
     m.add_argument("--log-file", type=Path, default=None,
@@ -175,7 +176,8 @@ def _add_mount_store(m: argparse.ArgumentParser) -> None:
     o = m.add_argument_group("object store and tiering")
     o.add_argument("--store", default=None,
                    help="s3://bucket[/prefix] or file:///dir (default: the embedded file store "
-                   f"{default_store_url()})")
+                   "file:///var/lib/ckptfs/store for root, else in $XDG_DATA_HOME/ckptfs or "
+                   "~/.local/share/ckptfs; shared by every such mount of the user)")
     storeargs.add_s3_options(o)  # --endpoint-url, --region, ... (and their older spellings)
     o.add_argument("--store-ignores-conditions", action="store_true",
                    help="mount even if the store is found to ignore conditional PUTs "
@@ -280,6 +282,18 @@ def _add_status(sub: argparse._SubParsersAction) -> None:
     stv.add_argument("--watch", nargs="?", const=str(WATCH_DEFAULT), default=None,
                      metavar="SECONDS", help="redraw every SECONDS (default "
                      f"{WATCH_DEFAULT:g}) until Ctrl-C; one control-socket request each")
+
+
+def _add_reference(sub: argparse._SubParsersAction) -> None:
+    c = sub.add_parser("completion", help="print a shell completion script (generated from "
+                       "this parser)", description="Print the completion script for SHELL: "
+                       "`ckptfs completion bash > /etc/bash_completion.d/ckptfs`, or `source "
+                       "<(ckptfs completion bash)` in ~/.bashrc; for zsh, write it as _ckptfs "
+                       "in a directory of $fpath.")
+    c.add_argument("shell", choices=cliref.SHELLS)
+    sub.add_parser("man", help="print the ckptfs(1) man page (generated from this parser)",
+                   description="Print the man page in roff: `ckptfs man | man -l -`. "
+                   "docs/ckptfs.1 is the same page (scripts/gen_man.py writes it).")
 
 
 def mount_parser() -> argparse.ArgumentParser:
@@ -465,6 +479,9 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_prefetch(args)
         if args.cmd in ("ls", "restore", "fsck"):
             return _store_tools(args)
+        if args.cmd in ("completion", "man"):
+            sys.stdout.write(cliref.render(getattr(args, "shell", "man"), build_parser()))
+            return EXIT_OK
     except KeyboardInterrupt:
         return _fail(EXIT_ERROR, "interrupted")
     except Exception as e:  # noqa: BLE001 (never a traceback on the terminal)
