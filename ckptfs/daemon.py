@@ -179,6 +179,26 @@ CONTROL_OPS: dict[str, ControlOp] = {
 }
 
 
+class OwnedIndex:
+    """The cache index as `control.check_access` reads it (lookup, get_inode), with --uid and
+    --gid applied as the FUSE adapter reports them: a control request is judged by the owner
+    the caller sees in `stat`, not by the one recorded in the cache."""
+
+    def __init__(self, index: Any, uid: int | None, gid: int | None) -> None:
+        self.index, self.uid, self.gid = index, uid, gid
+
+    def lookup(self, parent: int, name: bytes) -> int | None:
+        ino: int | None = self.index.lookup(parent, name)
+        return ino
+
+    def get_inode(self, ino: int) -> tuple | None:
+        row = self.index.get_inode(ino)  # (ino, mode, uid, gid, ...)
+        if row is None:
+            return None
+        return (row[0], row[1], row[2] if self.uid is None else self.uid,
+                row[3] if self.gid is None else self.gid, *row[4:])
+
+
 async def dispatch(svc: Services, req: dict, peer: Peer) -> dict:
     """Answer one control request: the caller's permission first, then the op's handler. Every
     failure is a reply (`{"error": ...}`, with `errno` for a filesystem refusal)."""
@@ -190,7 +210,9 @@ async def dispatch(svc: Services, req: dict, peer: Peer) -> dict:
         if entry is not None:
             if entry.needs == WRITE and svc.cfg.read_only:
                 raise FsError(errno.EROFS, "read-only mount (--read-only)")
-            check_access(svc.core.index, peer, str(req.get("path", "")), entry.needs)
+            index = svc.core.index if svc.cfg.uid is None and svc.cfg.gid is None else \
+                OwnedIndex(svc.core.index, svc.cfg.uid, svc.cfg.gid)
+            check_access(index, peer, str(req.get("path", "")), entry.needs)
             return await entry.handler(svc, req)
     except FsError as e:
         return {"error": e.msg, "errno": e.errno}
