@@ -480,3 +480,22 @@ def test_bash_completion_in_a_real_bash(tmp_path):
         str(tmp_path / "ckpt-dir")]
     assert _complete(script, "ckptfs", "mount", "--uid", "") == []  # a number: nothing offered
 
+
+
+def test_control_requests_are_judged_by_the_owner_uid_gid_report(tmp_path):
+    """With --uid/--gid, `ckptfs commit` (and status, wait, prefetch) judge a caller by the
+    owner `stat` shows it, not by the one recorded in the cache (ckptfs.daemon.OwnedIndex)."""
+    from cachemgr.core.errors import FsError
+    from cachemgr.core.index import Index
+    from ckptfs.control import WRITE, Peer, check_access
+    from ckptfs.daemon import OwnedIndex
+
+    index = Index.open(tmp_path / "index.sqlite", uid=0, gid=0)  # root dir: root's, 0755
+    trainer = Peer(pid=1, uid=NOBODY, gid=NOBODY, groups=frozenset())
+    with pytest.raises(FsError) as e:
+        check_access(index, trainer, "", WRITE)
+    assert e.value.errno == errno.EACCES
+    check_access(OwnedIndex(index, NOBODY, None), trainer, "", WRITE)  # owner: may write
+    with pytest.raises(FsError):
+        check_access(OwnedIndex(index, None, NOBODY), trainer, "", WRITE)  # group: r-x only
+    index.close()
