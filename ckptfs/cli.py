@@ -13,15 +13,15 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
-from . import __version__, api, setupnative, storeargs
+from . import __version__, api, cliref, setupnative, storeargs
 from .config import (
     LOG_LEVELS,
     PREFETCH_MODES,
     ConfigError,
     MountConfig,
     default_cache_dir,
-    default_store_url,
     parse_size,
+    s3_from_env,
 )
 from .csi import cli as csi_cli
 from .daemon import run_daemon
@@ -97,6 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     storeargs.add_parsers(sub)  # ls, restore, fsck: on a store, no mount (ckptfs/storetools.py)
     csi_cli.add_parser(sub)  # the Kubernetes CSI node plugin (ckptfs/csi/)
     setupnative.add_parser(sub)  # setup-native: the passthrough binding (ckptfs/native)
+    _add_reference(sub)
     return p
 
 
@@ -111,7 +112,8 @@ def _add_mount(sub: argparse._SubParsersAction) -> None:
     m.add_argument("mountpoint", type=Path, help="an existing, empty directory")
     m.add_argument("--cache-dir", type=Path, default=None,
                    help="local cache directory, ideally on NVMe: holds the data and the index "
-                   f"(default {default_cache_dir()}); one mount per cache dir")
+                   "(default /var/cache/ckptfs for root, else $XDG_CACHE_HOME/ckptfs or "
+                   "~/.cache/ckptfs); one mount per cache dir")
     m.add_argument("--foreground", "-f", action="store_true",
                    help="stay in the foreground and log to stderr (default: background)")
     m.add_argument("--log-file", type=Path, default=None,
@@ -122,8 +124,37 @@ def _add_mount(sub: argparse._SubParsersAction) -> None:
                    help="serve Prometheus metrics at http://ADDR:PORT/metrics (ADDR default "
                    "127.0.0.1; IPv6 as [ADDR]:PORT); off by default. A scrape costs the "
                    "daemon's loop about a millisecond")
+    _add_mount_access(m)
     _add_mount_tuning(m)
     _add_mount_store(m)
+
+
+def _id(s: str) -> int:
+    """--uid / --gid: a number (names differ between the host and a container)."""
+    try:
+        return int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a numeric id: {s!r}") from None
+
+
+def _add_mount_access(m: argparse.ArgumentParser) -> None:
+    a = m.add_argument_group("access (as mount-s3 spells it)")
+    a.add_argument("--read-only", action="store_true",
+                   help="mount read-only (-o ro): every change is refused with EROFS, the "
+                   "store's checkpoints stay readable, and nothing is written to the store "
+                   "(no upload, publish, delete, or membership record)")
+    a.add_argument("--allow-other", action="store_true", default=None,
+                   help="let every user use the mount (FUSE allow_other; default for a root "
+                   "daemon; other daemons need user_allow_other in /etc/fuse.conf)")
+    a.add_argument("--allow-root", action="store_true",
+                   help="let only root and the mounting user use the mount (FUSE allow_root; "
+                   "for a root daemon: root only)")
+    a.add_argument("--uid", type=_id, default=None,
+                   help="report every file and directory as owned by this uid (the kernel "
+                   "checks permissions against it; chown to another uid is refused with "
+                   "EPERM); default: each inode's own owner")
+    a.add_argument("--gid", type=_id, default=None,
+                   help="the same for the group")
 
 
 def _add_mount_tuning(m: argparse.ArgumentParser) -> None:
@@ -148,13 +179,9 @@ def _add_mount_store(m: argparse.ArgumentParser) -> None:
     o = m.add_argument_group("object store and tiering")
     o.add_argument("--store", default=None,
                    help="s3://bucket[/prefix] or file:///dir (default: the embedded file store "
-                   f"{default_store_url()})")
-    o.add_argument("--s3-endpoint", default=None,
-                   help="S3 endpoint URL for S3-compatible stores (MinIO, Ceph, ...); "
-                   "credentials always come from the AWS chain (env, config files, profile)")
-    o.add_argument("--s3-region", default=None, help="S3 region")
-    o.add_argument("--s3-path-style", action="store_true", help="path-style S3 addressing")
-    o.add_argument("--s3-profile", default=None, help="AWS profile name")
+                   "file:///var/lib/ckptfs/store for root, else in $XDG_DATA_HOME/ckptfs or "
+                   "~/.local/share/ckptfs; shared by every such mount of the user)")
+    storeargs.add_s3_options(o)  # --endpoint-url, --region, ... (and their older spellings)
     o.add_argument("--store-ignores-conditions", action="store_true",
                    help="mount even if the store is found to ignore conditional PUTs "
                    "(If-None-Match/If-Match, probed at mount): commits then write their "
@@ -260,6 +287,18 @@ def _add_status(sub: argparse._SubParsersAction) -> None:
                      f"{WATCH_DEFAULT:g}) until Ctrl-C; one control-socket request each")
 
 
+def _add_reference(sub: argparse._SubParsersAction) -> None:
+    c = sub.add_parser("completion", help="print a shell completion script (generated from "
+                       "this parser)", description="Print the completion script for SHELL: "
+                       "`ckptfs completion bash > /etc/bash_completion.d/ckptfs`, or `source "
+                       "<(ckptfs completion bash)` in ~/.bashrc; for zsh, write it as _ckptfs "
+                       "in a directory of $fpath.")
+    c.add_argument("shell", choices=cliref.SHELLS)
+    sub.add_parser("man", help="print the ckptfs(1) man page (generated from this parser)",
+                   description="Print the man page in roff: `ckptfs man | man -l -`. "
+                   "docs/ckptfs.1 is the same page (scripts/gen_man.py writes it).")
+
+
 def mount_parser() -> argparse.ArgumentParser:
     """The `ckptfs mount` parser: `mount.fuse.ckptfs` (ckptfs/mounthelper.py) derives its `-o`
     options from it, so an option added here is spellable in fstab without more code."""
@@ -273,9 +312,10 @@ def _fail(code: int, msg: str) -> int:
 
 
 def cmd_mount(a: argparse.Namespace) -> int:
+    endpoint, region = s3_from_env(a.s3_endpoint, a.s3_region)
     try:
         cfg = MountConfig(
-            store=a.store, s3_endpoint=a.s3_endpoint, s3_region=a.s3_region,
+            store=a.store, s3_endpoint=endpoint, s3_region=region,
             s3_path_style=a.s3_path_style, s3_profile=a.s3_profile, compress=a.compress,
             part_size=a.part_size, parts_in_flight=a.parts_in_flight,
             upload_files=a.upload_files, cache_size=a.cache_size,
@@ -298,6 +338,8 @@ def cmd_mount(a: argparse.Namespace) -> int:
             passthrough=a.passthrough,
             io_threads=a.io_threads,
             read_ahead_kb=a.read_ahead_kb,
+            read_only=a.read_only, allow_other=a.allow_other, allow_root=a.allow_root,
+            uid=a.uid, gid=a.gid,
         )
     except ConfigError as e:
         return _fail(EXIT_USAGE, str(e))
@@ -444,6 +486,9 @@ def main(argv: list[str] | None = None) -> int:
             return _store_tools(args)
         if args.cmd == "setup-native":
             return setupnative.run(args)
+        if args.cmd in ("completion", "man"):
+            sys.stdout.write(cliref.render(getattr(args, "shell", "man"), build_parser()))
+            return EXIT_OK
     except KeyboardInterrupt:
         return _fail(EXIT_ERROR, "interrupted")
     except Exception as e:  # noqa: BLE001 (never a traceback on the terminal)

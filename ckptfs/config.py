@@ -12,6 +12,7 @@ from __future__ import annotations
 import ipaddress
 import math
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +33,33 @@ def _is_endpoint_url(url: str) -> bool:
         return False
     return u.scheme in ("http", "https") and bool(u.hostname) and not any(
         c.isspace() for c in url)
+
+
+# (uid_t)-1 means "no change" to chown(2): no owner can be it.
+ID_NONE = (1 << 32) - 1
+
+# The AWS environment the S3 options fall back to (flag > environment > AWS config files), in
+# the order each is looked at. botocore 1.44 reads AWS_ENDPOINT_URL[_S3], AWS_DEFAULT_REGION
+# and AWS_PROFILE itself, but not AWS_REGION; ckptfs resolves the endpoint and the region here,
+# once, so that the value is validated (exit 2), shown by `ckptfs status`, the same in the
+# background daemon, and passed to boto3 explicitly (an explicit value is what boto3 uses: no
+# variable is applied twice). The profile is left to boto3 (it reads AWS_PROFILE).
+ENDPOINT_ENV = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
+REGION_ENV = ("AWS_REGION", "AWS_DEFAULT_REGION")
+IGNORE_ENDPOINTS_ENV = "AWS_IGNORE_CONFIGURED_ENDPOINT_URLS"
+
+
+def s3_from_env(endpoint_url: str | None, region: str | None,
+                environ: Mapping[str, str] | None = None) -> tuple[str | None, str | None]:
+    """(endpoint URL, region): the flag's value, else the first AWS variable set (as boto3 and
+    the AWS CLI order them; AWS_IGNORE_CONFIGURED_ENDPOINT_URLS=true ignores the endpoint
+    variables, as boto3 does), else None (boto3 then reads the AWS config files)."""
+    env = os.environ if environ is None else environ
+    if endpoint_url is None and env.get(IGNORE_ENDPOINTS_ENV, "").lower() != "true":
+        endpoint_url = next((env[k] for k in ENDPOINT_ENV if env.get(k)), None)
+    if region is None:
+        region = next((env[k] for k in REGION_ENV if env.get(k)), None)
+    return endpoint_url, region
 
 
 class ConfigError(ValueError):
@@ -163,7 +191,18 @@ class MountConfig:
     io_threads: int = 0
     # Kernel readahead for the mount's backing device; 0 leaves the kernel default (128 KiB).
     read_ahead_kb: int = 1024
-    allow_other: bool = os.getuid() == 0
+    # Who besides the mounting user may use the mount (FUSE allow_other / allow_root; a
+    # non-root daemon needs `user_allow_other` in /etc/fuse.conf for either). None: allow_other
+    # for a root daemon (its users are the trainers), else only the mounting user.
+    allow_other: bool | None = None
+    allow_root: bool = False
+    # --uid / --gid: the owner every inode is reported with (and checked against by the kernel),
+    # as with mount-s3; None: each inode's own (its creator's; the daemon's user for sets from
+    # the store). Ownership changes to another id are refused (EPERM) while set.
+    uid: int | None = None
+    gid: int | None = None
+    # --read-only: a ro kernel mount; every change is EROFS and nothing is written to the store.
+    read_only: bool = False
     # -- tiering ---------------------------------------------------------------------------
     # s3://bucket/prefix or file:///dir; None: the embedded default, default_store_url().
     store: str | None = None
@@ -204,8 +243,14 @@ class MountConfig:
                 len(self.store) <= len("s3://"):
             raise ConfigError("--store s3:// needs a bucket name")
         if self.s3_endpoint is not None and not _is_endpoint_url(self.s3_endpoint):
-            raise ConfigError(f"--s3-endpoint must be an http:// or https:// URL with a host "
-                              f"(and optional port), not {self.s3_endpoint!r}")
+            raise ConfigError(f"--endpoint-url (or AWS_ENDPOINT_URL[_S3]) must be an http:// or "
+                              f"https:// URL with a host (and optional port), not "
+                              f"{self.s3_endpoint!r}")
+        if self.allow_other and self.allow_root:
+            raise ConfigError("--allow-other and --allow-root exclude each other")
+        for name, v in (("--uid", self.uid), ("--gid", self.gid)):
+            if v is not None and not 0 <= v < ID_NONE:
+                raise ConfigError(f"{name} must be between 0 and {ID_NONE - 1}")
         if self.compress not in ("auto", "lz4", "off"):
             raise ConfigError("--compress must be auto, lz4 or off")
         if not (5 << 20 <= self.part_size <= 5 << 30):
@@ -240,6 +285,16 @@ class MountConfig:
             raise ConfigError("--read-ahead-kb must be between 0 and 65536")
         if self.metrics is not None:
             parse_listen(self.metrics)
+
+    @property
+    def access(self) -> str | None:
+        """The FUSE option that lets others in: 'allow_other', 'allow_root', or None (only the
+        mounting user)."""
+        if self.allow_root:
+            return "allow_root"
+        if self.allow_other or (self.allow_other is None and os.getuid() == 0):
+            return "allow_other"
+        return None
 
     @property
     def metrics_listen(self) -> tuple[str, int] | None:

@@ -39,6 +39,7 @@ handler). The protocol and every reply are those of ckptfs/control.py and README
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import signal
@@ -87,11 +88,11 @@ class Injected:
 INJECTED = Injected()
 
 
-async def _probe_store(store) -> None:
+async def _probe_store(store, read_only: bool = False) -> None:
     """Fail the mount early on a store that cannot work at all (no such bucket, no access);
     transient trouble only warns: writes land in the cache and uploads retry. Then find out
     what the store does with conditional PUTs (docs/STORES.md); if it cannot be asked now,
-    the first conditional PUT asks."""
+    the first conditional PUT asks. A read-only mount asks nothing (the probe writes)."""
     import trio
 
     from cachemgr.store import StoreError
@@ -106,6 +107,8 @@ async def _probe_store(store) -> None:
             return
     if scope.cancelled_caught:
         log.warning("object store did not answer within 30s; uploads will retry")
+        return
+    if read_only:
         return
     with trio.move_on_after(30) as scope:
         try:
@@ -135,8 +138,13 @@ class Services:
 
 
 async def op_status(svc: Services, req: dict) -> dict:
-    return {"pid": os.getpid(), "mountpoint": str(svc.cfg.mountpoint),
-            "cache_dir": str(svc.cfg.cache_dir), "uptime_s": time.time() - svc.started,
+    cfg = svc.cfg
+    return {"pid": os.getpid(), "mountpoint": str(cfg.mountpoint),
+            "cache_dir": str(cfg.cache_dir), "uptime_s": time.time() - svc.started,
+            "read_only": cfg.read_only, "access": cfg.access,
+            "owner": {"uid": cfg.uid, "gid": cfg.gid},
+            "s3": {"endpoint_url": cfg.s3_endpoint, "region": cfg.s3_region,
+                   "profile": cfg.s3_profile, "force_path_style": cfg.s3_path_style},
             **svc.core.status(), "tiering": svc.tiering.status(),
             **({"loop": asdict(svc.stallwatch.statistics())} if svc.stallwatch is not None
                else {})}
@@ -171,6 +179,26 @@ CONTROL_OPS: dict[str, ControlOp] = {
 }
 
 
+class OwnedIndex:
+    """The cache index as `control.check_access` reads it (lookup, get_inode), with --uid and
+    --gid applied as the FUSE adapter reports them: a control request is judged by the owner
+    the caller sees in `stat`, not by the one recorded in the cache."""
+
+    def __init__(self, index: Any, uid: int | None, gid: int | None) -> None:
+        self.index, self.uid, self.gid = index, uid, gid
+
+    def lookup(self, parent: int, name: bytes) -> int | None:
+        ino: int | None = self.index.lookup(parent, name)
+        return ino
+
+    def get_inode(self, ino: int) -> tuple | None:
+        row = self.index.get_inode(ino)  # (ino, mode, uid, gid, ...)
+        if row is None:
+            return None
+        return (row[0], row[1], row[2] if self.uid is None else self.uid,
+                row[3] if self.gid is None else self.gid, *row[4:])
+
+
 async def dispatch(svc: Services, req: dict, peer: Peer) -> dict:
     """Answer one control request: the caller's permission first, then the op's handler. Every
     failure is a reply (`{"error": ...}`, with `errno` for a filesystem refusal)."""
@@ -180,7 +208,11 @@ async def dispatch(svc: Services, req: dict, peer: Peer) -> dict:
     try:
         entry = CONTROL_OPS.get(op)  # an unhashable op: TypeError, a bad request
         if entry is not None:
-            check_access(svc.core.index, peer, str(req.get("path", "")), entry.needs)
+            if entry.needs == WRITE and svc.cfg.read_only:
+                raise FsError(errno.EROFS, "read-only mount (--read-only)")
+            index = svc.core.index if svc.cfg.uid is None and svc.cfg.gid is None else \
+                OwnedIndex(svc.core.index, svc.cfg.uid, svc.cfg.gid)
+            check_access(index, peer, str(req.get("path", "")), entry.needs)
             return await entry.handler(svc, req)
     except FsError as e:
         return {"error": e.msg, "errno": e.errno}
@@ -266,6 +298,7 @@ class _Daemon:
         import trio
 
         from cachemgr.store import RetryingStore, StoreError, open_store
+        from cachemgr.store.wrappers import ReadOnlyStore
 
         cfg, store_url = self.cfg, self.store_url
         try:
@@ -274,8 +307,9 @@ class _Daemon:
                                allow_unconditional=cfg.store_ignores_conditions) \
                 if store_url.startswith("s3://") else open_store(store_url)
             wrap = INJECTED.wrap_store
-            self.store = RetryingStore(inner if wrap is None else wrap(inner))
-            trio.run(_probe_store, self.store)
+            inner = inner if wrap is None else wrap(inner)
+            self.store = RetryingStore(ReadOnlyStore(inner) if cfg.read_only else inner)
+            trio.run(_probe_store, self.store, cfg.read_only)
         except (StoreError, OSError) as e:
             raise _StartFailed(EXIT_STORE, f"object store {store_url} is unusable: {e}") from e
         except Exception as e:  # botocore config/credential errors
@@ -320,12 +354,13 @@ class _Daemon:
             keep_local=cfg.keep_local, prefetch=cfg.prefetch,
             prefetch_concurrency=cfg.prefetch_concurrency, prefetch_range=cfg.prefetch_range,
             refresh_interval=cfg.refresh_interval, commit_timeout=cfg.commit_timeout,
-            lease=cfg.lease), foreground=foreground, kernel=fuse.KERNEL)
+            lease=cfg.lease, read_only=cfg.read_only), foreground=foreground, kernel=fuse.KERNEL)
         core = CacheFs(cache, hooks=tiering.commits, reads=tiering.restorer, room=tiering.space,
                        direct_io_writes=cfg.direct_io_writes and not cfg.writeback_cache)
         ops = fuse.FuseOps(Filesystem(core, foreground, io_threads=cfg.io_threads),
                            attr_timeout=cfg.attr_timeout, writeback_cache=cfg.writeback_cache,
-                           passthrough=cache.backings.on)  # the kernel's answer: FuseOps.init
+                           passthrough=cache.backings.on,  # the kernel's answer: FuseOps.init
+                           read_only=cfg.read_only, uid=cfg.uid, gid=cfg.gid)
         self.core = core
         self.tiering, self.ops = tiering, ops
 
@@ -335,7 +370,8 @@ class _Daemon:
         cfg = self.cfg
         try:
             self.main = fuse.mount_and_serve(self.ops, str(cfg.mountpoint),
-                                             fuse.fuse_options(allow_other=cfg.allow_other,
+                                             fuse.fuse_options(access=cfg.access,
+                                                               read_only=cfg.read_only,
                                                                fsname=mount_source(self.store_url)))
         except RuntimeError as e:
             raise _StartFailed(EXIT_NOT_READY, f"mount of {cfg.mountpoint} failed: {e}") from e
@@ -402,7 +438,8 @@ class _Daemon:
             log.warning("mounting without the store's sets (--allow-empty-namespace): %s;"
                         " they appear once a listing succeeds", why)
         register(cfg)
-        self.tell(EXIT_OK, f"mounted {cfg.mountpoint} (cache {cfg.cache_dir}, store "
+        self.tell(EXIT_OK, f"mounted {cfg.mountpoint}{' read-only' if cfg.read_only else ''}"
+                  f" (cache {cfg.cache_dir}, store "
                   f"{self.store_url}{self._default_note()}, pid {os.getpid()})")
 
     async def _on_signals(self) -> None:

@@ -60,6 +60,14 @@ BLKSIZE = 1 << 20
 
 # The handlers `_guarded` wraps, by name: FuseOps.requests counts each (metrics).
 _OPS: list[str] = []
+# The handlers that change something: EROFS on a read-only mount (--read-only). The kernel
+# refuses them first on its ro mount; this holds even if a request gets through (the kernel's
+# own checks differ between versions, e.g. an atime update), and `open` is judged by its flags.
+_MODIFYING = frozenset({
+    "setattr", "mknod", "mkdir", "symlink", "link", "unlink", "rmdir", "rename", "create",
+    "write", "fallocate", "setxattr", "removexattr",
+})
+_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_TRUNC
 
 
 def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -71,6 +79,8 @@ def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
         # One dict increment on the loop thread: the whole cost of counting (ckptfs.metrics).
         self.requests[op] += 1
         try:
+            if self.read_only and op in _MODIFYING:
+                raise pyfuse3.FUSEError(errno.EROFS)
             return await fn(self, *args)
         except pyfuse3.FUSEError as e:
             err = e.errno
@@ -163,8 +173,14 @@ class FuseOps(pyfuse3.Operations):
     enable_killpriv_v2 = True
 
     def __init__(self, fs: Filesystem, *, attr_timeout: float = 10.0,
-                 writeback_cache: bool = False, passthrough: bool = False) -> None:
+                 writeback_cache: bool = False, passthrough: bool = False,
+                 read_only: bool = False, uid: int | None = None,
+                 gid: int | None = None) -> None:
         super().__init__()
+        # --read-only: the handlers in _MODIFYING and write opens answer EROFS.
+        self.read_only = read_only
+        # --uid / --gid: the owner every inode is reported with (None: the inode's own).
+        self.uid, self.gid = uid, gid
         # pyfuse3 reads these at init (instance attributes over the class defaults above)
         self.enable_writeback_cache = writeback_cache
         self.enable_passthrough = passthrough
@@ -193,8 +209,8 @@ class FuseOps(pyfuse3.Operations):
         e.attr_timeout = self.attr_timeout
         e.st_mode = node.mode
         e.st_nlink = node.nlink
-        e.st_uid = node.uid
-        e.st_gid = node.gid
+        e.st_uid = node.uid if self.uid is None else self.uid
+        e.st_gid = node.gid if self.gid is None else self.gid
         e.st_rdev = node.rdev
         e.st_size = node.size
         e.st_blksize = BLKSIZE
@@ -246,6 +262,16 @@ class FuseOps(pyfuse3.Operations):
     async def getattr(self, inode, ctx=None):
         return self._entry(self.core.getattr(inode))
 
+    def _owner_change(self, want: int | None, forced: int | None) -> int | None:
+        """The uid (gid) a chown asks the core to record: with --uid (--gid), none: the owner
+        is the mount's, and a chown to another one is refused (EPERM, as chown(2) answers what
+        a filesystem cannot do for the caller)."""
+        if forced is None or want is None:
+            return want
+        if want != forced:
+            raise pyfuse3.FUSEError(errno.EPERM)
+        return None
+
     @_guarded
     async def setattr(self, inode, attr, fields, fh, ctx):
         node = await self.fs.setattr(
@@ -253,8 +279,8 @@ class FuseOps(pyfuse3.Operations):
             truncating=bool(fields.update_size),
             size=attr.st_size if fields.update_size else None,
             mode=attr.st_mode if fields.update_mode else None,
-            uid=attr.st_uid if fields.update_uid else None,
-            gid=attr.st_gid if fields.update_gid else None,
+            uid=self._owner_change(attr.st_uid if fields.update_uid else None, self.uid),
+            gid=self._owner_change(attr.st_gid if fields.update_gid else None, self.gid),
             atime_ns=attr.st_atime_ns if fields.update_atime else None,
             mtime_ns=attr.st_mtime_ns if fields.update_mtime else None,
             fh=fh,
@@ -326,6 +352,8 @@ class FuseOps(pyfuse3.Operations):
 
     @_guarded
     async def open(self, inode, flags, ctx):
+        if self.read_only and flags & _WRITE_FLAGS:
+            raise pyfuse3.FUSEError(errno.EROFS)
         return self._fileinfo(await self.fs.open(inode, flags, _caller(ctx)))
 
     @_guarded
@@ -434,12 +462,18 @@ def backings(cfg) -> Backings:
     return Backings(pyfuse3.passthrough_open, pyfuse3.passthrough_close)
 
 
-def fuse_options(*, allow_other: bool, fsname: str = "ckptfs") -> set[str]:
+def fuse_options(*, access: str | None, read_only: bool = False,
+                 fsname: str = "ckptfs") -> set[str]:
+    """The FUSE session's options: `access` is None, "allow_other" or "allow_root" (libfuse
+    lets the kernel admit everyone and answers EACCES itself to anyone but root and the
+    mounting user); `read_only` mounts the kernel side ro (MS_RDONLY: mountinfo says ro)."""
     opts = set(pyfuse3.default_options)  # default_permissions: the kernel checks mode bits
     opts.add(f"fsname={fsname}")
     opts.add("subtype=ckptfs")
-    if allow_other:
-        opts.add("allow_other")
+    if access is not None:
+        opts.add(access)
+    if read_only:
+        opts.add("ro")
     return opts
 
 

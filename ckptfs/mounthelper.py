@@ -13,6 +13,9 @@ An option added to the parser is therefore spellable in fstab with no change her
 (tests/test_fstab.py checks every one). SOURCE is the store: `s3://...` or `file:///...` (the
 same as `store=`), or `ckptfs`/`none` for the default store.
 
+`ro` is `read_only` (`--read-only`); `allow_other`, `allow_root`, `uid=`, `gid=` are `ckptfs
+mount` options of those names, as for mount-s3 and other FUSE filesystems.
+
 Generic mount options that say nothing to ckptfs (`defaults`, `rw`, `_netdev`, `nofail`, the
 `user` family, which mount(8) itself enforces) are accepted and ignored, and so are `nosuid` and
 `nodev`, which every FUSE mount has anyway. Anything else unknown is a one-line error, exit 2
@@ -40,6 +43,10 @@ IGNORED = frozenset({
     "owner", "group", "nosuid", "nodev",
 })
 IGNORED_PREFIXES = ("x-", "comment=")
+
+# Generic mount options that are ckptfs options under another name: `ro` (mount -r, fstab) is
+# --read-only. (`rw` is the default, among IGNORED.)
+GENERIC = {"ro": "read_only"}
 
 # SOURCE words for "the default store" (ckptfs.config.default_store_url).
 DEFAULT_SOURCES = ("ckptfs", "none")
@@ -95,12 +102,12 @@ def translate(source: str, target: str, options: list[str], *,
         name, eq, value = item.partition("=")
         if item in IGNORED or item.startswith(IGNORED_PREFIXES):
             continue
-        if name not in known:
+        if name not in known and GENERIC.get(name) not in known:
             if sloppy:
                 warnings.append(f"ignoring unknown mount option {item!r} (-s)")
                 continue
             raise UsageError(f"unknown mount option {name!r} (see {PROG} --help)")
-        opt, act = known[name]
+        opt, act = known[GENERIC.get(name, name)]
         if act.nargs == 0:  # a flag: store_true/store_false
             if eq:
                 raise UsageError(f"mount option {name!r} takes no value")
@@ -134,6 +141,7 @@ def usage() -> str:
             "  -v  print the `ckptfs mount` command line  -n  accepted (no /etc/mtab is written)\n"
             "OPTIONS (comma-separated; each is a `ckptfs mount` option, see ckptfs mount --help):\n"
             + "".join(f"  {o}\n" for o in opts)
+            + "".join(f"  {g} (= {n})\n" for g, n in GENERIC.items())
             + f"ignored: {', '.join(sorted(IGNORED))}, x-*, comment=*\n")
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import math
 from pathlib import Path
+from typing import Any
 
 # docs/FORMAT.md: lifecycle rules may delete protocol keys after a day
 DEFAULT_OLDER_THAN = 86400.0
@@ -39,16 +40,41 @@ def _workers(s: str) -> int:
     return v
 
 
+# The S3 options of `ckptfs mount` and of the store tools: the AWS CLI's and mount-s3's
+# spellings first, ckptfs's older ones kept as aliases (same dest, same meaning). Values left
+# out fall back to the AWS environment (ckptfs.config.s3_from_env), then to the AWS config files.
+S3_OPTIONS: tuple[tuple[tuple[str, ...], dict[str, Any]], ...] = (
+    (("--endpoint-url", "--s3-endpoint"), {
+        "dest": "s3_endpoint", "metavar": "URL", "default": None,
+        "help": "S3 endpoint URL for S3-compatible stores (MinIO, Ceph, ...); default "
+        "$AWS_ENDPOINT_URL_S3, $AWS_ENDPOINT_URL, then the AWS config file"}),
+    (("--region", "--s3-region"), {
+        "dest": "s3_region", "metavar": "REGION", "default": None,
+        "help": "S3 region; default $AWS_REGION, $AWS_DEFAULT_REGION, then the AWS config "
+        "file"}),
+    (("--force-path-style", "--s3-path-style"), {
+        "dest": "s3_path_style", "action": "store_true",
+        "help": "path-style S3 addressing (http://host/bucket/key), as most S3-compatible "
+        "stores want"}),
+    (("--profile", "--s3-profile"), {
+        "dest": "s3_profile", "metavar": "PROFILE", "default": None,
+        "help": "AWS profile name; default $AWS_PROFILE. Credentials always come from the AWS "
+        "chain (environment, config files, profile, instance role)"}),
+)
+
+
+def add_s3_options(group) -> None:
+    """Add the S3 options (S3_OPTIONS) to an argument group or parser."""
+    for flags, kw in S3_OPTIONS:
+        group.add_argument(*flags, **kw)
+
+
 def _store_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("store", metavar="STORE",
                    help="the store, as `ckptfs mount --store` takes it: s3://bucket[/prefix] "
                    "or file:///dir")
-    o = p.add_argument_group("S3 (as for `ckptfs mount`; credentials come only from the AWS "
-                             "chain: environment, config files, profile)")
-    o.add_argument("--s3-endpoint", default=None, help="S3 endpoint URL (MinIO, Ceph, ...)")
-    o.add_argument("--s3-region", default=None, help="S3 region")
-    o.add_argument("--s3-path-style", action="store_true", help="path-style S3 addressing")
-    o.add_argument("--s3-profile", default=None, help="AWS profile name")
+    add_s3_options(p.add_argument_group(
+        "S3 (as for `ckptfs mount`; the second spelling of each is an alias)"))
 
 
 def add_parsers(sub) -> None:

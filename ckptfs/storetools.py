@@ -43,6 +43,7 @@ from cachemgr.store.base import PROBE_PREFIX
 from cachemgr.tiering import members as mem
 from cachemgr.tiering import parts as prt
 
+from .config import s3_from_env
 from .fmt import human
 from .mount import EXIT_ERROR, EXIT_NO_SET, EXIT_OK, EXIT_STORE, EXIT_USAGE
 
@@ -233,8 +234,9 @@ class Session:
             raise ToolError(EXIT_USAGE, f"unsupported store URL {url!r} (s3://bucket[/prefix] "
                             "or file:///dir)")
         self.url = url
+        endpoint, region = s3_from_env(a.s3_endpoint, a.s3_region)  # flag > AWS_* > config
         try:
-            inner = open_store(url, endpoint_url=a.s3_endpoint, region=a.s3_region,
+            inner = open_store(url, endpoint_url=endpoint, region=region,
                                path_style=a.s3_path_style, profile=a.s3_profile,
                                max_connections=max(16, workers)) \
                 if url.startswith("s3://") else open_store(url)

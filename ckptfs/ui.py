@@ -241,6 +241,8 @@ def _summary(st: dict, now: float) -> Table:
     g.add_column(overflow="fold")  # a terminal too narrow for a path folds it, never cuts it
     c, io_ = st["cache"], st["io"]
     mount = Text(f"{safe(st['mountpoint'])} (pid {st['pid']}, up {duration(st['uptime_s'])})")
+    if st.get("read_only"):
+        mount.append("; read-only: nothing is written, here or to the store", style="bold")
     loop = st.get("loop") or {}
     if loop.get("stalls"):
         mount.append(f"; its event loop stalled {loop['stalls']} times, the longest "

@@ -200,7 +200,8 @@ def test_source_and_generic_options():
 
 @pytest.mark.parametrize("args,why", [
     (["none", "/mnt/x", "-o", "bogus=1"], "unknown mount option 'bogus'"),
-    (["none", "/mnt/x", "-o", "ro"], "unknown mount option 'ro'"),
+    (["none", "/mnt/x", "-o", "sync"], "unknown mount option 'sync'"),
+    (["none", "/mnt/x", "-o", "ro=1"], "takes no value"),
     (["none", "/mnt/x", "-o", "no_passthrough=1"], "takes no value"),
     (["none", "/mnt/x", "-o", "cache_dir"], "needs a value"),
     (["s4://b", "/mnt/x"], "SOURCE must be"),

@@ -98,7 +98,9 @@ class S3Store(ObjectStore):
             max_pool_connections=opts.max_connections,
             connect_timeout=opts.connect_timeout,
             read_timeout=opts.read_timeout,
-            s3={"addressing_style": "path" if opts.path_style else "auto"},
+            # Path style only when asked: an explicit "auto" would override the AWS config
+            # file's `s3 = addressing_style = path` (botocore merges client config over it).
+            s3={"addressing_style": "path"} if opts.path_style else None,
             # We send our own CRC32C; don't let botocore compute another checksum per request.
             request_checksum_calculation="when_required",
             response_checksum_validation="when_required",

@@ -1,4 +1,4 @@
-"""Stores that wrap stores: retries with backoff, and fault injection for tests.
+"""Stores that wrap stores: retries with backoff, fault injection for tests, and read-only.
 
 `RetryingStore` retries transient failures (throttling, 5xx, timeouts, resets, read-back
 integrity mismatches) with exponential backoff and full jitter, up to `RetryPolicy.attempts`
@@ -6,6 +6,8 @@ tries per call (8 by default: at most 6.35 s of backoff); it counts every retry 
 `statistics()`, which only the trio tasks calling it touch (one loop, no lock). `FaultyStore`
 injects failures deterministically (every Nth call of an operation, or the next K calls) so
 tests can provoke them on purpose; it is a real store in between, never a mock.
+`ReadOnlyStore` refuses every call that would change the store (a read-only mount's guarantee
+that it never uploads, publishes or deletes, whatever a service tries).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from cachemgr.store.base import (
     ObjectStore,
     Part,
     Staged,
+    StoreError,
     TransientStoreError,
 )
 
@@ -218,4 +221,29 @@ class FaultyStore(_Wrapper):
         if exc is not None:
             self.injected[op] = self.injected.get(op, 0) + 1
             raise exc
+        return await getattr(self.inner, op)(*args, **kw)
+
+
+class ReadOnlyStore(_Wrapper):
+    """Reads pass; every call that writes, deletes or probes by writing raises StoreError (not
+    transient: nothing retries it) and is counted in `refused` (trio thread only)."""
+
+    WRITES = frozenset({"put", "delete", "create_multipart", "upload_part", "complete_multipart",
+                        "abort_multipart", "stage_file", "publish_staged", "discard_staged",
+                        "probe_conditional"})
+
+    def __init__(self, inner: ObjectStore) -> None:
+        super().__init__(inner)
+        self.refused: dict[str, int] = {}
+
+    @property
+    def stages_files(self) -> bool:
+        return False
+
+    async def _do(self, op: str, *args: Any, **kw: Any) -> Any:
+        if op in self.WRITES:
+            self.refused[op] = self.refused.get(op, 0) + 1
+            log.error("read-only mount: refused %s %s", op, args[0] if args else "")
+            raise StoreError(f"read-only mount: {op} refused", key=args[0] if args and
+                             isinstance(args[0], str) else None)
         return await getattr(self.inner, op)(*args, **kw)

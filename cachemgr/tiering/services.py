@@ -90,6 +90,10 @@ class TieringConfig:
     gather_poll: float = 5.0         # longest pause between listings of other nodes' records
     lease: float = 120.0             # a node's membership lapses this long after its last renewal
     register_timeout: float = 20.0   # the mount waits at most this to register (tiering.members)
+    # A read-only mount (ckptfs --read-only): only the services that read the store run (the
+    # restorer, remote sync); nothing uploads, publishes, deletes or registers, and no member
+    # record is written: the node writes no file, so no commit elsewhere needs to wait for it.
+    read_only: bool = False
 
 
 class Tiering:
@@ -181,6 +185,9 @@ class Tiering:
 
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         self.commits.recover()
+        if self.cfg.read_only:
+            await self._run_read_only(task_status)
+            return
         await self.members.register()  # before the first request is served (tiering.members)
         self.running = True
         try:
@@ -197,6 +204,18 @@ class Tiering:
             self.running = False
             with trio.CancelScope(shield=True):
                 await self.members.leave()
+
+    async def _run_read_only(self, task_status: Any) -> None:
+        """`run` of a read-only mount: the store is read, never written (TieringConfig); what
+        recovery queued stays queued for the next read-write mount of this cache."""
+        self.running = True
+        try:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(self.restorer.run)
+                nursery.start_soon(self._supervised, self.remote.run)
+                task_status.started()
+        finally:
+            self.running = False
 
     async def _supervised(self, fn: Callable[[], Awaitable[None]]) -> None:
         """Run a worker forever: a bug in tiering must never take the mount down with it.
