@@ -6,6 +6,7 @@ deployment files in deploy/ checked against the Kubernetes schemas and against t
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import signal
@@ -24,7 +25,7 @@ from conftest import REPO, is_mounted, require_fuse, wait_for
 
 from ckptfs.cli import mount_parser
 from ckptfs.csi import DRIVER_NAME, csi_pb2, csi_pb2_grpc
-from ckptfs.csi.volume import ATTRIBUTES, SECRETS, cache_dir_name, readonly_option
+from ckptfs.csi.volume import ATTRIBUTES, SECRETS, cache_dir_name
 from ckptfs.mount import pid_running, registration
 
 Code = grpc.StatusCode
@@ -324,8 +325,6 @@ def test_invalid_requests_get_their_status_codes(plugins, tmp_path):
     flags = mount_capability()
     flags.mount.mount_flags.append("noatime")
     assert "mount flags" in refused(attrs, cap=flags)
-    if readonly_option() is None:  # this version of `ckptfs mount` has no read-only mode
-        assert "readonly" in refused(attrs, readonly=True)
     assert not target.exists() and not is_mounted(target)
 
     for req, word in [(csi_pb2.NodeUnpublishVolumeRequest(target_path=str(target)), "volume_id"),
@@ -353,6 +352,35 @@ def test_publish_of_a_file_store_mounts_only_when_allowed(plugins, tmp_path):
     assert not is_mounted(target) and not target.exists()
     assert list((tmp_path / "store").iterdir())  # the set went to the store
     assert p.stop() == 0
+
+
+def test_readonly_publish_is_a_read_only_mount(plugins, tmp_path):
+    """A pod's readOnly volume (readonly=True): the kernel mount is ro, every change EROFS, what
+    a read-write publish of the volume wrote is readable, and the store is left as it was."""
+    p = plugins("node-1", "--allow-file-stores")
+    store = tmp_path / "store"
+    attrs = {"store": f"file://{store}", "no-passthrough": "true"}
+    rw, ro = tmp_path / "rw", tmp_path / "ro"
+    p.publish("vol", rw, attrs)
+    (rw / "ckpt.pt").write_bytes(b"weights" * 1000)
+    p.unpublish("vol", rw)   # drained: the set is in the store
+    before = sorted(str(f.relative_to(store)) for f in store.rglob("*"))
+    p.publish("vol", ro, attrs, readonly=True)
+    try:
+        with open("/proc/self/mountinfo") as f:
+            opts = next(line.split()[5] for line in f if line.split()[4] == str(ro))
+        assert "ro" in opts.split(","), opts
+        assert (ro / "ckpt.pt").read_bytes() == b"weights" * 1000
+        with pytest.raises(OSError) as e:
+            (ro / "new.pt").write_bytes(b"x")
+        assert e.value.errno == errno.EROFS
+        with pytest.raises(OSError) as e:
+            (ro / "ckpt.pt").unlink()
+        assert e.value.errno == errno.EROFS
+    finally:
+        p.unpublish("vol", ro)
+    assert not is_mounted(ro) and not ro.exists()
+    assert sorted(str(f.relative_to(store)) for f in store.rglob("*")) == before
 
 
 @pytest.mark.parametrize("volume_id", [

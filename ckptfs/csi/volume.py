@@ -154,14 +154,6 @@ def target_path(value: str) -> Path:
     return Path(os.path.normpath(p))
 
 
-def readonly_option() -> str | None:
-    """The `ckptfs mount` option for a read-only mount, if this version has one."""
-    from ..cli import mount_parser  # ckptfs.cli imports this package: not at module level
-
-    known = mount_parser()._option_string_actions
-    return next((o for o in ("--read-only", "--ro") if o in known), None)
-
-
 def check_capability(cap: csi_pb2.VolumeCapability | None) -> None:
     if cap is None:
         raise invalid("volume_capability missing")
@@ -225,12 +217,8 @@ def plan(req: csi_pb2.NodePublishVolumeRequest, settings: Settings) -> Plan:
     target = target_path(req.target_path)
     check_capability(req.volume_capability if req.HasField("volume_capability") else None)
     store, args = _options(req.volume_context, settings)
-    if req.readonly:
-        ro = readonly_option()
-        if ro is None:
-            raise invalid("readonly volumes are not supported: this ckptfs mount has no "
-                          "read-only option")
-        args.append(ro)
+    if req.readonly:  # a pod's readOnly volume: EROFS for every change, nothing to the store
+        args.append("--read-only")
     env, secret_values = _environment(req.secrets)
     cache_dir = volume_cache_dir(settings.cache_root, volume_id)
     argv = (sys.executable, "-m", "ckptfs", "mount", str(target), "--cache-dir", str(cache_dir),
