@@ -30,13 +30,13 @@ from . import csi_pb2
 # a value starting with '-' stays a value) and checked by the CLI itself (exit 2 ->
 # INVALID_ARGUMENT with its one-line reason). Left out on purpose: what the plugin decides for
 # every volume (--cache-dir, --log-file, --foreground), --metrics (one port per volume would
-# clash on the node's host network) and --s3-profile (no AWS config files in the container:
+# clash on the node's host network) and --profile (no AWS config files in the container:
 # credentials come from the secret or the plugin's own environment).
 ATTRIBUTES: dict[str, tuple[str, bool]] = {
     "store": ("--store", False),
-    "endpoint": ("--s3-endpoint", False),
-    "region": ("--s3-region", False),
-    "path-style": ("--s3-path-style", True),
+    "endpoint": ("--endpoint-url", False),
+    "region": ("--region", False),
+    "path-style": ("--force-path-style", True),
     "store-ignores-conditions": ("--store-ignores-conditions", True),
     "allow-empty-namespace": ("--allow-empty-namespace", True),
     "compress": ("--compress", False),
