@@ -295,3 +295,197 @@ def test_accelerate_save_state_rotation_and_load_state_on_a_fresh_node(nodes):
     ckptfs.wait_durable(ckpts, timeout=120)
     wait_published(nodes.view, "accelerate/checkpoints",
                    {f"checkpoint_{n}/{f}" for n in (2, 3) for f in files})
+
+
+# ----------------------------------------------------------------------------------------------
+# transformers Trainer
+
+
+def _gpt2(seed: int):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    cfg = GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2,
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return GPT2LMHeadModel(cfg)
+
+
+class _TokenIds(torch.utils.data.Dataset):
+    """Random token ids, labels = inputs (causal LM): no tokenizer, nothing downloaded."""
+
+    def __init__(self, n: int = 64) -> None:
+        g = torch.Generator().manual_seed(2)
+        self.ids = torch.randint(0, 64, (n, 16), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def _hf_trainer(model, output_dir: Path, max_steps: int, *callbacks):
+    from transformers import Trainer, TrainingArguments
+
+    args = TrainingArguments(output_dir=str(output_dir), max_steps=max_steps, save_steps=2,
+                             save_total_limit=2, per_device_train_batch_size=4, use_cpu=True,
+                             report_to=[], logging_strategy="no", seed=0,
+                             dataloader_num_workers=0, disable_tqdm=True)
+    return Trainer(model=model, args=args, train_dataset=_TokenIds(), callbacks=list(callbacks))
+
+
+def test_hf_trainer_save_total_limit_and_resume_on_a_fresh_node(nodes, monkeypatch):
+    from transformers import TrainerCallback
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    a = nodes("a")
+    out = a.path / "hf"
+    model = _gpt2(0)
+    trainer = _hf_trainer(model, out, 6)
+    trainer.train()
+    # saves at 2, 4, 6; save_total_limit=2 removed checkpoint-2 (shutil.rmtree)
+    assert sorted(os.listdir(out)) == ["checkpoint-4", "checkpoint-6"]
+    files = sorted(os.listdir(out / "checkpoint-6"))
+    assert {"model.safetensors", "trainer_state.json", "optimizer.pt", "scheduler.pt",
+            "rng_state.pth"} <= set(files), files
+    saved_model, saved_opt = snapshot(model), snapshot(trainer.optimizer)
+    # transformers writes checkpoint-N/ in place, file by file (no temporary directory, no
+    # rename): each file is committed as a set of its own at its last close
+    ckptfs.wait_durable(out, timeout=120)
+    states = sets_of(a, "hf/checkpoint-6/")
+    assert states == {f"hf/checkpoint-6/{f}": "durable" for f in files}, states
+    wait_published(nodes.view, "hf", {f"checkpoint-{n}/{f}" for n in (4, 6) for f in files})
+
+    mountpoint = a.mountpoint
+    a.stop()
+    nodes("b", mountpoint=mountpoint)
+    wait_for(lambda: (out / "checkpoint-6" / "trainer_state.json").exists(), timeout=30,
+             what="the fresh node to list the published checkpoints")
+    restored: dict = {}
+
+    class Capture(TrainerCallback):
+        def on_train_begin(self, args, state, control, model=None, optimizer=None, **kw):
+            restored.update(step=state.global_step, model=snapshot(model),
+                            opt=snapshot(optimizer))
+
+    model_b = _gpt2(99)
+    trainer_b = _hf_trainer(model_b, out, 8, Capture())
+    trainer_b.train(resume_from_checkpoint=True)  # the newest checkpoint-N in output_dir
+    assert restored["step"] == 6
+    assert_same(saved_model, restored["model"], "model")
+    assert_same(saved_opt, restored["opt"], "optimizer")
+    assert trainer_b.state.global_step == 8
+    assert sorted(os.listdir(out)) == ["checkpoint-6", "checkpoint-8"]
+    ckptfs.wait_durable(out, timeout=120)
+    wait_published(nodes.view, "hf", {f"checkpoint-{n}/{f}" for n in (6, 8) for f in files})
+
+
+# ----------------------------------------------------------------------------------------------
+# torch.distributed.checkpoint.state_dict + DCP on 2 gloo ranks (FSDP2 shards)
+
+
+def _fsdp_trained(mesh, seed: int, steps: int, rank: int):
+    """A tiny FSDP2 model and its AdamW after `steps` deterministic steps (rank-local data)."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(steps):
+        g = torch.Generator().manual_seed(1000 * rank + step)
+        model(torch.randn(8, 16, generator=g)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return model, opt
+
+
+def _dcp_rank(rank: int, world: int, init: str, ckpts: list[str], mode: str) -> None:
+    """One gloo rank: save (get_state_dict + dcp.save) or load (dcp.load + set_state_dict into
+    a model initialised otherwise) the state through its own node's mount, and check it."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_state_dict,
+        set_state_dict,
+    )
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    mesh = init_device_mesh("cpu", (world,))
+    opts = StateDictOptions()  # sharded: each rank saves its own DTensor shards
+    model, opt = _fsdp_trained(mesh, 0, 3, rank)
+    msd, osd = get_state_dict(model, opt, options=opts)
+    if mode == "save":
+        dcp.save({"model": msd, "optim": osd, "step": 3}, checkpoint_id=ckpts[rank])
+    else:
+        fresh, fresh_opt = _fsdp_trained(mesh, 99, 0, rank)
+        fmsd, fosd = get_state_dict(fresh, fresh_opt, options=opts)
+        target = {"model": fmsd, "optim": fosd, "step": -1}
+        dcp.load(target, checkpoint_id=ckpts[rank])
+        set_state_dict(fresh, fresh_opt, model_state_dict=target["model"],
+                       optim_state_dict=target["optim"], options=opts)
+        assert target["step"] == 3
+        got_m, got_o = get_state_dict(fresh, fresh_opt, options=opts)
+        assert_same(msd, got_m, f"rank {rank} model")
+        assert_same(osd, got_o, f"rank {rank} optimizer")
+        # and the restored optimizer steps exactly as the original one
+        for m, o in ((model, opt), (fresh, fresh_opt)):
+            g = torch.Generator().manual_seed(7 + rank)
+            m(torch.randn(8, 16, generator=g)).square().mean().backward()
+            o.step()
+        for (k, p), (_, q) in zip(model.named_parameters(), fresh.named_parameters()):
+            assert torch.equal(p.to_local(), q.to_local()), (rank, k)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _run_dcp_ranks(tmp: Path, ckpts: list[str], mode: str, timeout: float = 240) -> list:
+    init = tmp / f"pg-{mode}-{time.monotonic_ns()}"
+    ctx = rank_context()
+    procs = [ctx.Process(target=_dcp_rank, args=(r, len(ckpts), str(init), ckpts, mode))
+             for r in range(len(ckpts))]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        p.join(max(1, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    return [p.exitcode for p in procs]
+
+
+def test_distributed_state_dict_dcp_on_two_nodes_loads_on_two_fresh_nodes(nodes, tmp_path):
+    a, b = nodes("a"), nodes("b")
+    for n in (a, b):
+        (n.path / "dcp").mkdir()
+    ckpts = [str(n.path / "dcp" / "step_3") for n in (a, b)]
+    assert _run_dcp_ranks(tmp_path, ckpts, "save") == [0, 0]
+    # rank 0 wrote its shard and .metadata through A, rank 1 its shard through B; the rename
+    # of .metadata.tmp to .metadata on A committed the directory, with B's shard, as one set
+    assert sorted(os.listdir(ckpts[0])) == [".metadata", "__0_0.distcp"]
+    assert sorted(os.listdir(ckpts[1])) == ["__1_0.distcp"]
+    assert ckptfs.wait_durable(ckpts[0], timeout=120)["path"] == "dcp/step_3"
+    wait_published(nodes.view, "dcp", {"step_3"})
+    m = manifests(nodes.view)["dcp/step_3"]
+    assert sorted(f["path"] for f in m["files"]) == [".metadata", "__0_0.distcp",
+                                                     "__1_0.distcp"]
+
+    # two fresh nodes at the same paths, empty caches: every rank reads the whole set back
+    points = [a.mountpoint, b.mountpoint]
+    a.stop()
+    b.stop()
+    fresh = [nodes(f"fresh{i}", mountpoint=p) for i, p in enumerate(points)]
+    for n in fresh:
+        wait_for(lambda n=n: (n.path / "dcp" / "step_3" / ".metadata").exists(), timeout=30,
+                 what="a fresh node to list the published set")
+    assert sorted(os.listdir(ckpts[1])) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert _run_dcp_ranks(tmp_path, ckpts, "load") == [0, 0]
