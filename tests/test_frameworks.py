@@ -2,7 +2,8 @@
 (docs/INTEGRATIONS.md is the user's side of each recipe):
 
   * PyTorch Lightning `ModelCheckpoint` (top-k rotation, `save_last="link"`), resumed with
-    `ckpt_path=` on a fresh node: same mount path, empty cache.
+    `ckpt_path=` on a fresh node: same mount path, empty cache; and with the temporary
+    directory on the mount, where its save's move into place is a rename.
   * Hugging Face Accelerate `save_state`/`load_state` with automatic checkpoint naming and
     `total_limit` rotation: model, optimizer and RNG states back bit-exact on a fresh node.
   * transformers `Trainer` on a tiny GPT-2 built from a config (no hub: HF_HUB_OFFLINE=1),
@@ -217,6 +218,35 @@ def test_lightning_modelcheckpoint_rotation_and_resume_on_a_fresh_node(nodes):
     loaded = torch.load(dirpath / "last.ckpt", map_location="cpu", weights_only=False)
     assert loaded["global_step"] == 8
     assert_same(snapshot(model_b), loaded["state_dict"], "step 8")
+
+
+def test_lightning_with_tmpdir_on_the_mount_commits_each_checkpoint_by_a_rename(nodes,
+                                                                                monkeypatch):
+    """Lightning's "atomic" save (fsspec's transaction) writes a temporary file in the
+    process's temporary directory and moves it into place. With /tmp elsewhere that move is a
+    copy into the final name (a killed copy leaves a torn file there, as on a local disk);
+    with the temporary directory on the mount it is a rename, which commits the whole file at
+    its final name and nothing before (docs/INTEGRATIONS.md)."""
+    import tempfile
+
+    Tiny = _lightning_module()
+    a = nodes("a")
+    (a.path / "tmp").mkdir()  # a temporary-looking name: nothing under it is committed
+    monkeypatch.setattr(tempfile, "tempdir", str(a.path / "tmp"))
+    dirpath = a.path / "lightning"
+    torch.manual_seed(0)
+    model = Tiny()
+    _lightning_trainer(dirpath, 4).fit(model, _lightning_data())
+    assert sorted(os.listdir(dirpath)) == ["last.ckpt", "step=2.ckpt", "step=4.ckpt"]
+    assert os.listdir(a.path / "tmp") == []  # moved away: the move was a rename
+    ckptfs.wait_durable(dirpath, timeout=120)
+    # no set was ever committed under tmp/: each checkpoint's only set is its final name
+    assert sets_of(a, "tmp/") == {}
+    assert sets_of(a, "lightning/") == dict.fromkeys(
+        ["lightning/step=2.ckpt", "lightning/step=4.ckpt", "lightning/last.ckpt"], "durable")
+    loaded = torch.load(dirpath / "last.ckpt", map_location="cpu", weights_only=False)
+    assert loaded["global_step"] == 4
+    assert_same(snapshot(model), loaded["state_dict"], "step 4")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -464,9 +494,7 @@ def _run_dcp_ranks(tmp: Path, ckpts: list[str], mode: str, timeout: float = 240)
 
 
 def test_distributed_state_dict_dcp_on_two_nodes_loads_on_two_fresh_nodes(nodes, tmp_path):
-    a, b = nodes("a"), nodes("b")
-    for n in (a, b):
-        (n.path / "dcp").mkdir()
+    a, b = nodes("a"), nodes("b")  # DCP's writer creates dcp/step_3 on each rank's node
     ckpts = [str(n.path / "dcp" / "step_3") for n in (a, b)]
     assert _run_dcp_ranks(tmp_path, ckpts, "save") == [0, 0]
     # rank 0 wrote its shard and .metadata through A, rank 1 its shard through B; the rename
