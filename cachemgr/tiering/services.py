@@ -351,6 +351,8 @@ class Tiering:
                         "integrity_errors": r.integrity_errors,
                         "damaged_cache_chunks": r.damaged_cache_chunks},
             "cache_size": self.cfg.cache_size,
+            # this node's lease (ckptfs_lease_held, ckptfs_lease_lapses_total): plain data
+            "members": self.members.status(),
             "services": self.services(),
         }
 
