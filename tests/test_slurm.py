@@ -299,3 +299,19 @@ def test_node_mode_one_mount_a_directory_per_user_kept_across_jobs(s3_node):
                                     f"durable in {node.settings['CKPTFS_SLURM_STORE']}")
     assert is_mounted(mp)  # the node's mount stays for the next jobs
     assert "ckpt/manifests/nobody/run/step_1.pt.json" in s3_keys(node)
+
+
+def test_example_config_is_read_as_documented():
+    """deploy/slurm/slurm.conf.example through the scripts' own reader: the paths of a job in
+    job mode (the environment's CKPTFS_BIN wins over the file's)."""
+    script = (f'. {SLURM}/ckptfs-slurm.sh; load_config; job_paths; '
+              'echo "$MP $CACHE $LOG $CKPTFS_SLURM_STORE $CKPTFS_SLURM_DRAIN_TIMEOUT '
+              '$CKPTFS_SLURM_OPTIONS"')
+    env = {"PATH": os.environ["PATH"], "CKPTFS_SLURM_CONF": str(SLURM / "slurm.conf.example"),
+           "CKPTFS_BIN": str(VENV_BIN / "ckptfs"), "SLURM_JOB_ID": "42"}
+    res = subprocess.run(["bash", "-c", script], capture_output=True, text=True, env=env,
+                         timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split() == ["/ckpt/42", "/nvme/ckptfs/job-42",
+                                  "/var/log/ckptfs/job-42.log", "s3://my-bucket/checkpoints",
+                                  "600", "--s3-region", "us-east-1", "--cache-size", "400G"]
