@@ -55,9 +55,12 @@ drained=1
 case $rc in
     0) ;;
     8)  # no committed set under it, or a file in none (a *.tmp a killed save left):
-        # neither is an upload to wait for; what is still pending decides
-        risk=$(at_risk) || risk="? ? ? ?"
-        [ "${risk%% *}" = 0 ] || drained=0 ;;
+        # neither is an upload to wait for. Job mode: what is still pending in the mount
+        # decides; node mode: the mount's pending sets are other jobs' too, not this one's
+        if [ "$CKPTFS_SLURM_MODE" = job ]; then
+            risk=$(at_risk) || risk="? ? ? ?"
+            [ "${risk%% *}" = 0 ] || drained=0
+        fi ;;
     *) drained=0 ;;
 esac
 if [ "$drained" = 0 ]; then
