@@ -21,9 +21,13 @@ documented exit code before the next one starts):
   6. mount      open the FUSE session (`fuse.mount_and_serve`; fails: EXIT_NOT_READY).
   7. serve      `trio.run`: one nursery holds, started in this order, the control socket, the
                 tiering services, the metrics scrape hook (the loop's token), readiness (stat
-                through the kernel, readahead, first store listing, registration, notify) and the
-                signal handler; then the FUSE main loop runs until unmounted or signalled, and the
-                nursery is cancelled.
+                through the kernel, readahead, first store listing, registration, systemd's
+                READY=1, notify), the STATUS= reporter and the signal handler; then the FUSE
+                main loop runs until unmounted or signalled (STOPPING=1), and the nursery is
+                cancelled.
+Signals (`_on_signals`): SIGTERM/SIGINT unmount (what is pending resumes at the next mount);
+SIGHUP is a reload: it reopens the log file at its path (logrotate) and nothing else, between
+RELOADING=1 and READY=1 (ckptfs/sdnotify.py; `ExecReload=` of scripts/systemd/ckptfs@.service).
 Teardown order (`_Daemon.teardown`, reverse, each step guarded so one failure skips nothing):
   metrics server closed first (no scrape waits on a loop that has ended); FUSE session closed
   (unmounting if still mounted); cache closed (persists its in-memory state); registration
@@ -51,6 +55,7 @@ from typing import Any
 
 from .config import MountConfig, default_store_note, default_store_url
 from .control import READ, WRITE, Peer, check_access
+from .fmt import human
 from .mount import (
     EXIT_CACHE_DIR,
     EXIT_ERROR,
@@ -65,12 +70,18 @@ from .mount import (
     control_path,
     mount_source,
     register,
+    reopen_logs,
     tune_readahead,
     unregister,
 )
+from .sdnotify import Notifier
 from .stallwatch import StallWatch
 
 log = logging.getLogger(__name__)
+
+# STATUS= for `systemctl status`: recomputed this often (one `Tiering.statistics()`, what a
+# metrics scrape costs: about a millisecond of the loop) and sent when its text changed.
+STATUS_INTERVAL_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -252,6 +263,8 @@ class _Daemon:
         self.main: Callable[[], Awaitable[None]] | None = None  # the FUSE loop, once mounted
         self.mounted = False
         self.stallwatch = StallWatch()  # logs a stalled trio loop with its stack
+        self.sd = Notifier()  # systemd's notify socket; a no-op outside a Type=notify unit
+        self.serving: Any = None  # trio.Event, set once the mount is ready (serve() makes it)
 
     def tell(self, code: int, msg: str) -> None:
         """Tell the parent how the mount went: once, the first answer wins."""
@@ -386,6 +399,7 @@ class _Daemon:
 
         svc = Services(self.cfg, self.core, self.tiering, started=time.time(),
                        stallwatch=self.stallwatch)
+        self.serving = trio.Event()
         assert self.main is not None
         async with trio.open_nursery() as nursery:
             await nursery.start(self.stallwatch.beat)
@@ -401,7 +415,10 @@ class _Daemon:
                                                   self.tiering.statistics))
             nursery.start_soon(self._ready)
             nursery.start_soon(self._on_signals)
+            if self.sd.enabled:
+                nursery.start_soon(self._report_status)
             await self.main()
+            self.sd.stopping(f"unmounting {self.cfg.mountpoint}")
             nursery.cancel_scope.cancel()
 
     # -- tasks of the nursery --------------------------------------------------------------------
@@ -438,9 +455,57 @@ class _Daemon:
             log.warning("mounting without the store's sets (--allow-empty-namespace): %s;"
                         " they appear once a listing succeeds", why)
         register(cfg)
+        # systemd first: the mount helper exits once told below, and systemd must know the
+        # daemon as the unit's main process by then (ckptfs@.service, NotifyAccess=all)
+        self.sd.ready(self.status_line())
+        self.serving.set()
         self.tell(EXIT_OK, f"mounted {cfg.mountpoint}{' read-only' if cfg.read_only else ''}"
                   f" (cache {cfg.cache_dir}, store "
                   f"{self.store_url}{self._default_note()}, pid {os.getpid()})")
+
+    def status_line(self) -> str:
+        """STATUS= for `systemctl status`: what is served and what a lost cache disk would
+        take with it (README "Status")."""
+        try:
+            st = self.tiering.statistics()
+        except Exception:  # a status line must never take the mount down
+            log.exception("STATUS= line: the tiering statistics failed")
+            return f"serving {self.cfg.mountpoint}"
+        sets, store = st["sets"], st["store"]
+        by_state = sets["by_state"]
+        pending = sum(by_state.get(k, 0) for k in ("committed", "uploading"))
+        durable = by_state.get("durable", 0)
+        line = (f"serving {self.cfg.mountpoint}: {durable} set{'' if durable == 1 else 's'} "
+                f"durable, {pending} pending ({human(sets['pending_bytes'])} not yet durable)")
+        if sets["failed_sets"]:
+            line += (f", {sets['failed_sets']} FAILED ({human(sets['failed_bytes'])} only in "
+                     "the cache)")
+        return line + f", store {store['health']}"
+
+    async def _report_status(self) -> None:
+        """STATUS= every STATUS_INTERVAL_S once the mount is ready; only sent when the line
+        changed."""
+        import trio
+
+        await self.serving.wait()
+        while True:
+            await trio.sleep(STATUS_INTERVAL_S)
+            self.sd.status(self.status_line())
+
+    def _reload(self) -> None:
+        """SIGHUP: reopen the log file (logrotate renamed it); the mount keeps serving. Before
+        the mount is ready, systemd hears nothing of it: a READY=1 now would say the mount
+        answers when it does not yet."""
+        ready = self.serving.is_set()
+        if ready:
+            self.sd.reloading(f"reloading: reopening the log of {self.cfg.mountpoint}")
+        try:
+            paths = reopen_logs()
+            log.info("SIGHUP: reopened the log file %s", ", ".join(paths) or "(none: stderr)")
+        except OSError as e:
+            log.error("SIGHUP: cannot reopen the log file (%s); logging on to the old one", e)
+        if ready:
+            self.sd.reloaded(self.status_line())
 
     async def _on_signals(self) -> None:
         import trio
@@ -449,7 +514,12 @@ class _Daemon:
 
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as sigs:
             async for sig in sigs:
+                if sig == signal.SIGHUP:
+                    self._reload()
+                    continue
                 log.info("signal %s: unmounting", signal.Signals(sig).name)
+                self.sd.stopping(f"unmounting {self.cfg.mountpoint} (signal "
+                                 f"{signal.Signals(sig).name})")
                 fuse.terminate()
                 return
 

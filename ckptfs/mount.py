@@ -509,6 +509,41 @@ def unregister(mp: Path) -> None:
 # helpers of the daemon (ckptfs/daemon.py) and its spawning
 
 
+class LogFile(logging.FileHandler):
+    """The daemon's log file, reopened at its path on SIGHUP (`reopen_logs`), so logrotate's
+    rename-then-signal works (deploy/logrotate/ckptfs). Opened through `open_private`: a file
+    (re)created at the path is 0600 whatever the umask. Chosen over logging's
+    WatchedFileHandler, which stats the path before every record (a syscall per log line on the
+    event loop) and recreates the file with the umask's mode.
+
+    Guarded by the handler's own lock (`Handler.lock`): a record is written to the old stream
+    or to the new one, never to a closed one."""
+
+    def _open(self):
+        fd = open_private(self.baseFilename, os.O_WRONLY | os.O_APPEND)
+        return os.fdopen(fd, "a", encoding=self.encoding, errors=self.errors)
+
+    def reopen(self) -> None:
+        """Open the path anew (created if it was renamed away), then switch to it and close the
+        old file. If it cannot be opened, logging goes on to the old file and this raises."""
+        new = self._open()
+        with self.lock:  # type: ignore[union-attr]  # always set by Handler.__init__
+            old, self.stream = self.stream, new
+        if old is not None:
+            old.close()
+
+
+def reopen_logs() -> list[str]:
+    """Reopen every `LogFile` of the root logger (the daemon's SIGHUP); the paths reopened.
+    Raises OSError if one cannot be opened (that handler keeps its old file)."""
+    done = []
+    for h in logging.getLogger().handlers:
+        if isinstance(h, LogFile):
+            h.reopen()
+            done.append(h.baseFilename)
+    return done
+
+
 def setup_logging(cfg: MountConfig) -> None:
     root = logging.getLogger()
     for h in list(root.handlers):
@@ -519,8 +554,7 @@ def setup_logging(cfg: MountConfig) -> None:
         handler = logging.StreamHandler(sys.stderr)
     else:
         make_dirs(target.parent)
-        os.close(open_private(target, os.O_WRONLY | os.O_APPEND))  # 0600 before a line lands
-        handler = logging.FileHandler(target)
+        handler = LogFile(target)  # 0600 before a line lands (LogFile._open)
     handler.setFormatter(logging.Formatter(
         "%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s"))
     handler.addFilter(logsafe.RedactSecrets())

@@ -28,6 +28,7 @@ import pytest
 from ckpt_restore import FileStoreView, manifests, restore
 from conftest import IN_CI, REPO, is_mounted, require_fuse, run_cli, wait_for
 from procwait import Events
+from sdlisten import NotifyListener
 
 import ckptfs
 from ckptfs.cli import mount_parser
@@ -419,7 +420,11 @@ def test_unit_orders_and_bounds_the_drain():
     u = parse_unit(UNIT)
     assert "network-online.target" in " ".join(u["Unit.After"] + u["Unit.Wants"]).split()
     assert "%i.mount" in " ".join(u["Unit.Before"]).split()
-    assert u["Service.Type"] == ["forking"]
+    # Type=notify: the daemon the helper forks says READY=1 + MAINPID= itself, hence
+    # NotifyAccess=all (the start test below checks the messages); SIGHUP is its reload
+    assert u["Service.Type"] == ["notify"]
+    assert u["Service.NotifyAccess"] == ["all"]
+    assert u["Service.ExecReload"] == ["/bin/kill -HUP $MAINPID"]
     stop = shlex.split(u["Service.ExecStop"][0])
     assert stop[1:3] == ["umount", "%f"] and "--timeout" in stop
     n = float(stop[stop.index("--timeout") + 1])
@@ -437,8 +442,11 @@ def test_example_conf_is_accepted_by_the_helper():
 
 def test_unit_start_and_stop_commands_mount_and_drain(helper, cli_link, mount_factory,
                                                       tmp_path):
-    """ExecStart mounts from the instance's environment file; ExecStop waits until the set is
-    durable (uploads held, then released), then unmounts and the daemon is gone."""
+    """ExecStart mounts from the instance's environment file and, as systemd runs it (its own
+    pid in $SYSTEMD_EXEC_PID, a notify socket), the forked daemon says READY=1 with itself as
+    MAINPID before the start command returns; ExecReload (SIGHUP) reopens the log and the mount
+    stays; ExecStop waits until the set is durable (uploads held, then released), then
+    unmounts (STOPPING=1) and the daemon is gone."""
     u = parse_unit(UNIT)
     m = mount_factory()
     instance = escape_path(m.path)
@@ -453,12 +461,44 @@ def test_unit_start_and_stop_commands_mount_and_drain(helper, cli_link, mount_fa
     unit_env = parse_env_file(conf)
     env = {**os.environ, **unit_env}
 
+    sock_dir = Path(tempfile.mkdtemp(prefix="sd-", dir="/tmp"))  # AF_UNIX: a short path
+    with NotifyListener(str(sock_dir / "notify")) as sd:
+        try:
+            _start_stop_as_systemd(u, m, instance, unit_env, {**env, "NOTIFY_SOCKET": sd.address},
+                                   url, gate, sd)
+        finally:
+            shutil.rmtree(sock_dir, ignore_errors=True)
+    assert not m.unexpected_errors()
+
+
+def _start_stop_as_systemd(u, m, instance, unit_env, env, url, gate, sd) -> None:
     start = command(u["Service.ExecStart"][0], instance, m.path, unit_env)
-    res = run(start, env=env, timeout=float(u["Service.TimeoutStartSec"][0]))
-    assert res.returncode == 0, (start, res.stderr)
-    m.pid = daemon_pid(res)
-    assert _alive(m.pid)  # Type=forking: the daemon stays, the start command has returned
+    # systemd execs the command line in the pid it names in $SYSTEMD_EXEC_PID
+    env.pop("SYSTEMD_EXEC_PID", None)
+    as_systemd = ["sh", "-c", 'SYSTEMD_EXEC_PID=$$ exec "$@"', "sh", *start]
+    proc = subprocess.Popen(as_systemd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env, cwd=REPO)
+    helper_pid = proc.pid
+    out, err = proc.communicate(timeout=float(u["Service.TimeoutStartSec"][0]))
+    assert proc.returncode == 0, (start, err)
+    m.pid = daemon_pid(subprocess.CompletedProcess(start, 0, out, err))
+    assert _alive(m.pid)  # the daemon stays, the start command has returned
+    # sent before the daemon told the helper (ckptfs.daemon._Daemon._ready), so systemd knows
+    # the main process when the helper exits
+    ready = sd.wait(lambda x: x.get("READY") == "1")
+    assert ready.pid == m.pid != helper_pid and ready.get("MAINPID") == str(m.pid)
+    assert (ready.get("STATUS") or "").startswith(f"serving {m.path}: ")
     assert m.status()["tiering"]["store"]["url"] == url
+
+    n = len(sd.snapshot())
+    reload_cmd = command(u["Service.ExecReload"][0], instance, m.path,
+                         {**unit_env, "MAINPID": str(m.pid)})
+    res = run(reload_cmd, env=env)
+    assert res.returncode == 0, res.stderr
+    reloading = sd.wait(lambda x: x.get("RELOADING") == "1", after=n)
+    sd.wait(lambda x: x.get("READY") == "1", after=sd.index(reloading) + 1)
+    assert "reopened the log file" in m.log_text()
+    assert is_mounted(m.path) and _alive(m.pid)
     data = os.urandom(1 << 20)
     (m.path / "step_1.pt").write_bytes(data)
     wait_for(lambda: "holding put" in m.log_text(), what="the upload to be held")
@@ -486,10 +526,10 @@ def test_unit_start_and_stop_commands_mount_and_drain(helper, cli_link, mount_fa
     assert "unmounted" in rest
     assert not is_mounted(m.path)
     assert not _alive(m.pid)
+    assert any(x.get("STOPPING") == "1" and x.pid == m.pid for x in sd.snapshot()[n:])
     m.pid = None
     view = FileStoreView(m.store_dir)
     assert list(restore(view, manifests(view)["step_1.pt"]).values()) == [data]
-    assert not m.unexpected_errors()
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Slurm Prolog (slurm.conf: Prolog=/etc/ckptfs/slurm/prolog.sh, run by slurmd as root on each
+# node of a job before it starts): mount ckptfs for the job. README.md here has the settings.
+#
+#   job mode (default)  a mount per job at <mount root>/<job id>, its own cache dir, owned by
+#                       the job's user (mode 0700); unmounted by the epilog
+#   node mode           one mount per node at <mount root>, mounted by the first job's prolog
+#                       (serialized by a lock), kept across jobs; each user gets
+#                       <mount root>/<user>/ (0700)
+#
+# Exit 0: mounted (or mounted already: a requeued job, node mode). Exit 1: a bad
+# configuration or a failed mount, with one line saying why; Slurm then drains the node and
+# requeues the job (a job must not start without the checkpoints it would resume from).
+set -uo pipefail
+CKPTFS_SLURM_STEP=prolog
+. "$(dirname "${BASH_SOURCE[0]}")/ckptfs-slurm.sh"
+
+load_config
+job_paths
+[ -n "${SLURM_JOB_UID:-}" ] || fail 1 "SLURM_JOB_UID is not set: run by slurmd as Prolog"
+gid=${SLURM_JOB_GID:-$(id -g "$SLURM_JOB_UID" 2>/dev/null)}
+[ -n "$gid" ] || fail 1 "job $SLURM_JOB_ID: no group for uid $SLURM_JOB_UID (SLURM_JOB_GID unset)"
+
+mount_it() {
+    if is_ckptfs_mount "$MP"; then
+        return 0  # a requeued job's rerun prolog, or node mode's later jobs
+    fi
+    mkdir -p "$MP" "$CKPTFS_SLURM_CACHE_ROOT" "$CKPTFS_SLURM_LOG_DIR" ||
+        fail 1 "job $SLURM_JOB_ID: cannot create $MP, $CKPTFS_SLURM_CACHE_ROOT or $CKPTFS_SLURM_LOG_DIR"
+    local out rc
+    # shellcheck disable=SC2086  # CKPTFS_SLURM_OPTIONS: mount options, split at spaces
+    # 9>&-: the daemon must not inherit node mode's lock (it would hold it for good)
+    out=$("$CKPTFS_BIN" mount "$MP" --store "$CKPTFS_SLURM_STORE" --cache-dir "$CACHE" \
+        --log-file "$LOG" ${CKPTFS_SLURM_OPTIONS:-} 2>&1 9>&-)
+    rc=$?
+    if [ "$rc" -ne 0 ]; then
+        [ "$CKPTFS_SLURM_MODE" = job ] && rmdir "$MP" 2>/dev/null
+        fail 1 "job $SLURM_JOB_ID: mount of $MP failed (ckptfs exit $rc): ${out#ckptfs: }"
+    fi
+    say "job $SLURM_JOB_ID: ${out#ckptfs: }"
+}
+
+if [ "$CKPTFS_SLURM_MODE" = node ]; then
+    mkdir -p "$CKPTFS_SLURM_CACHE_ROOT" || fail 1 "cannot create $CKPTFS_SLURM_CACHE_ROOT"
+    exec 9>"$CKPTFS_SLURM_CACHE_ROOT/.prolog.lock" || fail 1 "cannot open the prolog lock"
+    # the jobs starting at once on a node: one mounts, the others find it mounted
+    flock -w 300 9 || fail 1 "job $SLURM_JOB_ID: another prolog held $CKPTFS_SLURM_CACHE_ROOT/.prolog.lock for 300s"
+    mount_it
+    exec 9>&-
+    userdir=$MP/${SLURM_JOB_USER:-uid-$SLURM_JOB_UID}
+    if [ ! -d "$userdir" ]; then
+        mkdir "$userdir" && chown "$SLURM_JOB_UID:$gid" "$userdir" && chmod 0700 "$userdir" ||
+            fail 1 "job $SLURM_JOB_ID: cannot create $userdir for uid $SLURM_JOB_UID"
+    fi
+else
+    mount_it
+    # the mount's root is the job's: its user writes there, nobody else reads it
+    chown "$SLURM_JOB_UID:$gid" "$MP" && chmod 0700 "$MP" ||
+        fail 1 "job $SLURM_JOB_ID: cannot hand $MP to uid $SLURM_JOB_UID"
+fi
+exit 0
