@@ -177,8 +177,14 @@ def test_prolog_mounts_the_job_writes_epilog_drains_and_the_next_job_resumes(s3_
     assert res.returncode == 0, res.stderr
     r = load(node.mp(nxt))
     assert r.returncode == 0 and r.stdout == data, r.stderr
-    # restored sets belong to the daemon's user (docs/SEMANTICS.md "Restore on any node"):
-    # the job reads them and saves its next checkpoints beside them (deploy/slurm/README.md)
+    # the restored checkpoint is the job user's (job mode mounts with --uid/--gid): the job
+    # writes into the restored directory and replaces the restored file, and saves beside them
+    run = node.mp(nxt) / "run"
+    assert (os.stat(run).st_uid, os.stat(run / "step_1.pt").st_uid) == (JOB_UID, JOB_UID)
+    w = as_job_user('echo new > "$1/run/extra.pt" && cp "$1/run/extra.pt" "$1/run/step_1.pt"',
+                    str(node.mp(nxt)))
+    assert w.returncode == 0, w.stderr
+    assert (run / "step_1.pt").read_bytes() == b"new\n"
     assert save(node, node.mp(nxt) / "step_2", b"resumed").returncode == 0
     assert os.stat(node.mp(nxt) / "step_2" / "run" / "step_1.pt").st_uid == JOB_UID
     res = node.run("epilog.sh", nxt)

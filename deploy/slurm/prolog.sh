@@ -2,8 +2,9 @@
 # Slurm Prolog (slurm.conf: Prolog=/etc/ckptfs/slurm/prolog.sh, run by slurmd as root on each
 # node of a job before it starts): mount ckptfs for the job. README.md here has the settings.
 #
-#   job mode (default)  a mount per job at <mount root>/<job id>, its own cache dir, owned by
-#                       the job's user (mode 0700); unmounted by the epilog
+#   job mode (default)  a mount per job at <mount root>/<job id>, its own cache dir, the whole
+#                       tree owned by the job's user (--uid/--gid; root mode 0700); unmounted
+#                       by the epilog
 #   node mode           one mount per node at <mount root>, mounted by the first job's prolog
 #                       (serialized by a lock), kept across jobs; each user gets
 #                       <mount root>/<user>/ (0700)
@@ -30,8 +31,12 @@ mount_it() {
     local out rc
     # shellcheck disable=SC2086  # CKPTFS_SLURM_OPTIONS: mount options, split at spaces
     # 9>&-: the daemon must not inherit node mode's lock (it would hold it for good)
+    # job mode: the whole tree is the job user's (--uid/--gid: every inode reports that owner,
+    # the checkpoints restored from the store included), so a resumed job writes anywhere in it
+    local owner=()
+    [ "$CKPTFS_SLURM_MODE" = job ] && owner=(--uid "$SLURM_JOB_UID" --gid "$gid")
     out=$("$CKPTFS_BIN" mount "$MP" --store "$CKPTFS_SLURM_STORE" --cache-dir "$CACHE" \
-        --log-file "$LOG" ${CKPTFS_SLURM_OPTIONS:-} 2>&1 9>&-)
+        --log-file "$LOG" "${owner[@]}" ${CKPTFS_SLURM_OPTIONS:-} 2>&1 9>&-)
     rc=$?
     if [ "$rc" -ne 0 ]; then
         [ "$CKPTFS_SLURM_MODE" = job ] && rmdir "$MP" 2>/dev/null
