@@ -21,7 +21,7 @@ import grpc
 import kubernetes_validate
 import pytest
 import yaml
-from conftest import REPO, is_mounted, require_fuse, wait_for
+from conftest import REPO, is_mounted, new_bucket, require_fuse, wait_for
 
 from ckptfs.cli import mount_parser
 from ckptfs.csi import DRIVER_NAME, csi_pb2, csi_pb2_grpc
@@ -188,8 +188,10 @@ def run_python(code: str, *args: str) -> str:
     return r.stdout
 
 
-def test_publish_write_unpublish_then_another_node_loads_it(plugins, s3_bucket, tmp_path):
-    endpoint, bucket = s3_bucket
+def test_publish_write_unpublish_then_another_node_loads_it(plugins, moto_server, tmp_path):
+    # moto in every pass (also the RGW one): the volume's secrets are made-up, distinctive values
+    # the test looks for in logs and argv, which a real server's users cannot have
+    endpoint, bucket = moto_server, new_bucket(moto_server)
     # a volume id that would climb out of the cache root if joined as a path
     vol = "../../escape/ckpt-run-1"
     attrs = {"store": f"s3://{bucket}/run-1", "endpoint": endpoint, "region": "us-east-1",

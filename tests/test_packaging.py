@@ -78,6 +78,8 @@ def test_wheel_contents(wheel):
         assert want in names, want
     assert build.file_size > 1000
     assert not [n for n in names if n.startswith(("tests/", "scripts/", "docs/"))]
+    top = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
+    assert top == {"ckptfs", "cachemgr"}, top
     requires, classifiers = _metadata(wheel)
     assert "Typing :: Typed" in classifiers and "Topic :: System :: Filesystems" in classifiers
     base = _needed(requires, "")
