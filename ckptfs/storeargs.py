@@ -20,7 +20,8 @@ GARBAGE_RULE = (
 
 
 
-def _seconds(s: str) -> float:
+def seconds(s: str) -> float:
+    """An option's seconds: a finite number >= 0 (argparse names the option in the error)."""
     try:
         v = float(s)
     except ValueError:
@@ -128,7 +129,7 @@ def add_parsers(sub) -> None:
                    "chunk CRC32Cs, lz4 frames): reads the whole store")
     f.add_argument("--repair", action="store_true",
                    help="delete the garbage found (never an object a manifest names; see above)")
-    f.add_argument("--older-than", type=_seconds, default=DEFAULT_OLDER_THAN, metavar="SECONDS",
+    f.add_argument("--older-than", type=seconds, default=DEFAULT_OLDER_THAN, metavar="SECONDS",
                    help="how old (store LastModified / mtime) unreferenced objects and records "
                    "of nodes not seen must be to count as garbage (default 86400: 24 h). Choose "
                    "it above --commit-timeout and above the longest time a file may stay "

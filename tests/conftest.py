@@ -15,6 +15,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -99,6 +100,24 @@ def start_ranks(fn, args: tuple, nprocs: int) -> None:
 
     rank_context()
     mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method="forkserver")
+
+
+def run_processes(target, rank_args, timeout: float) -> list:
+    """Run one process per entry of rank_args (`target(*rank_args[r])`) from the ranks'
+    forkserver, each killed if still running when `timeout` seconds have passed since the start;
+    returns their exit codes (rank order)."""
+    ctx = rank_context()
+    procs = [ctx.Process(target=target, args=args) for args in rank_args]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        p.join(max(1, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    return [p.exitcode for p in procs]
 
 
 def is_mounted(path: Path) -> bool:

@@ -29,7 +29,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 from ckpt_restore import S3StoreView, manifests
-from conftest import rank_context, wait_for
+from conftest import run_processes, wait_for
 from torch import nn
 
 import ckptfs
@@ -478,19 +478,8 @@ def _dcp_rank(rank: int, world: int, init: str, ckpts: list[str], mode: str) -> 
 
 def _run_dcp_ranks(tmp: Path, ckpts: list[str], mode: str, timeout: float = 240) -> list:
     init = tmp / f"pg-{mode}-{time.monotonic_ns()}"
-    ctx = rank_context()
-    procs = [ctx.Process(target=_dcp_rank, args=(r, len(ckpts), str(init), ckpts, mode))
-             for r in range(len(ckpts))]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + timeout
-    for p in procs:
-        p.join(max(1, deadline - time.monotonic()))
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    return [p.exitcode for p in procs]
+    return run_processes(_dcp_rank, [(r, len(ckpts), str(init), ckpts, mode)
+                                     for r in range(len(ckpts))], timeout)
 
 
 def test_distributed_state_dict_dcp_on_two_nodes_loads_on_two_fresh_nodes(nodes, tmp_path):

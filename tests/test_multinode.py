@@ -38,7 +38,7 @@ torch = pytest.importorskip("torch")
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from ckpt_restore import S3StoreView, manifests, restore
-from conftest import assert_loaded, rank_context, run_cli, wait_for
+from conftest import assert_loaded, run_cli, run_processes, wait_for
 
 import ckptfs
 
@@ -175,19 +175,8 @@ def run_ranks(tmp: Path, ckpts: list[str], seed: int, mode: str = "save", kill_r
               big: bool = False, timeout: float = 240) -> list[int]:
     """Run len(ckpts) gloo ranks (rank r uses ckpts[r]); returns their exit codes."""
     init = tmp / f"pg-{mode}-{seed}-{time.monotonic_ns()}"
-    ctx = rank_context()
-    procs = [ctx.Process(target=_rank, args=(r, len(ckpts), str(init), ckpts, seed, mode,
-                                             kill_rank, big)) for r in range(len(ckpts))]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + timeout
-    for p in procs:
-        p.join(max(1, deadline - time.monotonic()))
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    return [p.exitcode for p in procs]
+    return run_processes(_rank, [(r, len(ckpts), str(init), ckpts, seed, mode, kill_rank, big)
+                                 for r in range(len(ckpts))], timeout)
 
 
 def manifest(view, path: str) -> dict | None:

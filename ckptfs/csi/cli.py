@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import sys
 from pathlib import Path
+
+from ..storeargs import seconds
 
 # The node's cache volumes live here unless --cache-root says otherwise (the DaemonSet mounts
 # an NVMe hostPath at it).
@@ -20,16 +21,6 @@ DEFAULT_CACHE_ROOT = Path("/var/lib/ckptfs-csi")
 DEFAULT_DRAIN_TIMEOUT = 90.0
 # sun_path holds 108 bytes with its NUL
 MAX_SOCKET_PATH = 107
-
-
-def _seconds(s: str) -> float:
-    try:
-        v = float(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {s!r}") from None
-    if not math.isfinite(v) or v < 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0: {s!r}")
-    return v
 
 
 def socket_path(endpoint: str) -> Path:
@@ -66,7 +57,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--cache-root", type=Path, default=DEFAULT_CACHE_ROOT,
                    help="where each volume's cache dir is made, ideally NVMe: one dir per "
                    f"volume, named after its id (default {DEFAULT_CACHE_ROOT})")
-    c.add_argument("--drain-timeout", type=_seconds, default=DEFAULT_DRAIN_TIMEOUT,
+    c.add_argument("--drain-timeout", type=seconds, default=DEFAULT_DRAIN_TIMEOUT,
                    help="seconds an unpublish waits for committed sets to become durable before "
                    "unmounting anyway; what is left uploads at the next publish of the volume "
                    f"on this node (default {DEFAULT_DRAIN_TIMEOUT:g})")
