@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import uuid
 from pathlib import Path
 
@@ -51,6 +52,7 @@ class Plugin:
         self.cache_root = root / node_id / "cache"
         self.log_path = root / f"{node_id}.log"
         self.node_id = node_id
+        self.hung = ""  # the plugin's log with its threads' stacks, if a stop hung
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "ckptfs", "csi", "--endpoint", f"unix://{self.sock}",
@@ -88,8 +90,13 @@ class Plugin:
             try:
                 self.proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
+                # every thread's stack into the log (faulthandler on SIGUSR1), then the test
+                # fails with it: a stop that hangs is a bug to see, not to kill quietly
+                self.proc.send_signal(signal.SIGUSR1)
+                time.sleep(1)  # faulthandler writes at once; no event to wait on
                 self.proc.kill()
                 self.proc.wait()
+                self.hung = self.log()
         shutil.rmtree(self.sock_dir, ignore_errors=True)
         return self.proc.returncode
 
@@ -279,7 +286,7 @@ def test_publish_write_unpublish_then_another_node_loads_it(plugins, moto_server
     assert not is_mounted(target2) and not target2.exists()
 
     for p in (n1, n2):
-        assert p.stop() == 0
+        assert p.stop() == 0, p.hung
         log = p.log()
         assert secret not in log and "AKIACSITESTKEY" not in log
         assert f"published volume {vol!r} at" in log and f"unpublished volume {vol!r}" in log
@@ -338,7 +345,7 @@ def test_invalid_requests_get_their_status_codes(plugins, tmp_path):
     p.unpublish("v", target)  # an empty, unmounted target: OK, and removed as the spec asks
     assert not target.exists()
     assert "hunter2" not in p.log()
-    assert p.stop() == 0
+    assert p.stop() == 0, p.hung
 
 
 def test_publish_of_a_file_store_mounts_only_when_allowed(plugins, tmp_path):
@@ -353,7 +360,7 @@ def test_publish_of_a_file_store_mounts_only_when_allowed(plugins, tmp_path):
     p.unpublish("vol", target)
     assert not is_mounted(target) and not target.exists()
     assert list((tmp_path / "store").iterdir())  # the set went to the store
-    assert p.stop() == 0
+    assert p.stop() == 0, p.hung
 
 
 def test_readonly_publish_is_a_read_only_mount(plugins, tmp_path):

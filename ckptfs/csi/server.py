@@ -9,14 +9,13 @@ State: the server and its worker threads, started and stopped by `serve` alone.
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import signal
 import stat
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from types import FrameType
 
 import grpc
 
@@ -31,6 +30,7 @@ log = logging.getLogger(__name__)
 # readiness, the drain); kubelet's calls per node are few, and Probe must still get through.
 WORKERS = 16
 STOP_GRACE_S = 5.0  # calls in flight at SIGTERM get this long; their mounts carry on anyway
+STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
 
 
 class ServeError(Exception):
@@ -56,6 +56,13 @@ def serve(settings: Settings, sock: Path) -> int:
     except MountError as e:
         log.warning("%s: every publish will fail until it is fixed (Probe says so)", e.msg)
     prepare_socket(sock)
+    # SIGTERM and SIGINT are taken by sigwait below, blocked first so that every thread started
+    # after this (gRPC's and the workers') inherits the mask and none of them gets the signal:
+    # no Python handler runs at an arbitrary point of the main thread (a handler setting an
+    # Event there can deadlock on the Event's own lock). SIGUSR1 writes every thread's stack to
+    # stderr (the plugin's log), for a stop that hangs.
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     server = grpc.server(ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="csi"))
     csi_pb2_grpc.add_IdentityServicer_to_server(Identity(), server)
     csi_pb2_grpc.add_NodeServicer_to_server(Node(settings), server)
@@ -64,18 +71,11 @@ def serve(settings: Settings, sock: Path) -> int:
     except RuntimeError as e:
         raise ServeError(f"cannot listen on {sock}: {e}") from None
     os.chmod(sock, 0o660)  # kubelet and the registrar run as root
-    stop = threading.Event()
-
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        stop.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
     server.start()
     log.info("%s serving on %s (node %s, cache root %s, drain timeout %gs)", DRIVER_NAME,
              str(sock), settings.node_id, str(settings.cache_root), settings.drain_timeout)
-    stop.wait()
-    log.info("stopping; mounts stay as they are")
-    server.stop(STOP_GRACE_S).wait()
+    sig = signal.sigwait(STOP_SIGNALS)
+    log.info("%s: stopping; mounts stay as they are", signal.Signals(sig).name)
+    server.stop(STOP_GRACE_S).wait(STOP_GRACE_S + 5)
     sock.unlink(missing_ok=True)
     return 0
