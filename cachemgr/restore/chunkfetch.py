@@ -49,6 +49,7 @@ import trio
 
 from cachemgr.core.errors import FsError
 from cachemgr.format.objects import StoredObject, chunk_count, chunk_span, verify_chunk
+from cachemgr.restore.peers import PeerClient
 from cachemgr.store import IntegrityError, ObjectStore, StoreError
 from cachemgr.transfer.download import fetch_chunk, fetch_chunks
 
@@ -73,8 +74,10 @@ MakeRoom = Callable[[int, set[int]], bool]
 class ChunkStats:
     """`ChunkFetcher.statistics()`: chunk fetches (`dataclasses.asdict` for JSON)."""
 
-    bytes_fetched: int
+    bytes_fetched: int            # from the store
     chunks_fetched: int
+    peer_bytes: int               # from peers (cachemgr.restore.peers), verified alike
+    peer_chunks: int
     gets: int
     in_flight_chunks: int
     integrity_errors: int
@@ -88,9 +91,10 @@ class ChunkFetcher:
 
     def __init__(self, *, table: InodeTable, files: FileCache, residency: Residency,
                  cache_dir: Path, index: Index, store: ObjectStore, cache_size: int | None,
-                 make_room: MakeRoom) -> None:
+                 make_room: MakeRoom, peers: PeerClient | None = None) -> None:
         """`make_room`: the --cache-size policy (evicts, then calls `drop_partials`). Dropped
-        chunks free room through `FileCache.chunks_out`, which tells writers waiting for it."""
+        chunks free room through `FileCache.chunks_out`, which tells writers waiting for it.
+        `peers` (--peers): asked for a chunk before the store."""
         self.table = table
         self.files = files
         self.residency = residency
@@ -99,6 +103,8 @@ class ChunkFetcher:
         self.store = store
         self.cache_size = cache_size
         self._make_room = make_room
+        self.peers = peers
+        self._by_key: dict[str, int] = {}  # object key -> ino (serve_chunk), checked on use
         self._bitmaps: dict[int, bytearray] = {}
         self._inflight: dict[tuple[int, int], trio.Event] = {}
         self._objs: dict[int, tuple[int, StoredObject | None]] = {}  # ino -> (version, obj)
@@ -113,6 +119,8 @@ class ChunkFetcher:
         self.bytes_fetched = 0
         self.chunks_fetched = 0
         self.gets = 0                 # GET requests that returned data
+        self.peer_bytes = 0
+        self.peer_chunks = 0
         self.integrity_errors = 0
         self.damaged_chunks = 0
 
@@ -314,6 +322,9 @@ class ChunkFetcher:
         """Chunk `i` of `obj`, verified; FsError(EIO) when the store fails (the store wrapper,
         RetryingStore, has already retried transient errors) or the chunk's bytes fail their
         check FETCH_ATTEMPTS times (only that is retried here: a re-read may be clean)."""
+        raw = await self._from_peers(obj, i)
+        if raw is not None:
+            return raw
         last: Exception | None = None
         for _attempt in range(FETCH_ATTEMPTS):
             try:
@@ -340,6 +351,13 @@ class ChunkFetcher:
                          last: int) -> list[bytes | memoryview]:
         if first == last:
             return [await self.fetch(obj, first, None)]
+        if self.peers is not None and obj.chunk_crcs is not None:
+            got = [await self._from_peers(obj, i) for i in range(first, last + 1)]
+            if any(r is not None for r in got):
+                # what no peer had comes from the store, chunk by chunk (fetch asks the peers
+                # again: a miss is remembered, so that costs no request)
+                return [r if r is not None else await self.fetch(obj, first + k, None)
+                        for k, r in enumerate(got)]
         last_err: Exception | None = None
         for _attempt in range(FETCH_ATTEMPTS):
             try:
@@ -359,6 +377,74 @@ class ChunkFetcher:
         # Fall back to single chunks: one bad chunk must not fail its neighbours.
         log.info("fetching %s chunks %d..%d one by one after: %s", obj.key, first, last, last_err)
         return [await self.fetch(obj, i, None) for i in range(first, last + 1)]
+
+    async def _from_peers(self, obj: StoredObject, i: int) -> bytes | None:
+        """Chunk `i` of `obj` from a peer, verified against its CRC32C there (PeerClient), or
+        None: no peers, nothing to verify against, or no peer had it."""
+        if self.peers is None or obj.chunk_crcs is None:
+            return None
+        raw = await self.peers.fetch(obj, i)
+        if raw is not None:
+            self.peer_chunks += 1
+            self.peer_bytes += len(raw)
+        return raw
+
+    # -- serving peers (cachemgr.restore.peerserve) ----------------------------------------------
+
+    def _ino_serving(self, key: str, crc: int) -> tuple[int, StoredObject] | None:
+        """The file whose current content is the object `key` (with whole-content CRC `crc`)
+        and that nobody writes, with its object; None if there is none."""
+        hit = self._by_key.get(key)
+        for ino in ([hit] if hit is not None else []) + self.index.inos_of_object(key):
+            try:
+                node = self.table.get(ino)
+            except FsError:
+                continue
+            # from the index, not `_objs`: a file written here gets its object when its upload
+            # finishes, which nothing here is told of
+            row = self.index.inode_fields(ino, "obj", "obj_version")
+            if row is None or row[0] is None or row[1] != node.version:
+                continue
+            obj = StoredObject.from_json(row[0])
+            if obj.key != key or obj.crc32c != crc or obj.chunk_crcs is None:
+                continue
+            if node.writers or node.nlink == 0:
+                return None
+            if len(self._by_key) >= 4096:
+                self._by_key.clear()  # bounded; refilled by the next requests
+            self._by_key[key] = ino
+            return ino, obj
+        self._by_key.pop(key, None)
+        return None
+
+    async def serve_chunk(self, key: str, crc: int, i: int) -> bytes | None:
+        """Raw chunk `i` of object `key` for a peer, when this cache holds it verified: a
+        cached file (whole) whose current content is that object, or a chunk an incomplete
+        restore has in; read in a worker thread and checked against its CRC32C before it is
+        handed out (a damaged cache file is never served). None: not held here (404). Never
+        fetches from the store."""
+        found = self._ino_serving(key, crc)
+        if found is None:
+            return None
+        ino, obj = found
+        n = chunk_count(obj)
+        if not 0 <= i < n:
+            return None
+        node = self.table.get(ino)
+        if not node.cached and not self._has(self._bitmap(ino, n), i):
+            return None
+        off, length = chunk_span(obj, i)
+
+        def read_checked() -> bytes | None:
+            with open(self.files.path(ino), "rb") as f:
+                data = os.pread(f.fileno(), length, off)
+            return data if verify_chunk(obj, i, data) else None
+
+        try:
+            return await trio.to_thread.run_sync(read_checked)
+        except OSError as e:
+            log.warning("peer request for %s chunk %d: cache file of inode %d: %s", key, i, ino, e)
+            return None
 
     async def _store_chunks(self, ino: int, obj: StoredObject,
                             chunks: list[tuple[int, bytes | memoryview]], n: int) -> None:
@@ -461,6 +547,7 @@ class ChunkFetcher:
 
     def statistics(self) -> ChunkStats:
         return ChunkStats(bytes_fetched=self.bytes_fetched, chunks_fetched=self.chunks_fetched,
+                          peer_bytes=self.peer_bytes, peer_chunks=self.peer_chunks,
                           gets=self.gets, in_flight_chunks=len(self._inflight),
                           integrity_errors=self.integrity_errors,
                           damaged_cache_chunks=self.damaged_chunks, partial_files=len(self.partial),
