@@ -7,9 +7,10 @@ cachemgr.restore. Tiering composes it (cachemgr.tiering.services) and advertises
 this node's member record.
 
 Bounds: at most `max_connections` connections at once (the next is answered 503 and closed);
-the request line and headers at most MAX_HEAD bytes (h11's max_incomplete_event_size: beyond
-it, 431 and closed); each request `request_timeout` from its first byte to its last response
-byte, and a keep-alive connection idle at most IDLE_S. A chunk is read whole (4 MiB) in a
+the request line and headers at most MAX_HEAD bytes buffered (h11's max_incomplete_event_size:
+beyond it, 431 and closed), a target at most MAX_TARGET (414); each request at most
+`request_timeout` from its first byte to its last response byte, and a keep-alive connection
+idle at most IDLE_S. A chunk is read whole (4 MiB) in a
 worker thread and checked before any byte is sent, so memory is at most max_connections x one
 chunk, and the loop never reads the disk. It never asks the store: a chunk it does not hold
 verified is a 404.
@@ -31,7 +32,13 @@ from dataclasses import dataclass
 import h11
 import trio
 
-from cachemgr.restore.peerproto import PeerConfig, ReplayCache, check_auth, parse_chunk_target
+from cachemgr.restore.peerproto import (
+    MAX_TARGET,
+    PeerConfig,
+    ReplayCache,
+    check_auth,
+    parse_chunk_target,
+)
 
 log = logging.getLogger(__name__)
 
@@ -148,6 +155,10 @@ class PeerServer:
                        req: h11.Request) -> None:
         if await self._read(stream, conn, h11.EndOfMessage) is None:
             raise _Close
+        if len(req.target) > MAX_TARGET:
+            self.bad_requests += 1
+            await self._respond(stream, conn, 414, b"target too long")
+            return
         target = req.target.decode("ascii", "replace")
         headers = {k.lower(): v for k, v in req.headers}
         why = check_auth(self.cfg.secret, self._replay, req.method.decode("ascii", "replace"),
