@@ -23,7 +23,7 @@ import h11
 import pytest
 
 torch = pytest.importorskip("torch")
-from conftest import wait_for
+from conftest import run_cli, wait_for
 
 import ckptfs
 
@@ -114,6 +114,8 @@ def test_restore_from_peers_then_store_when_peers_gone(cluster, prefetch):
     assert peer_bytes + store_bytes >= len(data)
     served = sum(peers_status(n)["server"]["served_bytes"] for n in (a, b))
     assert served >= peer_bytes
+    shown = run_cli("status", str(c.path)).stdout
+    assert "from peers" in shown and "serving at 127.0.0.1:" in shown, shown
     st = peers_status(c)
     assert st["server"]["endpoint"].startswith("127.0.0.1:")
     assert st["client"]["cut_off"] == []
@@ -260,6 +262,9 @@ def test_a_misbehaving_peer_is_cut_off_and_named(cluster, behaviour, said):
         assert [x["node"] for x in st["client"]["cut_off"]] == ["evil"]
         assert st["restored_from_peers"]["bytes"] == 0
         assert fake.requests == 1  # cut off: not asked again
+        shown = run_cli("status", str(c.path))
+        assert shown.returncode == 0 and f"cut off: evil at 127.0.0.1:{fake.port}" in \
+            shown.stdout.replace("\n", " "), shown.stdout
         # nothing outside the cache dir; inside it only what a restore writes anyway
         assert all(str(p).startswith(str(c.cache_dir)) for p in cache_files(c) - before)
     finally:
