@@ -17,7 +17,6 @@ import os
 import socket
 import threading
 import time
-from pathlib import Path
 
 import h11
 import pytest
@@ -93,8 +92,17 @@ def from_peers(m) -> tuple[int, int]:
     return s["restored_from_peers"]["bytes"], s["restored_from_store"]["bytes"]
 
 
-def cache_files(m) -> set[Path]:
-    return {p for p in m.cache_dir.rglob("*") if p.is_file()}
+def outside(m) -> dict[str, tuple[int, int]]:
+    """(size, mtime) of every file of the test's directory outside `m`'s cache dir, mount
+    points and log files."""
+    root = m.cache_dir.parent
+    out = {}
+    for p in root.rglob("*"):
+        if p.is_file() and "-cache" not in p.relative_to(root).parts[0] and \
+                not p.name.endswith(".log") and "-mnt" not in p.relative_to(root).parts[0]:
+            st = p.stat()
+            out[str(p)] = (st.st_size, st.st_mtime_ns)
+    return out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -249,7 +257,7 @@ def test_a_misbehaving_peer_is_cut_off_and_named(cluster, behaviour, said):
     try:
         fake.register(cluster, "evil")
         c = cluster("c", "--prefetch", "none")
-        before = cache_files(c)
+        before = outside(c)
         t0 = time.monotonic()
         assert read_on(c) == data
         took = time.monotonic() - t0
@@ -265,8 +273,12 @@ def test_a_misbehaving_peer_is_cut_off_and_named(cluster, behaviour, said):
         shown = run_cli("status", str(c.path))
         assert shown.returncode == 0 and f"cut off: evil at 127.0.0.1:{fake.port}" in \
             shown.stdout.replace("\n", " "), shown.stdout
-        # nothing outside the cache dir; inside it only what a restore writes anyway
-        assert all(str(p).startswith(str(c.cache_dir)) for p in cache_files(c) - before)
+        # nothing written outside the cache dir (but the log); no byte of the peer's in it
+        assert outside(c) == before
+        held = [p.read_bytes() for p in (c.cache_dir / "data").rglob("*") if p.is_file()]
+        assert data in held
+        bad = bytes(b ^ 0xFF for b in data[:4096])
+        assert not any(bad in h for h in held)
     finally:
         fake.close()
 
@@ -317,6 +329,8 @@ def test_server_refuses_bad_auth_and_keeps_serving(cluster):
     assert _raw_get(port, bad, sign(SECRET, "GET", bad)) == 400
     other = chunk_target(obj["key"], obj["crc32c"] ^ 1, 0)
     assert _raw_get(port, other, sign(SECRET, "GET", other)) == 404
+    last = chunk_target(obj["key"], obj["crc32c"], 5)  # a wrong CRC asked poisons nothing
+    assert _raw_get(port, last, sign(SECRET, "GET", last)) == 200
     st = peers_status(a)["server"]
-    assert st["refused_auth"] == 4 and st["served_chunks"] == 1
+    assert st["refused_auth"] == 4 and st["served_chunks"] == 2
     assert (a.path / "run/step_1/model.pt").read_bytes() == data

@@ -25,6 +25,14 @@ State, its owner and its guards (all on the daemon's trio thread, no lock needed
     All are dropped with the file's cache state (`forget`): evicted, rewritten, fetched whole,
     deleted.
 
+Peers (--peers): `fetch` and `_fetch_run` ask `peers` (cachemgr.restore.peers.PeerClient, which
+verifies every chunk against its CRC32C) before the store; what they return goes through the same
+`_store_chunks` fill as store bytes. `serve_chunk` is the peer server's source
+(cachemgr.restore.peerserve): it reads a chunk of a file held verified (cached whole with its
+current content's object, or its bit in `present`), checks it, and hands it out; `_by_key` (object
+key -> ino, re-checked on each use) and `_not_here` (keys no file has, for NOT_HERE_S) spare it a
+scan of the inode table per request; both bounded, trio thread only.
+
 Cache files are written only through `cachemgr.core.filecache.FileCache` (`fill`: in a worker
 thread, under the file's lock, after `still_valid()` said the file's content is still the one
 the chunks belong to), and read there for checks (`read`). The one other touch is dropping the
@@ -41,9 +49,10 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import trio
 
@@ -64,6 +73,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 FETCH_ATTEMPTS = 3
+# A peer's request for an object this node does not hold is answered 404 without a look-up for
+# this long: each look-up scans the inode table (Index.inos_of_object); a file restored here
+# meanwhile is served once it passes.
+NOT_HERE_S = 10.0
 
 # make_room(need, protect): evict until `need` more bytes fit under --cache-size, never a file
 # of `protect`; True if they fit (Tiering.make_room).
@@ -105,6 +118,7 @@ class ChunkFetcher:
         self._make_room = make_room
         self.peers = peers
         self._by_key: dict[str, int] = {}  # object key -> ino (serve_chunk), checked on use
+        self._not_here: dict[str, float] = {}  # object key -> until when it is a 404 unasked
         self._bitmaps: dict[int, bytearray] = {}
         self._inflight: dict[tuple[int, int], trio.Event] = {}
         self._objs: dict[int, tuple[int, StoredObject | None]] = {}  # ino -> (version, obj)
@@ -393,29 +407,49 @@ class ChunkFetcher:
 
     def _ino_serving(self, key: str, crc: int) -> tuple[int, StoredObject] | None:
         """The file whose current content is the object `key` (with whole-content CRC `crc`)
-        and that nobody writes, with its object; None if there is none."""
+        and that nobody writes, with its object; None if there is none. The last answer per
+        key is kept (`_by_key`, checked on use); a key no file has is not looked up again for
+        NOT_HERE_S (`_not_here`): a look-up scans the inode table."""
         hit = self._by_key.get(key)
-        for ino in ([hit] if hit is not None else []) + self.index.inos_of_object(key):
-            try:
-                node = self.table.get(ino)
-            except FsError:
-                continue
-            # from the index, not `_objs`: a file written here gets its object when its upload
-            # finishes, which nothing here is told of
-            row = self.index.inode_fields(ino, "obj", "obj_version")
-            if row is None or row[0] is None or row[1] != node.version:
-                continue
-            obj = StoredObject.from_json(row[0])
-            if obj.key != key or obj.crc32c != crc or obj.chunk_crcs is None:
-                continue
-            if node.writers or node.nlink == 0:
-                return None
-            if len(self._by_key) >= 4096:
-                self._by_key.clear()  # bounded; refilled by the next requests
-            self._by_key[key] = ino
-            return ino, obj
-        self._by_key.pop(key, None)
+        if hit is not None:
+            found = self._serving_ino(hit, key, crc)
+            if found is not False:
+                return found
+            del self._by_key[key]
+        if self._not_here.get(key, 0.0) > time.monotonic():
+            return None
+        for ino in self.index.inos_of_object(key):
+            found = self._serving_ino(ino, key, crc)
+            if found is not False:
+                if len(self._by_key) >= 4096:
+                    self._by_key.clear()  # bounded; refilled by the next requests
+                self._by_key[key] = ino
+                return found
+        if len(self._not_here) >= 4096:
+            self._not_here.clear()  # bounded; the next requests scan again
+        self._not_here[key] = time.monotonic() + NOT_HERE_S
         return None
+
+    def _serving_ino(self, ino: int, key: str,
+                     crc: int) -> tuple[int, StoredObject] | Literal[False] | None:
+        """(ino, obj) if `ino`'s current content is object `key` with CRC `crc` and nobody
+        writes it; None if it is that object but not servable now (a wrong CRC asked, being
+        written); False if it is not that object's file."""
+        try:
+            node = self.table.get(ino)
+        except FsError:
+            return False
+        # from the index, not `_objs`: a file written here gets its object when its upload
+        # finishes, which nothing here is told of
+        row = self.index.inode_fields(ino, "obj", "obj_version")
+        if row is None or row[0] is None or row[1] != node.version:
+            return False
+        obj = StoredObject.from_json(row[0])
+        if obj.key != key:
+            return False
+        if obj.crc32c != crc or obj.chunk_crcs is None or node.writers or node.nlink == 0:
+            return None
+        return ino, obj
 
     async def serve_chunk(self, key: str, crc: int, i: int) -> bytes | None:
         """Raw chunk `i` of object `key` for a peer, when this cache holds it verified: a
