@@ -151,9 +151,17 @@ def test_a_node_without_peers_is_unchanged(cluster):
     assert records
     for k in records:
         assert "peer" not in json.loads(_store_get(cluster, k))
+    # a member record whose peer field is bad is ignored, with one log line
+    doc = {"format": "ckptfs-member", "version": 1, "node": "badpeer", "lease_s": 600.0,
+           "renewed_ns": time.time_ns(), "pid": 1, "generation": 1,
+           "peer": {"host": "a host", "port": 0}}
+    _s3(cluster).put_object(Bucket=cluster.bucket, Key="p/members/@badpeer.json",
+                            Body=json.dumps(doc).encode())
     b = cluster("b")
     assert read_on(b) == data
     assert from_peers(b)[0] == 0  # A serves nothing
+    said = [ln for ln in b.log_text().splitlines() if "member record of node badpeer" in ln]
+    assert len(said) == 1 and "host" in said[0], said
 
 
 # ----------------------------------------------------------------------------------------------
