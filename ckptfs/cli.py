@@ -127,6 +127,26 @@ def _add_mount(sub: argparse._SubParsersAction) -> None:
     _add_mount_access(m)
     _add_mount_tuning(m)
     _add_mount_store(m)
+    _add_mount_peers(m)
+
+
+def _add_mount_peers(m: argparse.ArgumentParser) -> None:
+    p = m.add_argument_group("peers (restore from other nodes' caches; docs/ARCHITECTURE.md "
+                             "\"Peers\")")
+    p.add_argument("--peers", action="store_true",
+                   help="ask other live nodes of the store (its member records) for chunks "
+                   "before the store, and serve this cache's verified chunks to them over "
+                   "HTTP with HMAC authentication (no TLS); every chunk is checked against "
+                   "its CRC32C, the store stays the fallback (default off)")
+    p.add_argument("--peer-listen", metavar="[ADDR:]PORT", default=None,
+                   help="where the peer server listens (default 0.0.0.0 and a port of the "
+                   "kernel's choice, advertised in this node's member record)")
+    p.add_argument("--peer-address", metavar="HOST", default=None,
+                   help="the address other nodes reach this one at (default: this host's "
+                   "primary IPv4 address)")
+    p.add_argument("--peer-secret-file", type=Path, default=None,
+                   help="file holding the secret every node shares (required with --peers; "
+                   "mode 0600 or stricter; never written to the store or the log)")
 
 
 def _id(s: str) -> int:
@@ -327,6 +347,8 @@ def cmd_mount(a: argparse.Namespace) -> int:
             allow_empty_namespace=a.allow_empty_namespace,
             store_ignores_conditions=a.store_ignores_conditions,
             metrics=a.metrics,
+            peers=a.peers, peer_listen=a.peer_listen, peer_address=a.peer_address,
+            peer_secret_file=a.peer_secret_file.absolute() if a.peer_secret_file else None,
             mountpoint=a.mountpoint.absolute(),
             cache_dir=(a.cache_dir or default_cache_dir()).absolute(),
             foreground=a.foreground,

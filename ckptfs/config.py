@@ -12,6 +12,8 @@ from __future__ import annotations
 import ipaddress
 import math
 import os
+import socket
+import stat
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -135,6 +137,67 @@ def parse_listen(text: str) -> tuple[str, int]:
     return host, int(t)
 
 
+def parse_peer_listen(text: str) -> tuple[str, int]:
+    """--peer-listen: 'PORT' -> ('0.0.0.0', PORT) (every interface: other nodes connect);
+    'ADDR:PORT' with an IPv4 address; port 0: one of the kernel's choice."""
+    host, _, port = text.strip().rpartition(":")
+    host = host or "0.0.0.0"  # the peer port is for other nodes: every interface
+    try:
+        ipaddress.IPv4Address(host)
+    except ValueError:
+        raise ConfigError(f"--peer-listen {text!r}: the address must be an IPv4 address") \
+            from None
+    if not (port.isascii() and port.isdigit()) or not 0 <= int(port) <= 65535:
+        raise ConfigError(f"--peer-listen {text!r}: the port must be a number from 0 to 65535")
+    return host, int(port)
+
+
+def primary_address() -> str:
+    """The address other nodes reach this one at, when --peer-address is not given: the
+    source address of a route to a public address (no packet is sent), else the host name's."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        s.connect(("192.0.2.1", 9))  # TEST-NET-1: only the routing table is asked
+        addr: str = s.getsockname()[0]
+        return addr
+    except OSError:
+        try:
+            return socket.gethostbyname(socket.gethostname())
+        except OSError:
+            return "127.0.0.1"
+    finally:
+        s.close()
+
+
+MAX_SECRET_BYTES = 4096
+
+
+def load_peer_secret(path: Path) -> bytes:
+    """The shared secret of --peer-secret-file (surrounding whitespace stripped). ConfigError
+    (exit 2, one line, never the secret) for a file that cannot be read, is readable by its
+    group or others, is not a regular file, or is empty."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NOCTTY)
+    except OSError as e:
+        raise ConfigError(f"--peer-secret-file {path}: {e.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ConfigError(f"--peer-secret-file {path}: not a regular file")
+        if st.st_mode & 0o077:
+            raise ConfigError(f"--peer-secret-file {path}: readable by group or others (mode "
+                              f"{stat.S_IMODE(st.st_mode):04o}); chmod 600 it")
+        data = os.read(fd, MAX_SECRET_BYTES + 1)
+    finally:
+        os.close(fd)
+    secret = data.strip()
+    if not secret:
+        raise ConfigError(f"--peer-secret-file {path}: empty")
+    if len(data) > MAX_SECRET_BYTES:
+        raise ConfigError(f"--peer-secret-file {path}: over {MAX_SECRET_BYTES} bytes")
+    return secret
+
+
 def _check_ip(host: str, text: str, version: int) -> None:
     try:
         ok = ipaddress.ip_address(host).version == version
@@ -234,6 +297,13 @@ class MountConfig:
     store_ignores_conditions: bool = False
     # --metrics [ADDR:]PORT: serve Prometheus metrics there (ckptfs.metrics); None: off.
     metrics: str | None = None
+    # --peers: restore chunks from other nodes' caches and serve ours (docs/ARCHITECTURE.md
+    # "Peers"); --peer-listen [ADDR:]PORT (None: 0.0.0.0, a port of the kernel's choice),
+    # --peer-address (None: this host's primary address), --peer-secret-file (required).
+    peers: bool = False
+    peer_listen: str | None = None
+    peer_address: str | None = None
+    peer_secret_file: Path | None = None
 
     def __post_init__(self) -> None:
         if self.store is not None and not (self.store.startswith("s3://")
@@ -285,6 +355,31 @@ class MountConfig:
             raise ConfigError("--read-ahead-kb must be between 0 and 65536")
         if self.metrics is not None:
             parse_listen(self.metrics)
+        self._check_peers()
+
+    def _check_peers(self) -> None:
+        if not self.peers:
+            if self.peer_listen or self.peer_address or self.peer_secret_file:
+                raise ConfigError("--peer-listen, --peer-address and --peer-secret-file need "
+                                  "--peers")
+            return
+        if self.peer_secret_file is None:
+            raise ConfigError("--peers needs --peer-secret-file (the secret every node shares)")
+        load_peer_secret(self.peer_secret_file)
+        if self.peer_listen is not None:
+            parse_peer_listen(self.peer_listen)
+        if self.peer_address is not None and not (
+                1 <= len(self.peer_address) <= 253 and self.peer_address.isascii() and
+                all(c.isalnum() or c in ".-:" for c in self.peer_address)):
+            raise ConfigError(f"--peer-address {self.peer_address!r} is not a host name or "
+                              "address")
+
+    @property
+    def peer_endpoint(self) -> tuple[str, int, str]:
+        """(listen address, port (0: any), advertised address) of --peers."""
+        host, port = ("0.0.0.0", 0) if self.peer_listen is None else \
+            parse_peer_listen(self.peer_listen)
+        return host, port, self.peer_address or primary_address()
 
     @property
     def access(self) -> str | None:

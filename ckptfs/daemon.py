@@ -51,9 +51,15 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .config import MountConfig, default_store_note, default_store_url
+from .config import (
+    ConfigError,
+    MountConfig,
+    default_store_note,
+    default_store_url,
+    load_peer_secret,
+)
 from .control import READ, WRITE, Peer, check_access
 from .fmt import human
 from .mount import (
@@ -62,6 +68,7 @@ from .mount import (
     EXIT_NOT_READY,
     EXIT_OK,
     EXIT_STORE,
+    EXIT_USAGE,
     FIRST_LISTING_TIMEOUT_S,
     CacheLock,
     MountError,
@@ -77,7 +84,23 @@ from .mount import (
 from .sdnotify import Notifier
 from .stallwatch import StallWatch
 
+if TYPE_CHECKING:
+    from cachemgr.host.foreground import Foreground
+    from cachemgr.restore.peerproto import PeerConfig
+    from cachemgr.tiering.services import Tiering
+
 log = logging.getLogger(__name__)
+
+
+def peer_config(cfg: MountConfig) -> PeerConfig | None:
+    """--peers as the restore layer takes it (the secret read from its file again); None: off."""
+    if not cfg.peers or cfg.peer_secret_file is None:
+        return None
+    from cachemgr.restore.peerproto import PeerConfig
+
+    host, port, advertise = cfg.peer_endpoint
+    return PeerConfig(secret=load_peer_secret(cfg.peer_secret_file), listen_host=host,
+                      listen_port=port, advertise=advertise)
 
 # STATUS= for `systemctl status`: recomputed this often (one `Tiering.statistics()`, what a
 # metrics scrape costs: about a millisecond of the loop) and sent when its text changed.
@@ -350,24 +373,23 @@ class _Daemon:
     def build_services(self) -> None:  # step 5
         from cachemgr.core.fs import CacheFs, Filesystem
         from cachemgr.host.foreground import Foreground
-        from cachemgr.tiering.services import Tiering, TieringConfig
-        from cachemgr.transfer.upload import TransferConfig
 
         from . import fuse
 
-        cfg, cache, store = self.cfg, self.cache, self.store
+        cfg, cache = self.cfg, self.cache
         # Uploads hold back while the trainer writes or reads: the FUSE handlers note what they
         # serve; passthrough I/O never reaches the daemon: writes are found by fstat, reads by
         # the reader's /proc/PID/io (Backings.busy_since_probe).
         foreground = Foreground(cache.backings.busy_since_probe)
-        tiering = Tiering(cache, store, TieringConfig(
-            transfer=TransferConfig(part_size=cfg.part_size, compress=cfg.compress,
-                                    max_parts_in_flight=cfg.parts_in_flight),
-            file_concurrency=cfg.upload_files, cache_size=cfg.cache_size,
-            keep_local=cfg.keep_local, prefetch=cfg.prefetch,
-            prefetch_concurrency=cfg.prefetch_concurrency, prefetch_range=cfg.prefetch_range,
-            refresh_interval=cfg.refresh_interval, commit_timeout=cfg.commit_timeout,
-            lease=cfg.lease, read_only=cfg.read_only), foreground=foreground, kernel=fuse.KERNEL)
+        try:
+            peers = peer_config(cfg)
+        except ConfigError as e:  # the secret file changed since the CLI checked it
+            raise _StartFailed(EXIT_USAGE, str(e)) from e
+        try:
+            tiering = self._tiering(foreground, peers)
+        except OSError as e:  # --peer-listen: the port is taken
+            raise _StartFailed(EXIT_NOT_READY, f"--peers: cannot listen at "
+                               f"{cfg.peer_listen or '0.0.0.0:0'}: {e.strerror or e}") from e
         core = CacheFs(cache, hooks=tiering.commits, reads=tiering.restorer, room=tiering.space,
                        direct_io_writes=cfg.direct_io_writes and not cfg.writeback_cache)
         ops = fuse.FuseOps(Filesystem(core, foreground, io_threads=cfg.io_threads),
@@ -376,6 +398,23 @@ class _Daemon:
                            read_only=cfg.read_only, uid=cfg.uid, gid=cfg.gid)
         self.core = core
         self.tiering, self.ops = tiering, ops
+
+    def _tiering(self, foreground: Foreground, peers: PeerConfig | None) -> Tiering:
+        from cachemgr.tiering.services import Tiering, TieringConfig
+        from cachemgr.transfer.upload import TransferConfig
+
+        from . import fuse
+
+        cfg = self.cfg
+        return Tiering(self.cache, self.store, TieringConfig(
+            transfer=TransferConfig(part_size=cfg.part_size, compress=cfg.compress,
+                                    max_parts_in_flight=cfg.parts_in_flight),
+            file_concurrency=cfg.upload_files, cache_size=cfg.cache_size,
+            keep_local=cfg.keep_local, prefetch=cfg.prefetch,
+            prefetch_concurrency=cfg.prefetch_concurrency, prefetch_range=cfg.prefetch_range,
+            refresh_interval=cfg.refresh_interval, commit_timeout=cfg.commit_timeout,
+            lease=cfg.lease, read_only=cfg.read_only, peers=peers),
+            foreground=foreground, kernel=fuse.KERNEL)
 
     def mount(self) -> None:  # step 6
         from . import fuse

@@ -268,6 +268,8 @@ def _tiering_families(t: dict, now_ns: int) -> Iterator[Metric]:
     yield _counter("ckptfs_restore_damaged_cache_chunks_total", "Cached chunks found damaged "
                    "and fetched again", r["damaged_cache_chunks"])
 
+    yield from _peer_families(t.get("peers"))
+
     st = t["store"]
     m = _counter("ckptfs_store_requests_total", "Object store calls, by operation (each call "
                  "once, however many times it was retried)", labels=("op",))
@@ -304,6 +306,29 @@ def _tiering_families(t: dict, now_ns: int) -> Iterator[Metric]:
     if t["cache_size"] is not None:
         yield GaugeMetricFamily("ckptfs_cache_size_limit_bytes", "--cache-size",
                                 value=t["cache_size"])
+
+
+PEER_ERROR_KINDS = ("auth", "corrupt", "size", "stall", "unreachable", "protocol", "status")
+
+
+def _peer_families(p: dict | None) -> Iterator[Metric]:
+    """--peers (cachemgr.restore.peers, peerserve): always present, 0 on a mount without it, so
+    a dashboard over many nodes sums them alike."""
+    client = (p or {}).get("client") or {}
+    server = (p or {}).get("server") or {}
+    yield _counter("ckptfs_restore_peer_bytes_total", "Bytes restored from peers (each chunk "
+                   "checked against its CRC32C) instead of the store",
+                   (p or {}).get("restored_from_peers", {}).get("bytes", 0))
+    yield _counter("ckptfs_peer_served_bytes_total", "Bytes of verified chunks this node "
+                   "served to peers", server.get("served_bytes", 0))
+    m = _counter("ckptfs_peer_errors_total", "Peers cut off by this node's restores, by what "
+                 "they did (auth: 401; corrupt: CRC32C mismatch; size: wrong length; stall: too "
+                 "slow; unreachable; protocol: not HTTP/1.1; status: another answer)",
+                 labels=("kind",))
+    errors = client.get("errors", {})
+    for kind in PEER_ERROR_KINDS:
+        m.add_metric([kind], errors.get(kind, 0))
+    yield m
 
 
 def _stuck_families(sets: dict, now_ns: int) -> Iterator[Metric]:

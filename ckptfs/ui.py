@@ -297,7 +297,24 @@ def _summary(st: dict, now: float) -> Table:
             f"{up['running']} running, {up['queued']} queued, "
             f"{human(up['rate_bytes_per_s'])}/s; {up['done']} done, {up['cancelled']} "
             f"cancelled"))
+        if t.get("peers"):
+            g.add_row("peers", _peers_line(t["peers"]))
     return g
+
+
+def _peers_line(p: dict) -> Text:
+    """--peers: what this node serves, where its restored bytes came from, who is cut off."""
+    srv, cl = p.get("server"), p.get("client") or {}
+    fp, fs = p["restored_from_peers"], p["restored_from_store"]
+    line = Text(f"serving at {safe(srv['endpoint'])} ({human(srv['served_bytes'])} in "
+                f"{srv['served_chunks']} chunks served, {srv['refused_auth']} refused); "
+                if srv else "")
+    line.append(f"restored {human(fp['bytes'])} ({fp['chunks']} chunks) from peers, "
+                f"{human(fs['bytes'])} ({fs['chunks']} chunks) from the store")
+    for c in cl.get("cut_off", []):
+        line.append(f"; cut off: {safe(c['node'])} at {safe(c['address'])}: {safe(c['why'])}",
+                    style="yellow")
+    return line
 
 
 def _table(fancy: bool) -> Table:

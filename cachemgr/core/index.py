@@ -233,6 +233,15 @@ class ContentQueries:
             f"SELECT {', '.join(cols)} FROM inodes WHERE ino=?", (ino,)).fetchone()
         return row
 
+    def inos_of_object(self, key: str, limit: int = 4) -> list[int]:
+        """Inodes whose recorded object (`obj`) has key `key` (the peer server's look-up of a
+        chunk request: cachemgr.restore.chunkfetch.ChunkFetcher.serve_chunk). A scan of the
+        inode table; its caller keeps the answers it used."""
+        rows = self.conn.execute(
+            "SELECT ino FROM inodes WHERE obj IS NOT NULL AND json_extract(obj, '$.key') = ? "
+            "LIMIT ?", (key, limit)).fetchall()
+        return [int(r[0]) for r in rows]
+
     def writing_files(self) -> list[tuple[int, int]]:
         """(ino, version) of every file marked open for writing (after a crash: interrupted)."""
         return self.conn.execute("SELECT ino, version FROM inodes WHERE writing=1").fetchall()

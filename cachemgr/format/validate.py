@@ -431,8 +431,9 @@ MAX_LEASE_S = 3600.0  # a member claiming a longer lease is taken at this one
 def protocol_doc(data: bytes, kind: str) -> dict[str, Any]:
     """A member, intent or ack document (docs/FORMAT.md "Members, intents,
     acknowledgements"), validated: DocumentError if it must not be used. Returns the fields a
-    reader uses: member {node, lease_s, generation}; intent {node, path, roots, nodes}; ack
-    {node, generation}. A document without a generation (written before generations) has 0."""
+    reader uses: member {node, lease_s, generation, peer ((host, port) or None)}; intent
+    {node, path, roots, nodes}; ack {node, generation}. A document without a generation
+    (written before generations) has 0."""
     E = DocumentError
     if len(data) > MAX_PROTOCOL_BYTES:
         raise E(f"{kind} is {len(data)} bytes (at most {MAX_PROTOCOL_BYTES})")
@@ -449,6 +450,8 @@ def protocol_doc(data: bytes, kind: str) -> dict[str, Any]:
         if type(lease) not in (int, float) or not 0 <= lease < float("inf"):
             raise E(f"member lease_s {_short(lease)} is not a duration")
         out["lease_s"] = min(float(lease), MAX_LEASE_S)
+        peer = d.get("peer")
+        out["peer"] = None if peer is None else peer_endpoint(peer, E)
     if kind in ("member", "ack"):
         gen = d.get("generation", 0)
         if type(gen) is not int or not 0 <= gen < 1 << 63:
@@ -467,6 +470,22 @@ def protocol_doc(data: bytes, kind: str) -> dict[str, Any]:
     return out
 
 
+_HOST_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.-:")
+
+
+def peer_endpoint(v: object, error: type[DocumentError] = DocumentError) -> tuple[str, int]:
+    """A member record's `peer` ({"host": name or IP address, "port": 1..65535}: where the
+    node serves chunks to peers, cachemgr.restore.peerserve) as (host, port)."""
+    if not isinstance(v, dict) or set(v) != {"host", "port"}:
+        raise error("member peer is not {host, port}")
+    host, port = v["host"], v["port"]
+    if not isinstance(host, str) or not 1 <= len(host) <= 253 or not set(host) <= _HOST_CHARS:
+        raise error(f"member peer host {_short(host)} is not a host name or address")
+    if type(port) is not int or not 1 <= port <= 65535:
+        raise error(f"member peer port {_short(port)} is not a port")
+    return host, port
+
+
 def is_own_object(key: str, node: str) -> bool:
     """Is `key` (a validated object key) one that `node` wrote?"""
     return key.startswith(f"data/{node}/")
@@ -474,5 +493,5 @@ def is_own_object(key: str, node: str) -> bool:
 
 __all__ = ["MAX_CHUNK", "MAX_DOCUMENT_BYTES", "MAX_ENTRIES", "MODE_MASK", "DocumentError",
            "ManifestError", "PartError", "is_own_object", "lz4_frame_bound",
-           "manifest", "node_id", "object_geometry", "part_record", "path", "protocol_doc",
-           "stored_object"]
+           "manifest", "node_id", "object_geometry", "part_record", "path", "peer_endpoint",
+           "protocol_doc", "stored_object"]

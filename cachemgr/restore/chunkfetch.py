@@ -25,6 +25,14 @@ State, its owner and its guards (all on the daemon's trio thread, no lock needed
     All are dropped with the file's cache state (`forget`): evicted, rewritten, fetched whole,
     deleted.
 
+Peers (--peers): `fetch` and `_fetch_run` ask `peers` (cachemgr.restore.peers.PeerClient, which
+verifies every chunk against its CRC32C) before the store; what they return goes through the same
+`_store_chunks` fill as store bytes. `serve_chunk` is the peer server's source
+(cachemgr.restore.peerserve): it reads a chunk of a file held verified (cached whole with its
+current content's object, or its bit in `present`), checks it, and hands it out; `_by_key` (object
+key -> ino, re-checked on each use) and `_not_here` (keys no file has, for NOT_HERE_S) spare it a
+scan of the inode table per request; both bounded, trio thread only.
+
 Cache files are written only through `cachemgr.core.filecache.FileCache` (`fill`: in a worker
 thread, under the file's lock, after `still_valid()` said the file's content is still the one
 the chunks belong to), and read there for checks (`read`). The one other touch is dropping the
@@ -41,14 +49,16 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import trio
 
 from cachemgr.core.errors import FsError
 from cachemgr.format.objects import StoredObject, chunk_count, chunk_span, verify_chunk
+from cachemgr.restore.peers import PeerClient
 from cachemgr.store import IntegrityError, ObjectStore, StoreError
 from cachemgr.transfer.download import fetch_chunk, fetch_chunks
 
@@ -63,6 +73,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 FETCH_ATTEMPTS = 3
+# A peer's request for an object this node does not hold is answered 404 without a look-up for
+# this long: each look-up scans the inode table (Index.inos_of_object); a file restored here
+# meanwhile is served once it passes.
+NOT_HERE_S = 10.0
 
 # make_room(need, protect): evict until `need` more bytes fit under --cache-size, never a file
 # of `protect`; True if they fit (Tiering.make_room).
@@ -73,8 +87,10 @@ MakeRoom = Callable[[int, set[int]], bool]
 class ChunkStats:
     """`ChunkFetcher.statistics()`: chunk fetches (`dataclasses.asdict` for JSON)."""
 
-    bytes_fetched: int
+    bytes_fetched: int            # from the store
     chunks_fetched: int
+    peer_bytes: int               # from peers (cachemgr.restore.peers), verified alike
+    peer_chunks: int
     gets: int
     in_flight_chunks: int
     integrity_errors: int
@@ -88,9 +104,10 @@ class ChunkFetcher:
 
     def __init__(self, *, table: InodeTable, files: FileCache, residency: Residency,
                  cache_dir: Path, index: Index, store: ObjectStore, cache_size: int | None,
-                 make_room: MakeRoom) -> None:
+                 make_room: MakeRoom, peers: PeerClient | None = None) -> None:
         """`make_room`: the --cache-size policy (evicts, then calls `drop_partials`). Dropped
-        chunks free room through `FileCache.chunks_out`, which tells writers waiting for it."""
+        chunks free room through `FileCache.chunks_out`, which tells writers waiting for it.
+        `peers` (--peers): asked for a chunk before the store."""
         self.table = table
         self.files = files
         self.residency = residency
@@ -99,6 +116,9 @@ class ChunkFetcher:
         self.store = store
         self.cache_size = cache_size
         self._make_room = make_room
+        self.peers = peers
+        self._by_key: dict[str, int] = {}  # object key -> ino (serve_chunk), checked on use
+        self._not_here: dict[str, float] = {}  # object key -> until when it is a 404 unasked
         self._bitmaps: dict[int, bytearray] = {}
         self._inflight: dict[tuple[int, int], trio.Event] = {}
         self._objs: dict[int, tuple[int, StoredObject | None]] = {}  # ino -> (version, obj)
@@ -113,6 +133,8 @@ class ChunkFetcher:
         self.bytes_fetched = 0
         self.chunks_fetched = 0
         self.gets = 0                 # GET requests that returned data
+        self.peer_bytes = 0
+        self.peer_chunks = 0
         self.integrity_errors = 0
         self.damaged_chunks = 0
 
@@ -314,6 +336,9 @@ class ChunkFetcher:
         """Chunk `i` of `obj`, verified; FsError(EIO) when the store fails (the store wrapper,
         RetryingStore, has already retried transient errors) or the chunk's bytes fail their
         check FETCH_ATTEMPTS times (only that is retried here: a re-read may be clean)."""
+        raw = await self._from_peers(obj, i)
+        if raw is not None:
+            return raw
         last: Exception | None = None
         for _attempt in range(FETCH_ATTEMPTS):
             try:
@@ -340,6 +365,13 @@ class ChunkFetcher:
                          last: int) -> list[bytes | memoryview]:
         if first == last:
             return [await self.fetch(obj, first, None)]
+        if self.peers is not None and obj.chunk_crcs is not None:
+            got = [await self._from_peers(obj, i) for i in range(first, last + 1)]
+            if any(r is not None for r in got):
+                # what no peer had comes from the store, chunk by chunk (fetch asks the peers
+                # again: a miss is remembered, so that costs no request)
+                return [r if r is not None else await self.fetch(obj, first + k, None)
+                        for k, r in enumerate(got)]
         last_err: Exception | None = None
         for _attempt in range(FETCH_ATTEMPTS):
             try:
@@ -359,6 +391,94 @@ class ChunkFetcher:
         # Fall back to single chunks: one bad chunk must not fail its neighbours.
         log.info("fetching %s chunks %d..%d one by one after: %s", obj.key, first, last, last_err)
         return [await self.fetch(obj, i, None) for i in range(first, last + 1)]
+
+    async def _from_peers(self, obj: StoredObject, i: int) -> bytes | None:
+        """Chunk `i` of `obj` from a peer, verified against its CRC32C there (PeerClient), or
+        None: no peers, nothing to verify against, or no peer had it."""
+        if self.peers is None or obj.chunk_crcs is None:
+            return None
+        raw = await self.peers.fetch(obj, i)
+        if raw is not None:
+            self.peer_chunks += 1
+            self.peer_bytes += len(raw)
+        return raw
+
+    # -- serving peers (cachemgr.restore.peerserve) ----------------------------------------------
+
+    def _ino_serving(self, key: str, crc: int) -> tuple[int, StoredObject] | None:
+        """The file whose current content is the object `key` (with whole-content CRC `crc`)
+        and that nobody writes, with its object; None if there is none. The last answer per
+        key is kept (`_by_key`, checked on use); a key no file has is not looked up again for
+        NOT_HERE_S (`_not_here`): a look-up scans the inode table."""
+        hit = self._by_key.get(key)
+        if hit is not None:
+            found = self._serving_ino(hit, key, crc)
+            if found is not False:
+                return found
+            del self._by_key[key]
+        if self._not_here.get(key, 0.0) > time.monotonic():
+            return None
+        for ino in self.index.inos_of_object(key):
+            found = self._serving_ino(ino, key, crc)
+            if found is not False:
+                if len(self._by_key) >= 4096:
+                    self._by_key.clear()  # bounded; refilled by the next requests
+                self._by_key[key] = ino
+                return found
+        if len(self._not_here) >= 4096:
+            self._not_here.clear()  # bounded; the next requests scan again
+        self._not_here[key] = time.monotonic() + NOT_HERE_S
+        return None
+
+    def _serving_ino(self, ino: int, key: str,
+                     crc: int) -> tuple[int, StoredObject] | Literal[False] | None:
+        """(ino, obj) if `ino`'s current content is object `key` with CRC `crc` and nobody
+        writes it; None if it is that object but not servable now (a wrong CRC asked, being
+        written); False if it is not that object's file."""
+        try:
+            node = self.table.get(ino)
+        except FsError:
+            return False
+        # from the index, not `_objs`: a file written here gets its object when its upload
+        # finishes, which nothing here is told of
+        row = self.index.inode_fields(ino, "obj", "obj_version")
+        if row is None or row[0] is None or row[1] != node.version:
+            return False
+        obj = StoredObject.from_json(row[0])
+        if obj.key != key:
+            return False
+        if obj.crc32c != crc or obj.chunk_crcs is None or node.writers or node.nlink == 0:
+            return None
+        return ino, obj
+
+    async def serve_chunk(self, key: str, crc: int, i: int) -> bytes | None:
+        """Raw chunk `i` of object `key` for a peer, when this cache holds it verified: a
+        cached file (whole) whose current content is that object, or a chunk an incomplete
+        restore has in; read in a worker thread and checked against its CRC32C before it is
+        handed out (a damaged cache file is never served). None: not held here (404). Never
+        fetches from the store."""
+        found = self._ino_serving(key, crc)
+        if found is None:
+            return None
+        ino, obj = found
+        n = chunk_count(obj)
+        if not 0 <= i < n:
+            return None
+        node = self.table.get(ino)
+        if not node.cached and not self._has(self._bitmap(ino, n), i):
+            return None
+        off, length = chunk_span(obj, i)
+
+        def read_checked() -> bytes | None:
+            with open(self.files.path(ino), "rb") as f:
+                data = os.pread(f.fileno(), length, off)
+            return data if verify_chunk(obj, i, data) else None
+
+        try:
+            return await trio.to_thread.run_sync(read_checked)
+        except OSError as e:
+            log.warning("peer request for %s chunk %d: cache file of inode %d: %s", key, i, ino, e)
+            return None
 
     async def _store_chunks(self, ino: int, obj: StoredObject,
                             chunks: list[tuple[int, bytes | memoryview]], n: int) -> None:
@@ -461,6 +581,7 @@ class ChunkFetcher:
 
     def statistics(self) -> ChunkStats:
         return ChunkStats(bytes_fetched=self.bytes_fetched, chunks_fetched=self.chunks_fetched,
+                          peer_bytes=self.peer_bytes, peer_chunks=self.peer_chunks,
                           gets=self.gets, in_flight_chunks=len(self._inflight),
                           integrity_errors=self.integrity_errors,
                           damaged_cache_chunks=self.damaged_chunks, partial_files=len(self.partial),

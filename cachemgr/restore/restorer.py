@@ -42,6 +42,7 @@ import trio
 from cachemgr.core.errors import FsError
 from cachemgr.format.objects import StoredObject, chunk_span
 from cachemgr.restore.chunkfetch import ChunkFetcher, ChunkStats, MakeRoom
+from cachemgr.restore.peers import PeerClient
 from cachemgr.restore.prefetch import FetchWhole, Job, LiveMembers, Prefetcher, PrefetchStats
 from cachemgr.store import ObjectStore
 
@@ -73,7 +74,8 @@ class Restorer:
     def __init__(self, *, table: InodeTable, files: FileCache, residency: Residency,
                  cache_dir: Path, index: Index, sets: SetRegistry, store: ObjectStore,
                  cache_size: int | None, make_room: MakeRoom, fetch_whole: FetchWhole,
-                 live_members: LiveMembers, concurrency: int = 8,
+                 live_members: LiveMembers, peers: PeerClient | None = None,
+                 concurrency: int = 8,
                  range_size: int = 64 << 20, mode: str = "auto") -> None:
         """`make_room(need, protect)`: the --cache-size policy (Tiering.make_room).
         `fetch_whole(ino)`: download an object stored without chunk checksums whole (Tiering.fetch).
@@ -82,7 +84,7 @@ class Restorer:
         self.residency = residency
         self.chunks = ChunkFetcher(table=table, files=files, residency=residency,
                                    cache_dir=cache_dir, index=index, store=store,
-                                   cache_size=cache_size, make_room=make_room)
+                                   cache_size=cache_size, make_room=make_room, peers=peers)
         self.prefetch = Prefetcher(chunks=self.chunks, table=table, index=index, sets=sets,
                                    fetch_whole=fetch_whole, live_members=live_members,
                                    mode=mode, concurrency=concurrency, range_size=range_size)

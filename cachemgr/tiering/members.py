@@ -83,6 +83,7 @@ import trio
 from cachemgr.core.errors import IndexFull
 from cachemgr.core.sets import LIVE_STATES
 from cachemgr.format import validate
+from cachemgr.restore.peerproto import PeerEndpoint
 from cachemgr.store import NotFound, ObjectStore, StoreError
 
 if TYPE_CHECKING:
@@ -172,8 +173,10 @@ class Lease:
     lease that ran out (see the module docstring)."""
 
     def __init__(self, *, store: ObjectStore, node: str, index: Index, lease: float,
-                 register_timeout: float) -> None:
+                 register_timeout: float, peer: tuple[str, int] | None = None) -> None:
+        """`peer`: (host, port) this node serves peers at (--peers), written into the record."""
         self.store = store
+        self.peer = peer
         self.node = node
         self.index = index
         self.lease = lease
@@ -197,9 +200,11 @@ class Lease:
     async def _put(self, generation: int) -> float:
         """PUT the record; the monotonic time it was sent."""
         sent = time.monotonic()
+        extra = {} if self.peer is None else {
+            "peer": {"host": self.peer[0], "port": self.peer[1]}}
         await self.store.put(member_key(self.node), _doc(
             "member", node=self.node, lease_s=self.lease, renewed_ns=time.time_ns(),
-            pid=os.getpid(), generation=generation))
+            pid=os.getpid(), generation=generation, **extra))
         return sent
 
     def _next_generation(self) -> int:
@@ -322,6 +327,9 @@ class Members:
         self.acks_sent = 0
         self.acks_ignored = 0             # other nodes' acks from a generation not current
         self.intents_written = 0
+        # node -> its peer endpoint (None: it serves none), read once per record (`peers`);
+        # at most one entry per member
+        self._endpoints: dict[str, PeerEndpoint | None] = {}
 
     @property
     def registered(self) -> bool:
@@ -372,6 +380,38 @@ class Members:
             if info.mtime + lease + LEASE_SKEW_S >= now:
                 out[node] = info.mtime
         return out
+
+    async def peers(self, stale: frozenset[str] = frozenset()) -> list[PeerEndpoint]:
+        """The other live members that serve peers (--peers), for restores from peers
+        (cachemgr.restore.peers): one LIST of `members/`, and one GET of a member's record the
+        first time it is seen (and again when the caller names it `stale`: its endpoint did not
+        answer). A record whose `peer` field is invalid is ignored, with one log line."""
+        live = await self.live()
+        for node in list(self._endpoints):
+            if node not in live or node in stale:
+                del self._endpoints[node]
+        out = []
+        for node in sorted(live):
+            if node not in self._endpoints:
+                self._endpoints[node] = await self._endpoint(node)
+            ep = self._endpoints[node]
+            if ep is not None:
+                out.append(ep)
+        return out
+
+    async def _endpoint(self, node: str) -> PeerEndpoint | None:
+        try:
+            data = await self.store.get(member_key(node))
+        except NotFound:
+            return None
+        try:
+            doc = validate.protocol_doc(data, "member")
+        except validate.DocumentError as e:
+            log.warning("peers: member record of node %s ignored: %s", node, e)
+            return None
+        if doc["peer"] is None or doc["node"] != node:
+            return None
+        return PeerEndpoint(node, *doc["peer"])
 
     # -- the background task: renewals, intents of other nodes -------------------------------
 

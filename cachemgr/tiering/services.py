@@ -51,6 +51,7 @@ from cachemgr.core.sets import LIVE_STATES, SetRegistry
 from cachemgr.host import background
 from cachemgr.host.foreground import Foreground
 from cachemgr.restore.fetch import Fetcher
+from cachemgr.restore.peerproto import PeerConfig
 from cachemgr.store import ObjectStore
 from cachemgr.tiering.commit import Committer
 from cachemgr.tiering.gather import Gatherer
@@ -94,6 +95,8 @@ class TieringConfig:
     # restorer, remote sync); nothing uploads, publishes, deletes or registers, and no member
     # record is written: the node writes no file, so no commit elsewhere needs to wait for it.
     read_only: bool = False
+    # --peers: restore from and serve to other nodes (cachemgr.restore.peers, peerserve)
+    peers: PeerConfig | None = None
 
 
 class Tiering:
@@ -109,14 +112,20 @@ class Tiering:
         self.store_health = StoreHealth()
         self._parts = trio.CapacityLimiter(max(1, cfg.transfer.max_parts_in_flight))
         self.uploader = Uploader(store, cfg.transfer, self._parts, foreground=foreground)
+        from cachemgr.restore import peerserve
+        from cachemgr.restore.peers import PeerClient
         from cachemgr.restore.restorer import Restorer
         from cachemgr.tiering.remote import RemoteSync
 
         # The services tiering's own services are given as collaborators. The room and fetch
         # calls go through this object's delegations because Space and Fetcher are built after
         # the restorer (they take its `forget`): a cycle broken at composition time only.
+        # --peers: the socket is bound first, so the member record names its port
+        peer_sock = None if cfg.peers is None or cfg.read_only else peerserve.bind(cfg.peers)
         self.lease = Lease(store=store, node=self.node, index=self.index, lease=cfg.lease,
-                           register_timeout=cfg.register_timeout)
+                           register_timeout=cfg.register_timeout,
+                           peer=None if peer_sock is None or cfg.peers is None else
+                           (cfg.peers.advertise, peer_sock.getsockname()[1]))
         self.parts = PartPublisher(index=self.index, store=store, node=self.node,
                                    lease=self.lease, inode_if_loaded=cache.table.if_loaded,
                                    retry_pause=cfg.retry_pause,
@@ -130,12 +139,18 @@ class Tiering:
                                  cache_size=cfg.cache_size, make_room=self.make_room,
                                  fetch_whole=self.fetch,
                                  live_members=self.members.live,
+                                 peers=None if cfg.peers is None else PeerClient(
+                                     cfg=cfg.peers, node=self.node,
+                                     live_peers=self.members.peers),
                                  concurrency=cfg.prefetch_concurrency, mode=cfg.prefetch,
                                  range_size=cfg.prefetch_range)
         self.remote = RemoteSync(table=cache.table, tree=cache.tree, index=self.index,
                                  sets=self.sets, store=store, kernel=kernel, node=self.node,
                                  interval=cfg.refresh_interval,
                                  mark_parts=self.parts.mark_all, changed=self.signals.changed_now)
+        self.peer_server = None if peer_sock is None or cfg.peers is None else \
+            peerserve.PeerServer(cfg=cfg.peers, sock=peer_sock,
+                                 serve_chunk=self.restorer.chunks.serve_chunk)
         self._build_services()
         self.running = False
 
@@ -199,6 +214,8 @@ class Tiering:
                 nursery.start_soon(self._supervised, self.remote.run)
                 nursery.start_soon(self._supervised, self.parts.run)
                 nursery.start_soon(self._supervised, self.members.run)
+                if self.peer_server is not None:
+                    nursery.start_soon(self._supervised, self.peer_server.run)
                 task_status.started()
         finally:
             self.running = False
@@ -293,6 +310,7 @@ class Tiering:
             "remote": self.remote.status(),
             "parts": self.parts.status(),
             "members": self.members.status(),
+            "peers": self.peers_status(),
             "pending_sets": len(live),
             # of which waiting for files other nodes write, or published after such a set
             # (commit order): nothing this node can finish
@@ -353,6 +371,19 @@ class Tiering:
             "cache_size": self.cfg.cache_size,
             # this node's lease (ckptfs_lease_held, ckptfs_lease_lapses_total): plain data
             "members": self.members.status(),
+            "peers": self.peers_status(),
             "services": self.services(),
         }
+
+    def peers_status(self) -> dict[str, Any] | None:
+        """--peers: what this node served and restored from peers vs the store (None: off)."""
+        if self.cfg.peers is None:
+            return None
+        r = self.restorer.statistics().chunks
+        client = self.restorer.chunks.peers
+        return {"server": None if self.peer_server is None else
+                asdict(self.peer_server.statistics()),
+                "restored_from_peers": {"bytes": r.peer_bytes, "chunks": r.peer_chunks},
+                "restored_from_store": {"bytes": r.bytes_fetched, "chunks": r.chunks_fetched},
+                "client": None if client is None else asdict(client.statistics())}
 
