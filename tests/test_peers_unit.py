@@ -256,3 +256,32 @@ def _raw(port: int, target: str, header: str = "") -> int:
                 continue
             assert isinstance(ev, h11.Response), ev
             return ev.status_code
+
+
+def test_object_key_lookup_uses_its_index_also_in_a_cache_made_before_it(tmp_path):
+    """The peer server's look-up by object key (Index.inos_of_object) is an index search, not a
+    scan of every inode; a cache whose index predates it gets it at the next open."""
+    from cachemgr.core.index import Index
+
+    path = tmp_path / "index.sqlite"
+    index = Index.open(path, uid=0, gid=0)
+    query = ("EXPLAIN QUERY PLAN SELECT ino FROM inodes WHERE obj IS NOT NULL AND "
+             "json_extract(obj, '$.key') = ? LIMIT ?")
+
+    def plan(ix: Index) -> str:
+        # a text of its own each time: the sqlite3 module's statement cache would hand back
+        # the EXPLAIN prepared before the DROP INDEX below, with the old plan in it
+        plan.n = getattr(plan, "n", 0) + 1
+        rows = ix.conn.execute(f"{query} -- {plan.n}", ("k", 4)).fetchall()
+        return " ".join(str(r[-1]) for r in rows)
+
+    assert "USING INDEX inodes_by_obj_key" in plan(index)
+    index.conn.execute("UPDATE inodes SET obj = ? WHERE ino = 1", ('{"key": "data/n/1"}',))
+    assert index.inos_of_object("data/n/1") == [1] and index.inos_of_object("data/n/2") == []
+    index.conn.execute("DROP INDEX inodes_by_obj_key")   # as a cache made before it was
+    assert "SCAN inodes" in plan(index)
+    index.conn.close()
+    again = Index.open(path, uid=0, gid=0)
+    assert "USING INDEX inodes_by_obj_key" in plan(again)
+    assert again.inos_of_object("data/n/1") == [1]
+    again.conn.close()

@@ -45,6 +45,9 @@ from cachemgr.host.nodefiles import FILE_MODE, open_private, restrict
 log = logging.getLogger(__name__)
 
 LAYOUT_VERSION = 1
+# schema.sql's index of the inodes' object keys, for caches made before it (Index._add_indexes)
+OBJ_KEY_INDEX = ("CREATE INDEX IF NOT EXISTS inodes_by_obj_key ON inodes(json_extract(obj, "
+                 "'$.key')) WHERE obj IS NOT NULL")
 ROOT_INO = 1
 
 # Room kept for the index's own writes on a full cache disk. The WAL is reused from its start
@@ -235,8 +238,9 @@ class ContentQueries:
 
     def inos_of_object(self, key: str, limit: int = 4) -> list[int]:
         """Inodes whose recorded object (`obj`) has key `key` (the peer server's look-up of a
-        chunk request: cachemgr.restore.chunkfetch.ChunkFetcher.serve_chunk). A scan of the
-        inode table; its caller keeps the answers it used."""
+        chunk request: cachemgr.restore.chunkfetch.ChunkFetcher.serve_chunk), through the
+        `inodes_by_obj_key` index (the WHERE clause is the index's own expression and
+        condition, so SQLite uses it); its caller keeps the answers it used."""
         rows = self.conn.execute(
             "SELECT ino FROM inodes WHERE obj IS NOT NULL AND json_extract(obj, '$.key') = ? "
             "LIMIT ?", (key, limit)).fetchall()
@@ -331,7 +335,19 @@ class Index(TreeQueries, ContentQueries):
                 f"cache index {path} has layout version {version}, this ckptfs reads "
                 f"version {LAYOUT_VERSION}; use a matching ckptfs or a new --cache-dir"
             )
+        cls._add_indexes(conn, path)
         return cls(conn, path, reserve_bytes=reserve_bytes)
+
+    @staticmethod
+    def _add_indexes(conn: sqlite3.Connection, path: Path) -> None:
+        """Indexes schema.sql gained after layout version 1 (any ckptfs reads a cache with
+        them), made in a cache created before them. A cache disk too full for one leaves it
+        out, logged: its queries then scan, and the next open tries again."""
+        try:
+            conn.execute(OBJ_KEY_INDEX)
+        except sqlite3.OperationalError as e:
+            log.warning("cache index %s: cannot add the object-key index (%s); peer look-ups "
+                        "scan the inode table until a later mount adds it", path, e)
 
     # -- the reserve -------------------------------------------------------------------------
 
