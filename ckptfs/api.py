@@ -130,17 +130,35 @@ def wait_durable(path: str | os.PathLike, timeout: float | None = None) -> dict:
     8) if a file under it is in no committed set, "none" (code 8) if it holds no committed
     set, "timeout" (code 7) when `timeout` (for the whole wait) runs out, "failed"/"deleted"
     (code 1) if one of its sets did."""
+    return _wait(path, timeout, replicated=False)
+
+
+def wait_replicated(path: str | os.PathLike, timeout: float | None = None) -> dict:
+    """Block until the set holding `path` is held by its K buddies (--replicas), fsynced on
+    their disks, or durable (docs/SEMANTICS.md "Replicated"). Returns {"state": "replicated"
+    or "durable", "seq", "path"}; raises NotDurable as `wait_durable` does (state "timeout":
+    code 7), and with state "off" (code 1) on a mount without replication. One set: a
+    directory of several is not waited for as a whole."""
+    return _wait(path, timeout, replicated=True)
+
+
+def _wait(path: str | os.PathLike, timeout: float | None, *, replicated: bool) -> dict:
     mp, rel = locate(path)
     sock_timeout = None if timeout is None else timeout + 30
-    reply = _request(mp, {"op": "wait", "path": rel, "timeout": timeout}, timeout=sock_timeout)
+    req: dict = {"op": "wait", "path": rel, "timeout": timeout}
+    if replicated:
+        req["replicated"] = True
+    reply = _request(mp, req, timeout=sock_timeout)
     state = reply.get("state")
-    if state == "durable":
+    if state == "durable" or (replicated and state == "replicated"):
         return reply
     msg = reply.get("error") or f"set is {state}"
     if state in ("none", "uncommitted"):
         raise NotDurable(msg, state, EXIT_NO_SET)
     if state == "timeout":
         raise NotDurable(msg, "timeout", EXIT_STORE)
+    if state == "off":
+        raise NotDurable(msg, "off", EXIT_ERROR)
     if state is None:
         raise _failed({**reply, "error": msg})
     raise NotDurable(f"set {reply.get('path')} is {state}: {msg}", state, EXIT_ERROR)

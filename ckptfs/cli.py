@@ -147,6 +147,21 @@ def _add_mount_peers(m: argparse.ArgumentParser) -> None:
     p.add_argument("--peer-secret-file", type=Path, default=None,
                    help="file holding the secret every node shares (required with --peers; "
                    "mode 0600 or stricter; never written to the store or the log)")
+    p.add_argument("--replicas", metavar="K", type=_replicas, default=None,
+                   help="copy every committed set to K other live nodes (its buddies) in the "
+                   "background before the store has it (state `replicated`, `ckptfs wait "
+                   "--replicated`); costs K x each set's bytes of network and of the buddies' "
+                   "cache space; 0: off (default 1 with --peers; needs --peers)")
+
+
+def _replicas(s: str) -> int:
+    try:
+        k = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{s!r} is not a number of nodes") from None
+    if not 0 <= k <= 16:
+        raise argparse.ArgumentTypeError(f"{k} is not from 0 to 16")
+    return k
 
 
 def _id(s: str) -> int:
@@ -292,6 +307,10 @@ def _add_wait(sub: argparse._SubParsersAction) -> None:
     w.add_argument("path", type=Path)
     w.add_argument("--timeout", type=_nonneg_float, default=None,
                    help="seconds for the whole wait (default: no limit); exit 7 on timeout")
+    w.add_argument("--replicated", action="store_true",
+                   help="return once the set holding PATH is on K buddies' disks, fsynced "
+                   "(--replicas), or durable: not durable (docs/SEMANTICS.md \"Replicated\"); "
+                   "one set, not a directory of several")
 
 
 def _add_status(sub: argparse._SubParsersAction) -> None:
@@ -348,6 +367,7 @@ def cmd_mount(a: argparse.Namespace) -> int:
             store_ignores_conditions=a.store_ignores_conditions,
             metrics=a.metrics,
             peers=a.peers, peer_listen=a.peer_listen, peer_address=a.peer_address,
+            replicas=a.replicas,
             peer_secret_file=a.peer_secret_file.absolute() if a.peer_secret_file else None,
             mountpoint=a.mountpoint.absolute(),
             cache_dir=(a.cache_dir or default_cache_dir()).absolute(),
@@ -441,9 +461,13 @@ def cmd_prefetch(a: argparse.Namespace) -> int:
 
 def cmd_wait(a: argparse.Namespace) -> int:
     try:
-        r = api.wait_durable(a.path, timeout=a.timeout)
+        r = api.wait_replicated(a.path, timeout=a.timeout) if a.replicated else \
+            api.wait_durable(a.path, timeout=a.timeout)
     except api.CkptfsError as e:
         return _fail(e.code, str(e))
+    if r.get("state") == "replicated":
+        print(f"ckptfs: {r['path']} is replicated (set {r['seq']}); not durable yet")
+        return EXIT_OK
     if "sets" in r:  # a directory of several sets
         n = r["sets"]
         print(f"ckptfs: {a.path}: {n} set{'' if n == 1 else 's'} durable")

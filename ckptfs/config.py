@@ -304,6 +304,8 @@ class MountConfig:
     peer_listen: str | None = None
     peer_address: str | None = None
     peer_secret_file: Path | None = None
+    # --replicas K: buddies each committed set is copied to (None: 1 with --peers, else 0)
+    replicas: int | None = None
 
     def __post_init__(self) -> None:
         if self.store is not None and not (self.store.startswith("s3://")
@@ -362,7 +364,12 @@ class MountConfig:
             if self.peer_listen or self.peer_address or self.peer_secret_file:
                 raise ConfigError("--peer-listen, --peer-address and --peer-secret-file need "
                                   "--peers")
+            if self.replicas is not None:
+                raise ConfigError("--replicas needs --peers (replicas go to other nodes' "
+                                  "peer servers)")
             return
+        if self.replicas is not None and not 0 <= self.replicas <= 16:
+            raise ConfigError("--replicas must be from 0 to 16")
         if self.peer_secret_file is None:
             raise ConfigError("--peers needs --peer-secret-file (the secret every node shares)")
         load_peer_secret(self.peer_secret_file)

@@ -194,6 +194,9 @@ async def op_commit(svc: Services, req: dict) -> dict:
 
 async def op_wait(svc: Services, req: dict) -> dict:
     timeout = req.get("timeout")
+    if req.get("replicated"):
+        return await svc.tiering.wait_replicated(
+            str(req["path"]), None if timeout is None else float(timeout))
     return await svc.tiering.wait(str(req["path"]), None if timeout is None else float(timeout))
 
 
@@ -413,7 +416,8 @@ class _Daemon:
             keep_local=cfg.keep_local, prefetch=cfg.prefetch,
             prefetch_concurrency=cfg.prefetch_concurrency, prefetch_range=cfg.prefetch_range,
             refresh_interval=cfg.refresh_interval, commit_timeout=cfg.commit_timeout,
-            lease=cfg.lease, read_only=cfg.read_only, peers=peers),
+            lease=cfg.lease, read_only=cfg.read_only, peers=peers,
+            replicas=0 if peers is None else 1 if cfg.replicas is None else cfg.replicas),
             foreground=foreground, kernel=fuse.KERNEL)
 
     def mount(self) -> None:  # step 6

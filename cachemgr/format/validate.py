@@ -486,6 +486,71 @@ def peer_endpoint(v: object, error: type[DocumentError] = DocumentError) -> tupl
     return host, port
 
 
+MAX_REPLICA_FILES = 100_000   # files of one replica offer (its JSON is at most 1 MiB anyway)
+MAX_REPLICA_BYTES = 1 << 50   # bytes of one offered set
+
+
+def replica_offer(data: bytes) -> dict[str, Any]:
+    """A replica offer (cachemgr.tiering.replicate; docs/ARCHITECTURE.md "Peers"), validated:
+    DocumentError if it must not be used. Paths are relative, inside the set (`path`), in the
+    escaped form; sizes bounded (each file and their total at most MAX_REPLICA_BYTES); the
+    origin a node id, its endpoint a peer endpoint. Returns the fields a buddy uses: origin,
+    generation, seq, path, kind, committed_ns, reason, endpoint, files [{rel, size, mode,
+    mtime_ns}], dirs [{path, mode, mtime_ns}], symlinks [{path, target}], mode, target."""
+    E = DocumentError
+    if len(data) > MAX_PROTOCOL_BYTES:
+        raise E(f"offer is {len(data)} bytes (at most {MAX_PROTOCOL_BYTES})")
+    try:
+        d = json.loads(data)
+    except (ValueError, RecursionError):
+        raise E("offer is not JSON") from None
+    if not isinstance(d, dict) or d.get("format") != "ckptfs-replica-offer" or \
+            type(d.get("version")) is not int or d.get("version") != 1:
+        raise E("not a ckptfs replica offer")
+    kind = d.get("kind")
+    if kind not in ("file", "dir", "symlink"):
+        raise E(f"offer kind {_short(kind)} is not file, dir or symlink")
+    out: dict[str, Any] = {
+        "origin": node_id(d.get("origin"), "offer origin", E),
+        "generation": _int(d.get("generation"), "offer generation", 0, (1 << 63) - 1, E),
+        "seq": _int(d.get("seq"), "offer seq", 1, (1 << 62), E),
+        "path": path(d.get("path"), 2, "offer path", E), "kind": kind,
+        "committed_ns": _int(d.get("committed_ns"), "offer committed_ns", 0, 1 << 63, E),
+        "reason": _str(d.get("reason", ""), "offer reason", E)[:200],
+        "endpoint": peer_endpoint(d.get("endpoint"), E),
+        "mode": _mode(d.get("mode"), "offer mode", E, 0o755),
+        "target": None if kind != "symlink" else
+        symlink_target(d.get("target"), 2, "offer target", E)}
+    files = _list(d.get("files", []), "offer files", E, MAX_REPLICA_FILES)
+    total = 0
+    out["files"] = []
+    for f in files:
+        if not isinstance(f, dict):
+            raise E("offer file is not an object")
+        rel = path(f.get("rel"), 2, "offer file rel", E, empty_ok=kind == "file")
+        if (kind == "file" and rel != "") or (kind != "dir" and len(files) > 1):
+            raise E("offer of a single file holds another path")
+        size = _int(f.get("size"), "offer file size", 0, MAX_REPLICA_BYTES, E)
+        total += size
+        if total > MAX_REPLICA_BYTES:
+            raise E(f"offer is over {MAX_REPLICA_BYTES} bytes")
+        out["files"].append({"rel": rel, "size": size,
+                             "mode": _mode(f.get("mode"), "offer file mode", E, 0o644),
+                             "mtime_ns": _int(f.get("mtime_ns", 0), "offer mtime_ns", 0,
+                                              1 << 63, E)})
+    out["dirs"] = [{"path": path(x.get("path"), 2, "offer dir", E),
+                    "mode": _mode(x.get("mode"), "offer dir mode", E, 0o755),
+                    "mtime_ns": _int(x.get("mtime_ns", 0), "offer dir mtime_ns", 0, 1 << 63, E)}
+                   for x in _list(d.get("dirs", []), "offer dirs", E, MAX_REPLICA_FILES)]
+    out["symlinks"] = [{"path": path(x.get("path"), 2, "offer symlink", E),
+                        "target": symlink_target(x.get("target"), 2, "offer symlink target", E)}
+                       for x in _list(d.get("symlinks", []), "offer symlinks", E,
+                                     MAX_REPLICA_FILES)]
+    if kind != "dir" and (out["dirs"] or out["symlinks"]):
+        raise E("offer of a single file or symlink holds a directory tree")
+    return out
+
+
 def is_own_object(key: str, node: str) -> bool:
     """Is `key` (a validated object key) one that `node` wrote?"""
     return key.startswith(f"data/{node}/")
@@ -494,4 +559,4 @@ def is_own_object(key: str, node: str) -> bool:
 __all__ = ["MAX_CHUNK", "MAX_DOCUMENT_BYTES", "MAX_ENTRIES", "MODE_MASK", "DocumentError",
            "ManifestError", "PartError", "is_own_object", "lz4_frame_bound",
            "manifest", "node_id", "object_geometry", "part_record", "path", "peer_endpoint",
-           "protocol_doc", "stored_object"]
+           "protocol_doc", "replica_offer", "stored_object"]

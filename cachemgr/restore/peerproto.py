@@ -10,6 +10,16 @@ beside it without touching these):
         this node does not hold that chunk verified, 401 when authentication fails, 400 for a
         malformed request, 503 when the server is at its connection limit.
 
+    POST /v1/replica/offer      (body: a replica offer, JSON, at most MAX_OFFER_BYTES)
+        a node offers a set it committed to a buddy (cachemgr.tiering.replicate): 200 the
+        buddy holds it (fsynced), 202 it is pulling it (offer again later), 507 it has no room,
+        400 a malformed or invalid offer, 503 its queue of offers is full.
+    GET /v1/replica/file?seq=<set seq>&i=<file index>&off=<offset>&len=<length>
+        the buddy pulls the offered bytes from the set's origin: 200 with exactly those bytes
+        of the committed content and `X-Ckptfs-Crc32c` (their CRC32C, decimal), 410 when the
+        file changed since its commit (the origin offers the newer commit), 404 no such set or
+        file here, 400 malformed.
+
 Authentication: every request carries `X-Ckptfs-Time` (unix seconds), `X-Ckptfs-Nonce` (32 hex
 digits, random) and `X-Ckptfs-Auth`, the hex HMAC-SHA256 with the shared secret of
 "ckptfs-peer-v1\\n<METHOD>\\n<target>\\n<time>\\n<nonce>" (target: path and query as sent). A
@@ -40,6 +50,11 @@ CLOCK_WINDOW_S = 60.0         # a request's time may differ from the server's by
 REPLAY_CACHE_MAX = 100_000    # nonces remembered: ~8 MB; beyond it, requests are refused (401)
 MAX_TARGET = 4096             # bytes of path+query a server accepts (object keys <= 1,024)
 H_TIME, H_NONCE, H_AUTH = b"x-ckptfs-time", b"x-ckptfs-nonce", b"x-ckptfs-auth"
+H_CRC = b"x-ckptfs-crc32c"    # the CRC32C of a replica range's bytes
+OFFER_ROUTE = "/v1/replica/offer"
+FILE_ROUTE = "/v1/replica/file"
+MAX_OFFER_BYTES = 1 << 20     # a replica offer's body (validate.MAX_PROTOCOL_BYTES)
+MAX_RANGE = 4 << 20           # bytes per replica file range
 
 
 @dataclass(frozen=True)
@@ -102,6 +117,39 @@ def parse_chunk_target(target: str) -> ChunkRequest | None:
     if len(crc) > 10 or len(i) > 9 or len(key.encode()) > 1024:
         return None
     return ChunkRequest(key, int(crc), int(i))
+
+
+def file_target(seq: int, index: int, off: int, length: int) -> str:
+    return f"{FILE_ROUTE}?seq={seq}&i={index}&off={off}&len={length}"
+
+
+@dataclass(frozen=True, slots=True)
+class FileRequest:
+    seq: int
+    index: int
+    off: int
+    length: int
+
+
+def parse_file_target(target: str) -> FileRequest | None:
+    """The replica range a request target names, or None when it is not well-formed."""
+    if len(target) > MAX_TARGET:
+        return None
+    parts = urlsplit(target)
+    if parts.path != FILE_ROUTE:
+        return None
+    q = parse_qs(parts.query, strict_parsing=False, max_num_fields=8)
+    try:
+        vals = [q[k] for k in ("seq", "i", "off", "len")]
+    except KeyError:
+        return None
+    if any(len(v) != 1 or not (v[0].isascii() and v[0].isdigit()) or len(v[0]) > 19
+           for v in vals):
+        return None
+    seq, i, off, length = (int(v[0]) for v in vals)
+    if not 0 < length <= MAX_RANGE:
+        return None
+    return FileRequest(seq, i, off, length)
 
 
 def _mac(secret: bytes, method: str, target: str, ts: str, nonce: str) -> str:
@@ -175,6 +223,17 @@ def rendezvous(key: str, peers: list[PeerEndpoint], writer: str | None) -> list[
 
     ranked = sorted(peers, key=weight, reverse=True)
     return sorted(ranked, key=lambda p: p.node != writer)  # stable: the writer moves to front
+
+
+def buddies(node: str, peers: list[PeerEndpoint]) -> list[PeerEndpoint]:
+    """Every peer but `node`, in the order `node` offers its sets to them (the first K are its
+    buddies; the next ones are asked when one refuses): highest-random-weight of (node id,
+    peer id), so a node's buddies move only when one of them comes or goes."""
+    def weight(p: PeerEndpoint) -> bytes:
+        return hashlib.sha256(f"replica\0{node}\0{p.node}".encode("utf-8",
+                                                                  "surrogatepass")).digest()
+
+    return sorted((p for p in peers if p.node != node), key=weight, reverse=True)
 
 
 def writer_of(key: str) -> str | None:

@@ -219,6 +219,55 @@ class PeerClient:
                      for n, (u, a, why) in self._cut.items() if u > now])
 
 
+async def request(cfg: PeerConfig, p: PeerEndpoint, method: str, target: str, *,
+                  body: bytes = b"", limit: int) -> tuple[int, dict[bytes, bytes], bytes]:
+    """One authenticated request to peer `p` (the replica routes, cachemgr.tiering.replicate):
+    (status, headers, body), the body at most `limit` bytes and framed by Content-Length, with
+    the bounds of a chunk request (`header_timeout`, `min_rate`). PeerFault for anything that
+    is not an HTTP answer within them; the caller judges the status and checks the bytes."""
+    with trio.move_on_after(cfg.header_timeout) as scope:
+        try:
+            stream = await trio.open_tcp_stream(p.host, p.port)
+        except OSError as e:
+            raise PeerFault("unreachable", f"is unreachable ({e.strerror or e})") from None
+    if scope.cancelled_caught:
+        raise PeerFault("stall", f"did not accept a connection within {cfg.header_timeout:.0f} s")
+    conn = h11.Connection(h11.CLIENT, max_incomplete_event_size=16384)
+    headers = [(b"host", f"{p.host}:{p.port}".encode()), (b"connection", b"close"),
+               (b"content-length", str(len(body)).encode()), *sign(cfg.secret, method, target)]
+    async with stream:
+        try:
+            await stream.send_all(conn.send(h11.Request(method=method, target=target,
+                                                        headers=headers))
+                                  + (conn.send(h11.Data(data=body)) if body else b"")
+                                  + (conn.send(h11.EndOfMessage()) or b""))
+            with trio.move_on_after(cfg.header_timeout) as scope:
+                ev = await _next(stream, conn)
+            if scope.cancelled_caught:
+                raise PeerFault("stall", f"sent no answer within {cfg.header_timeout:.0f} s")
+            if not isinstance(ev, h11.Response):
+                raise PeerFault("protocol", f"answered with {type(ev).__name__}")
+            status, got = ev.status_code, {k.lower(): v for k, v in ev.headers}
+            length = got.get(b"content-length", b"")
+            if not length.isdigit() or int(length) > limit:
+                raise PeerFault("size", f"announced {length!r} bytes (at most {limit})")
+            data = bytearray()
+            budget = cfg.header_timeout + int(length) / cfg.min_rate
+            with trio.move_on_after(budget) as scope:
+                while not isinstance(ev := await _next(stream, conn), h11.EndOfMessage):
+                    if not isinstance(ev, h11.Data):
+                        raise PeerFault("protocol", f"sent {type(ev).__name__} in a body")
+                    data += ev.data
+            if scope.cancelled_caught:
+                raise PeerFault("stall", f"sent {len(data)} of {int(length)} bytes in "
+                                f"{budget:.0f} s")
+            return status, got, bytes(data)
+        except h11.ProtocolError as e:
+            raise PeerFault("protocol", f"broke HTTP/1.1 ({e})") from None
+        except (OSError, trio.BrokenResourceError) as e:
+            raise PeerFault("unreachable", f"dropped the connection ({e})") from None
+
+
 async def _next(stream: trio.SocketStream, conn: h11.Connection) -> Any:
     """The next h11 event, receiving at most RECEIVE bytes at a time as h11 needs them."""
     while True:

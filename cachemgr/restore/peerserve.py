@@ -33,6 +33,7 @@ import h11
 import trio
 
 from cachemgr.restore.peerproto import (
+    MAX_OFFER_BYTES,
     MAX_TARGET,
     PeerConfig,
     ReplayCache,
@@ -44,7 +45,12 @@ log = logging.getLogger(__name__)
 
 # serve_chunk(key, crc, index): the chunk's raw bytes when held verified, else None
 ServeChunk = Callable[[str, int, int], Awaitable[bytes | None]]
+# replica(method, target, body, peer): (status, body, extra headers) of a /v1/replica/ request
+# (cachemgr.tiering.replicate), called only once the request is authenticated
+ReplicaRoute = Callable[[str, str, bytes, str], Awaitable[tuple[int, bytes,
+                                                                list[tuple[bytes, bytes]]]]]
 
+REPLICA_PREFIX = "/v1/replica/"
 MAX_HEAD = 8192          # bytes of request line + headers (a signed request is ~600)
 IDLE_S = 10.0            # a keep-alive connection with no request for this long is closed
 SEND_SLICE = 256 << 10   # bytes per send of a body
@@ -70,11 +76,13 @@ class _Close(Exception):
 class PeerServer:
     """Serves verified chunks to peers (see the module docstring)."""
 
-    def __init__(self, *, cfg: PeerConfig, sock: socket.socket, serve_chunk: ServeChunk) -> None:
+    def __init__(self, *, cfg: PeerConfig, sock: socket.socket, serve_chunk: ServeChunk,
+                 replica: ReplicaRoute | None = None) -> None:
         """`sock`: the listening socket (`bind`), bound before the services that advertise
-        its port are built."""
+        its port are built. `replica`: the /v1/replica/ routes (None: --replicas 0, 404)."""
         self.cfg = cfg
         self._serve_chunk = serve_chunk
+        self.replica = replica
         self._sock = sock
         self.port: int = sock.getsockname()[1]
         self._replay = ReplayCache()
@@ -134,8 +142,9 @@ class PeerServer:
             conn.start_next_cycle()
 
     async def _read(self, stream: trio.SocketStream, conn: h11.Connection,
-                    kind: type) -> object:
-        """The next event of `kind` (a Request; its EndOfMessage), skipping body data; None
+                    kind: type, body: bytearray | None = None) -> object:
+        """The next event of `kind` (a Request; its EndOfMessage), body data kept in `body`
+        (at most MAX_OFFER_BYTES: beyond it, 413 and the connection ends) or skipped; None
         when the peer closed the connection. A malformed or oversized request is answered
         (400, 431) and ends the connection."""
         try:
@@ -143,6 +152,13 @@ class PeerServer:
                 ev = await _event(stream, conn)
                 if isinstance(ev, kind):
                     return ev
+                if isinstance(ev, h11.Data) and body is not None:
+                    body += ev.data
+                    if len(body) > MAX_OFFER_BYTES:
+                        self.bad_requests += 1
+                        with _quiet():
+                            await self._respond(stream, conn, 413, b"body too large")
+                        raise _Close
                 if isinstance(ev, h11.ConnectionClosed) or ev is h11.PAUSED:
                     return None
         except h11.RemoteProtocolError as e:
@@ -153,7 +169,8 @@ class PeerServer:
 
     async def _request(self, stream: trio.SocketStream, conn: h11.Connection,
                        req: h11.Request) -> None:
-        if await self._read(stream, conn, h11.EndOfMessage) is None:
+        body = bytearray()
+        if await self._read(stream, conn, h11.EndOfMessage, body) is None:
             raise _Close
         if len(req.target) > MAX_TARGET:
             self.bad_requests += 1
@@ -168,6 +185,12 @@ class PeerServer:
             self.refused_auth += 1
             self._warn("peers: refused a request from %s:%s: %s", peer[0], peer[1], why)
             await self._respond(stream, conn, 401, b"unauthorized")
+            return
+        if target.startswith(REPLICA_PREFIX):
+            status, out, extra = (404, b"no replicas here", []) if self.replica is None else \
+                await self.replica(req.method.decode("ascii", "replace"), target, bytes(body),
+                                   f"{peer[0]}:{peer[1]}")
+            await self._respond(stream, conn, status, out, extra)
             return
         if req.method != b"GET":
             self.bad_requests += 1
@@ -188,10 +211,11 @@ class PeerServer:
         self.served_bytes += len(data)
 
     async def _respond(self, stream: trio.SocketStream, conn: h11.Connection, status: int,
-                       body: bytes) -> None:
+                       body: bytes, extra: list[tuple[bytes, bytes]] | None = None) -> None:
         ctype = b"application/octet-stream" if status == 200 else b"text/plain"
         await stream.send_all(conn.send(h11.Response(status_code=status, headers=[
-            (b"content-length", str(len(body)).encode()), (b"content-type", ctype)])) or b"")
+            (b"content-length", str(len(body)).encode()), (b"content-type", ctype),
+            *(extra or [])])) or b"")
         for off in range(0, len(body), SEND_SLICE):
             await stream.send_all(conn.send(h11.Data(data=body[off:off + SEND_SLICE])) or b"")
         await stream.send_all(conn.send(h11.EndOfMessage()) or b"")

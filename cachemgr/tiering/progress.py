@@ -331,6 +331,29 @@ class Progress:
         return {"state": "timeout", "seq": s.seq if s else None, "path": s.path if s else None,
                 "error": f"not durable after {timeout}s (state {s.state if s else '?'})"}
 
+    async def wait_until(self, path: str, timeout: float | None,
+                         reached: Callable[[SetRow], str | None], what: str) -> Reply:
+        """Wait until `reached(set)` names a state for the set holding `path` (following
+        supersession), or the set ends (durable, failed, ...): `ckptfs wait --replicated`. One
+        set: a directory of many sets is not waited for as a whole here."""
+        self.waits += 1
+        path = names.from_str(path.strip("/"))
+        with trio.move_on_after(math.inf if timeout is None else timeout):
+            while True:
+                s = self.sets.holding(path) if path else None
+                if s is None:
+                    return {"state": "none", "error": f"{path or '/'} is not in any committed"
+                            " set"}
+                got = reached(s)
+                if got is not None:
+                    return {"state": got, "seq": s.seq, "path": s.path, "error": None}
+                if s.state in ("durable", "failed", "deleted", "deleting", "replaced"):
+                    return {"state": s.state, "seq": s.seq, "path": s.path, "error": s.error}
+                await self.signals.wait_changed()
+        s = self.sets.holding(path) if path else None
+        return {"state": "timeout", "seq": s.seq if s else None, "path": s.path if s else None,
+                "error": f"not {what} after {timeout}s (state {s.state if s else '?'})"}
+
     # -- waiting for a directory of many sets (docs/SEMANTICS.md "Waiting for a directory") ----
     #
     # What is waited for is fixed at the call: the newest commit of each path at or under the

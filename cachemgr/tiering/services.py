@@ -97,6 +97,9 @@ class TieringConfig:
     read_only: bool = False
     # --peers: restore from and serve to other nodes (cachemgr.restore.peers, peerserve)
     peers: PeerConfig | None = None
+    # --replicas K: buddies every committed set is copied to before the store has it
+    # (cachemgr.tiering.replicate); 0: off. Only with `peers`.
+    replicas: int = 0
 
 
 class Tiering:
@@ -148,11 +151,29 @@ class Tiering:
                                  sets=self.sets, store=store, kernel=kernel, node=self.node,
                                  interval=cfg.refresh_interval,
                                  mark_parts=self.parts.mark_all, changed=self.signals.changed_now)
+        self.replication = None if peer_sock is None or cfg.peers is None or \
+            cfg.replicas <= 0 else self._replication(cfg.peers, peer_sock.getsockname()[1])
         self.peer_server = None if peer_sock is None or cfg.peers is None else \
             peerserve.PeerServer(cfg=cfg.peers, sock=peer_sock,
-                                 serve_chunk=self.restorer.chunks.serve_chunk)
+                                 serve_chunk=self.restorer.chunks.serve_chunk,
+                                 replica=None if self.replication is None else
+                                 self.replication.route)
         self._build_services()
         self.running = False
+
+    def _replication(self, peers: PeerConfig, port: int) -> Any:
+        """--replicas K (cachemgr.tiering.replicate): this node as an origin and as a buddy."""
+        from cachemgr.tiering.replicate import ReplicaHolder, ReplicaOrigin, Replication
+
+        cache, cfg = self.cache, self.cfg
+        return Replication(
+            ReplicaOrigin(index=self.index, sets=self.sets, files=cache.files, node=self.node,
+                          lease=self.lease, members=self.members, cfg=peers, k=cfg.replicas,
+                          endpoint=(peers.advertise, port), signals=self.signals,
+                          interval=cfg.refresh_interval if cfg.refresh_interval > 0 else 10.0),
+            ReplicaHolder(cache_dir=cache.cache_dir, node=self.node, cfg=peers,
+                          store=self.store, files=cache.files, cache_size=cfg.cache_size,
+                          interval=cfg.refresh_interval if cfg.refresh_interval > 0 else 10.0))
 
     def _build_services(self) -> None:
         """The tiering services, each given its collaborators (see the module docstring)."""
@@ -216,6 +237,8 @@ class Tiering:
                 nursery.start_soon(self._supervised, self.members.run)
                 if self.peer_server is not None:
                     nursery.start_soon(self._supervised, self.peer_server.run)
+                if self.replication is not None:
+                    nursery.start_soon(self._supervised, self.replication.run)
                 task_status.started()
         finally:
             self.running = False
@@ -266,6 +289,17 @@ class Tiering:
     async def wait(self, path: str, timeout: float | None) -> dict[str, Any]:
         return await self.progress.wait(path, timeout)
 
+    async def wait_replicated(self, path: str, timeout: float | None) -> dict[str, Any]:
+        """`ckptfs wait --replicated`: until the set holding `path` is held by K buddies, or
+        durable (state "replicated" / "durable"; "off" without --replicas)."""
+        if self.replication is None:
+            return {"state": "off", "error": "replication is off on this mount (it needs "
+                    "--peers and --replicas K > 0)"}
+        rep = self.replication.origin
+        return await self.progress.wait_until(
+            path, timeout, lambda s: "replicated" if s.state in LIVE_STATES and
+            rep.replicated(s.seq) else None, "replicated")
+
     def services(self) -> dict[str, Any]:
         """Each tiering service's own statistics (status and metrics show them as "services")."""
         return {"commit": asdict(self.commits.statistics()),
@@ -282,6 +316,10 @@ class Tiering:
         from cachemgr.tiering.progress import stuck_after as threshold
 
         sets, pending = self.progress.set_rows(limit)
+        if self.replication is not None:
+            for row in sets:
+                if row["origin"] == "local":
+                    row.update(self.replication.set_fields(row["seq"], row["state"]))
         live = self.sets.by_states(LIVE_STATES)
         after_s = threshold(self.cfg.commit_timeout) if stuck_after is None else stuck_after
         nstuck, stuck = self.progress.stuck_sets(after_s, Probes(
@@ -375,13 +413,22 @@ class Tiering:
             "services": self.services(),
         }
 
+    def replication_status(self) -> dict[str, Any] | None:
+        """--replicas: this node's sets held by buddies and what it holds for others (None:
+        off)."""
+        if self.replication is None:
+            return None
+        return asdict(self.replication.statistics(
+            lambda: [s.seq for s in self.sets.by_states(LIVE_STATES) if s.origin == "local"]))
+
     def peers_status(self) -> dict[str, Any] | None:
         """--peers: what this node served and restored from peers vs the store (None: off)."""
         if self.cfg.peers is None:
             return None
         r = self.restorer.statistics().chunks
         client = self.restorer.chunks.peers
-        return {"server": None if self.peer_server is None else
+        return {"replication": self.replication_status(),
+                "server": None if self.peer_server is None else
                 asdict(self.peer_server.statistics()),
                 "restored_from_peers": {"bytes": r.peer_bytes, "chunks": r.peer_chunks},
                 "restored_from_store": {"bytes": r.bytes_fetched, "chunks": r.chunks_fetched},

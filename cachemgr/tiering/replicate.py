@@ -1,0 +1,481 @@
+"""Replicated before durable (--replicas K, docs/ARCHITECTURE.md "Peers", docs/SEMANTICS.md
+"Replicated"): every set this node commits is copied, in the background and in commit order,
+to K buddies (cachemgr.restore.peerproto.buddies: the peers of highest rendezvous weight for
+this node's id), before the store has it. Never on the trainer's path: the hooks that commit a
+set do nothing here; this service reads the committed sets from the index and offers them.
+
+Protocol (the peer port of --peers, cachemgr.restore.peerserve; routes in peerproto):
+
+  * the origin POSTs an offer (`/v1/replica/offer`): the set's descriptor, the entries its
+    manifest would hold (files with rel/size/mode/mtime, dirs, symlinks), its seq, commit time,
+    the origin's id, generation and peer endpoint; validated on receipt
+    (cachemgr.format.validate.replica_offer: paths inside the set, sizes bounded);
+  * the buddy answers 200 (held), 202 (pulling: the origin offers again every OFFER_POLL_S),
+    507 (no room: the origin asks the next peer in rendezvous order), 400 (refused);
+  * the buddy pulls each file by range (`/v1/replica/file?seq&i&off&len`, MAX_RANGE bytes):
+    the origin serves exactly the committed content version (410 once the file changed: the
+    newer commit is offered in its turn) with the range's CRC32C, which the buddy checks;
+  * the buddy writes under `<cache>/replicas/<origin>/<seq>.part/<i>` (file names are indices,
+    never names from the request), fsyncs each file, writes `descriptor.json` (fsynced), renames
+    the directory to `<seq>` and fsyncs its parent: a replica is held iff that directory
+    exists. The next offer is then answered 200 and the origin counts the buddy.
+
+Bounds: offers queue at most MAX_QUEUED per buddy (503 beyond); replica bytes held or being
+pulled count against the buddy's --cache-size with its own cached bytes (or its disk's free
+space less DISK_RESERVE without one): 507 when an offer would not fit. A buddy drops a replica
+once the store holds that path's manifest committed at or after it, or its origin's newer
+commit of the same path is held.
+
+State, its owner and its guards (all on the daemon's trio thread, no await between a read and
+its update): `ReplicaOrigin.holders` (seq -> buddies holding it; in memory: after a restart the
+origin offers again and buddies that hold it answer 200 at once), `_pulling` (seq -> buddies
+pulling it); `ReplicaHolder.held` / `pulling` ((origin, seq) -> descriptor) and the byte counts.
+Crash states: a `<seq>.part` directory (a pull cut short) is removed at the next start; a
+`<seq>` directory without a readable descriptor is removed too.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
+
+import trio
+
+from cachemgr.core.sets import LIVE_STATES, SetRegistry
+from cachemgr.format import validate
+from cachemgr.format.decode import crc32c
+from cachemgr.format.keys import manifest_key
+from cachemgr.restore.peerproto import (
+    FILE_ROUTE,
+    H_CRC,
+    MAX_RANGE,
+    OFFER_ROUTE,
+    PeerConfig,
+    PeerEndpoint,
+    buddies,
+    file_target,
+    parse_file_target,
+)
+from cachemgr.restore.peers import PeerFault, request
+from cachemgr.store import NotFound, ObjectStore, StoreError
+
+if TYPE_CHECKING:
+    from cachemgr.core.filecache import FileCache
+    from cachemgr.core.index import Index
+    from cachemgr.tiering.members import Lease, Members
+    from cachemgr.tiering.signals import Signals
+
+log = logging.getLogger(__name__)
+
+OFFER_POLL_S = 0.5          # an origin offers a set being pulled again this often
+PEER_LIST_S = 10.0          # an origin lists the live peers at most this often: 1 LIST each
+MAX_QUEUED = 64             # offers a buddy queues (503 beyond)
+DISK_RESERVE = 1 << 30      # free bytes a buddy without --cache-size keeps for itself
+FAILED_S = 10.0             # an offer whose pull failed is refused (409) this long
+DESCRIPTOR = "descriptor.json"
+
+Reply = tuple[int, bytes, list[tuple[bytes, bytes]]]
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaStats:
+    replicas: int                 # K
+    buddies: list[str]            # this node's K buddies (its last listing of live peers)
+    replicated_sets: int          # this node's live sets held by K buddies
+    offers_sent: int
+    held_for_others: int          # replicas this node holds for other nodes
+    replica_bytes: int
+    pulling: int
+    pulls_failed: int
+    offers_refused: int
+    dropped: int
+    served_ranges: int
+
+
+class ReplicaOrigin:
+    """This node's side as an origin: offers its committed sets, serves their bytes."""
+
+    def __init__(self, *, index: Index, sets: SetRegistry, files: FileCache, node: str,
+                 lease: Lease, members: Members, cfg: PeerConfig, k: int,
+                 endpoint: tuple[str, int], signals: Signals, interval: float) -> None:
+        """`interval`: the live peers are listed this often (at most PEER_LIST_S)."""
+        self.index, self.sets, self.files, self.node = index, sets, files, node
+        self.interval = min(interval, PEER_LIST_S)
+        self.lease, self.members, self.cfg, self.k = lease, members, cfg, k
+        self.endpoint, self.signals = endpoint, signals
+        self.holders: dict[int, set[str]] = {}
+        self._pulling: dict[int, set[str]] = {}
+        self._peers: list[PeerEndpoint] = []   # the last listing that answered
+        self._peers_at = -1e9
+        self.offers_sent = 0
+        self.served_ranges = 0
+
+    def held_by(self, seq: int) -> int:
+        return len(self.holders.get(seq, ()))
+
+    def replicated(self, seq: int) -> bool:
+        return self.held_by(seq) >= self.k
+
+    async def run(self) -> None:
+        while True:
+            await self._pass()
+            with trio.move_on_after(OFFER_POLL_S):
+                await self.signals.wait_changed()
+
+    async def _live_peers(self) -> list[PeerEndpoint]:
+        """The live peers, listed every `interval`, with or without sets to offer (so the list
+        is at hand when the store goes down); the last list that answered while the store does
+        not (an outage is when replicas matter most)."""
+        if time.monotonic() - self._peers_at >= self.interval:
+            self._peers_at = time.monotonic()
+            try:
+                self._peers = await self.members.peers()
+            except StoreError as e:
+                log.debug("replicas: cannot list the members (%s): offering to the last known",
+                          e)
+        return self._peers
+
+    def buddies(self) -> list[str]:
+        """This node's K buddies as of its last listing of the live peers."""
+        return [p.node for p in buddies(self.node, self._peers)[:self.k]]
+
+    async def _pass(self) -> None:
+        live = [s for s in self.sets.by_states(LIVE_STATES) if s.origin == "local"]
+        keep = {s.seq for s in live}
+        for gone in set(self.holders) - keep:
+            del self.holders[gone]
+        for gone in set(self._pulling) - keep:
+            del self._pulling[gone]
+        peers = await self._live_peers()
+        todo = sorted((s for s in live if not self.replicated(s.seq)), key=lambda s: s.seq)
+        for s in todo:  # commit order: each buddy queues its offers in the order they come
+            await self._offer(s.seq, peers)
+
+    def _descriptor(self, seq: int) -> bytes | None:
+        s = self.sets.get(seq)
+        if s is None:
+            return None
+        layout = json.loads(s.layout or "{}")
+        doc: dict[str, Any] = {
+            "format": "ckptfs-replica-offer", "version": 1, "origin": self.node,
+            "generation": self.lease.generation, "seq": seq, "path": s.path, "kind": s.kind,
+            "committed_ns": s.committed_ns, "reason": s.reason,
+            "endpoint": {"host": self.endpoint[0], "port": self.endpoint[1]},
+            "files": [{"rel": f[0], "size": f[3], "mode": f[4], "mtime_ns": f[5]}
+                      for f in self.sets.files(seq)],
+            "dirs": layout.get("dirs", []), "symlinks": layout.get("symlinks", [])}
+        if "mode" in layout:
+            doc["mode"] = layout["mode"]
+        if s.kind == "symlink":
+            doc["target"] = layout.get("target")
+        return json.dumps(doc, sort_keys=True).encode()
+
+    async def _offer(self, seq: int, peers: list[PeerEndpoint]) -> None:
+        held = self.holders.setdefault(seq, set())
+        pulling = self._pulling.setdefault(seq, set())
+        body = self._descriptor(seq)
+        if body is None:
+            return
+        for p in buddies(self.node, peers):
+            if len(held) >= self.k:
+                break
+            if p.node in held or (len(held) + len(pulling) >= self.k and p.node not in pulling):
+                continue
+            try:
+                status, _h, text = await request(self.cfg, p, "POST", OFFER_ROUTE, body=body,
+                                                 limit=4096)
+            except PeerFault as e:
+                log.debug("replicas: offer of set %d to %s: %s", seq, p.describe(), e)
+                pulling.discard(p.node)
+                continue
+            self.offers_sent += 1
+            if status == 200:
+                held.add(p.node)
+                pulling.discard(p.node)
+                if len(held) >= self.k:
+                    log.info("set %d replicated to %s", seq, ", ".join(sorted(held)))
+                self.signals.wake_waiters()
+            elif status == 202:
+                pulling.add(p.node)
+            else:
+                pulling.discard(p.node)
+                log.debug("replicas: %s answered %d to the offer of set %d: %s", p.describe(),
+                          status, seq, text[:200].decode("utf-8", "replace"))
+
+    async def serve_file(self, target: str) -> Reply:
+        """A range of a committed file of a live local set, with its CRC32C; 410 once the file's
+        content is no longer the committed version."""
+        ask = parse_file_target(target)
+        if ask is None:
+            return 400, b"not a replica file request", []
+        s = self.sets.get(ask.seq)
+        if s is None or s.state not in LIVE_STATES or s.origin != "local":
+            return 404, b"no such set here", []
+        files = self.sets.files(ask.seq)
+        if not 0 <= ask.index < len(files):
+            return 404, b"no such file", []
+        _rel, ino, version, size = files[ask.index][:4]
+        if ask.off + ask.length > size:
+            return 400, b"range past the end", []
+
+        def current() -> bool:
+            v = self.index.inode_fields(ino, "version")
+            return v is not None and v[0] == version
+
+        if not current():
+            return 410, b"changed since its commit", []
+
+        def read() -> bytes:
+            with open(self.files.path(ino), "rb") as f:
+                return os.pread(f.fileno(), ask.length, ask.off)
+
+        try:
+            data = await trio.to_thread.run_sync(read)
+        except OSError as e:
+            log.warning("replicas: cannot read inode %d for a buddy: %s", ino, e)
+            return 404, b"not readable here", []
+        if not current() or len(data) != ask.length:
+            return 410, b"changed since its commit", []
+        self.served_ranges += 1
+        return 200, data, [(H_CRC, str(crc32c(data)).encode())]
+
+
+class ReplicaHolder:
+    """This node's side as a buddy: takes offers, pulls, holds and drops replicas."""
+
+    def __init__(self, *, cache_dir: Path, node: str, cfg: PeerConfig, store: ObjectStore,
+                 files: FileCache, cache_size: int | None, interval: float) -> None:
+        self.root = cache_dir / "replicas"
+        self.node, self.cfg, self.store, self.files = node, cfg, store, files
+        self.cache_size, self.interval = cache_size, interval
+        self.held: dict[tuple[str, int], dict[str, Any]] = {}
+        self.pulling: dict[tuple[str, int], dict[str, Any]] = {}
+        self._failed: dict[tuple[str, int], float] = {}
+        self._send, self._recv = trio.open_memory_channel[dict[str, Any]](MAX_QUEUED)
+        self.replica_bytes = 0
+        self.pulls_failed = 0
+        self.offers_refused = 0
+        self.dropped = 0
+
+    @staticmethod
+    def _bytes(desc: dict[str, Any]) -> int:
+        return sum(f["size"] for f in desc["files"])
+
+    def _room(self) -> int:
+        reserved = self.replica_bytes + sum(self._bytes(d) for d in self.pulling.values())
+        if self.cache_size is not None:
+            return self.cache_size - self.files.cached_bytes - reserved
+        st = os.statvfs(self.root.parent)
+        return st.f_bavail * st.f_frsize - DISK_RESERVE - reserved
+
+    # -- the offer ----------------------------------------------------------------------------
+
+    def offer(self, body: bytes, peer: str) -> Reply:
+        try:
+            desc = validate.replica_offer(body)
+        except validate.DocumentError as e:
+            self.offers_refused += 1
+            log.warning("replicas: refused an offer from peer %s: %s", peer, e)
+            return 400, b"invalid offer", []
+        key = (desc["origin"], desc["seq"])
+        if desc["origin"] == self.node:
+            return 400, b"an offer from this node", []
+        if key in self.held:
+            return 200, b"held", []
+        if key in self.pulling:
+            return 202, b"pulling", []
+        if self._failed.get(key, 0.0) > time.monotonic():
+            return 409, b"its last pull failed", []
+        if self._bytes(desc) > self._room():
+            self.offers_refused += 1
+            return 507, b"no room for this replica", []
+        try:
+            self._send.send_nowait(desc)
+        except trio.WouldBlock:
+            return 503, b"too many offers queued", []
+        self.pulling[key] = desc
+        return 202, b"pulling", []
+
+    # -- the pulls ----------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        await trio.to_thread.run_sync(self._load)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._drop_loop)
+            async for desc in self._recv:
+                await self._pull_one(desc)
+
+    def _load(self) -> None:
+        """The replicas a previous daemon left: whole ones are held, partial ones removed."""
+        if not self.root.is_dir():
+            return
+        for odir in self.root.iterdir():
+            for d in odir.iterdir() if odir.is_dir() else ():
+                try:
+                    desc = validate.replica_offer((d / DESCRIPTOR).read_bytes())
+                    ok = not d.name.endswith(".part") and d.name == str(desc["seq"]) and \
+                        desc["origin"] == odir.name
+                except (OSError, validate.DocumentError):
+                    ok = False
+                if not ok:
+                    shutil.rmtree(d, ignore_errors=True)
+                    continue
+                self.held[(desc["origin"], desc["seq"])] = desc
+                self.replica_bytes += self._bytes(desc)
+
+    async def _pull_one(self, desc: dict[str, Any]) -> None:
+        key = (desc["origin"], desc["seq"])
+        origin = PeerEndpoint(desc["origin"], *desc["endpoint"])
+        part = self.root / desc["origin"] / f"{desc['seq']}.part"
+        try:
+            await trio.to_thread.run_sync(self._fresh, part)
+            for i, f in enumerate(desc["files"]):
+                await self._pull_file(origin, desc, i, f["size"], part / str(i))
+            await trio.to_thread.run_sync(self._seal, part, desc)
+        except (PeerFault, OSError) as e:
+            self.pulls_failed += 1
+            self._failed[key] = time.monotonic() + FAILED_S
+            await trio.to_thread.run_sync(lambda: shutil.rmtree(part, ignore_errors=True))
+            what = f"peer {origin.describe()} {e}" if isinstance(e, PeerFault) else str(e)
+            log.warning("replicas: set %d of node %s (%s) not replicated here: %s",
+                        desc["seq"], desc["origin"], desc["path"], what)
+            return
+        finally:
+            self.pulling.pop(key, None)
+        self.held[key] = desc
+        self.replica_bytes += self._bytes(desc)
+        log.info("replicas: holding set %d of node %s (%s, %d bytes)", desc["seq"],
+                 desc["origin"], desc["path"], self._bytes(desc))
+        for old, d in list(self.held.items()):  # the origin's older commits of the same path
+            if old[0] == key[0] and old[1] < key[1] and d["path"] == desc["path"]:
+                await self._drop(old, "a newer commit of its path is held")
+
+    @staticmethod
+    def _fresh(part: Path) -> None:
+        shutil.rmtree(part, ignore_errors=True)
+        part.mkdir(parents=True)
+
+    async def _pull_file(self, origin: PeerEndpoint, desc: dict[str, Any], i: int, size: int,
+                         dest: Path) -> None:
+        fd = await trio.to_thread.run_sync(
+            lambda: os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        try:
+            off = 0
+            while off < size:
+                n = min(MAX_RANGE, size - off)
+                status, headers, data = await request(
+                    self.cfg, origin, "GET", file_target(desc["seq"], i, off, n), limit=n)
+                if status == 410:
+                    raise PeerFault("changed", f"says file {i} changed since its commit")
+                if status != 200 or len(data) != n:
+                    raise PeerFault("status", f"answered HTTP {status} ({len(data)} bytes) for "
+                                    f"file {i} at {off}")
+                crc = headers.get(H_CRC, b"")
+                if not crc.isdigit() or int(crc) != await trio.to_thread.run_sync(crc32c, data):
+                    raise PeerFault("corrupt", f"sent bytes of file {i} at {off} that fail "
+                                    "their CRC32C")
+                await trio.to_thread.run_sync(os.pwrite, fd, data, off)
+                off += n
+            await trio.to_thread.run_sync(os.fsync, fd)
+        finally:
+            os.close(fd)
+
+    def _seal(self, part: Path, desc: dict[str, Any]) -> None:
+        doc = {"format": "ckptfs-replica-offer", "version": 1, **desc,
+               "endpoint": {"host": desc["endpoint"][0], "port": desc["endpoint"][1]}}
+        with open(part / DESCRIPTOR, "wb") as f:
+            f.write(json.dumps(doc, sort_keys=True).encode())
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_dir(part)
+        final = part.with_name(str(desc["seq"]))
+        shutil.rmtree(final, ignore_errors=True)
+        os.rename(part, final)
+        _fsync_dir(final.parent)
+
+    # -- dropping -----------------------------------------------------------------------------
+
+    async def _drop(self, key: tuple[str, int], why: str) -> None:
+        desc = self.held.pop(key, None)
+        if desc is None:
+            return
+        self.replica_bytes -= self._bytes(desc)
+        self.dropped += 1
+        d = self.root / key[0] / str(key[1])
+        await trio.to_thread.run_sync(lambda: shutil.rmtree(d, ignore_errors=True))
+        log.info("replicas: dropped set %d of node %s (%s): %s", key[1], key[0], desc["path"],
+                 why)
+
+    async def durable_in_store(self, desc: dict[str, Any]) -> bool:
+        """Whether the store's manifest of the replica's path was committed at or after it
+        (StoreError: the store cannot say now)."""
+        try:
+            data = await self.store.get(manifest_key(desc["path"]))
+        except NotFound:
+            return False
+        try:
+            m = validate.manifest(data)
+        except validate.DocumentError:
+            return False
+        done: int = int(m["commit"].get("committed_ns", 0))
+        return done >= int(desc["committed_ns"])
+
+    async def _drop_loop(self) -> None:
+        while True:
+            await trio.sleep(self.interval)
+            for key, desc in list(self.held.items()):
+                try:
+                    if await self.durable_in_store(desc):
+                        await self._drop(key, "durable in the store")
+                except StoreError as e:
+                    log.debug("replicas: cannot check the store for %s: %s", desc["path"], e)
+                    break
+
+
+class Replication:
+    """Both sides, and the routes the peer server hands them (cachemgr.restore.peerserve)."""
+
+    def __init__(self, origin: ReplicaOrigin, holder: ReplicaHolder) -> None:
+        self.origin, self.holder = origin, holder
+
+    async def route(self, method: str, target: str, body: bytes, peer: str) -> Reply:
+        path = urlsplit(target).path
+        if path == OFFER_ROUTE and method == "POST":
+            return self.holder.offer(body, peer)
+        if path == FILE_ROUTE and method == "GET":
+            return await self.origin.serve_file(target)
+        return 404, b"no such route", []
+
+    async def run(self) -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self.origin.run)
+            nursery.start_soon(self.holder.run)
+
+    def set_fields(self, seq: int, state: str) -> dict[str, Any]:
+        """What status adds to a set's row: buddies holding it, replicated or not."""
+        n = self.origin.held_by(seq)
+        return {"replicas": n, "replicated": state == "durable" or n >= self.origin.k}
+
+    def statistics(self, live: Callable[[], list[int]]) -> ReplicaStats:
+        o, h = self.origin, self.holder
+        return ReplicaStats(
+            replicas=o.k, buddies=o.buddies(), replicated_sets=sum(1 for s in live() if o.replicated(s)),
+            offers_sent=o.offers_sent, held_for_others=len(h.held),
+            replica_bytes=h.replica_bytes, pulling=len(h.pulling), pulls_failed=h.pulls_failed,
+            offers_refused=h.offers_refused, dropped=h.dropped, served_ranges=o.served_ranges)

@@ -1,0 +1,260 @@
+"""Replicated before durable (--replicas, docs/ARCHITECTURE.md "Peers", docs/SEMANTICS.md
+"Replicated"): real mounts on 127.0.0.1 on one moto S3 store, node A's store behind the fault
+proxy (tests/faultproxy.py) so that A alone can lose it. A set A commits while the store is
+down is copied to A's buddy (B), fsynced there, and `ckptfs wait --replicated` returns; once the
+store is back the set becomes durable and the buddy drops its replica. An offer that escapes the
+set, lies about its size, or comes with bytes failing their CRC32C changes nothing on the buddy
+but a log line naming the peer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+
+import h11
+import pytest
+
+torch = pytest.importorskip("torch")
+from conftest import run_cli, wait_for
+from faultproxy import FaultProxy
+
+import ckptfs
+
+SECRET = b"replica-secret-for-tests-0123456"
+EXIT_USAGE, EXIT_STORE = 2, 7
+
+
+@pytest.fixture
+def cluster(mount_factory, s3_bucket, tmp_path):
+    """cluster(name, *extra, proxied=False) -> a started node with --peers; `proxied`: its
+    store requests go through cluster.proxy (a FaultProxy in front of the store)."""
+    endpoint, bucket = s3_bucket
+    proxy = FaultProxy(endpoint).start()
+    made = []
+
+    def node(name: str, *extra: str, proxied: bool = False):
+        sf = tmp_path / f"{name}.secret"
+        sf.write_bytes(SECRET)
+        sf.chmod(0o600)
+        m = mount_factory(name)
+        m.start("--store", f"s3://{bucket}/p", "--s3-endpoint",
+                proxy.url if proxied else endpoint, "--s3-path-style", "--refresh-interval", "1",
+                "--peers", "--peer-address", "127.0.0.1", "--peer-secret-file", str(sf), *extra)
+        m.node_id = ckptfs.status(m.path)["tiering"]["store"]["node"]
+        made.append(m)
+        return m
+
+    node.proxy, node.endpoint, node.bucket = proxy, endpoint, bucket
+    try:
+        yield node
+    finally:
+        proxy.clear()
+        for m in made:
+            errors = m.unexpected_errors()
+            assert not errors, f"daemon {m.mountpoint.name} logged unexpected errors:\n" + \
+                "\n".join(errors)
+            assert SECRET.decode() not in m.log_text(), "the secret was logged"
+        proxy.stop()
+
+
+def replication(m) -> dict:
+    return ckptfs.status(m.path)["tiering"]["peers"]["replication"]
+
+
+def set_row(m, path: str) -> dict:
+    rows = [s for s in ckptfs.status(m.path)["tiering"]["sets"] if s["path"] == path]
+    assert rows, path
+    return max(rows, key=lambda s: s["seq"])
+
+
+def knows_buddy(a, b) -> None:
+    wait_for(lambda: replication(a)["buddies"] == [b.node_id], timeout=20,
+             what=f"{a.node_id} to list {b.node_id} as its buddy")
+
+
+def outside_replicas(m) -> dict[str, tuple[int, int]]:
+    """(size, mtime_ns) of every file in the cache dir but the replicas, the index and logs."""
+    out = {}
+    for p in m.cache_dir.rglob("*"):
+        rel = p.relative_to(m.cache_dir).as_posix()
+        if p.is_file() and not rel.startswith("replicas/") and "index" not in rel:
+            st = p.stat()
+            out[rel] = (st.st_size, st.st_mtime_ns)
+    return out
+
+
+def replica_files(m) -> list[str]:
+    root = m.cache_dir / "replicas"
+    return sorted(p.relative_to(root).as_posix() for p in root.rglob("*")) \
+        if root.exists() else []
+
+
+def test_replicated_before_durable_then_durable_and_dropped(cluster):
+    a = cluster("a", proxied=True)
+    b = cluster("b")
+    knows_buddy(a, b)
+    cluster.proxy.outage()  # the store is down for A only, until clear()
+    g = torch.Generator().manual_seed(3)
+    tmp = a.path / "run" / "step_1.tmp"
+    tmp.mkdir(parents=True)
+    torch.save({"w": torch.randn(1 << 20, generator=g)}, tmp / "model.pt")
+    os.rename(tmp, a.path / "run" / "step_1")
+    data = (a.path / "run" / "step_1" / "model.pt").read_bytes()
+
+    res = run_cli("wait", "--replicated", str(a.path / "run" / "step_1"), "--timeout", "20")
+    assert res.returncode == 0, res.stderr
+    assert "is replicated" in res.stdout, res.stdout
+    row = set_row(a, "run/step_1")
+    assert row["state"] != "durable" and row["replicated"] and row["replicas"] == 1, row
+    res = run_cli("wait", str(a.path / "run" / "step_1"), "--timeout", "1")
+    assert res.returncode == EXIT_STORE, (res.stdout, res.stderr)  # replicated, not durable
+    shown = run_cli("status", str(a.path))
+    assert shown.returncode == 0 and "replicated" in shown.stdout, shown.stdout
+
+    held = replication(b)
+    assert held["held_for_others"] == 1 and held["replica_bytes"] == len(data), held
+    (seq_dir,) = (b.cache_dir / "replicas" / a.node_id).iterdir()
+    assert seq_dir.name == str(row["seq"])
+    assert (seq_dir / "0").read_bytes() == data
+    desc = json.loads((seq_dir / "descriptor.json").read_bytes())
+    assert desc["path"] == "run/step_1" and desc["origin"] == a.node_id
+    assert [f["rel"] for f in desc["files"]] == ["model.pt"]
+
+    cluster.proxy.clear()  # the store comes back: A uploads, B drops its replica
+    ckptfs.wait_durable(a.path / "run" / "step_1", timeout=60)
+    wait_for(lambda: replication(b)["held_for_others"] == 0, timeout=30,
+             what="the buddy to drop the replica of a durable set")
+    assert replica_files(b) == [a.node_id]  # the origin's (empty) directory only
+
+
+def test_replicas_need_peers(mount_factory, tmp_path):
+    m = mount_factory("solo")
+    res = m.start("--replicas", "1", check=False)
+    assert res.returncode == EXIT_USAGE, (res.stdout, res.stderr)
+    assert "--replicas needs --peers" in res.stderr
+    plain = mount_factory("plain")
+    plain.start()
+    t = ckptfs.status(plain.path)["tiering"]
+    assert t["peers"] is None
+    torch.save({"w": torch.ones(4)}, plain.path / "x.pt")
+    ckptfs.wait_durable(plain.path / "x.pt", timeout=60)
+    rows = ckptfs.status(plain.path)["tiering"]["sets"]
+    assert rows and all("replicas" not in r and "replicated" not in r for r in rows), rows
+    res = run_cli("wait", "--replicated", str(plain.path / "x.pt"), "--timeout", "5")
+    assert res.returncode == 1 and "replication is off" in res.stderr, res.stderr
+    assert not (plain.cache_dir / "replicas").exists()
+
+
+# ----------------------------------------------------------------------------------------------
+# a peer that lies changes nothing on the buddy
+
+
+def _request(port: int, method: str, target: str, body: bytes = b"",
+             secret: bytes = SECRET) -> int:
+    from cachemgr.restore.peerproto import sign
+
+    conn = h11.Connection(h11.CLIENT)
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(conn.send(h11.Request(method=method, target=target, headers=[
+            (b"host", b"x"), (b"connection", b"close"),
+            (b"content-length", str(len(body)).encode()), *sign(secret, method, target)]))
+            + (conn.send(h11.Data(data=body)) if body else b"") + conn.send(h11.EndOfMessage()))
+        status = 0
+        while True:
+            ev = conn.next_event()
+            if ev is h11.NEED_DATA:
+                conn.receive_data(s.recv(65536))
+            elif isinstance(ev, h11.Response):
+                status = ev.status_code
+            elif isinstance(ev, h11.EndOfMessage | h11.ConnectionClosed):
+                return status
+
+
+class FakeOrigin:
+    """An h11 server that answers every replica range with bytes whose CRC32C header lies."""
+
+    def __init__(self) -> None:
+        self.requests = 0
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        from urllib.parse import parse_qs, urlsplit
+
+        self.sock.settimeout(0.2)
+        while not self.stop.is_set():
+            try:
+                s, _ = self.sock.accept()
+            except TimeoutError:
+                continue
+            conn = h11.Connection(h11.SERVER)
+            with s:
+                s.settimeout(10)
+                ev = conn.next_event()
+                while ev is h11.NEED_DATA:
+                    conn.receive_data(s.recv(65536))
+                    ev = conn.next_event()
+                if not isinstance(ev, h11.Request):
+                    continue
+                self.requests += 1
+                n = int(parse_qs(urlsplit(ev.target.decode()).query)["len"][0])
+                s.sendall(conn.send(h11.Response(status_code=200, headers=[
+                    ("content-length", str(n)), ("x-ckptfs-crc32c", "12345")]))
+                    + conn.send(h11.Data(data=b"\xee" * n)) + conn.send(h11.EndOfMessage()))
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(5)
+        self.sock.close()
+
+
+def _offer(port: int, **over) -> bytes:
+    doc = {"format": "ckptfs-replica-offer", "version": 1, "origin": "evil", "generation": 1,
+           "seq": 7, "path": "run/step_9", "kind": "dir", "committed_ns": time.time_ns(),
+           "reason": "rename", "endpoint": {"host": "127.0.0.1", "port": port},
+           "files": [{"rel": "model.pt", "size": 1000, "mode": 0o644, "mtime_ns": 1}],
+           "dirs": [], "symlinks": []}
+    doc.update(over)
+    return json.dumps(doc).encode()
+
+
+def test_a_lying_peer_changes_nothing_on_the_buddy(cluster):
+    b = cluster("b")
+    port = int(ckptfs.status(b.path)["tiering"]["peers"]["server"]["endpoint"]
+               .rsplit(":", 1)[1])
+    before = outside_replicas(b)
+    fake = FakeOrigin()
+    try:
+        for bad in (dict(path="../etc"), dict(path="/abs"),
+                    dict(files=[{"rel": "../../x", "size": 1, "mode": 0o644}]),
+                    dict(files=[{"rel": "a/../../x", "size": 1, "mode": 0o644}]),
+                    dict(files=[{"rel": "big", "size": 1 << 60, "mode": 0o644}]),
+                    dict(origin="../up")):
+            assert _request(port, "POST", "/v1/replica/offer",
+                            _offer(fake.port, **bad)) == 400, bad
+        assert _request(port, "POST", "/v1/replica/offer", _offer(fake.port),
+                        secret=b"wrong") == 401
+        # the offer is sound, the bytes are not: pulled, refused, nothing kept
+        assert _request(port, "POST", "/v1/replica/offer", _offer(fake.port)) == 202
+        wait_for(lambda: replication(b)["pulls_failed"] == 1, timeout=20,
+                 what="the pull of lying bytes to fail")
+        assert fake.requests >= 1
+        assert _request(port, "POST", "/v1/replica/offer", _offer(fake.port)) == 409
+        log = b.log_text()
+        assert log.count("refused an offer from peer 127.0.0.1:") == 6, log[-3000:]
+        named = [ln for ln in log.splitlines()
+                 if f"peer evil at 127.0.0.1:{fake.port} sent bytes of file 0" in ln]
+        assert len(named) == 1 and "fail their CRC32C" in named[0], log[-3000:]
+        st = replication(b)
+        assert st["held_for_others"] == 0 and st["replica_bytes"] == 0, st
+        assert replica_files(b) in ([], ["evil"]), replica_files(b)
+        assert outside_replicas(b) == before
+    finally:
+        fake.close()
