@@ -329,6 +329,13 @@ def _peer_families(p: dict | None) -> Iterator[Metric]:
     for kind in PEER_ERROR_KINDS:
         m.add_metric([kind], errors.get(kind, 0))
     yield m
+    rep = (p or {}).get("replication") or {}
+    yield GaugeMetricFamily("ckptfs_replicated_sets", "This node's committed sets not durable "
+                            "yet that K buddies hold (--replicas; 0 without it)",
+                            value=rep.get("replicated_sets", 0))
+    yield GaugeMetricFamily("ckptfs_replica_bytes", "Bytes of replicas this node holds for "
+                            "other nodes' sets (--replicas; counted against --cache-size)",
+                            value=rep.get("replica_bytes", 0))
 
 
 def _stuck_families(sets: dict, now_ns: int) -> Iterator[Metric]:

@@ -311,6 +311,12 @@ def _peers_line(p: dict) -> Text:
                 if srv else "")
     line.append(f"restored {human(fp['bytes'])} ({fp['chunks']} chunks) from peers, "
                 f"{human(fs['bytes'])} ({fs['chunks']} chunks) from the store")
+    r = p.get("replication")
+    if r:
+        line.append(f"; replicas: {r['replicas']} (buddies "
+                    f"{safe(', '.join(r['buddies']) or 'none yet')}), "
+                    f"{r['replicated_sets']} set(s) of this node replicated; holding "
+                    f"{r['held_for_others']} set(s), {human(r['replica_bytes'])} for others")
     for c in cl.get("cut_off", []):
         line.append(f"; cut off: {safe(c['node'])} at {safe(c['address'])}: {safe(c['why'])}",
                     style="yellow")
@@ -379,7 +385,12 @@ def _sets(t: dict, fancy: bool, narrow: bool) -> Table:
         if x.get("after_set") is not None:
             notes.append(Text(f"published after set {x['after_set']} (commit order)",
                               style=note))
-        state = Text(x["state"], style=STATE_STYLE.get(x["state"], "") if fancy else "")
+        shown = x["state"]
+        if x.get("replicated") and shown in ("committed", "uploading"):
+            shown = f"replicated/{shown}"  # on K buddies' disks (--replicas), not durable
+        if "replicas" in x and x["state"] in ("committed", "uploading"):
+            notes.append(Text(f"held by {x['replicas']} buddy node(s)", style=note))
+        state = Text(shown, style=STATE_STYLE.get(x["state"], "") if fancy else "")
         rows.append(([str(x["seq"]), state, str(x["files"]), human(x["bytes"]),
                       human(x["bytes_uploaded"])], path, notes))
     return _listing(("set", "state", "files", "size", "uploaded"), rows, fancy, narrow)

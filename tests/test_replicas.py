@@ -61,6 +61,13 @@ def cluster(mount_factory, s3_bucket, tmp_path):
         proxy.stop()
 
 
+def _store_get(cluster, key: str) -> bytes:
+    import boto3
+
+    s3 = boto3.client("s3", endpoint_url=cluster.endpoint, region_name="us-east-1")
+    return s3.get_object(Bucket=cluster.bucket, Key=key)["Body"].read()
+
+
 def replication(m) -> dict:
     return ckptfs.status(m.path)["tiering"]["peers"]["replication"]
 
@@ -113,7 +120,8 @@ def test_replicated_before_durable_then_durable_and_dropped(cluster):
     res = run_cli("wait", str(a.path / "run" / "step_1"), "--timeout", "1")
     assert res.returncode == EXIT_STORE, (res.stdout, res.stderr)  # replicated, not durable
     shown = run_cli("status", str(a.path))
-    assert shown.returncode == 0 and "replicated" in shown.stdout, shown.stdout
+    assert shown.returncode == 0 and "replicated/" in shown.stdout and \
+        "held by 1 buddy" in shown.stdout.replace("\n", " "), shown.stdout
 
     held = replication(b)
     assert held["held_for_others"] == 1 and held["replica_bytes"] == len(data), held
@@ -232,11 +240,11 @@ def test_a_lying_peer_changes_nothing_on_the_buddy(cluster):
     before = outside_replicas(b)
     fake = FakeOrigin()
     try:
-        for bad in (dict(path="../etc"), dict(path="/abs"),
-                    dict(files=[{"rel": "../../x", "size": 1, "mode": 0o644}]),
-                    dict(files=[{"rel": "a/../../x", "size": 1, "mode": 0o644}]),
-                    dict(files=[{"rel": "big", "size": 1 << 60, "mode": 0o644}]),
-                    dict(origin="../up")):
+        for bad in ({"path": "../etc"}, {"path": "/abs"},
+                    {"files": [{"rel": "../../x", "size": 1, "mode": 0o644}]},
+                    {"files": [{"rel": "a/../../x", "size": 1, "mode": 0o644}]},
+                    {"files": [{"rel": "big", "size": 1 << 60, "mode": 0o644}]},
+                    {"origin": "../up"}):
             assert _request(port, "POST", "/v1/replica/offer",
                             _offer(fake.port, **bad)) == 400, bad
         assert _request(port, "POST", "/v1/replica/offer", _offer(fake.port),
@@ -258,3 +266,54 @@ def test_a_lying_peer_changes_nothing_on_the_buddy(cluster):
         assert outside_replicas(b) == before
     finally:
         fake.close()
+
+
+# ----------------------------------------------------------------------------------------------
+# takeover: the issue's "done means"
+
+
+def test_a_lost_node_s_sets_are_taken_over_by_its_buddy(cluster):
+    """The store unreachable from A; A commits a torch.save checkpoint and a DCP set; both are
+    replicated; A's daemon is killed and its cache dir deleted; its lease expires; the buddy
+    publishes both sets, and a fresh node loads them bit-exact."""
+    import shutil
+
+    import torch.distributed.checkpoint as dcp
+
+    a = cluster("a", "--lease", "4", proxied=True)
+    b = cluster("b", "--lease", "4")
+    knows_buddy(a, b)
+    cluster.proxy.outage()  # until clear(): A never reaches the store again
+    g = torch.Generator().manual_seed(5)
+    tmp = a.path / "run" / "step_1.tmp"
+    tmp.mkdir(parents=True)
+    torch.save({"w": torch.randn(1 << 20, generator=g)}, tmp / "model.pt")
+    os.rename(tmp, a.path / "run" / "step_1")
+    state = {"w": torch.randn(300_000, generator=g), "b": torch.arange(1000)}
+    dcp.save(state, checkpoint_id=str(a.path / "run" / "dcp_2"))
+    for rel in ("run/step_1", "run/dcp_2"):
+        res = run_cli("wait", "--replicated", str(a.path / rel), "--timeout", "20")
+        assert res.returncode == 0, res.stderr
+    wrote = {p.relative_to(a.path).as_posix(): p.read_bytes()
+             for p in (a.path / "run").rglob("*") if p.is_file()}
+    assert set(wrote) == {"run/step_1/model.pt", "run/dcp_2/.metadata",
+                          "run/dcp_2/__0_0.distcp"}, sorted(wrote)
+    a.kill9()
+    shutil.rmtree(a.cache_dir)
+
+    wait_for(lambda: replication(b)["taken_over"] == 2, timeout=40,
+             what="the buddy to take over both sets of the lost node")
+    lines = [ln for ln in b.log_text().splitlines() if "took over set" in ln]
+    assert len(lines) == 2 and all(a.node_id in ln for ln in lines), lines
+    wait_for(lambda: replication(b)["held_for_others"] == 0, timeout=10,
+             what="the buddy to drop the replicas it published")
+
+    c = cluster("c")
+    for rel, data in wrote.items():
+        wait_for(lambda rel=rel: (c.path / rel).exists(), timeout=20, what=f"{rel} on c")
+        assert (c.path / rel).read_bytes() == data, rel
+    back = {"w": torch.zeros(300_000), "b": torch.zeros(1000, dtype=torch.int64)}
+    dcp.load(back, checkpoint_id=str(c.path / "run" / "dcp_2"))
+    assert torch.equal(back["w"], state["w"]) and torch.equal(back["b"], state["b"])
+    m = json.loads(_store_get(cluster, "p/manifests/run/step_1.json"))
+    assert m["commit"]["node"] == a.node_id and m["commit"]["taken_over_by"] == b.node_id, m

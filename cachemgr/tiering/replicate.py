@@ -41,7 +41,7 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -50,9 +50,11 @@ from urllib.parse import urlsplit
 import trio
 
 from cachemgr.core.sets import LIVE_STATES, SetRegistry
+from cachemgr.format import manifest as mf
 from cachemgr.format import validate
 from cachemgr.format.decode import crc32c
 from cachemgr.format.keys import manifest_key
+from cachemgr.format.objects import StoredObject
 from cachemgr.restore.peerproto import (
     FILE_ROUTE,
     H_CRC,
@@ -65,7 +67,7 @@ from cachemgr.restore.peerproto import (
     parse_file_target,
 )
 from cachemgr.restore.peers import PeerFault, request
-from cachemgr.store import NotFound, ObjectStore, StoreError
+from cachemgr.store import NotFound, ObjectStore, PreconditionFailed, StoreError
 
 if TYPE_CHECKING:
     from cachemgr.core.filecache import FileCache
@@ -83,6 +85,8 @@ FAILED_S = 10.0             # an offer whose pull failed is refused (409) this l
 DESCRIPTOR = "descriptor.json"
 
 Reply = tuple[int, bytes, list[tuple[bytes, bytes]]]
+# upload(local path, object key, size): the stored object (cachemgr.transfer.upload)
+Upload = Callable[[str, str, int], Awaitable[StoredObject]]
 
 
 def _fsync_dir(path: Path) -> None:
@@ -106,6 +110,7 @@ class ReplicaStats:
     offers_refused: int
     dropped: int
     served_ranges: int
+    taken_over: int               # replicas this node published for nodes that died
 
 
 class ReplicaOrigin:
@@ -257,10 +262,13 @@ class ReplicaOrigin:
 
 
 class ReplicaHolder:
-    """This node's side as a buddy: takes offers, pulls, holds and drops replicas."""
+    """This node's side as a buddy: takes offers, pulls, holds, drops and takes over
+    replicas."""
 
     def __init__(self, *, cache_dir: Path, node: str, cfg: PeerConfig, store: ObjectStore,
-                 files: FileCache, cache_size: int | None, interval: float) -> None:
+                 files: FileCache, cache_size: int | None, interval: float,
+                 takeover: Takeover) -> None:
+        self.takeover = takeover
         self.root = cache_dir / "replicas"
         self.node, self.cfg, self.store, self.files = node, cfg, store, files
         self.cache_size, self.interval = cache_size, interval
@@ -437,15 +445,99 @@ class ReplicaHolder:
         return done >= int(desc["committed_ns"])
 
     async def _drop_loop(self) -> None:
+        """Every `interval`: drop the replicas the store holds (or holds a newer commit of),
+        and take over those whose origin's lease expired (`Takeover`)."""
         while True:
             await trio.sleep(self.interval)
-            for key, desc in list(self.held.items()):
+            if not self.held:
+                continue
+            try:
+                live = set(await self.takeover.live())
+            except StoreError as e:
+                log.debug("replicas: cannot list the members: %s", e)
+                continue
+            for key, desc in sorted(self.held.items(), key=lambda kv: kv[0][1]):
                 try:
                     if await self.durable_in_store(desc):
                         await self._drop(key, "durable in the store")
+                    elif key[0] not in live and await self.takeover.publish(
+                            desc, self.root / key[0] / str(key[1])):
+                        await self._drop(key, "taken over: durable in the store")
                 except StoreError as e:
                     log.debug("replicas: cannot check the store for %s: %s", desc["path"], e)
                     break
+
+
+class Takeover:
+    """A buddy publishes the replica of a node whose lease expired, as that node would have:
+    its files uploaded under `data/<this node>/takeover/<origin>/<seq>/<i>`, then the manifest
+    the origin would have written (its path, kind, commit time, seq and node id; `commit.nodes`
+    names both writers, `commit.taken_over_by` this node), PUT conditionally: If-None-Match
+    when the store holds no manifest of the path, If-Match the etag of the older one it holds.
+    A newer commit of the path, by anyone, wins (the replica is dropped); the same commit (the
+    origin came back and published it first) counts as done. Once: the replica is dropped
+    after its publication; the drop loop, the only caller, runs one replica at a time."""
+
+    def __init__(self, *, store: ObjectStore, node: str, lease: Lease,
+                 live: Callable[[], Awaitable[dict[str, float]]], upload: Upload) -> None:
+        self.store, self.node, self.lease, self.live = store, node, lease, live
+        self._upload = upload
+        self.taken_over = 0
+
+    async def publish(self, desc: dict[str, Any], where: Path) -> bool:
+        """True once the store holds this commit (or a newer one) of the replica's path."""
+        await self.lease.ensure()  # the fence: no write under a lease this node lost
+        files = []
+        for i, f in enumerate(desc["files"]):
+            key = f"data/{self.node}/takeover/{desc['origin']}/{desc['seq']}/{i}"
+            obj = await self._upload(str(where / str(i)), key, f["size"])
+            files.append({"path": f["rel"], "size": f["size"], "mode": f["mode"],
+                          "mtime_ns": f["mtime_ns"], "object": obj.to_json()})
+        layout: dict[str, Any] = {"dirs": desc["dirs"], "symlinks": desc["symlinks"]}
+        if desc["kind"] == "dir":
+            layout["mode"] = desc["mode"]
+        if desc["kind"] == "symlink":
+            layout["target"] = desc["target"]
+        m = mf.build(path=desc["path"], kind=desc["kind"], seq=desc["seq"],
+                     node=desc["origin"], reason=desc["reason"],
+                     committed_ns=desc["committed_ns"], layout=layout, files=files)
+        m["commit"]["nodes"] = sorted({desc["origin"], self.node})
+        m["commit"]["taken_over_by"] = self.node
+        done = await self._put(desc, m)
+        if done == "published":
+            self.taken_over += 1
+            log.warning("replicas: took over set %d of node %s (%s): its lease expired before "
+                        "the store held it; published it from this node's replica (%d files, "
+                        "%d bytes)", desc["seq"], desc["origin"], desc["path"], len(files),
+                        m["total_bytes"])
+        return True
+
+    async def _put(self, desc: dict[str, Any], m: dict[str, Any]) -> str:
+        """"published", or "there" (this commit or a newer one is in the store already)."""
+        key, data = manifest_key(desc["path"]), mf.dumps(m)
+        for _attempt in range(8):
+            try:
+                cur_info = await self.store.head(key)
+                cur: dict[str, Any] | None = mf.loads(await self.store.get(key), key)
+            except NotFound:
+                cur_info, cur = None, None
+            except mf.ManifestError:
+                cur = {"commit": {}}
+            if cur is not None:
+                c = cur.get("commit", {})
+                if (c.get("node"), c.get("seq")) == (desc["origin"], desc["seq"]) or \
+                        int(c.get("committed_ns") or 0) >= desc["committed_ns"]:
+                    return "there"
+            await self.lease.ensure()
+            try:
+                if cur_info is None:
+                    await self.store.put(key, data, if_none_match=True)
+                else:
+                    await self.store.put(key, data, if_match=cur_info.etag)
+                return "published"
+            except (PreconditionFailed, NotFound):
+                continue  # another writer meanwhile: look again
+        raise StoreError(f"the manifest of {desc['path']} kept changing under conditional PUTs")
 
 
 class Replication:
@@ -475,7 +567,9 @@ class Replication:
     def statistics(self, live: Callable[[], list[int]]) -> ReplicaStats:
         o, h = self.origin, self.holder
         return ReplicaStats(
-            replicas=o.k, buddies=o.buddies(), replicated_sets=sum(1 for s in live() if o.replicated(s)),
+            replicas=o.k, buddies=o.buddies(),
+            replicated_sets=sum(1 for s in live() if o.replicated(s)),
             offers_sent=o.offers_sent, held_for_others=len(h.held),
             replica_bytes=h.replica_bytes, pulling=len(h.pulling), pulls_failed=h.pulls_failed,
-            offers_refused=h.offers_refused, dropped=h.dropped, served_ranges=o.served_ranges)
+            offers_refused=h.offers_refused, dropped=h.dropped, served_ranges=o.served_ranges,
+            taken_over=h.takeover.taken_over)

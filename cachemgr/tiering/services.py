@@ -163,9 +163,18 @@ class Tiering:
 
     def _replication(self, peers: PeerConfig, port: int) -> Any:
         """--replicas K (cachemgr.tiering.replicate): this node as an origin and as a buddy."""
-        from cachemgr.tiering.replicate import ReplicaHolder, ReplicaOrigin, Replication
+        from cachemgr.tiering.replicate import (
+            ReplicaHolder,
+            ReplicaOrigin,
+            Replication,
+            Takeover,
+        )
 
         cache, cfg = self.cache, self.cfg
+
+        async def upload(path: str, key: str, size: int) -> Any:
+            return await self.uploader.upload_file(path, key, size=size)
+
         return Replication(
             ReplicaOrigin(index=self.index, sets=self.sets, files=cache.files, node=self.node,
                           lease=self.lease, members=self.members, cfg=peers, k=cfg.replicas,
@@ -173,7 +182,9 @@ class Tiering:
                           interval=cfg.refresh_interval if cfg.refresh_interval > 0 else 10.0),
             ReplicaHolder(cache_dir=cache.cache_dir, node=self.node, cfg=peers,
                           store=self.store, files=cache.files, cache_size=cfg.cache_size,
-                          interval=cfg.refresh_interval if cfg.refresh_interval > 0 else 10.0))
+                          interval=cfg.refresh_interval if cfg.refresh_interval > 0 else 10.0,
+                          takeover=Takeover(store=self.store, node=self.node, lease=self.lease,
+                                            live=self.members.live, upload=upload)))
 
     def _build_services(self) -> None:
         """The tiering services, each given its collaborators (see the module docstring)."""
