@@ -317,3 +317,64 @@ def test_a_lost_node_s_sets_are_taken_over_by_its_buddy(cluster):
     assert torch.equal(back["w"], state["w"]) and torch.equal(back["b"], state["b"])
     m = json.loads(_store_get(cluster, "p/manifests/run/step_1.json"))
     assert m["commit"]["node"] == a.node_id and m["commit"]["taken_over_by"] == b.node_id, m
+
+
+def test_an_origin_back_after_its_takeover_leaves_one_whole_set(cluster):
+    """A's set is taken over by its buddy while A is dead; A comes back (same cache dir, store
+    reachable) and publishes it too: the store holds one manifest of that commit, whole."""
+    import subprocess
+
+    a = cluster("a", "--lease", "4", proxied=True)
+    b = cluster("b", "--lease", "4")
+    knows_buddy(a, b)
+    cluster.proxy.outage()
+    torch.save({"w": torch.randn(300_000)}, a.path / "solo.pt")
+    res = run_cli("wait", "--replicated", str(a.path / "solo.pt"), "--timeout", "20")
+    assert res.returncode == 0, res.stderr
+    data = (a.path / "solo.pt").read_bytes()
+    a.kill9()
+    wait_for(lambda: replication(b)["taken_over"] == 1, timeout=40, what="the takeover")
+    taken = json.loads(_store_get(cluster, "p/manifests/solo.pt.json"))
+
+    cluster.proxy.clear()
+    subprocess.run(["fusermount3", "-u", "-z", str(a.mountpoint)], check=True,
+                   capture_output=True)
+    a.start()
+    ckptfs.wait_durable(a.path / "solo.pt", timeout=60)
+    after = json.loads(_store_get(cluster, "p/manifests/solo.pt.json"))
+    assert after["commit"] == taken["commit"] and after["files"] == taken["files"], after
+    c = cluster("c")
+    wait_for(lambda: (c.path / "solo.pt").exists(), timeout=20, what="solo.pt on c")
+    assert (c.path / "solo.pt").read_bytes() == data
+
+
+def test_buddies_are_stable_as_others_come_and_go():
+    from cachemgr.restore.peerproto import PeerEndpoint, buddies
+
+    peers = [PeerEndpoint(f"n{i:03d}", "127.0.0.1", 1000 + i) for i in range(50)]
+    first = [p.node for p in buddies("origin", peers)[:2]]
+    assert len(set(first)) == 2 and "origin" not in first
+    others = [p for p in peers if p.node not in first]
+    for gone in others[:20]:  # a node that is not a buddy leaves: the buddies stay
+        assert [p.node for p in buddies("origin", [p for p in peers if p != gone])[:2]] == first
+    new = PeerEndpoint("n999", "127.0.0.1", 2000)  # a node joins: at most one buddy changes
+    assert len(set(first) & {p.node for p in buddies("origin", [*peers, new])[:2]}) >= 1
+    assert [p.node for p in buddies("origin", [*peers, PeerEndpoint("origin", "h", 1)])[:2]] \
+        == first  # never itself
+    spread = {buddies(f"o{i}", peers)[0].node for i in range(200)}
+    assert len(spread) > 25  # each origin has its own buddies: the load spreads
+
+
+def test_an_offer_is_validated_like_a_store_document():
+    from cachemgr.format import validate
+
+    good = json.loads(_offer(1234))
+    assert validate.replica_offer(json.dumps(good).encode())["files"][0]["rel"] == "model.pt"
+    for bad in ({"kind": "file"},  # a file set's one entry has rel ""
+                {"files": [{"rel": "x", "size": -1, "mode": 0o644}]},
+                {"endpoint": {"host": "a b", "port": 1}}, {"seq": 0}, {"version": 2},
+                {"dirs": [{"path": "../d"}]}, {"symlinks": [{"path": "s", "target": ""}]}):
+        with pytest.raises(validate.DocumentError):
+            validate.replica_offer(json.dumps({**good, **bad}).encode())
+    with pytest.raises(validate.DocumentError):
+        validate.replica_offer(b"{" * 100_000)

@@ -374,10 +374,13 @@ class ReplicaHolder:
             if old[0] == key[0] and old[1] < key[1] and d["path"] == desc["path"]:
                 await self._drop(old, "a newer commit of its path is held")
 
-    @staticmethod
-    def _fresh(part: Path) -> None:
+    def _fresh(self, part: Path) -> None:
+        """An empty `part` directory; `replicas/` and the origin's directory private (0700:
+        other users never read other nodes' checkpoint bytes, as under `data/`)."""
         shutil.rmtree(part, ignore_errors=True)
-        part.mkdir(parents=True)
+        for d in (self.root, part.parent, part):
+            d.mkdir(mode=0o700, exist_ok=True)
+            os.chmod(d, 0o700)
 
     async def _pull_file(self, origin: PeerEndpoint, desc: dict[str, Any], i: int, size: int,
                          dest: Path) -> None:
