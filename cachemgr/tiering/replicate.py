@@ -82,6 +82,8 @@ PEER_LIST_S = 10.0          # an origin lists the live peers at most this often:
 MAX_QUEUED = 64             # offers a buddy queues (503 beyond)
 DISK_RESERVE = 1 << 30      # free bytes a buddy without --cache-size keeps for itself
 FAILED_S = 10.0             # an offer whose pull failed is refused (409) this long
+EXTRA_ASKED = 3             # peers past the K buddies an origin asks per set and pass
+REFUSED_S = 10.0            # a peer that refused a set (507, 409, ...) is not asked again for it
 DESCRIPTOR = "descriptor.json"
 
 Reply = tuple[int, bytes, list[tuple[bytes, bytes]]]
@@ -126,6 +128,7 @@ class ReplicaOrigin:
         self.endpoint, self.signals = endpoint, signals
         self.holders: dict[int, set[str]] = {}
         self._pulling: dict[int, set[str]] = {}
+        self._refused: dict[tuple[int, str], float] = {}  # (seq, node) -> until (monotonic)
         self._peers: list[PeerEndpoint] = []   # the last listing that answered
         self._peers_at = -1e9
         self.offers_sent = 0
@@ -167,6 +170,8 @@ class ReplicaOrigin:
             del self.holders[gone]
         for gone in set(self._pulling) - keep:
             del self._pulling[gone]
+        now = time.monotonic()
+        self._refused = {k: u for k, u in self._refused.items() if u > now and k[0] in keep}
         peers = await self._live_peers()
         todo = sorted((s for s in live if not self.replicated(s.seq)), key=lambda s: s.seq)
         for s in todo:  # commit order: each buddy queues its offers in the order they come
@@ -197,10 +202,12 @@ class ReplicaOrigin:
         body = self._descriptor(seq)
         if body is None:
             return
-        for p in buddies(self.node, peers):
+        now = time.monotonic()
+        for p in buddies(self.node, peers)[:self.k + EXTRA_ASKED]:
             if len(held) >= self.k:
                 break
-            if p.node in held or (len(held) + len(pulling) >= self.k and p.node not in pulling):
+            if p.node in held or (len(held) + len(pulling) >= self.k and p.node not in pulling) \
+                    or self._refused.get((seq, p.node), 0.0) > now:
                 continue
             try:
                 status, _h, text = await request(self.cfg, p, "POST", OFFER_ROUTE, body=body,
@@ -208,6 +215,7 @@ class ReplicaOrigin:
             except PeerFault as e:
                 log.debug("replicas: offer of set %d to %s: %s", seq, p.describe(), e)
                 pulling.discard(p.node)
+                self._refused[(seq, p.node)] = time.monotonic() + REFUSED_S
                 continue
             self.offers_sent += 1
             if status == 200:
@@ -220,6 +228,7 @@ class ReplicaOrigin:
                 pulling.add(p.node)
             else:
                 pulling.discard(p.node)
+                self._refused[(seq, p.node)] = time.monotonic() + REFUSED_S
                 log.debug("replicas: %s answered %d to the offer of set %d: %s", p.describe(),
                           status, seq, text[:200].decode("utf-8", "replace"))
 
