@@ -378,3 +378,46 @@ def test_an_offer_is_validated_like_a_store_document():
             validate.replica_offer(json.dumps({**good, **bad}).encode())
     with pytest.raises(validate.DocumentError):
         validate.replica_offer(b"{" * 100_000)
+
+
+def test_a_buddy_needing_room_drops_its_replica_first_and_its_origin_offers_again(cluster):
+    """B (a small --cache-size) holds A's replica; B's own writer needs that room: the replica
+    is dropped before anything of B's, the writer never waits, and A learns it: its set shows
+    no buddy, is not replicated, and is offered again (B, still without room, refuses it)."""
+    a = cluster("a", proxied=True)
+    b = cluster("b", "--cache-size", "64M")
+    knows_buddy(a, b)
+    cluster.proxy.outage()  # A's set stays not durable: only the replica protects it
+    tmp = a.path / "run" / "step_1.tmp"
+    tmp.mkdir(parents=True)
+    (tmp / "model.bin").write_bytes(os.urandom(36 << 20))
+    os.rename(tmp, a.path / "run" / "step_1")
+    res = run_cli("wait", "--replicated", str(a.path / "run" / "step_1"), "--timeout", "20")
+    assert res.returncode == 0, res.stderr
+    held = replication(b)
+    assert held["held_for_others"] == 1 and held["replica_bytes"] == 36 << 20, held
+    space = ckptfs.status(b.path)["tiering"]["services"]["space"]
+    assert space["cached_bytes"] == 0, space
+
+    own = os.urandom(36 << 20)  # 36 MiB of B's own + the 36 MiB replica > 64 MiB
+    (b.path / "own.bin").write_bytes(own)
+    assert (b.path / "own.bin").read_bytes() == own
+    after = replication(b)
+    assert after["held_for_others"] == 0 and after["replica_bytes"] == 0, after
+    assert after["dropped"] == 1, after
+    space = ckptfs.status(b.path)["tiering"]["services"]["space"]
+    assert space["waits"] == 0 and space["evicted"] == 0, space  # nothing of B's went
+    assert replica_files(b) == [a.node_id], replica_files(b)
+    assert "this node needs the room" in b.log_text()
+
+    wait_for(lambda: set_row(a, "run/step_1")["replicas"] == 0, timeout=10,
+             what="the origin to learn its buddy dropped the replica")
+    row = set_row(a, "run/step_1")
+    assert not row["replicated"] and row["state"] != "durable", row
+    refused = after["offers_refused"]
+    wait_for(lambda: replication(b)["offers_refused"] > refused, timeout=10,
+             what="the origin to offer the set again (refused: no room on B)")
+    assert replication(b)["held_for_others"] == 0
+    assert "dropped its replica of set" in a.log_text()
+    cluster.proxy.clear()
+    ckptfs.wait_durable(a.path / "run" / "step_1", timeout=60)

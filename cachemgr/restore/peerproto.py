@@ -53,6 +53,7 @@ H_TIME, H_NONCE, H_AUTH = b"x-ckptfs-time", b"x-ckptfs-nonce", b"x-ckptfs-auth"
 H_CRC = b"x-ckptfs-crc32c"    # the CRC32C of a replica range's bytes
 OFFER_ROUTE = "/v1/replica/offer"
 FILE_ROUTE = "/v1/replica/file"
+DROPPED_ROUTE = "/v1/replica/dropped"   # a buddy tells an origin it dropped a replica (room)
 MAX_OFFER_BYTES = 1 << 20     # a replica offer's body (validate.MAX_PROTOCOL_BYTES)
 MAX_RANGE = 4 << 20           # bytes per replica file range
 

@@ -56,6 +56,7 @@ from cachemgr.format.decode import crc32c
 from cachemgr.format.keys import manifest_key
 from cachemgr.format.objects import StoredObject
 from cachemgr.restore.peerproto import (
+    DROPPED_ROUTE,
     FILE_ROUTE,
     H_CRC,
     MAX_RANGE,
@@ -232,6 +233,26 @@ class ReplicaOrigin:
                 log.debug("replicas: %s answered %d to the offer of set %d: %s", p.describe(),
                           status, seq, text[:200].decode("utf-8", "replace"))
 
+    def dropped(self, body: bytes) -> Reply:
+        """A buddy says it dropped its replica of set `seq` (it needed the room): one holder
+        less; the next pass offers the set again (that buddy first: it answers 507 while it
+        has no room, and the next peer in rendezvous order is asked)."""
+        try:
+            doc = json.loads(body)
+            node, origin, seq = doc["node"], doc["origin"], doc["seq"]
+            ok = isinstance(node, str) and origin == self.node and type(seq) is int
+        except (ValueError, KeyError, TypeError):
+            ok = False
+        if not ok:
+            return 400, b"not a notice of a dropped replica of this node", []
+        held = self.holders.get(seq)
+        if held is not None and node in held:
+            held.discard(node)
+            log.info("replicas: %s dropped its replica of set %d (%d of %d buddies hold it"
+                     " now): offering it again", node, seq, len(held), self.k)
+            self.signals.changed_now()
+        return 200, b"noted", []
+
     async def serve_file(self, target: str) -> Reply:
         """A range of a committed file of a live local set, with its CRC32C; 410 once the file's
         content is no longer the committed version."""
@@ -276,8 +297,11 @@ class ReplicaHolder:
 
     def __init__(self, *, cache_dir: Path, node: str, cfg: PeerConfig, store: ObjectStore,
                  files: FileCache, cache_size: int | None, interval: float,
-                 takeover: Takeover) -> None:
+                 takeover: Takeover, known_durable: Callable[[str, int], bool]) -> None:
+        """`known_durable(path, committed_ns)`: whether this node already knows the store
+        holds that commit of `path` or a later one (its own registry of sets; no request)."""
         self.takeover = takeover
+        self._known_durable = known_durable
         self.root = cache_dir / "replicas"
         self.node, self.cfg, self.store, self.files = node, cfg, store, files
         self.cache_size, self.interval = cache_size, interval
@@ -285,6 +309,10 @@ class ReplicaHolder:
         self.pulling: dict[tuple[str, int], dict[str, Any]] = {}
         self._failed: dict[tuple[str, int], float] = {}
         self._send, self._recv = trio.open_memory_channel[dict[str, Any]](MAX_QUEUED)
+        # notices to origins of replicas dropped for room: at most one per replica dropped,
+        # and a replica is only dropped after it was pulled (bounded by MAX_QUEUED offers)
+        self._tell, self._told = trio.open_memory_channel[tuple[str, int, PeerEndpoint]](
+            float("inf"))
         self.replica_bytes = 0
         self.pulls_failed = 0
         self.offers_refused = 0
@@ -335,6 +363,7 @@ class ReplicaHolder:
         await trio.to_thread.run_sync(self._load)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._drop_loop)
+            nursery.start_soon(self._notice_loop)
             async for desc in self._recv:
                 await self._pull_one(desc)
 
@@ -432,15 +461,68 @@ class ReplicaHolder:
     # -- dropping -----------------------------------------------------------------------------
 
     async def _drop(self, key: tuple[str, int], why: str) -> None:
-        desc = self.held.pop(key, None)
+        desc = self._forget(key)
         if desc is None:
             return
-        self.replica_bytes -= self._bytes(desc)
-        self.dropped += 1
         d = self.root / key[0] / str(key[1])
         await trio.to_thread.run_sync(lambda: shutil.rmtree(d, ignore_errors=True))
         log.info("replicas: dropped set %d of node %s (%s): %s", key[1], key[0], desc["path"],
                  why)
+
+    def _drop_now(self, key: tuple[str, int], why: str) -> None:
+        """`_drop` without an await (for `drop_for_room`)."""
+        desc = self._forget(key)
+        if desc is None:
+            return
+        shutil.rmtree(self.root / key[0] / str(key[1]), ignore_errors=True)
+        log.info("replicas: dropped set %d of node %s (%s): %s", key[1], key[0], desc["path"],
+                 why)
+
+    def _forget(self, key: tuple[str, int]) -> dict[str, Any] | None:
+        desc = self.held.pop(key, None)
+        if desc is not None:
+            self.replica_bytes -= self._bytes(desc)
+            self.dropped += 1
+        return desc
+
+    def drop_for_room(self, fits: Callable[[], bool]) -> bool:
+        """Part of cachemgr.tiering.space make_room (a writer or a restore needs the room):
+        drop held replicas until `fits()`, before any of this node's own data is evicted.
+        Those of sets this node knows the store holds go first, then the oldest commits. The
+        origin of a replica dropped before its set was durable is told (`_notice_loop`): the
+        set is no longer replicated there, and its next pass offers it again. Synchronous (no
+        await between the decision and the drop): a replica being pulled is not held yet and
+        is not dropped; its directory is removed here, on the trio thread (a few files)."""
+        order = sorted(self.held.items(), key=lambda kv: (
+            not self._known_durable(kv[1]["path"], int(kv[1]["committed_ns"])),
+            int(kv[1]["committed_ns"]), kv[0]))
+        for key, desc in order:
+            if fits():
+                return True
+            durable = self._known_durable(desc["path"], int(desc["committed_ns"]))
+            self._drop_now(key, "durable in the store" if durable else
+                           "this node needs the room")
+            if not durable:
+                origin = PeerEndpoint(desc["origin"], *desc["endpoint"])
+                self._tell.send_nowait((key[0], key[1], origin))
+        return fits()
+
+    async def _notice_loop(self) -> None:
+        """Tell each origin of a replica dropped for room (POST DROPPED_ROUTE): it counts one
+        buddy less for that set. A notice that cannot be delivered is logged and given up:
+        the origin is then down or cut off (after a restart it offers its sets again)."""
+        async for origin, seq, where in self._told:
+            body = json.dumps({"node": self.node, "origin": origin, "seq": seq}).encode()
+            try:
+                status, _h, _t = await request(self.cfg, where, "POST", DROPPED_ROUTE,
+                                               body=body, limit=4096)
+            except PeerFault as e:
+                log.info("replicas: cannot tell %s that its set %d was dropped here: %s",
+                         where.describe(), seq, e)
+                continue
+            if status != 200:
+                log.info("replicas: %s answered %d to the notice that its set %d was dropped"
+                         " here", where.describe(), status, seq)
 
     async def durable_in_store(self, desc: dict[str, Any]) -> bool:
         """Whether the store's manifest of the replica's path was committed at or after it
@@ -564,6 +646,8 @@ class Replication:
             return self.holder.offer(body, peer)
         if path == FILE_ROUTE and method == "GET":
             return await self.origin.serve_file(target)
+        if path == DROPPED_ROUTE and method == "POST":
+            return self.origin.dropped(body)
         return 404, b"no such route", []
 
     async def run(self) -> None:

@@ -184,7 +184,14 @@ class Tiering:
                           store=self.store, files=cache.files, cache_size=cfg.cache_size,
                           interval=cfg.refresh_interval if cfg.refresh_interval > 0 else 10.0,
                           takeover=Takeover(store=self.store, node=self.node, lease=self.lease,
-                                            live=self.members.live, upload=upload)))
+                                            live=self.members.live, upload=upload),
+                          known_durable=self._known_durable))
+
+    def _known_durable(self, path: str, committed_ns: int) -> bool:
+        """Does this node's registry hold a durable set of `path` committed at or after
+        `committed_ns` (its own, or one the last listing restored here)?"""
+        s = self.sets.newest_at(path)
+        return s is not None and s.state == "durable" and s.committed_ns >= committed_ns
 
     def _build_services(self) -> None:
         """The tiering services, each given its collaborators (see the module docstring)."""
@@ -197,7 +204,8 @@ class Tiering:
         self.space = Space(
             files=cache.files, residency=cache.residency, sets=self.sets, signals=self.signals,
             forget=restorer.forget, drop_partials=restorer.drop_partials,
-            cache_size=cfg.cache_size, keep_local=cfg.keep_local)
+            cache_size=cfg.cache_size, keep_local=cfg.keep_local,
+            replicas=None if self.replication is None else self.replication.holder)
         self.publisher = Publisher(
             index=self.index, sets=self.sets, store=self.store, node=self.node,
             signals=self.signals, health=self.store_health, gatherer=self.gatherer,

@@ -4,7 +4,11 @@ wait for room.
 `Space` decides; the core (cachemgr.core.rawtree Residency, cachemgr.core.filecache) does the
 eviction itself (`evict`, `eviction_candidates`, `cached_bytes`) and the restorer drops its partly
 restored files (`drop_partials`). Policy:
-  * `make_room(need)`: evict durable data, least recently used first, until `need` more
+  * replicas this node holds for other nodes (cachemgr.tiering.replicate, --replicas) count
+    against --cache-size with the cache's own data, and go first: `make_room(need)` drops them
+    (those of sets the store already holds first, then the oldest commits) before it evicts
+    any of this node's own data;
+  * `make_room(need)`: then evict durable data, least recently used first, until `need` more
     bytes fit under --cache-size; the newest durable set goes last (not never: when it is
     all that can make room, skipping it would block a writer for ever); then the chunks of
     partly restored files nobody has open;
@@ -25,7 +29,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from cachemgr.core.sets import SetRegistry
 
@@ -35,6 +39,17 @@ if TYPE_CHECKING:
     from cachemgr.tiering.signals import Signals
 
 log = logging.getLogger(__name__)
+
+
+class ReplicaRoom(Protocol):
+    """The replicas this node holds for others (cachemgr.tiering.replicate.ReplicaHolder)."""
+
+    @property
+    def replica_bytes(self) -> int: ...
+
+    def drop_for_room(self, fits: Callable[[], bool]) -> bool:
+        """Drop held replicas, in the order the module docstring gives, until `fits()`."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,8 +69,10 @@ class Space:
     def __init__(self, *, files: FileCache, residency: Residency, sets: SetRegistry,
                  signals: Signals, forget: Callable[[int], None],
                  drop_partials: Callable[[int, set[int] | frozenset[int]], bool],
-                 cache_size: int | None, keep_local: int | None) -> None:
+                 cache_size: int | None, keep_local: int | None,
+                 replicas: ReplicaRoom | None = None) -> None:
         self.files = files
+        self.replicas = replicas
         self.residency = residency
         self.sets = sets
         self.signals = signals
@@ -68,8 +85,17 @@ class Space:
 
     @property
     def limit(self) -> int | None:
-        """--cache-size (cachemgr.core.hooks.Room): writes wait for room above it."""
-        return self.cache_size
+        """--cache-size less the replicas held for other nodes (cachemgr.core.hooks.Room):
+        writes wait for room above it, and the wait drops those replicas first."""
+        if self.cache_size is None:
+            return None
+        return max(0, self.cache_size - self._replica_bytes())
+
+    def _replica_bytes(self) -> int:
+        return 0 if self.replicas is None else self.replicas.replica_bytes
+
+    def _fits(self, need: int, limit: int) -> bool:
+        return self.files.cached_bytes + self._replica_bytes() + need <= limit
 
     def _evict(self, ino: int, version: int) -> None:
         if self.residency.evict(ino, version):
@@ -91,9 +117,11 @@ class Space:
         --cache-size. Returns True if they fit. Files in `protect` are never evicted (a
         prefetch does not evict its own set)."""
         limit = self.cache_size
-        if limit is None:
+        if limit is None or self._fits(need, limit):
             return True
-        if self.files.cached_bytes + need <= limit:
+        # Replicas held for other nodes go before any of this node's own data.
+        if self.replicas is not None and \
+                self.replicas.drop_for_room(lambda: self._fits(need, limit)):
             return True
         newest = self.sets.by_states(("durable",))
         keep = {r[1] for r in self.sets.files(newest[-1].seq)} if newest else set()
@@ -104,7 +132,7 @@ class Space:
         for ino, version in ([c for c in cands if c[0] not in keep] +
                              [c for c in cands if c[0] in keep]):
             self._evict(ino, version)
-            if self.files.cached_bytes + need <= limit:
+            if self._fits(need, limit):
                 return True
         # Then the chunks of partly restored files nobody has open (they count too).
         return self._drop_partials(need, protect)
@@ -115,7 +143,8 @@ class Space:
         while not self.make_room(need):
             if not warned:
                 log.warning("cache full (%d of %d bytes, none evictable yet): writers wait for"
-                            " uploads", self.files.cached_bytes, self.cache_size)
+                            " uploads", self.files.cached_bytes + self._replica_bytes(),
+                            self.cache_size)
                 warned = True
                 self.waits += 1
             await self.signals.wait_changed()
