@@ -149,8 +149,8 @@ def _add_mount_peers(m: argparse.ArgumentParser) -> None:
                    "mode 0600 or stricter; never written to the store or the log)")
     p.add_argument("--replicas", metavar="K", type=_replicas, default=None,
                    help="copy every committed set to K other live nodes (its buddies) in the "
-                   "background before the store has it (state `replicated`, `ckptfs wait "
-                   "--replicated`); costs K x each set's bytes of network and of the buddies' "
+                   "background before the store has it (state `replicated`, which `ckptfs wait` "
+                   "can wait for); costs K x each set's bytes of network and of the buddies' "
                    "cache space; 0: off (default 1 with --peers; needs --peers)")
 
 

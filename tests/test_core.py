@@ -866,6 +866,7 @@ class _Room:
     def __init__(self, limit: int) -> None:
         self.asked: list[int] = []
         self.limit = limit
+        self.capacity = limit
 
     async def wait_for_room(self, need: int) -> None:
         self.asked.append(need)
@@ -902,6 +903,29 @@ def test_filesystem_read_through_and_backpressure(fs):
     fs.release(res.fh)
     assert fs.files.cached_bytes == 2 * len(data) + 10
     assert fs.statistics()["files"]["cached_bytes"] == fs.files.cached_bytes
+    assert fs.check_consistency() == []
+
+
+def test_fallocate_within_cache_size_waits_while_room_is_made_over_it_is_refused(fs):
+    """Room below --cache-size that can be made (replicas held for other nodes, evictable data)
+    is not a reason to refuse: a fallocate larger than the room's current limit but within
+    --cache-size waits for room; one larger than --cache-size itself is ENOSPC."""
+    import trio
+
+    from cachemgr.core.fs import Filesystem
+
+    MiB = 1 << 20
+    room = _Room(4 * MiB)
+    room.capacity = 16 * MiB        # 12 MiB of it held by what can be dropped
+    fsys = Filesystem(local(fs.cache, room=room), Foreground())
+    res, node = fsys.core.create(ROOT, b"big", 0o644, os.O_RDWR | os.O_CREAT, UID, GID)
+    trio.run(fsys.fallocate, res.fh, 0, 0, 8 * MiB)
+    assert room.asked == [8 * MiB] and node.size == 8 * MiB
+    with pytest.raises(FsError) as e:
+        trio.run(fsys.fallocate, res.fh, 0, 0, 26 * MiB)   # 18 MiB more than it holds
+    assert e.value.errno == errno.ENOSPC and node.size == 8 * MiB
+    assert room.asked == [8 * MiB]
+    fsys.core.release(res.fh)
     assert fs.check_consistency() == []
 
 

@@ -358,7 +358,8 @@ class Filesystem:
         limit = core.room.limit
         if limit is not None:
             need = core.fileops.fallocate_need(fh, mode, off, length)
-            if need > limit:
+            capacity = core.room.capacity
+            if capacity is not None and need > capacity:
                 raise FsError(errno.ENOSPC, f"fallocate of {need} bytes: more than --cache-size")
             if core.files.cached_bytes + need > limit:
                 await core.room.wait_for_room(need)

@@ -81,7 +81,13 @@ class Room(Protocol):
 
     @property
     def limit(self) -> int | None:
-        """--cache-size: bytes of file data the cache holds before writes wait (None: none)."""
+        """Bytes of file data the cache holds before writes wait (None: no --cache-size); room
+        that can be made (replicas held for other nodes, evictable data) is above it."""
+
+    @property
+    def capacity(self) -> int | None:
+        """--cache-size itself: what one reservation can never exceed, whatever is dropped for
+        it (None: no --cache-size)."""
 
     async def wait_for_room(self, need: int) -> Any: ...
 
@@ -156,6 +162,10 @@ class _NoLimit:
 
     @property
     def limit(self) -> int | None:
+        return None
+
+    @property
+    def capacity(self) -> int | None:
         return None
 
     async def wait_for_room(self, need: int) -> None:

@@ -91,6 +91,12 @@ class Space:
             return None
         return max(0, self.cache_size - self._replica_bytes())
 
+    @property
+    def capacity(self) -> int | None:
+        """--cache-size (cachemgr.core.hooks.Room): a fallocate reserving more is refused; one
+        within it waits while replicas are dropped and data evicted for it."""
+        return self.cache_size
+
     def _replica_bytes(self) -> int:
         return 0 if self.replicas is None else self.replicas.replica_bytes
 
