@@ -196,8 +196,12 @@ class Mount:
     def cleanup(self) -> None:
         if is_mounted(self.mountpoint):
             if self.pid is not None and _alive(self.pid):
-                subprocess.run(ckptfs_cmd("umount", str(self.mountpoint)), capture_output=True,
-                               timeout=120, cwd=REPO)
+                # uploads get 60 s (a store a test left unreachable: then unmounted anyway)
+                try:
+                    subprocess.run(ckptfs_cmd("umount", str(self.mountpoint), "--timeout", "60"),
+                                   capture_output=True, timeout=120, cwd=REPO)
+                except subprocess.TimeoutExpired:
+                    pass  # a daemon that does not answer: the lazy unmount and SIGKILL below
             if is_mounted(self.mountpoint):
                 subprocess.run(["fusermount3", "-u", "-z", str(self.mountpoint)],
                                capture_output=True)

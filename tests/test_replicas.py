@@ -53,12 +53,16 @@ def cluster(mount_factory, s3_bucket, tmp_path):
         yield node
     finally:
         proxy.clear()
-        for m in made:
-            errors = m.unexpected_errors()
-            assert not errors, f"daemon {m.mountpoint.name} logged unexpected errors:\n" + \
-                "\n".join(errors)
-            assert SECRET.decode() not in m.log_text(), "the secret was logged"
-        proxy.stop()
+        try:
+            for m in made:
+                errors = m.unexpected_errors()
+                assert not errors, f"daemon {m.mountpoint.name} logged unexpected errors:\n" + \
+                    "\n".join(errors)
+                assert SECRET.decode() not in m.log_text(), "the secret was logged"
+        finally:
+            for m in made:   # while the proxy still runs: the proxied nodes' uploads finish
+                m.cleanup()
+            proxy.stop()
 
 
 def _store_get(cluster, key: str) -> bytes:
@@ -399,6 +403,7 @@ def test_a_buddy_needing_room_drops_its_replica_first_and_its_origin_offers_agai
     space = ckptfs.status(b.path)["tiering"]["services"]["space"]
     assert space["cached_bytes"] == 0, space
 
+    refused = held["offers_refused"]  # before the drop: A's offers after it count, however soon
     own = os.urandom(36 << 20)  # 36 MiB of B's own + the 36 MiB replica > 64 MiB
     (b.path / "own.bin").write_bytes(own)
     assert (b.path / "own.bin").read_bytes() == own
@@ -414,8 +419,7 @@ def test_a_buddy_needing_room_drops_its_replica_first_and_its_origin_offers_agai
              what="the origin to learn its buddy dropped the replica")
     row = set_row(a, "run/step_1")
     assert not row["replicated"] and row["state"] != "durable", row
-    refused = after["offers_refused"]
-    wait_for(lambda: replication(b)["offers_refused"] > refused, timeout=10,
+    wait_for(lambda: replication(b)["offers_refused"] > refused, timeout=30,
              what="the origin to offer the set again (refused: no room on B)")
     assert replication(b)["held_for_others"] == 0
     assert "dropped its replica of set" in a.log_text()
