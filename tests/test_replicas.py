@@ -72,6 +72,19 @@ def _store_get(cluster, key: str) -> bytes:
     return s3.get_object(Bucket=cluster.bucket, Key=key)["Body"].read()
 
 
+def unnamed_objects(cluster) -> list[str]:
+    """The data objects in the store that no manifest there names."""
+    import boto3
+
+    s3 = boto3.client("s3", endpoint_url=cluster.endpoint, region_name="us-east-1")
+    keys = [o["Key"] for page in s3.get_paginator("list_objects_v2").paginate(
+        Bucket=cluster.bucket, Prefix="p/") for o in page.get("Contents", [])]
+    named = {"p/" + f["object"]["key"]
+             for k in keys if k.startswith("p/manifests/")
+             for f in json.loads(_store_get(cluster, k))["files"]}
+    return sorted(k for k in keys if k.startswith("p/data/") and k not in named)
+
+
 def replication(m) -> dict:
     return ckptfs.status(m.path)["tiering"]["peers"]["replication"]
 
@@ -323,6 +336,35 @@ def test_a_lost_node_s_sets_are_taken_over_by_its_buddy(cluster):
     assert m["commit"]["node"] == a.node_id and m["commit"]["taken_over_by"] == b.node_id, m
 
 
+def test_a_buddy_collects_its_takeover_objects_once_the_path_moves_on(cluster):
+    """After a takeover, the buddy re-commits one taken-over path and deletes another: once its
+    GC ran, every data object in the store is named by a manifest there (the takeover objects
+    of both paths are gone with their contents)."""
+    a = cluster("a", "--lease", "4", proxied=True)
+    b = cluster("b", "--lease", "4")
+    knows_buddy(a, b)
+    cluster.proxy.outage()
+    for name in ("x.pt", "y.pt"):
+        torch.save({"w": torch.randn(100_000)}, a.path / name)
+        res = run_cli("wait", "--replicated", str(a.path / name), "--timeout", "20")
+        assert res.returncode == 0, res.stderr
+    a.kill9()
+    wait_for(lambda: replication(b)["taken_over"] == 2, timeout=40, what="the takeovers")
+    taken = [f["object"]["key"] for n in ("x", "y")
+             for f in json.loads(_store_get(cluster, f"p/manifests/{n}.pt.json"))["files"]]
+    assert all(k.startswith(f"data/{b.node_id}/takeover/") for k in taken), taken
+    for name in ("x.pt", "y.pt"):
+        wait_for(lambda name=name: (b.path / name).exists(), timeout=20, what=f"{name} on b")
+    assert unnamed_objects(cluster) == []
+    torch.save({"w": torch.randn(100_000)}, b.path / "x.pt")
+    ckptfs.wait_durable(b.path / "x.pt", timeout=20)
+    os.unlink(b.path / "y.pt")
+    wait_for(lambda: set_row(b, "y.pt")["state"] == "deleted", timeout=20,
+             what="y.pt's manifest to go")
+    wait_for(lambda: unnamed_objects(cluster) == [], timeout=20,
+             what="the buddy's GC to delete its takeover objects")
+
+
 def test_an_origin_back_after_its_takeover_leaves_one_whole_set(cluster):
     """A's set is taken over by its buddy while A is dead; A comes back (same cache dir, store
     reachable) and publishes it too: the store holds one manifest of that commit, whole."""
@@ -343,13 +385,24 @@ def test_an_origin_back_after_its_takeover_leaves_one_whole_set(cluster):
     cluster.proxy.clear()
     subprocess.run(["fusermount3", "-u", "-z", str(a.mountpoint)], check=True,
                    capture_output=True)
-    a.start()
+    a.start(*a.extra, "--keep-local", "0")  # its file is evicted once durable
     ckptfs.wait_durable(a.path / "solo.pt", timeout=60)
     after = json.loads(_store_get(cluster, "p/manifests/solo.pt.json"))
     assert after["commit"] == taken["commit"] and after["files"] == taken["files"], after
     c = cluster("c")
     wait_for(lambda: (c.path / "solo.pt").exists(), timeout=20, what="solo.pt on c")
     assert (c.path / "solo.pt").read_bytes() == data
+    # A's own uploads of that set are named by no manifest: A points its file at the buddy's
+    # objects and deletes its own; once A re-commits the path, the buddy collects its own.
+    wait_for(lambda: unnamed_objects(cluster) == [], timeout=20,
+             what="the origin to delete its own copies of the taken-over set")
+    wait_for(lambda: ckptfs.status(a.path)["cache"]["evictions"] >= 1, timeout=20,
+             what="the origin to evict its durable file")
+    assert (a.path / "solo.pt").read_bytes() == data  # read back from the buddy's object
+    torch.save({"w": torch.randn(300_000)}, a.path / "solo.pt")
+    ckptfs.wait_durable(a.path / "solo.pt", timeout=20)
+    wait_for(lambda: unnamed_objects(cluster) == [], timeout=20,
+             what="the buddy to delete its takeover objects once the path moved on")
 
 
 def test_buddies_are_stable_as_others_come_and_go():

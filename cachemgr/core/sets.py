@@ -257,6 +257,12 @@ class SetRegistry:
             self.set_state(seq, "superseded", why)
         return seqs
 
+    def set_file_object(self, seq: int, rel: str, obj_json: str) -> None:
+        """File `rel` of set `seq` is stored as `obj_json` (the same content under another
+        key: cachemgr.tiering.publish, a set a buddy took over)."""
+        self.conn.execute("UPDATE set_files SET obj=? WHERE seq=? AND rel=?",
+                          (obj_json, seq, rel))
+
     def record_upload(self, ino: int, version: int, obj_json: str) -> list[int]:
         """The content (ino, version) is in the store as `obj_json`; returns the live sets that
         were waiting for it."""

@@ -556,7 +556,13 @@ def is_own_object(key: str, node: str) -> bool:
     return key.startswith(f"data/{node}/")
 
 
+def is_takeover_object(key: str, node: str) -> bool:
+    """Is `key` one that `node` wrote publishing another node's replica
+    (`data/<node>/takeover/<origin>/<seq>/<i>`, cachemgr.tiering.replicate.Takeover)?"""
+    return key.startswith(f"data/{node}/takeover/")
+
+
 __all__ = ["MAX_CHUNK", "MAX_DOCUMENT_BYTES", "MAX_ENTRIES", "MODE_MASK", "DocumentError",
-           "ManifestError", "PartError", "is_own_object", "lz4_frame_bound",
-           "manifest", "node_id", "object_geometry", "part_record", "path", "peer_endpoint",
-           "protocol_doc", "replica_offer", "stored_object"]
+           "ManifestError", "PartError", "is_own_object", "is_takeover_object",
+           "lz4_frame_bound", "manifest", "node_id", "object_geometry", "part_record", "path",
+           "peer_endpoint", "protocol_doc", "replica_offer", "stored_object"]

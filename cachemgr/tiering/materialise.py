@@ -259,6 +259,14 @@ class Materialiser:
         ino = self.tree.raw_create(d, fname, stat.S_IFREG | mode, size=f["size"],
                                    mtime_ns=f.get("mtime_ns"), obj=obj_json)
         b.files.append((rel, ino, 0, f["size"], mode, f.get("mtime_ns", 0), obj_json))
+        if validate.is_takeover_object(obj.key, self.node):
+            # An object this node uploaded when it took over a lost node's replica
+            # (cachemgr.tiering.replicate.Takeover): no inode of this node's had that content
+            # until now, so nothing owned it. It is owned by the file that now holds it: the
+            # GC (SetRegistry.garbage) deletes it once that content is no longer kept (the
+            # path re-committed, replaced or deleted), as any object this node uploaded. A
+            # later manifest naming it again moves the row to its file (INSERT OR REPLACE).
+            self.sets.add_object(obj.key, ino, 0, obj.stored_size)
 
     def _under(self, root: int, rel: str) -> tuple[int, bytes]:
         """(directory, name) of `rel` under `root`, creating missing directories."""

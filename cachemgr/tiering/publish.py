@@ -50,6 +50,7 @@ import trio
 from cachemgr.core.sets import LIVE_STATES, SetRegistry, SetRow
 from cachemgr.format import manifest as mf
 from cachemgr.format import validate
+from cachemgr.format.objects import StoredObject
 from cachemgr.store import NotFound, ObjectStore, PreconditionFailed, StoreError
 
 if TYPE_CHECKING:
@@ -518,7 +519,10 @@ class Publisher:
                 cur_info = await self.store.head(key)
             c = cur.get("commit", {})
             if c.get("node") == self.node and c.get("seq") == m["commit"]["seq"]:
-                return cur_info.etag  # this very set, PUT before a crash or a lost reply
+                # this very set, PUT before a crash or a lost reply, or by a buddy that took
+                # it over while this node was gone (its objects, not ours, named there)
+                await adopt_takeover(self.index, self.sets, self.store, self.node, s, cur)
+                return cur_info.etag
             if expect is not None and cur_info.etag == expect:
                 # Nothing changed, yet If-Match with its ETag was refused: a store that does
                 # not take the ETag in the form the probe found (docs/STORES.md). Retrying
@@ -587,6 +591,13 @@ class Publisher:
 
     async def _gc(self) -> None:
         keys = [k for k in self.sets.garbage() if k not in self._gc_refused]
+        # A takeover object is owned by the last file here materialised from a manifest naming
+        # it (cachemgr.tiering.materialise); another set here may name it too (the same content
+        # at a new path): it stays while any kept set names it.
+        taken = {k for k in keys if validate.is_takeover_object(k, self.node)}
+        if taken:
+            named = self.sets.keys_named_by_others(-1, taken)
+            keys = [k for k in keys if k not in named]
         done = 0
         for key in keys:
             try:
@@ -606,6 +617,45 @@ class Publisher:
         self.gc_deleted += done
         if done:
             log.info("gc: deleted %d unreferenced objects", done)
+
+
+async def adopt_takeover(index: Index, sets: SetRegistry, store: ObjectStore, node: str,
+                         s: SetRow, cur: dict[str, Any]) -> None:
+    """Publisher._put_manifest: the store holds set `s` of node `node` as a buddy published
+    it from its replica (cachemgr.tiering.replicate.Takeover): the manifest names the buddy's
+    objects, and this node's own uploads of the same files are named by no manifest. Each
+    file whose object there has the same size and CRC32C is pointed at the buddy's object
+    (its set row and, if still its content, its inode: an eviction then re-fetches from a key
+    that exists); then this node's own key is deleted and its row forgotten, unless another
+    set here names it. In that order: a crash after the first step leaves the row, which GC
+    collects with the set's content (never while the index names the key). The buddy's
+    objects are the buddy's to collect (materialise: it owns them). Nothing to do when the
+    manifest there names this node's objects (its own PUT)."""
+    theirs = {f["path"]: f["object"] for f in cur.get("files", [])}
+    mine: list[str] = []
+    with index.tx():
+        for rel, ino, version, size, _mode, _mtime, obj_json in sets.files(s.seq):
+            if not obj_json:
+                continue
+            own, other = json.loads(obj_json), theirs.get(rel)
+            if other is None or validate.is_own_object(other["key"], node) or \
+                    not validate.is_own_object(own["key"], node) or \
+                    (other["size"], other["crc32c"]) != (size, own["crc32c"]):
+                continue
+            other_json = json.dumps(StoredObject.from_json(other).to_json())
+            sets.set_file_object(s.seq, rel, other_json)
+            index.set_uploaded(ino, version, other_json)
+            mine.append(own["key"])
+    mine = sorted(set(mine) - sets.keys_named_by_others(s.seq, set(mine)))
+    for key in mine:
+        await store.delete(key)
+        with index.tx():
+            sets.forget_object(key)
+    if mine:
+        by = ", ".join(n for n in cur["commit"].get("nodes", []) if n != node)
+        log.info("set %d (%s): published by %s while this node was gone: its %d files now"
+                 " read from that node's objects; deleted this node's copies", s.seq,
+                 s.path, by or "another node", len(mine))
 
 
 def _at_or_under(path: str, root: str) -> bool:
