@@ -147,6 +147,11 @@ def _add_mount_peers(m: argparse.ArgumentParser) -> None:
     p.add_argument("--peer-secret-file", type=Path, default=None,
                    help="file holding the secret every node shares (required with --peers; "
                    "mode 0600 or stricter; never written to the store or the log)")
+    p.add_argument("--peer-seeds", metavar="HOST:PORT[,...]", default=None,
+                   help="peers to ask for the replicas they hold when the store cannot be "
+                   "listed (a fresh node finds no member records then); a name is resolved at "
+                   "every ask and each of its addresses asked, and one answering peer names "
+                   "the others it knows")
     p.add_argument("--replicas", metavar="K", type=_replicas, default=None,
                    help="copy every committed set to K other live nodes (its buddies) in the "
                    "background before the store has it (state `replicated`, which `ckptfs wait` "
@@ -269,8 +274,9 @@ def _add_mount_store(m: argparse.ArgumentParser) -> None:
                    "(default 120)")
     o.add_argument("--allow-empty-namespace", action="store_true",
                    help="mount even if the store's sets cannot be listed: the mount then shows "
-                   "only this cache's sets until a listing succeeds (default: fail with exit "
-                   "7, so a resuming job never starts from an incomplete view)")
+                   "only this cache's sets, and with --peers the sets live peers hold "
+                   "replicas of, until a listing succeeds (default: fail with exit 7, so a "
+                   "resuming job never starts from an incomplete view)")
     o.add_argument("--keep-local", type=int, default=None,
                    help="keep only the newest N durable sets' data in the cache (older ones "
                    "are read back from the store on open)")
@@ -367,6 +373,7 @@ def cmd_mount(a: argparse.Namespace) -> int:
             store_ignores_conditions=a.store_ignores_conditions,
             metrics=a.metrics,
             peers=a.peers, peer_listen=a.peer_listen, peer_address=a.peer_address,
+            peer_seeds=a.peer_seeds,
             replicas=a.replicas,
             peer_secret_file=a.peer_secret_file.absolute() if a.peer_secret_file else None,
             mountpoint=a.mountpoint.absolute(),

@@ -152,6 +152,28 @@ def parse_peer_listen(text: str) -> tuple[str, int]:
     return host, int(port)
 
 
+MAX_PEER_SEEDS = 64
+
+
+def parse_peer_seeds(text: str) -> tuple[tuple[str, int], ...]:
+    """--peer-seeds: 'HOST:PORT[,HOST:PORT...]' (a host name, an IPv4 address, or an IPv6
+    address in brackets), at most MAX_PEER_SEEDS."""
+    out = []
+    for item in (x.strip() for x in text.split(",")):
+        host, _, port = item.rpartition(":")
+        host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+        if not host or not (port.isascii() and port.isdigit()) or not 1 <= int(port) <= 65535:
+            raise ConfigError(f"--peer-seeds {item!r}: not HOST:PORT")
+        if not (len(host) <= 253 and host.isascii() and
+                all(c.isalnum() or c in ".-:_" for c in host)):
+            raise ConfigError(f"--peer-seeds {item!r}: {host!r} is not a host name or address")
+        out.append((host, int(port)))
+    if len(out) > MAX_PEER_SEEDS:
+        raise ConfigError(f"--peer-seeds: at most {MAX_PEER_SEEDS} seeds (one name may "
+                          "resolve to many addresses)")
+    return tuple(out)
+
+
 def primary_address() -> str:
     """The address other nodes reach this one at, when --peer-address is not given: the
     source address of a route to a public address (no packet is sent), else the host name's."""
@@ -304,6 +326,7 @@ class MountConfig:
     peer_listen: str | None = None
     peer_address: str | None = None
     peer_secret_file: Path | None = None
+    peer_seeds: str | None = None
     # --replicas K: buddies each committed set is copied to (None: 1 with --peers, else 0)
     replicas: int | None = None
 
@@ -361,9 +384,10 @@ class MountConfig:
 
     def _check_peers(self) -> None:
         if not self.peers:
-            if self.peer_listen or self.peer_address or self.peer_secret_file:
-                raise ConfigError("--peer-listen, --peer-address and --peer-secret-file need "
-                                  "--peers")
+            if self.peer_listen or self.peer_address or self.peer_secret_file or \
+                    self.peer_seeds:
+                raise ConfigError("--peer-listen, --peer-address, --peer-seeds and "
+                                  "--peer-secret-file need --peers")
             if self.replicas is not None:
                 raise ConfigError("--replicas needs --peers (replicas go to other nodes' "
                                   "peer servers)")
@@ -375,6 +399,8 @@ class MountConfig:
         load_peer_secret(self.peer_secret_file)
         if self.peer_listen is not None:
             parse_peer_listen(self.peer_listen)
+        if self.peer_seeds is not None:
+            parse_peer_seeds(self.peer_seeds)
         if self.peer_address is not None and not (
                 1 <= len(self.peer_address) <= 253 and self.peer_address.isascii() and
                 all(c.isalnum() or c in ".-:" for c in self.peer_address)):

@@ -59,6 +59,7 @@ from .config import (
     default_store_note,
     default_store_url,
     load_peer_secret,
+    parse_peer_seeds,
 )
 from .control import READ, WRITE, Peer, check_access
 from .fmt import human
@@ -100,7 +101,8 @@ def peer_config(cfg: MountConfig) -> PeerConfig | None:
 
     host, port, advertise = cfg.peer_endpoint
     return PeerConfig(secret=load_peer_secret(cfg.peer_secret_file), listen_host=host,
-                      listen_port=port, advertise=advertise)
+                      listen_port=port, advertise=advertise,
+                      seeds=parse_peer_seeds(cfg.peer_seeds) if cfg.peer_seeds else ())
 
 # STATUS= for `systemctl status`: recomputed this often (one `Tiering.statistics()`, what a
 # metrics scrape costs: about a millisecond of the loop) and sent when its text changed.
@@ -486,17 +488,19 @@ class _Daemon:
         why = remote.first_error if remote.first_listing.is_set() else \
             f"no answer within {FIRST_LISTING_TIMEOUT_S:.0f}s"
         if why is not None:
+            peers = await self._sets_from_peers() if cfg.allow_empty_namespace else ""
             if not cfg.allow_empty_namespace:
                 msg = (f"cannot list the sets in store {self.store_url} ({why}): the namespace "
                        "would be incomplete; retry when the store answers, or mount with "
-                       "--allow-empty-namespace to see only this cache's sets until a "
+                       "--allow-empty-namespace to see only this cache's sets"
+                       f"{' and those peers hold replicas of' if cfg.peers else ''} until a "
                        "listing succeeds")
                 log.error("%s", msg)
                 self.tell(EXIT_STORE, msg)
                 fuse.terminate()
                 return
             log.warning("mounting without the store's sets (--allow-empty-namespace): %s;"
-                        " they appear once a listing succeeds", why)
+                        " they appear once a listing succeeds%s", why, peers)
         register(cfg)
         # systemd first: the mount helper exits once told below, and systemd must know the
         # daemon as the unit's main process by then (ckptfs@.service, NotifyAccess=all)
@@ -505,6 +509,20 @@ class _Daemon:
         self.tell(EXIT_OK, f"mounted {cfg.mountpoint}{' read-only' if cfg.read_only else ''}"
                   f" (cache {cfg.cache_dir}, store "
                   f"{self.store_url}{self._default_note()}, pid {os.getpid()})")
+
+    async def _sets_from_peers(self) -> str:
+        """The store could not be listed: one ask of the peers for the replicas they hold
+        (cachemgr.tiering.peerspace), bounded; what it showed, for the log line."""
+        import trio
+
+        space = self.tiering.peerspace
+        if space is None:
+            return ""
+        with trio.move_on_after(FIRST_LISTING_TIMEOUT_S):
+            answered = await space.pass_once()
+            shown = space.statistics().shown_sets
+            return f"; {answered} peer(s) answered, {shown} set(s) shown from their replicas"
+        return "; the peers did not answer in time"
 
     def status_line(self) -> str:
         """STATUS= for `systemctl status`: what is served and what a lost cache disk would

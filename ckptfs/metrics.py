@@ -60,7 +60,7 @@ REQUEST_TIMEOUT_S = 10.0
 # Every set state (cachemgr/core/schema.sql): each is exported, 0 when no set is in it, so an alert
 # on `delta(ckptfs_sets{state="failed"}[1h]) > 0` has a series from the first scrape.
 SET_STATES = ("committed", "uploading", "durable", "failed", "superseded", "replaced",
-              "deleting", "deleted")
+              "deleting", "deleted", "replicated")
 HEALTH_STATES = ("normal", "unstable", "down")
 
 

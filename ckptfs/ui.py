@@ -77,7 +77,8 @@ STUCK_NAMED = 5
 # What a stuck set waits for that no wait will end (cachemgr.tiering.progress.STUCK_FOR_GOOD): red.
 STUCK_FOR_GOOD = ("content_gone", "upload_lost", "unknown")
 STATE_STYLE = {"durable": "green", "committed": "yellow", "uploading": "cyan",
-               "failed": "bold red", "deleting": "dim", "deleted": "dim", "replaced": "dim"}
+               "failed": "bold red", "deleting": "dim", "deleted": "dim", "replaced": "dim",
+               "replicated": "magenta"}
 # Below this many columns a terminal gets the sets one above the other: the five number and
 # state columns of the table take ~45, which would leave a path no room.
 NARROW = 72

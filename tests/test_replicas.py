@@ -336,6 +336,93 @@ def test_a_lost_node_s_sets_are_taken_over_by_its_buddy(cluster):
     assert m["commit"]["node"] == a.node_id and m["commit"]["taken_over_by"] == b.node_id, m
 
 
+def peer_endpoint(m) -> str:
+    return ckptfs.status(m.path)["tiering"]["peers"]["server"]["endpoint"]
+
+
+def test_a_fresh_node_reads_a_lost_node_s_sets_from_its_buddy_while_the_store_is_down(cluster):
+    """The store down for every node (A, its buddy B and a fresh node C all behind the fault
+    proxy): A commits a torch.save checkpoint and a DCP set, both replicated on B; A's daemon
+    is killed and its cache dir deleted. C mounts with --peer-seeds naming B: it shows both
+    sets ("replicated", not durable) and loads them bit-exact from B's replica, the store
+    untouched. Once the store is back, B takes them over, C's sets become the store's
+    (durable) and still read the same, and a fresh node D loads them from the store."""
+    import shutil
+
+    import torch.distributed.checkpoint as dcp
+
+    a = cluster("a", "--lease", "4", proxied=True)
+    b = cluster("b", "--lease", "4", proxied=True)
+    knows_buddy(a, b)
+    cluster.proxy.outage()  # until clear(): no node behind the proxy reaches the store
+    g = torch.Generator().manual_seed(7)
+    model = {"w": torch.randn(1_500_000, generator=g)}  # > one 4 MiB chunk: two chunks
+    torch.save(model, a.path / "ckpt.pt")
+    state = {"w": torch.randn(300_000, generator=g), "b": torch.arange(1000)}
+    dcp.save(state, checkpoint_id=str(a.path / "run" / "dcp_3"))
+    for rel in ("ckpt.pt", "run/dcp_3"):
+        res = run_cli("wait", "--replicated", str(a.path / rel), "--timeout", "20")
+        assert res.returncode == 0, res.stderr
+    wrote = {p.relative_to(a.path).as_posix(): p.read_bytes()
+             for p in a.path.rglob("*") if p.is_file()}
+    assert set(wrote) == {"ckpt.pt", "run/dcp_3/.metadata", "run/dcp_3/__0_0.distcp"}
+    a.kill9()
+    shutil.rmtree(a.cache_dir)
+
+    c = cluster("c", "--peer-seeds", peer_endpoint(b), "--allow-empty-namespace",
+                proxied=True)
+    rows = {s["path"]: s for s in ckptfs.status(c.path)["tiering"]["sets"]}
+    # the namespace holds both sets the moment mount returns
+    assert rows["ckpt.pt"]["state"] == "replicated", rows
+    assert rows["run/dcp_3"]["state"] == "replicated", rows
+    assert torch.equal(torch.load(c.path / "ckpt.pt")["w"], model["w"])
+    back = {"w": torch.zeros(300_000), "b": torch.zeros(1000, dtype=torch.int64)}
+    dcp.load(back, checkpoint_id=str(c.path / "run" / "dcp_3"))
+    assert torch.equal(back["w"], state["w"]) and torch.equal(back["b"], state["b"])
+    for rel, data in wrote.items():
+        assert (c.path / rel).read_bytes() == data, rel
+    peers = ckptfs.status(c.path)["tiering"]["peers"]
+    assert peers["restored_from_peers"]["bytes"] >= sum(map(len, wrote.values())), peers
+    assert peers["restored_from_store"]["bytes"] == 0, peers
+    assert ckptfs.status(b.path)["tiering"]["peers"]["server"]["served_chunks"] >= 4
+    res = run_cli("wait", str(c.path / "ckpt.pt"), "--timeout", "0.5")
+    assert res.returncode != 0, "a set only peers hold was reported durable"
+
+    cluster.proxy.clear()  # the store is back: B takes both sets over
+    wait_for(lambda: replication(b)["taken_over"] == 2, timeout=60,
+             what="the buddy to take over both sets once the store is back")
+    for rel in ("ckpt.pt", "run/dcp_3"):
+        wait_for(lambda rel=rel: set_row(c, rel)["state"] == "durable", timeout=30,
+                 what=f"{rel} on c to become the store's set")
+    for rel, data in wrote.items():
+        assert (c.path / rel).read_bytes() == data, rel
+    d = cluster("d")
+    for rel, data in wrote.items():
+        assert (d.path / rel).read_bytes() == data, rel
+
+
+def test_a_fresh_node_refuses_an_unlisted_store_unless_told(cluster, mount_factory, tmp_path):
+    """The store down for a fresh node whose seed answers: without --allow-empty-namespace the
+    mount still fails with exit 7 (an incomplete view is never shown unasked), its message
+    naming the flag; a seed that is not HOST:PORT is a usage error."""
+    b = cluster("b")
+    cluster.proxy.outage()
+    sf = tmp_path / "c.secret"
+    sf.write_bytes(SECRET)
+    sf.chmod(0o600)
+    c = mount_factory("c")
+    args = ("--store", f"s3://{cluster.bucket}/p", "--s3-endpoint", cluster.proxy.url,
+            "--s3-path-style", "--peers", "--peer-address", "127.0.0.1",
+            "--peer-secret-file", str(sf))
+    res = c.start(*args, "--peer-seeds", peer_endpoint(b), check=False)
+    assert res.returncode == EXIT_STORE, (res.returncode, res.stderr)
+    assert "--allow-empty-namespace" in res.stderr and "peers hold replicas" in res.stderr, \
+        res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1, res.stderr
+    res = c.start(*args, "--peer-seeds", "no-port-here", check=False)
+    assert res.returncode == EXIT_USAGE and "--peer-seeds" in res.stderr, res.stderr
+
+
 def test_a_buddy_collects_its_takeover_objects_once_the_path_moves_on(cluster):
     """After a takeover, the buddy re-commits one taken-over path and deletes another: once its
     GC ran, every data object in the store is named by a manifest there (the takeover objects

@@ -98,6 +98,10 @@ CREATE TABLE xattrs (
 --                 set); its manifest and objects are being removed from the store, in commit
 --                 order. Counts as kept for garbage collection until it is gone.
 --   deleted    -> removed from the store
+--   replicated -> (origin another node's id) a set another node committed, materialised from a
+--                 manifest peers built from the replicas they hold (etag 'peer:<origin>:<seq>'),
+--                 while the store could not be listed; replaced once the store lists its
+--                 manifest (cachemgr.tiering.peerspace)
 CREATE TABLE sets (
     seq          INTEGER PRIMARY KEY AUTOINCREMENT,   -- commit order
     path         TEXT    NOT NULL,                    -- relative to the mount root, no leading /

@@ -41,7 +41,9 @@ _TEMP_RE = re.compile(
 )
 DCP_METADATA = ".metadata"
 LIVE_STATES = ("committed", "uploading")
-KEPT_STATES = ("committed", "uploading", "durable")
+# "replicated": another node's set materialised from the replicas peers hold, its store
+# manifest not listed here yet (cachemgr.tiering.peerspace; docs/SEMANTICS.md "Replicated")
+KEPT_STATES = ("committed", "uploading", "durable", "replicated")
 
 
 def _rowid(cur: sqlite3.Cursor) -> int:
@@ -191,8 +193,9 @@ class SetRegistry:
         return seq
 
     def record_remote(self, m: dict[str, Any], root_ino: int, etag: str,
-                      files: list[tuple[Any, ...]]) -> int:
-        """A set materialised from another node's manifest `m`: durable from the start.
+                      files: list[tuple[Any, ...]], state: str = "durable") -> int:
+        """A set materialised from another node's manifest `m`: durable from the start (or
+        `state` "replicated": from a manifest peers built from their replicas).
         `files`: (rel, ino, version, size, mode, mtime_ns, obj_json); version 0 for files
         created from the manifest, the inode's own for files this node wrote (adopted)."""
         layout = {"dirs": m.get("dirs", []), "symlinks": m.get("symlinks", [])}
@@ -203,9 +206,11 @@ class SetRegistry:
         now = time.time_ns()
         cur = self.conn.execute(
             "INSERT INTO sets (path, kind, root_ino, state, reason, committed_ns, durable_ns,"
-            " layout, origin, etag) VALUES (?, ?, ?, 'durable', ?, ?, ?, ?, ?, ?)",
-            (m["path"], m["kind"], root_ino, "store:" + m["commit"].get("reason", "?"),
-             m["commit"].get("committed_ns", now), now, json.dumps(layout),
+            " layout, origin, etag) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (m["path"], m["kind"], root_ino, state,
+             ("store:" if state == "durable" else "peers:") + m["commit"].get("reason", "?"),
+             m["commit"].get("committed_ns", now), now if state == "durable" else None,
+             json.dumps(layout),
              m["commit"].get("node", "?"), etag))
         seq = _rowid(cur)
         for rel, ino, version, size, mode, mtime_ns, obj_json in files:

@@ -488,18 +488,25 @@ def peer_endpoint(v: object, error: type[DocumentError] = DocumentError) -> tupl
 
 MAX_REPLICA_FILES = 100_000   # files of one replica offer (its JSON is at most 1 MiB anyway)
 MAX_REPLICA_BYTES = 1 << 50   # bytes of one offered set
+# A buddy pulls a replica's files in ranges of this many bytes from offset 0 and checks each
+# range's CRC32C; a held replica's descriptor keeps them as the file's chunk CRCs (`crcs`), so
+# it can serve the file to a restoring node as an object of chunks this size
+# (cachemgr.tiering.replicate, docs/FORMAT.md "Replica descriptor").
+REPLICA_CHUNK = 4 << 20
 
 
-def replica_offer(data: bytes) -> dict[str, Any]:
+def replica_offer(data: bytes, max_bytes: int = MAX_PROTOCOL_BYTES) -> dict[str, Any]:
     """A replica offer (cachemgr.tiering.replicate; docs/ARCHITECTURE.md "Peers"), validated:
     DocumentError if it must not be used. Paths are relative, inside the set (`path`), in the
     escaped form; sizes bounded (each file and their total at most MAX_REPLICA_BYTES); the
     origin a node id, its endpoint a peer endpoint. Returns the fields a buddy uses: origin,
     generation, seq, path, kind, committed_ns, reason, endpoint, files [{rel, size, mode,
-    mtime_ns}], dirs [{path, mode, mtime_ns}], symlinks [{path, target}], mode, target."""
+    mtime_ns}], dirs [{path, mode, mtime_ns}], symlinks [{path, target}], mode, target. A held
+    replica's descriptor (the same document, `max_bytes` MAX_DOCUMENT_BYTES) may give a file
+    `crcs`: the CRC32C of each REPLICA_CHUNK of it, checked for count and range."""
     E = DocumentError
-    if len(data) > MAX_PROTOCOL_BYTES:
-        raise E(f"offer is {len(data)} bytes (at most {MAX_PROTOCOL_BYTES})")
+    if len(data) > max_bytes:
+        raise E(f"offer is {len(data)} bytes (at most {max_bytes})")
     try:
         d = json.loads(data)
     except (ValueError, RecursionError):
@@ -534,10 +541,15 @@ def replica_offer(data: bytes) -> dict[str, Any]:
         total += size
         if total > MAX_REPLICA_BYTES:
             raise E(f"offer is over {MAX_REPLICA_BYTES} bytes")
-        out["files"].append({"rel": rel, "size": size,
-                             "mode": _mode(f.get("mode"), "offer file mode", E, 0o644),
-                             "mtime_ns": _int(f.get("mtime_ns", 0), "offer mtime_ns", 0,
-                                              1 << 63, E)})
+        entry = {"rel": rel, "size": size,
+                 "mode": _mode(f.get("mode"), "offer file mode", E, 0o644),
+                 "mtime_ns": _int(f.get("mtime_ns", 0), "offer mtime_ns", 0, 1 << 63, E)}
+        if f.get("crcs") is not None:
+            crcs = _int_list(f["crcs"], "replica file crcs", E)
+            if len(crcs) != -(-size // REPLICA_CHUNK) or not all(0 <= c < 1 << 32 for c in crcs):
+                raise E(f"replica file {_short(rel)}: its crcs do not cover {size} bytes")
+            entry["crcs"] = crcs
+        out["files"].append(entry)
     out["dirs"] = [{"path": path(x.get("path"), 2, "offer dir", E),
                     "mode": _mode(x.get("mode"), "offer dir mode", E, 0o755),
                     "mtime_ns": _int(x.get("mtime_ns", 0), "offer dir mtime_ns", 0, 1 << 63, E)}
@@ -566,3 +578,36 @@ __all__ = ["MAX_CHUNK", "MAX_DOCUMENT_BYTES", "MAX_ENTRIES", "MODE_MASK", "Docum
            "ManifestError", "PartError", "is_own_object", "is_takeover_object",
            "lz4_frame_bound", "manifest", "node_id", "object_geometry", "part_record", "path",
            "peer_endpoint", "protocol_doc", "replica_offer", "stored_object"]
+
+
+MAX_NAMESPACE_PEERS = 100_000  # peers one namespace answer may name
+MAX_NAMESPACE_SETS = 100_000   # sets one namespace answer may hold
+
+
+def peer_namespace(data: bytes) -> dict[str, Any]:
+    """A peer's namespace answer (GET /v1/replica/namespace, cachemgr.tiering.peerspace;
+    docs/FORMAT.md "Peer namespace"), validated: DocumentError if it must not be used. Returns
+    {node, peers [(node, host, port)], sets [manifest JSON bytes, each still to be validated as
+    a manifest], truncated}."""
+    E = DocumentError
+    if len(data) > MAX_DOCUMENT_BYTES:
+        raise E(f"namespace answer is {len(data)} bytes (at most {MAX_DOCUMENT_BYTES})")
+    try:
+        d = json.loads(data)
+    except (ValueError, RecursionError):
+        raise E("namespace answer is not JSON") from None
+    if not isinstance(d, dict) or d.get("format") != "ckptfs-peer-namespace" or \
+            type(d.get("version")) is not int or d.get("version") != 1:
+        raise E("not a ckptfs peer namespace answer")
+    peers = []
+    for p in _list(d.get("peers"), "namespace peers", E, MAX_NAMESPACE_PEERS):
+        ep = peer_endpoint({"host": p.get("host"), "port": p.get("port")}, E)
+        peers.append((node_id(p.get("node"), "namespace peer node", E), *ep))
+    sets = d.get("sets")
+    if not isinstance(sets, list) or len(sets) > MAX_NAMESPACE_SETS or \
+            not all(isinstance(s, str) for s in sets):
+        raise E(f"namespace sets must be a list of at most {MAX_NAMESPACE_SETS} documents")
+    if type(d.get("truncated")) is not bool:
+        raise E("namespace truncated is not true or false")
+    return {"node": node_id(d.get("node"), "namespace node", E), "peers": peers,
+            "sets": [s.encode() for s in sets], "truncated": d["truncated"]}

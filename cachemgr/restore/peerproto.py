@@ -19,6 +19,14 @@ beside it without touching these):
         of the committed content and `X-Ckptfs-Crc32c` (their CRC32C, decimal), 410 when the
         file changed since its commit (the origin offers the newer commit), 404 no such set or
         file here, 400 malformed.
+    GET /v1/replica/namespace?n=<32 hex digits, random>
+        the replicas this node holds, as the manifests a restoring node shows while the store
+        cannot be listed (cachemgr.tiering.peerspace): 200 with a JSON document (at most
+        MAX_NAMESPACE_BYTES) and `X-Ckptfs-Signature`, the HMAC of the target and the body
+        (`sign_response`): unlike a chunk, these bytes have no store document to be checked
+        against, so the answer is authenticated as the request is. Their files' objects are
+        `data/<origin>/replica/<seq>/<i>`, served by GET /v1/chunk from the replica (each chunk
+        checked against the CRC32C the buddy checked when it pulled it).
 
 Authentication: every request carries `X-Ckptfs-Time` (unix seconds), `X-Ckptfs-Nonce` (32 hex
 digits, random) and `X-Ckptfs-Auth`, the hex HMAC-SHA256 with the shared secret of
@@ -44,6 +52,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from urllib.parse import parse_qs, quote, urlsplit
 
+from cachemgr.format.validate import REPLICA_CHUNK
+
 PROTOCOL = "ckptfs-peer-v1"
 CHUNK_ROUTE = "/v1/chunk"
 CLOCK_WINDOW_S = 60.0         # a request's time may differ from the server's by this much
@@ -55,7 +65,10 @@ OFFER_ROUTE = "/v1/replica/offer"
 FILE_ROUTE = "/v1/replica/file"
 DROPPED_ROUTE = "/v1/replica/dropped"   # a buddy tells an origin it dropped a replica (room)
 MAX_OFFER_BYTES = 1 << 20     # a replica offer's body (validate.MAX_PROTOCOL_BYTES)
-MAX_RANGE = 4 << 20           # bytes per replica file range
+MAX_RANGE = REPLICA_CHUNK     # bytes per replica file range (4 MiB: a replica's chunks)
+NAMESPACE_ROUTE = "/v1/replica/namespace"  # the replicas a node holds, as manifests
+H_SIG = b"x-ckptfs-signature"  # a namespace answer's HMAC (`sign_response`)
+MAX_NAMESPACE_BYTES = 64 << 20  # a namespace answer's body (validate.MAX_DOCUMENT_BYTES)
 
 
 @dataclass(frozen=True)
@@ -76,6 +89,9 @@ class PeerConfig:
     max_asked: int = 3            # peers asked per chunk before the store
     max_connections: int = 32     # the server's concurrent connections (memory: x 4 MiB)
     request_timeout: float = 30.0  # the server's bound on one request, headers to last byte
+    # --peer-seeds: (host, port) of peers to ask for the replicas they hold when the store
+    # cannot be listed (a fresh node has no member records to find them by)
+    seeds: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,6 +181,34 @@ def sign(secret: bytes, method: str, target: str, now: float | None = None) -> l
     nonce = os.urandom(16).hex()
     return [(H_TIME, ts.encode()), (H_NONCE, nonce.encode()),
             (H_AUTH, _mac(secret, method, target, ts, nonce).encode())]
+
+
+def namespace_target() -> str:
+    """A namespace request's target: a fresh random `n`, which its answer's signature covers
+    (so an answer recorded earlier does not pass for the answer to this request)."""
+    return f"{NAMESPACE_ROUTE}?n={os.urandom(16).hex()}"
+
+
+def _response_mac(secret: bytes, target: str, body: bytes) -> str:
+    digest = hashlib.sha256(body).hexdigest()
+    return hmac.new(secret, f"{PROTOCOL}-response\n{target}\n{digest}".encode(),
+                    hashlib.sha256).hexdigest()
+
+
+def sign_response(secret: bytes, target: str, body: bytes) -> tuple[bytes, bytes]:
+    """The H_SIG header of an answer to `target`: the HMAC of the target and the body's
+    SHA-256. Only answers whose bytes cannot be checked against a store document are signed
+    (a namespace answer: the manifests a node builds from the replicas it holds)."""
+    return H_SIG, _response_mac(secret, target, body).encode()
+
+
+def check_response(secret: bytes, target: str, body: bytes, sig: bytes | None) -> bool:
+    """Whether `sig` (the answer's H_SIG) is this secret's signature of `body` for `target`."""
+    try:
+        got = (sig or b"").decode("ascii")
+    except UnicodeDecodeError:
+        return False
+    return len(got) == 64 and hmac.compare_digest(got, _response_mac(secret, target, body))
 
 
 class ReplayCache:

@@ -67,6 +67,7 @@ class PeerServerStats:
     refused_auth: int
     bad_requests: int
     busy: int
+    internal_errors: int
 
 
 class _Close(Exception):
@@ -95,6 +96,7 @@ class PeerServer:
         self.refused_auth = 0
         self.bad_requests = 0
         self.busy = 0
+        self.internal_errors = 0
 
     @property
     def endpoint(self) -> tuple[str, int]:
@@ -124,6 +126,10 @@ class PeerServer:
             except (h11.ProtocolError, trio.BrokenResourceError, trio.ClosedResourceError,
                     OSError) as e:
                 log.debug("peer connection ended: %s", e)
+            except Exception:  # a bug in one request: that connection ends, the server serves on
+                self.internal_errors += 1
+                log.exception("peers: a request failed inside the peer server; its connection"
+                              " was closed")
             finally:
                 self.connections -= 1
 
@@ -233,7 +239,8 @@ class PeerServer:
             endpoint=f"{self.cfg.advertise}:{self.port}", connections=self.connections,
             served_chunks=self.served_chunks, served_bytes=self.served_bytes,
             not_held=self.not_held, refused_auth=self.refused_auth,
-            bad_requests=self.bad_requests, busy=self.busy)
+            bad_requests=self.bad_requests, busy=self.busy,
+            internal_errors=self.internal_errors)
 
 
 def bind(cfg: PeerConfig) -> socket.socket:

@@ -49,7 +49,7 @@ Reply = dict[str, Any]
 # of these and was written file by file since is waited for as a directory (`Progress.wait`).
 _ENDED = ("superseded", "failed", "deleting", "deleted")
 _ALL_STATES = ("committed", "uploading", "durable", "failed", "superseded", "replaced",
-               "deleting", "deleted")
+               "deleting", "deleted", "replicated")
 
 # A set pending (committed or uploading) longer than this is *stuck*: status (plain and --json)
 # and the metrics name it with what it waits for, whatever its age or position among the sets.

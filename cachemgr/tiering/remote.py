@@ -54,7 +54,7 @@ import trio
 
 from cachemgr.core.errors import FsError
 from cachemgr.core.hooks import KernelNotifier
-from cachemgr.core.sets import KEPT_STATES, SetRow
+from cachemgr.core.sets import KEPT_STATES, LIVE_STATES, SetRow
 from cachemgr.format import manifest as mf
 from cachemgr.format import validate
 from cachemgr.format.names import to_str, unescape_name
@@ -78,6 +78,12 @@ _HOLD_BYTES = 64 << 20
 
 
 _InTheWay = InTheWay  # the name this module used before cachemgr.tiering.materialise
+
+
+def peer_etag(m: Manifest) -> str:
+    """The etag a set shown from peers' replicas is recorded with: its commit, whichever peer
+    built the manifest (two buddies' manifests of one replica differ in published_ns only)."""
+    return f"peer:{m['commit']['node']}:{m['commit']['seq']}"
 
 
 def _b(s: str) -> bytes:
@@ -139,6 +145,12 @@ class RemoteSync:
         # mount` sees every set the store held then.
         self.first_listing = trio.Event()
         self.first_error: str | None = None
+        # Whether the last listing succeeded, and when the last one that did began (wall
+        # clock): sets shown from peers' replicas (cachemgr.tiering.peerspace) that no peer
+        # holds any more go only once a listing that began after that answer did not list them.
+        self.listing_ok = False
+        self.listed_from: float | None = None
+        self._peer_missing: dict[int, float] = {}  # seq of a "replicated" set -> since when
 
     async def run(self) -> None:
         """List the store every `interval` seconds. The first listing is what a mount waits for
@@ -146,11 +158,14 @@ class RemoteSync:
         store listed then. With interval 0 the store is listed once (until a listing
         succeeds)."""
         while True:
+            began = time.time()
             try:
                 await self.sync_once()
                 self.first_error = None
+                self.listing_ok, self.listed_from = True, began
             except StoreError as e:
                 log.warning("listing the store's sets failed: %s", e)
+                self.listing_ok = False
                 if self.syncs == 0:
                     self.first_error = str(e)
             self.first_listing.set()
@@ -248,6 +263,10 @@ class RemoteSync:
             # Remembered until the set is applied here (the index knows its objects then).
             self._named[key] = frozenset(f["object"]["key"] for f in m["files"])
             if self._wanted(path, info.etag):  # again: a local commit may have come meanwhile
+                cur = self.sets.newest_at(path)
+                if cur is not None and cur.state == "replicated" and \
+                        cur.committed_ns > int(m["commit"].get("committed_ns", 0)):
+                    continue  # peers hold a newer commit than the store's (not durable yet)
                 try:
                     if self._apply(m, info.etag, self.sets.newest_at(path)):
                         self._named.pop(key, None)
@@ -287,8 +306,10 @@ class RemoteSync:
 
     # -- applying one manifest ---------------------------------------------------------------
 
-    def _apply(self, m: Manifest, etag: str, cur: SetRow | None) -> bool:
-        """Make the manifest's set the one at its path here; False if it was not applied."""
+    def _apply(self, m: Manifest, etag: str, cur: SetRow | None,
+               state: str = "durable") -> bool:
+        """Make the manifest's set the one at its path here; False if it was not applied.
+        `state` "replicated": a manifest peers built from their replicas (apply_from_peers)."""
         path = m["path"]
         parts = path.split("/")
         name = _b(parts[-1])
@@ -303,7 +324,7 @@ class RemoteSync:
                 root, files, moved, adopted = self.mat.install(m, parent, name, cur)
                 if cur is not None and cur.state in KEPT_STATES:
                     self.sets.set_state(cur.seq, "replaced", "a newer manifest in the store")
-                self.sets.record_remote(m, root, etag, files)
+                self.sets.record_remote(m, root, etag, files, state)
         except InTheWay as e:
             if self._blocked.get(path) != str(e):
                 log.info("store set %s not restored here: %s", path, e)
@@ -317,15 +338,52 @@ class RemoteSync:
         self._blocked.pop(path, None)
         self.applied += 1
         self.adopted_files += adopted
-        log.info("restored set %s from the store (%d files, %d of them written here, %d bytes,"
-                 " committed by node %s)", path, len(m["files"]), adopted,
-                 m.get("total_bytes", 0), m["commit"].get("node"))
+        log.info("restored set %s from the %s (%d files, %d of them written here, %d bytes,"
+                 " committed by node %s)", path,
+                 "store" if state == "durable" else "replicas peers hold", len(m["files"]),
+                 adopted, m.get("total_bytes", 0), m["commit"].get("node"))
         for d, n in moved:
             self.mat.invalidate(d, n)
         self.mat.invalidate(parent, name)
         self.mark_parts()
         self.changed()
         return True
+
+    # -- sets shown from the replicas peers hold (cachemgr.tiering.peerspace) -----------------
+
+    def apply_from_peers(self, found: list[Manifest], asked_at: float) -> int:
+        """Show the sets of `found` (manifests peers built from the replicas they hold, each
+        validated, one per path: the newest commit) that are newer than what this node has at
+        their paths, in commit order, as "replicated" sets; then remove the "replicated" sets
+        no peer holds any more once a store listing that began after `asked_at` (when the
+        peers were asked) did not replace them. No await: like a listing, all in one step.
+        Returns how many sets were applied."""
+        applied = 0
+        held = {peer_etag(m) for m in found}
+        for m in sorted(found, key=lambda x: (x["kind"] == "symlink",
+                                             x["commit"]["committed_ns"], x["path"])):
+            cur = self.sets.newest_at(m["path"])
+            if m["commit"]["node"] == self.node or (cur is not None and (
+                    cur.etag == peer_etag(m) or cur.state in ("deleting", *LIVE_STATES) or
+                    (cur.state in KEPT_STATES and
+                     cur.committed_ns >= int(m["commit"]["committed_ns"])))):
+                continue
+            try:
+                applied += self._apply(m, peer_etag(m), cur, state="replicated")
+            except Exception as e:  # one set must not stop the others (a bug: rolled back)
+                why = f"internal error {e!r}"
+                if self._blocked.get(m["path"]) != why:
+                    log.exception("peers' set %s not shown", m["path"])
+                    self._blocked[m["path"]] = why
+        for s in self.sets.by_states(("replicated",)):
+            if s.etag in held:
+                self._peer_missing.pop(s.seq, None)
+                continue
+            since = self._peer_missing.setdefault(s.seq, asked_at)
+            if self.listed_from is not None and self.listed_from > since:
+                self._peer_missing.pop(s.seq, None)
+                self._remove(s, "no peer holds its replica and the store does not list it")
+        return applied
 
     # -- the committing node's own multi-node set ------------------------------------------
 
@@ -335,7 +393,7 @@ class RemoteSync:
 
     # -- a set that left the store -----------------------------------------------------------
 
-    def _remove(self, s: SetRow) -> None:
+    def _remove(self, s: SetRow, why: str = "its manifest left the store") -> None:
         dir_path, _slash, last = s.path.rpartition("/")
         parent = self.index.resolve(dir_path)
         name = _b(last)
@@ -343,9 +401,9 @@ class RemoteSync:
             if parent is not None and self.index.lookup(parent, name) == s.root_ino and \
                     not self.mat.busy(s.root_ino):
                 self.tree.remove_tree(parent, name)
-            self.sets.set_state(s.seq, "deleted", "its manifest left the store")
+            self.sets.set_state(s.seq, "deleted", why)
         self.removed += 1
-        log.info("set %s left the store; removed it here", s.path)
+        log.info("set %s removed here: %s", s.path, why)
         if parent is not None:
             self.mat.invalidate(parent, name)
         self.mark_parts()

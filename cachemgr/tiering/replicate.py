@@ -39,6 +39,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import time
 from collections.abc import Awaitable, Callable
@@ -52,20 +53,23 @@ import trio
 from cachemgr.core.sets import LIVE_STATES, SetRegistry
 from cachemgr.format import manifest as mf
 from cachemgr.format import validate
-from cachemgr.format.decode import crc32c
+from cachemgr.format.decode import crc32c, crc32c_combine
 from cachemgr.format.keys import manifest_key
-from cachemgr.format.objects import StoredObject
+from cachemgr.format.objects import StoredObject, chunk_count, chunk_span, verify_chunk
 from cachemgr.restore.peerproto import (
     DROPPED_ROUTE,
     FILE_ROUTE,
     H_CRC,
+    MAX_NAMESPACE_BYTES,
     MAX_RANGE,
+    NAMESPACE_ROUTE,
     OFFER_ROUTE,
     PeerConfig,
     PeerEndpoint,
     buddies,
     file_target,
     parse_file_target,
+    sign_response,
 )
 from cachemgr.restore.peers import PeerFault, request
 from cachemgr.store import NotFound, ObjectStore, PreconditionFailed, StoreError
@@ -159,6 +163,10 @@ class ReplicaOrigin:
                 log.debug("replicas: cannot list the members (%s): offering to the last known",
                           e)
         return self._peers
+
+    def known_peers(self) -> list[PeerEndpoint]:
+        """The live peers of the last listing that answered (no request)."""
+        return list(self._peers)
 
     def buddies(self) -> list[str]:
         """This node's K buddies as of its last listing of the live peers."""
@@ -313,6 +321,11 @@ class ReplicaHolder:
         # and a replica is only dropped after it was pulled (bounded by MAX_QUEUED offers)
         self._tell, self._told = trio.open_memory_channel[tuple[str, int, PeerEndpoint]](
             float("inf"))
+        # what a held replica is served as (serve_chunk, manifests): built on first use,
+        # forgotten with the replica (_forget); trio thread only, like `held`
+        self._objs: dict[tuple[str, int], list[StoredObject] | None] = {}
+        self._docs: dict[tuple[str, int], str | None] = {}
+        self.served_chunks = 0
         self.replica_bytes = 0
         self.pulls_failed = 0
         self.offers_refused = 0
@@ -374,7 +387,8 @@ class ReplicaHolder:
         for odir in self.root.iterdir():
             for d in odir.iterdir() if odir.is_dir() else ():
                 try:
-                    desc = validate.replica_offer((d / DESCRIPTOR).read_bytes())
+                    desc = validate.replica_offer((d / DESCRIPTOR).read_bytes(),
+                                                  max_bytes=validate.MAX_DOCUMENT_BYTES)
                     ok = not d.name.endswith(".part") and d.name == str(desc["seq"]) and \
                         desc["origin"] == odir.name
                 except (OSError, validate.DocumentError):
@@ -392,7 +406,7 @@ class ReplicaHolder:
         try:
             await trio.to_thread.run_sync(self._fresh, part)
             for i, f in enumerate(desc["files"]):
-                await self._pull_file(origin, desc, i, f["size"], part / str(i))
+                f["crcs"] = await self._pull_file(origin, desc, i, f["size"], part / str(i))
             await trio.to_thread.run_sync(self._seal, part, desc)
         except (PeerFault, OSError) as e:
             self.pulls_failed += 1
@@ -421,7 +435,10 @@ class ReplicaHolder:
             os.chmod(d, 0o700)
 
     async def _pull_file(self, origin: PeerEndpoint, desc: dict[str, Any], i: int, size: int,
-                         dest: Path) -> None:
+                         dest: Path) -> list[int]:
+        """Pull file `i` into `dest`, range by range from offset 0, each range's CRC32C
+        checked; returns those CRCs (the replica's chunk CRCs, validate.REPLICA_CHUNK)."""
+        crcs: list[int] = []
         fd = await trio.to_thread.run_sync(
             lambda: os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
         try:
@@ -440,10 +457,12 @@ class ReplicaHolder:
                     raise PeerFault("corrupt", f"sent bytes of file {i} at {off} that fail "
                                     "their CRC32C")
                 await trio.to_thread.run_sync(os.pwrite, fd, data, off)
+                crcs.append(int(crc))
                 off += n
             await trio.to_thread.run_sync(os.fsync, fd)
         finally:
             os.close(fd)
+        return crcs
 
     def _seal(self, part: Path, desc: dict[str, Any]) -> None:
         doc = {"format": "ckptfs-replica-offer", "version": 1, **desc,
@@ -478,7 +497,63 @@ class ReplicaHolder:
         log.info("replicas: dropped set %d of node %s (%s): %s", key[1], key[0], desc["path"],
                  why)
 
+    # -- serving held replicas to restoring nodes (cachemgr.tiering.peerspace) ---------------
+
+    def _objects(self, key: tuple[str, int], desc: dict[str, Any]) -> list[StoredObject] | None:
+        if key not in self._objs:
+            self._objs[key] = virtual_objects(desc)
+        return self._objs[key]
+
+    def manifests(self) -> list[tuple[int, str]]:
+        """(committed_ns, manifest JSON) of every held replica that can be served (its chunk
+        CRCs known), built once per replica (`_docs`)."""
+        out = []
+        for key, desc in self.held.items():
+            if key not in self._docs:
+                objs = self._objects(key, desc)
+                self._docs[key] = None if objs is None else \
+                    mf.dumps(replica_manifest(desc, objs)).decode()
+            doc = self._docs[key]
+            if doc is not None:
+                out.append((int(desc["committed_ns"]), doc))
+        return out
+
+    async def serve_chunk(self, key: str, crc: int, index: int) -> bytes | None:
+        """Chunk `index` of a held replica's file, asked for by its virtual object (`key`,
+        `crc` its whole CRC32C; virtual_key): the raw bytes once they match the CRC32C this
+        node checked when it pulled them; None when it is not such a chunk held here."""
+        m = _VIRTUAL.fullmatch(key)
+        if m is None:
+            return None
+        rkey, i = (m.group(1), int(m.group(2))), int(m.group(3))
+        desc = self.held.get(rkey)
+        objs = None if desc is None else self._objects(rkey, desc)
+        if objs is None or i >= len(objs) or objs[i].crc32c != crc or \
+                not 0 <= index < chunk_count(objs[i]):
+            return None
+        obj = objs[i]
+        start, length = chunk_span(obj, index)
+        path = self.root / rkey[0] / str(rkey[1]) / str(i)
+
+        def read() -> bytes | None:
+            with open(path, "rb") as f:
+                data = os.pread(f.fileno(), length, start)
+            return data if len(data) == length and verify_chunk(obj, index, data) else None
+
+        try:
+            data = await trio.to_thread.run_sync(read)
+        except OSError:  # dropped meanwhile
+            return None
+        if data is None:
+            log.warning("replicas: chunk %d of file %d of set %d of node %s fails its CRC32C "
+                        "here; not served", index, i, rkey[1], rkey[0])
+        else:
+            self.served_chunks += 1
+        return data
+
     def _forget(self, key: tuple[str, int]) -> dict[str, Any] | None:
+        self._objs.pop(key, None)
+        self._docs.pop(key, None)
         desc = self.held.pop(key, None)
         if desc is not None:
             self.replica_bytes -= self._bytes(desc)
@@ -562,6 +637,49 @@ class ReplicaHolder:
                     break
 
 
+def replica_manifest(desc: dict[str, Any], objects: list[StoredObject]) -> dict[str, Any]:
+    """The manifest the origin of replica `desc` would have written, its files stored as
+    `objects` (Takeover's uploads, or the replica's own chunks: `virtual_objects`)."""
+    files = [{"path": f["rel"], "size": f["size"], "mode": f["mode"], "mtime_ns": f["mtime_ns"],
+              "object": obj.to_json()} for f, obj in zip(desc["files"], objects, strict=True)]
+    layout: dict[str, Any] = {"dirs": desc["dirs"], "symlinks": desc["symlinks"]}
+    if desc["kind"] == "dir":
+        layout["mode"] = desc["mode"]
+    if desc["kind"] == "symlink":
+        layout["target"] = desc["target"]
+    return mf.build(path=desc["path"], kind=desc["kind"], seq=desc["seq"], node=desc["origin"],
+                    reason=desc["reason"], committed_ns=desc["committed_ns"], layout=layout,
+                    files=files)
+
+
+def virtual_key(origin: str, seq: int, i: int) -> str:
+    """The object key under which the buddies holding replica (origin, seq) serve its file
+    `i` to peers (GET /v1/chunk): never an object in the store."""
+    return f"data/{origin}/replica/{seq}/{i}"
+
+
+_VIRTUAL = re.compile(r"data/([^/]+)/replica/([0-9]{1,19})/([0-9]{1,7})")
+
+
+def virtual_objects(desc: dict[str, Any]) -> list[StoredObject] | None:
+    """The files of a held replica as objects of REPLICA_CHUNK chunks with the CRC32Cs the
+    buddy checked when it pulled them; None for a replica held without them (an older
+    daemon's)."""
+    out = []
+    for i, f in enumerate(desc["files"]):
+        crcs = f.get("crcs")
+        if crcs is None:
+            return None
+        whole = 0
+        for j, c in enumerate(crcs):
+            whole = crc32c_combine(whole, c, min(validate.REPLICA_CHUNK,
+                                                 f["size"] - j * validate.REPLICA_CHUNK))
+        out.append(StoredObject(key=virtual_key(desc["origin"], desc["seq"], i),
+                                size=f["size"], stored_size=f["size"], crc32c=whole,
+                                chunk_size=validate.REPLICA_CHUNK, chunk_crcs=tuple(crcs)))
+    return out
+
+
 class Takeover:
     """A buddy publishes the replica of a node whose lease expired, as that node would have:
     its files uploaded under `data/<this node>/takeover/<origin>/<seq>/<i>`, then the manifest
@@ -581,20 +699,12 @@ class Takeover:
     async def publish(self, desc: dict[str, Any], where: Path) -> bool:
         """True once the store holds this commit (or a newer one) of the replica's path."""
         await self.lease.ensure()  # the fence: no write under a lease this node lost
-        files = []
+        objects = []
         for i, f in enumerate(desc["files"]):
             key = f"data/{self.node}/takeover/{desc['origin']}/{desc['seq']}/{i}"
-            obj = await self._upload(str(where / str(i)), key, f["size"])
-            files.append({"path": f["rel"], "size": f["size"], "mode": f["mode"],
-                          "mtime_ns": f["mtime_ns"], "object": obj.to_json()})
-        layout: dict[str, Any] = {"dirs": desc["dirs"], "symlinks": desc["symlinks"]}
-        if desc["kind"] == "dir":
-            layout["mode"] = desc["mode"]
-        if desc["kind"] == "symlink":
-            layout["target"] = desc["target"]
-        m = mf.build(path=desc["path"], kind=desc["kind"], seq=desc["seq"],
-                     node=desc["origin"], reason=desc["reason"],
-                     committed_ns=desc["committed_ns"], layout=layout, files=files)
+            objects.append(await self._upload(str(where / str(i)), key, f["size"]))
+        m = replica_manifest(desc, objects)
+        files = m["files"]
         m["commit"]["nodes"] = sorted({desc["origin"], self.node})
         m["commit"]["taken_over_by"] = self.node
         done = await self._put(desc, m)
@@ -648,7 +758,28 @@ class Replication:
             return await self.origin.serve_file(target)
         if path == DROPPED_ROUTE and method == "POST":
             return self.origin.dropped(body)
+        if path == NAMESPACE_ROUTE and method == "GET":
+            return self.namespace(target)
         return 404, b"no such route", []
+
+    def namespace(self, target: str) -> Reply:
+        """GET NAMESPACE_ROUTE: the manifests of the replicas held here, newest commit first,
+        at most MAX_NAMESPACE_BYTES (older ones left out: `truncated`), with the live peers
+        this node knows (a fresh node finds the others through it), signed."""
+        o = self.origin
+        peers = [{"node": p.node, "host": p.host, "port": p.port} for p in o.known_peers()]
+        peers.append({"node": o.node, "host": o.endpoint[0], "port": o.endpoint[1]})
+        sets, size, truncated = [], 4096 + len(json.dumps(peers)), False
+        for _ns, doc in sorted(self.holder.manifests(), reverse=True):
+            if size + len(doc) + 64 > MAX_NAMESPACE_BYTES:
+                truncated = True
+                break
+            sets.append(doc)
+            size += len(doc) + 64
+        body = json.dumps({"format": "ckptfs-peer-namespace", "version": 1, "node": o.node,
+                           "peers": peers, "sets": sets, "truncated": truncated}).encode()
+        return 200, body, [sign_response(o.cfg.secret, target, body),
+                           (b"content-type", b"application/json")]
 
     async def run(self) -> None:
         async with trio.open_nursery() as nursery:

@@ -51,12 +51,13 @@ from cachemgr.core.sets import LIVE_STATES, SetRegistry
 from cachemgr.host import background
 from cachemgr.host.foreground import Foreground
 from cachemgr.restore.fetch import Fetcher
-from cachemgr.restore.peerproto import PeerConfig
-from cachemgr.store import ObjectStore
+from cachemgr.restore.peerproto import PeerConfig, PeerEndpoint
+from cachemgr.store import ObjectStore, StoreError
 from cachemgr.tiering.commit import Committer
 from cachemgr.tiering.gather import Gatherer
 from cachemgr.tiering.members import Lease, Members
 from cachemgr.tiering.parts import PartPublisher
+from cachemgr.tiering.peerspace import PeerNamespace
 from cachemgr.tiering.progress import Progress
 from cachemgr.tiering.publish import Publisher
 from cachemgr.tiering.signals import Signals, StoreHealth
@@ -144,7 +145,7 @@ class Tiering:
                                  live_members=self.members.live,
                                  peers=None if cfg.peers is None else PeerClient(
                                      cfg=cfg.peers, node=self.node,
-                                     live_peers=self.members.peers),
+                                     live_peers=self._live_peers),
                                  concurrency=cfg.prefetch_concurrency, mode=cfg.prefetch,
                                  range_size=cfg.prefetch_range)
         self.remote = RemoteSync(table=cache.table, tree=cache.tree, index=self.index,
@@ -153,9 +154,13 @@ class Tiering:
                                  mark_parts=self.parts.mark_all, changed=self.signals.changed_now)
         self.replication = None if peer_sock is None or cfg.peers is None or \
             cfg.replicas <= 0 else self._replication(cfg.peers, peer_sock.getsockname()[1])
+        # --peers: the sets peers hold replicas of, shown while the store cannot be listed
+        self.peerspace = None if cfg.peers is None else PeerNamespace(
+            cfg=cfg.peers, node=self.node, remote=self.remote, sets=self.sets,
+            interval=cfg.refresh_interval)
         self.peer_server = None if peer_sock is None or cfg.peers is None else \
             peerserve.PeerServer(cfg=cfg.peers, sock=peer_sock,
-                                 serve_chunk=self.restorer.chunks.serve_chunk,
+                                 serve_chunk=self._serve_chunk,
                                  replica=None if self.replication is None else
                                  self.replication.route)
         self._build_services()
@@ -186,6 +191,25 @@ class Tiering:
                           takeover=Takeover(store=self.store, node=self.node, lease=self.lease,
                                             live=self.members.live, upload=upload),
                           known_durable=self._known_durable))
+
+    async def _live_peers(self, stale: frozenset[str]) -> list[PeerEndpoint]:
+        """The live peers for restores: the members listing (Members.peers); while the store
+        cannot be listed, the peers the namespace answers named (PeerNamespace)."""
+        try:
+            return await self.members.peers(stale)
+        except StoreError:
+            if self.peerspace is None or not self.peerspace.known:
+                raise
+            return self.peerspace.known_peers(stale)
+
+    async def _serve_chunk(self, key: str, crc: int, index: int) -> bytes | None:
+        """GET /v1/chunk: a chunk of a replica held here (its virtual object), else one this
+        cache holds verified (ChunkFetcher.serve_chunk)."""
+        if self.replication is not None:
+            raw: bytes | None = await self.replication.holder.serve_chunk(key, crc, index)
+            if raw is not None:
+                return raw
+        return await self.restorer.chunks.serve_chunk(key, crc, index)
 
     def _known_durable(self, path: str, committed_ns: int) -> bool:
         """Does this node's registry hold a durable set of `path` committed at or after
@@ -258,6 +282,8 @@ class Tiering:
                     nursery.start_soon(self._supervised, self.peer_server.run)
                 if self.replication is not None:
                     nursery.start_soon(self._supervised, self.replication.run)
+                if self.peerspace is not None:
+                    nursery.start_soon(self._supervised, self.peerspace.run)
                 task_status.started()
         finally:
             self.running = False
@@ -272,6 +298,8 @@ class Tiering:
             async with trio.open_nursery() as nursery:
                 await nursery.start(self.restorer.run)
                 nursery.start_soon(self._supervised, self.remote.run)
+                if self.peerspace is not None:
+                    nursery.start_soon(self._supervised, self.peerspace.run)
                 task_status.started()
         finally:
             self.running = False
@@ -451,5 +479,7 @@ class Tiering:
                 asdict(self.peer_server.statistics()),
                 "restored_from_peers": {"bytes": r.peer_bytes, "chunks": r.peer_chunks},
                 "restored_from_store": {"bytes": r.bytes_fetched, "chunks": r.chunks_fetched},
+                "namespace": None if self.peerspace is None else
+                asdict(self.peerspace.statistics()),
                 "client": None if client is None else asdict(client.statistics())}
 

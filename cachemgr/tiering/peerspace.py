@@ -1,0 +1,205 @@
+"""Sets from peers while the store is down (--peers; docs/SEMANTICS.md "Replicated",
+docs/ARCHITECTURE.md "Peers"): a node that cannot list the store asks its peers for the
+replicas they hold and shows those sets, so a job restarted on a fresh node during an outage
+resumes from the checkpoint its dead node had only replicated.
+
+Who is asked: the `--peer-seeds` (host:port; a name is resolved at every pass and each of its
+addresses asked, e.g. a Kubernetes headless service or a Slurm node list), and every peer the
+answers named (a buddy names the live peers it knows, so one seed finds the others). Each
+answer (GET /v1/replica/namespace, cachemgr.restore.peerproto) must carry the HMAC of the
+request's random target and of its body (`check_response`): the manifests in it have no store
+document to be checked against, so they are trusted only as far as a node holding the shared
+secret is. Each manifest is then validated like a store's (cachemgr.format.validate), and its
+files' chunks are checked, when read, against the CRC32Cs the buddy checked when it pulled them.
+
+What is shown (cachemgr.tiering.remote.RemoteSync.apply_from_peers): per path, the newest
+commit any peer holds, when it is newer than what this node has there, as a "replicated" set
+(cachemgr.core.sets); its files read from the peers holding the replica (GET /v1/chunk of
+`data/<origin>/replica/<seq>/<i>`), never from the store, which has no such object. Once the
+store lists the path's manifest (the buddy took the set over, or its origin came back), that
+replaces it as any newer manifest does; a set no peer holds any more goes only once a store
+listing that began after the peers said so did not list it.
+
+When: a pass every `interval` while the last store listing failed or "replicated" sets are
+shown; the mount waits for one pass when its first listing failed (ckptfs.daemon). Cost: one
+GET per peer known per interval, only then.
+
+State, its owner and its guards: `known` (node -> endpoint, from the answers) and the counters,
+written only by a pass, on the daemon's trio thread; one pass at a time (`_lock`). What a pass
+applies is RemoteSync's (the set registry and the namespace), in one step with no await.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from cachemgr.core.sets import SetRegistry
+from cachemgr.format import manifest as mf
+from cachemgr.format import validate
+from cachemgr.restore.peerproto import (
+    H_SIG,
+    MAX_NAMESPACE_BYTES,
+    PeerConfig,
+    PeerEndpoint,
+    check_response,
+    namespace_target,
+)
+from cachemgr.restore.peers import PeerFault, request
+
+if TYPE_CHECKING:
+    from cachemgr.tiering.remote import RemoteSync
+
+log = logging.getLogger(__name__)
+
+MAX_ASKED = 64        # peers asked per pass (the seeds' addresses first)
+ASK_CONCURRENCY = 16  # of them at once
+WARN_EVERY_S = 60.0   # a peer's bad answer is logged at most this often
+
+
+@dataclass(frozen=True, slots=True)
+class PeerSpaceStats:
+    passes: int
+    answered: int           # peers that answered the last pass
+    shown_sets: int         # "replicated" sets shown here now
+    refused: int            # answers refused (bad signature, invalid document or manifest)
+    last_pass: float | None
+
+
+class PeerNamespace:
+    """See the module docstring."""
+
+    def __init__(self, *, cfg: PeerConfig, node: str, remote: RemoteSync, sets: SetRegistry,
+                 interval: float) -> None:
+        self.cfg, self.node, self.remote, self.sets = cfg, node, remote, sets
+        self.interval = interval if interval > 0 else 10.0
+        self.known: dict[str, PeerEndpoint] = {}
+        self._lock = trio.Lock()
+        self._warned: dict[str, float] = {}  # address -> when its last refusal was logged
+        self.passes = 0
+        self.answered = 0
+        self.refused = 0
+        self.last_pass: float | None = None
+
+    def wanted(self) -> bool:
+        """Whether a pass is due: the store cannot be listed, or sets from peers are shown."""
+        return (self.remote.first_listing.is_set() and not self.remote.listing_ok) or \
+            bool(self.sets.by_states(("replicated",)))
+
+    async def run(self) -> None:
+        while True:
+            if self.wanted():
+                await self.pass_once()
+            await trio.sleep(self.interval)
+
+    def known_peers(self, stale: frozenset[str] = frozenset()) -> list[PeerEndpoint]:
+        """The peers the last answers named (for restores while the members cannot be
+        listed: cachemgr.restore.peers)."""
+        return [p for n, p in sorted(self.known.items()) if n not in stale]
+
+    async def _targets(self) -> list[PeerEndpoint]:
+        out: dict[tuple[str, int], PeerEndpoint] = {}
+        for host, port in self.cfg.seeds:
+            try:
+                infos = await trio.socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+            except OSError as e:
+                self._warn(f"{host}:{port}", "peers: --peer-seeds %s:%d does not resolve (%s)",
+                           host, port, e)
+                continue
+            for info in infos:
+                addr = str(info[4][0])
+                out.setdefault((addr, port), PeerEndpoint("seed", addr, port))
+        for p in self.known.values():
+            out.setdefault((p.host, p.port), p)
+        return list(out.values())[:MAX_ASKED]
+
+    async def pass_once(self) -> int:
+        """Ask the peers, show what they hold; the number of peers that answered."""
+        async with self._lock:
+            asked_at = time.time()
+            answers: list[dict[str, Any]] = []
+            limiter = trio.CapacityLimiter(ASK_CONCURRENCY)
+
+            async def ask(p: PeerEndpoint) -> None:
+                async with limiter:
+                    got = await self._ask(p)
+                if got is not None:
+                    answers.append(got)
+
+            async with trio.open_nursery() as n:
+                for p in await self._targets():
+                    n.start_soon(ask, p)
+            # From here on: no await until the sets are applied.
+            newest: dict[str, dict[str, Any]] = {}
+            for a in answers:
+                for peer in a["peers"]:
+                    if peer.node != self.node:
+                        self.known[peer.node] = peer
+                for m in a["sets"]:
+                    cur = newest.get(m["path"])
+                    if cur is None or m["commit"]["committed_ns"] > cur["commit"]["committed_ns"]:
+                        newest[m["path"]] = m
+            self.passes += 1
+            self.answered = len(answers)
+            self.last_pass = time.time()
+            if answers:
+                self.remote.apply_from_peers(list(newest.values()), asked_at)
+            return len(answers)
+
+    async def _ask(self, p: PeerEndpoint) -> dict[str, Any] | None:
+        """One peer's answer, checked: {peers [PeerEndpoint], sets [manifest]}; None (logged)
+        when it cannot be had or must not be used."""
+        target = namespace_target()
+        where = f"{p.host}:{p.port}"
+        try:
+            status, headers, body = await request(self.cfg, p, "GET", target,
+                                                  limit=MAX_NAMESPACE_BYTES)
+        except PeerFault as e:
+            self._warn(where, "peers: %s %s; its replicas are not shown", where, e)
+            return None
+        if status != 200:
+            self._warn(where, "peers: %s answered HTTP %d for its replicas", where, status)
+            return None
+        if not check_response(self.cfg.secret, target, body, headers.get(H_SIG)):
+            self.refused += 1
+            self._warn(where, "peers: %s sent a namespace answer that fails its signature "
+                       "(another secret?); ignored", where)
+            return None
+        try:
+            doc = validate.peer_namespace(body)
+        except validate.DocumentError as e:
+            self.refused += 1
+            self._warn(where, "peers: %s sent an invalid namespace answer (%s); ignored",
+                       where, e)
+            return None
+        sets = []
+        for data in doc["sets"]:
+            try:
+                m = mf.loads(data)
+            except mf.ManifestError as e:
+                self.refused += 1
+                self._warn(where, "peers: %s sent an invalid manifest (%s); skipped", where, e)
+                continue
+            sets.append(m)
+        if doc["truncated"]:
+            log.debug("peers: %s holds more replicas than one answer carries", where)
+        return {"peers": [PeerEndpoint(*x) for x in doc["peers"]], "sets": sets,
+                "node": doc["node"]}
+
+    def _warn(self, where: str, msg: str, *args: object) -> None:
+        now = time.monotonic()
+        if now - self._warned.get(where, -1e9) >= WARN_EVERY_S:
+            self._warned[where] = now
+            log.warning(msg, *args)
+        else:
+            log.debug(msg, *args)
+
+    def statistics(self) -> PeerSpaceStats:
+        return PeerSpaceStats(passes=self.passes, answered=self.answered,
+                              shown_sets=len(self.sets.by_states(("replicated",))),
+                              refused=self.refused, last_pass=self.last_pass)
