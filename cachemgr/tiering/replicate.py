@@ -687,8 +687,11 @@ class Takeover:
     names both writers, `commit.taken_over_by` this node), PUT conditionally: If-None-Match
     when the store holds no manifest of the path, If-Match the etag of the older one it holds.
     A newer commit of the path, by anyone, wins (the replica is dropped); the same commit (the
-    origin came back and published it first) counts as done. Once: the replica is dropped
-    after its publication; the drop loop, the only caller, runs one replica at a time."""
+    origin came back, or another of its buddies, racing this one, published it first) counts
+    as done, and this node deletes the objects it uploaded for it (`_discard`: the manifest
+    there names the winner's). Once: the replica is dropped after its publication; the drop
+    loop, the only caller, runs one replica at a time. Counted (`taken_over`) and logged by
+    the buddy whose PUT published the set only."""
 
     def __init__(self, *, store: ObjectStore, node: str, lease: Lease,
                  live: Callable[[], Awaitable[dict[str, float]]], upload: Upload) -> None:
@@ -707,17 +710,44 @@ class Takeover:
         files = m["files"]
         m["commit"]["nodes"] = sorted({desc["origin"], self.node})
         m["commit"]["taken_over_by"] = self.node
-        done = await self._put(desc, m)
-        if done == "published":
+        there = await self._put(desc, m)
+        if there is None:
             self.taken_over += 1
             log.warning("replicas: took over set %d of node %s (%s): its lease expired before "
                         "the store held it; published it from this node's replica (%d files, "
                         "%d bytes)", desc["seq"], desc["origin"], desc["path"], len(files),
                         m["total_bytes"])
+        else:
+            await self._discard(desc, [f["object"]["key"] for f in files], there)
         return True
 
-    async def _put(self, desc: dict[str, Any], m: dict[str, Any]) -> str:
-        """"published", or "there" (this commit or a newer one is in the store already)."""
+    async def _discard(self, desc: dict[str, Any], uploaded: list[str],
+                       there: dict[str, Any]) -> None:
+        """Another writer published this commit (or a newer one) first: another buddy of the
+        origin racing this one, or the origin back. The objects this takeover uploaded that the
+        manifest there does not name are nobody's (no manifest, no index row here): delete
+        them. One it names is this node's own, from an earlier PUT of the same set whose reply
+        was lost, and stays. A delete that fails is logged and left (`ckptfs fsck` reports
+        it as garbage): the replica is dropped all the same, the set being in the store."""
+        named = {f["object"]["key"] for f in there.get("files", [])}
+        mine = [k for k in uploaded if k not in named]
+        for key in mine:
+            try:
+                await self.store.delete(key)
+            except StoreError as e:
+                log.warning("replicas: cannot delete %s, uploaded to take over set %d of node"
+                            " %s (%s) that another node published first: %s", key, desc["seq"],
+                            desc["origin"], desc["path"], e)
+                return
+        if mine:  # the writers there but the origin: the buddy that won (none: the origin)
+            by = [n for n in there.get("commit", {}).get("nodes", []) if n != desc["origin"]]
+            log.info("replicas: set %d of node %s (%s) was published by %s first: deleted the"
+                     " %d objects this node uploaded for it", desc["seq"], desc["origin"],
+                     desc["path"], ", ".join(by) or "its origin", len(mine))
+
+    async def _put(self, desc: dict[str, Any], m: dict[str, Any]) -> dict[str, Any] | None:
+        """None once published, or the manifest there (this commit or a newer one is in the
+        store already)."""
         key, data = manifest_key(desc["path"]), mf.dumps(m)
         for _attempt in range(8):
             try:
@@ -731,14 +761,14 @@ class Takeover:
                 c = cur.get("commit", {})
                 if (c.get("node"), c.get("seq")) == (desc["origin"], desc["seq"]) or \
                         int(c.get("committed_ns") or 0) >= desc["committed_ns"]:
-                    return "there"
+                    return cur
             await self.lease.ensure()
             try:
                 if cur_info is None:
                     await self.store.put(key, data, if_none_match=True)
                 else:
                     await self.store.put(key, data, if_match=cur_info.etag)
-                return "published"
+                return None
             except (PreconditionFailed, NotFound):
                 continue  # another writer meanwhile: look again
         raise StoreError(f"the manifest of {desc['path']} kept changing under conditional PUTs")
