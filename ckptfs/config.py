@@ -192,12 +192,15 @@ def primary_address() -> str:
 
 
 MAX_SECRET_BYTES = 4096
+# Fewer bytes than this are refused: the HMAC of one captured request lets an eavesdropper try
+# secrets offline, so the secret must not be guessable (32 random bytes: docs/SECURITY.md).
+MIN_SECRET_BYTES = 16
 
 
 def load_peer_secret(path: Path) -> bytes:
     """The shared secret of --peer-secret-file (surrounding whitespace stripped). ConfigError
     (exit 2, one line, never the secret) for a file that cannot be read, is readable by its
-    group or others, is not a regular file, or is empty."""
+    group or others, is not a regular file, or is empty or shorter than MIN_SECRET_BYTES."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NOCTTY)
     except OSError as e:
@@ -215,6 +218,10 @@ def load_peer_secret(path: Path) -> bytes:
     secret = data.strip()
     if not secret:
         raise ConfigError(f"--peer-secret-file {path}: empty")
+    if len(secret) < MIN_SECRET_BYTES:
+        raise ConfigError(f"--peer-secret-file {path}: {len(secret)} bytes, fewer than "
+                          f"{MIN_SECRET_BYTES} (an HMAC key that short can be guessed; use "
+                          "head -c 32 /dev/urandom)")
     if len(data) > MAX_SECRET_BYTES:
         raise ConfigError(f"--peer-secret-file {path}: over {MAX_SECRET_BYTES} bytes")
     return secret

@@ -111,15 +111,18 @@ def test_member_record_peer_field_is_validated():
 
 def test_peer_secret_file_checks(tmp_path):
     f = tmp_path / "s"
-    f.write_bytes(b"  abc\n")
+    f.write_bytes(b"  abcdefghijklmnop\n")
     f.chmod(0o600)
-    assert load_peer_secret(f) == b"abc"
+    assert load_peer_secret(f) == b"abcdefghijklmnop"
     f.chmod(0o640)
     with pytest.raises(ConfigError, match="readable by group or others"):
         load_peer_secret(f)
     f.chmod(0o600)
     f.write_bytes(b"\n")
     with pytest.raises(ConfigError, match="empty"):
+        load_peer_secret(f)
+    f.write_bytes(b"short-secret\n")
+    with pytest.raises(ConfigError, match="fewer than 16"):
         load_peer_secret(f)
     with pytest.raises(ConfigError, match="No such file"):
         load_peer_secret(tmp_path / "missing")
