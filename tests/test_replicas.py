@@ -31,7 +31,8 @@ EXIT_USAGE, EXIT_STORE = 2, 7
 @pytest.fixture
 def cluster(mount_factory, s3_bucket, tmp_path):
     """cluster(name, *extra, proxied=False) -> a started node with --peers; `proxied`: its
-    store requests go through cluster.proxy (a FaultProxy in front of the store)."""
+    store requests go through cluster.proxy (a FaultProxy in front of the store), or through
+    the FaultProxy given."""
     endpoint, bucket = s3_bucket
     proxy = FaultProxy(endpoint).start()
     made = []
@@ -41,18 +42,28 @@ def cluster(mount_factory, s3_bucket, tmp_path):
         sf.write_bytes(SECRET)
         sf.chmod(0o600)
         m = mount_factory(name)
+        via = proxy if proxied is True else proxied or None
         m.start("--store", f"s3://{bucket}/p", "--s3-endpoint",
-                proxy.url if proxied else endpoint, "--s3-path-style", "--refresh-interval", "1",
+                via.url if via is not None else endpoint, "--s3-path-style",
+                "--refresh-interval", "1",
                 "--peers", "--peer-address", "127.0.0.1", "--peer-secret-file", str(sf), *extra)
         m.node_id = ckptfs.status(m.path)["tiering"]["store"]["node"]
         made.append(m)
         return m
 
-    node.proxy, node.endpoint, node.bucket = proxy, endpoint, bucket
+    proxies = [proxy]
+
+    def new_proxy() -> FaultProxy:
+        """Another FaultProxy in front of the store, stopped after the nodes are."""
+        proxies.append(FaultProxy(endpoint).start())
+        return proxies[-1]
+
+    node.proxy, node.endpoint, node.bucket, node.new_proxy = proxy, endpoint, bucket, new_proxy
     try:
         yield node
     finally:
-        proxy.clear()
+        for p in proxies:
+            p.clear()
         try:
             for m in made:
                 errors = m.unexpected_errors()
@@ -62,7 +73,8 @@ def cluster(mount_factory, s3_bucket, tmp_path):
         finally:
             for m in made:   # while the proxy still runs: the proxied nodes' uploads finish
                 m.cleanup()
-            proxy.stop()
+            for p in proxies:
+                p.stop()
 
 
 def _store_get(cluster, key: str) -> bytes:
@@ -450,6 +462,44 @@ def test_a_buddy_collects_its_takeover_objects_once_the_path_moves_on(cluster):
              what="y.pt's manifest to go")
     wait_for(lambda: unnamed_objects(cluster) == [], timeout=20,
              what="the buddy's GC to delete its takeover objects")
+
+
+def test_a_takeover_whose_path_moves_on_before_its_buddy_applied_it_leaves_nothing(cluster):
+    """The buddy's listings of the store's sets fail (its own proxy), so it never applies the
+    manifest it published taking over A's set; another node re-commits that path meanwhile.
+    The buddy's takeover record still owns the objects it uploaded: its sweep deletes them, and
+    every data object in the store is named by a manifest there."""
+    from faultproxy import Rule
+
+    side = cluster.new_proxy()
+    a = cluster("a", "--lease", "4", proxied=True)
+    b = cluster("b", "--lease", "4", proxied=side)
+    knows_buddy(a, b)
+    cluster.proxy.outage()
+    torch.save({"w": torch.randn(200_000)}, a.path / "x.pt")
+    res = run_cli("wait", "--replicated", str(a.path / "x.pt"), "--timeout", "20")
+    assert res.returncode == 0, res.stderr
+    side.set_rules([Rule("error503", ops={"list"}, key="manifests/$")])
+    a.kill9()
+    wait_for(lambda: replication(b)["taken_over"] == 1, timeout=40, what="the takeover")
+    taken = [f["object"]["key"]
+             for f in json.loads(_store_get(cluster, "p/manifests/x.pt.json"))["files"]]
+    assert all(k.startswith(f"data/{b.node_id}/takeover/") for k in taken), taken
+    c = cluster("c")  # only now: A's one buddy was B
+    data = torch.randn(50_000)
+    torch.save({"w": data}, c.path / "x.pt")
+    ckptfs.wait_durable(c.path / "x.pt", timeout=30)
+    m = json.loads(_store_get(cluster, "p/manifests/x.pt.json"))
+    assert m["commit"]["node"] == c.node_id, m
+    wait_for(lambda: unnamed_objects(cluster) == [], timeout=20,
+             what="the buddy's sweep to delete the objects of the takeover that moved on")
+    assert "moved on before this node applied it" in b.log_text()
+    assert not (b.cache_dir / "replicas" / ".takeovers").exists()
+    side.clear()
+    wait_for(lambda: (b.path / "x.pt").exists() and
+             set_row(b, "x.pt")["state"] == "durable", timeout=20,
+             what="the buddy to apply the newer manifest once it lists again")
+    assert torch.equal(torch.load(b.path / "x.pt")["w"], data)
 
 
 def test_an_origin_back_after_its_takeover_leaves_one_whole_set(cluster):

@@ -72,7 +72,8 @@ from cachemgr.restore.peerproto import (
     sign_response,
 )
 from cachemgr.restore.peers import PeerFault, request
-from cachemgr.store import NotFound, ObjectStore, PreconditionFailed, StoreError
+from cachemgr.store import NotFound, ObjectStore, StoreError
+from cachemgr.tiering.takeover import Owned, Takeover, replica_manifest, sweep
 
 if TYPE_CHECKING:
     from cachemgr.core.filecache import FileCache
@@ -305,10 +306,14 @@ class ReplicaHolder:
 
     def __init__(self, *, cache_dir: Path, node: str, cfg: PeerConfig, store: ObjectStore,
                  files: FileCache, cache_size: int | None, interval: float,
-                 takeover: Takeover, known_durable: Callable[[str, int], bool]) -> None:
+                 takeover: Takeover, known_durable: Callable[[str, int], bool],
+                 owned: Owned) -> None:
         """`known_durable(path, committed_ns)`: whether this node already knows the store
-        holds that commit of `path` or a later one (its own registry of sets; no request)."""
+        holds that commit of `path` or a later one (its own registry of sets; no request).
+        `owned(path, keys)`: those object keys this node's index owns or names (the takeover
+        records' sweep, cachemgr.tiering.takeover)."""
         self.takeover = takeover
+        self._owned = owned
         self._known_durable = known_durable
         self.root = cache_dir / "replicas"
         self.node, self.cfg, self.store, self.files = node, cfg, store, files
@@ -385,6 +390,8 @@ class ReplicaHolder:
         if not self.root.is_dir():
             return
         for odir in self.root.iterdir():
+            if odir.name.startswith("."):
+                continue  # the takeover records (cachemgr.tiering.takeover)
             for d in odir.iterdir() if odir.is_dir() else ():
                 try:
                     desc = validate.replica_offer((d / DESCRIPTOR).read_bytes(),
@@ -618,6 +625,10 @@ class ReplicaHolder:
         and take over those whose origin's lease expired (`Takeover`)."""
         while True:
             await trio.sleep(self.interval)
+            try:
+                await sweep(self.takeover.records, self.store, self._owned)
+            except StoreError as e:
+                log.debug("replicas: cannot sweep the takeover records: %s", e)
             if not self.held:
                 continue
             try:
@@ -635,21 +646,6 @@ class ReplicaHolder:
                 except StoreError as e:
                     log.debug("replicas: cannot check the store for %s: %s", desc["path"], e)
                     break
-
-
-def replica_manifest(desc: dict[str, Any], objects: list[StoredObject]) -> dict[str, Any]:
-    """The manifest the origin of replica `desc` would have written, its files stored as
-    `objects` (Takeover's uploads, or the replica's own chunks: `virtual_objects`)."""
-    files = [{"path": f["rel"], "size": f["size"], "mode": f["mode"], "mtime_ns": f["mtime_ns"],
-              "object": obj.to_json()} for f, obj in zip(desc["files"], objects, strict=True)]
-    layout: dict[str, Any] = {"dirs": desc["dirs"], "symlinks": desc["symlinks"]}
-    if desc["kind"] == "dir":
-        layout["mode"] = desc["mode"]
-    if desc["kind"] == "symlink":
-        layout["target"] = desc["target"]
-    return mf.build(path=desc["path"], kind=desc["kind"], seq=desc["seq"], node=desc["origin"],
-                    reason=desc["reason"], committed_ns=desc["committed_ns"], layout=layout,
-                    files=files)
 
 
 def virtual_key(origin: str, seq: int, i: int) -> str:
@@ -678,100 +674,6 @@ def virtual_objects(desc: dict[str, Any]) -> list[StoredObject] | None:
                                 size=f["size"], stored_size=f["size"], crc32c=whole,
                                 chunk_size=validate.REPLICA_CHUNK, chunk_crcs=tuple(crcs)))
     return out
-
-
-class Takeover:
-    """A buddy publishes the replica of a node whose lease expired, as that node would have:
-    its files uploaded under `data/<this node>/takeover/<origin>/<seq>/<i>`, then the manifest
-    the origin would have written (its path, kind, commit time, seq and node id; `commit.nodes`
-    names both writers, `commit.taken_over_by` this node), PUT conditionally: If-None-Match
-    when the store holds no manifest of the path, If-Match the etag of the older one it holds.
-    A newer commit of the path, by anyone, wins (the replica is dropped); the same commit (the
-    origin came back, or another of its buddies, racing this one, published it first) counts
-    as done, and this node deletes the objects it uploaded for it (`_discard`: the manifest
-    there names the winner's). Once: the replica is dropped after its publication; the drop
-    loop, the only caller, runs one replica at a time. Counted (`taken_over`) and logged by
-    the buddy whose PUT published the set only."""
-
-    def __init__(self, *, store: ObjectStore, node: str, lease: Lease,
-                 live: Callable[[], Awaitable[dict[str, float]]], upload: Upload) -> None:
-        self.store, self.node, self.lease, self.live = store, node, lease, live
-        self._upload = upload
-        self.taken_over = 0
-
-    async def publish(self, desc: dict[str, Any], where: Path) -> bool:
-        """True once the store holds this commit (or a newer one) of the replica's path."""
-        await self.lease.ensure()  # the fence: no write under a lease this node lost
-        objects = []
-        for i, f in enumerate(desc["files"]):
-            key = f"data/{self.node}/takeover/{desc['origin']}/{desc['seq']}/{i}"
-            objects.append(await self._upload(str(where / str(i)), key, f["size"]))
-        m = replica_manifest(desc, objects)
-        files = m["files"]
-        m["commit"]["nodes"] = sorted({desc["origin"], self.node})
-        m["commit"]["taken_over_by"] = self.node
-        there = await self._put(desc, m)
-        if there is None:
-            self.taken_over += 1
-            log.warning("replicas: took over set %d of node %s (%s): its lease expired before "
-                        "the store held it; published it from this node's replica (%d files, "
-                        "%d bytes)", desc["seq"], desc["origin"], desc["path"], len(files),
-                        m["total_bytes"])
-        else:
-            await self._discard(desc, [f["object"]["key"] for f in files], there)
-        return True
-
-    async def _discard(self, desc: dict[str, Any], uploaded: list[str],
-                       there: dict[str, Any]) -> None:
-        """Another writer published this commit (or a newer one) first: another buddy of the
-        origin racing this one, or the origin back. The objects this takeover uploaded that the
-        manifest there does not name are nobody's (no manifest, no index row here): delete
-        them. One it names is this node's own, from an earlier PUT of the same set whose reply
-        was lost, and stays. A delete that fails is logged and left (`ckptfs fsck` reports
-        it as garbage): the replica is dropped all the same, the set being in the store."""
-        named = {f["object"]["key"] for f in there.get("files", [])}
-        mine = [k for k in uploaded if k not in named]
-        for key in mine:
-            try:
-                await self.store.delete(key)
-            except StoreError as e:
-                log.warning("replicas: cannot delete %s, uploaded to take over set %d of node"
-                            " %s (%s) that another node published first: %s", key, desc["seq"],
-                            desc["origin"], desc["path"], e)
-                return
-        if mine:  # the writers there but the origin: the buddy that won (none: the origin)
-            by = [n for n in there.get("commit", {}).get("nodes", []) if n != desc["origin"]]
-            log.info("replicas: set %d of node %s (%s) was published by %s first: deleted the"
-                     " %d objects this node uploaded for it", desc["seq"], desc["origin"],
-                     desc["path"], ", ".join(by) or "its origin", len(mine))
-
-    async def _put(self, desc: dict[str, Any], m: dict[str, Any]) -> dict[str, Any] | None:
-        """None once published, or the manifest there (this commit or a newer one is in the
-        store already)."""
-        key, data = manifest_key(desc["path"]), mf.dumps(m)
-        for _attempt in range(8):
-            try:
-                cur_info = await self.store.head(key)
-                cur: dict[str, Any] | None = mf.loads(await self.store.get(key), key)
-            except NotFound:
-                cur_info, cur = None, None
-            except mf.ManifestError:
-                cur = {"commit": {}}
-            if cur is not None:
-                c = cur.get("commit", {})
-                if (c.get("node"), c.get("seq")) == (desc["origin"], desc["seq"]) or \
-                        int(c.get("committed_ns") or 0) >= desc["committed_ns"]:
-                    return cur
-            await self.lease.ensure()
-            try:
-                if cur_info is None:
-                    await self.store.put(key, data, if_none_match=True)
-                else:
-                    await self.store.put(key, data, if_match=cur_info.etag)
-                return None
-            except (PreconditionFailed, NotFound):
-                continue  # another writer meanwhile: look again
-        raise StoreError(f"the manifest of {desc['path']} kept changing under conditional PUTs")
 
 
 class Replication:

@@ -172,8 +172,8 @@ class Tiering:
             ReplicaHolder,
             ReplicaOrigin,
             Replication,
-            Takeover,
         )
+        from cachemgr.tiering.takeover import Takeover, TakeoverRecords
 
         cache, cfg = self.cache, self.cfg
 
@@ -189,8 +189,18 @@ class Tiering:
                           store=self.store, files=cache.files, cache_size=cfg.cache_size,
                           interval=cfg.refresh_interval if cfg.refresh_interval > 0 else 10.0,
                           takeover=Takeover(store=self.store, node=self.node, lease=self.lease,
-                                            live=self.members.live, upload=upload),
-                          known_durable=self._known_durable))
+                                            live=self.members.live, upload=upload,
+                                            records=TakeoverRecords(cache.cache_dir /
+                                                                    "replicas")),
+                          known_durable=self._known_durable, owned=self._owned))
+
+    def _owned(self, path: str, keys: set[str]) -> set[str]:
+        """Those of `keys` this node's index owns (its objects table), a kept set here names,
+        or another manifest of the store names (as of the last listing): objects a takeover
+        record's sweep must not delete (cachemgr.tiering.takeover)."""
+        mine = {k for k in keys if self.sets.object_content(k) is not None}
+        return mine | self.sets.keys_named_by_others(-1, keys) | \
+            self.remote.keys_named_elsewhere(path, keys)
 
     async def _live_peers(self, stale: frozenset[str]) -> list[PeerEndpoint]:
         """The live peers for restores: the members listing (Members.peers); while the store
