@@ -131,8 +131,9 @@ class ReplicaStats:
 class ReplicaOrigin:
     """This node's side as an origin: offers its committed sets, serves their bytes, and
     confirms the buddies it counts (`_confirm`). Cost of the confirmations: one offer POST
-    (the set's descriptor, a few KB) per set per counted buddy per CONFIRM_S while the set is
-    not durable; a buddy that does not answer is asked once per pass, not once per set."""
+    (the set's descriptor: ~100 bytes a file, at most peerproto.MAX_OFFER_BYTES) per set per
+    counted buddy per CONFIRM_S while the set is not durable; a buddy that does not answer is
+    asked once per pass, not once per set."""
 
     def __init__(self, *, index: Index, sets: SetRegistry, files: FileCache, node: str,
                  lease: Lease, members: Members, cfg: PeerConfig, k: int,
