@@ -26,10 +26,19 @@ space less DISK_RESERVE without one): 507 when an offer would not fit. A buddy d
 once the store holds that path's manifest committed at or after it, or its origin's newer
 commit of the same path is held.
 
+Holders are confirmed (`ReplicaOrigin._confirm`): a buddy counted for a set not durable yet
+is offered it again every CONFIRM_S (or --refresh-interval if shorter); an answer other than
+200, or none, stops counting it (its notice of a drop was lost, it restarted without its cache
+dir, it is gone), and the set is offered again by the rules above until K buddies hold it.
+
 State, its owner and its guards (all on the daemon's trio thread, no await between a read and
 its update): `ReplicaOrigin.holders` (seq -> buddies holding it; in memory: after a restart the
 origin offers again and buddies that hold it answer 200 at once), `_pulling` (seq -> buddies
-pulling it); `ReplicaHolder.held` / `pulling` ((origin, seq) -> descriptor) and the byte counts.
+pulling it), `_answered` ((seq, buddy) -> when and where it last answered 200), `_peers` (the
+last listing of live peers, replaced whole by `_list_loop`); `ReplicaHolder.held` / `pulling`
+((origin, seq) -> descriptor) and the byte counts. Durable: the index's meta row
+`replica_peers` (the peers this node last asked first, at most K + EXTRA_ASKED, JSON), read at
+start, so an origin that restarts while the store is down offers to them at once.
 Crash states: a `<seq>.part` directory (a pull cut short) is removed at the next start; a
 `<seq>` directory without a readable descriptor is removed too.
 """
@@ -50,6 +59,7 @@ from urllib.parse import urlsplit
 
 import trio
 
+from cachemgr.core.errors import IndexFull
 from cachemgr.core.sets import LIVE_STATES, SetRegistry
 from cachemgr.format import manifest as mf
 from cachemgr.format import validate
@@ -90,6 +100,8 @@ DISK_RESERVE = 1 << 30      # free bytes a buddy without --cache-size keeps for 
 FAILED_S = 10.0             # an offer whose pull failed is refused (409) this long
 EXTRA_ASKED = 3             # peers past the K buddies an origin asks per set and pass
 REFUSED_S = 10.0            # a peer that refused a set (507, 409, ...) is not asked again for it
+CONFIRM_S = 10.0            # an origin offers a set again to each buddy it counts this often
+PEERS_META = "replica_peers"  # index meta: the peers last asked first (JSON)
 DESCRIPTOR = "descriptor.json"
 
 Reply = tuple[int, bytes, list[tuple[bytes, bytes]]]
@@ -122,21 +134,29 @@ class ReplicaStats:
 
 
 class ReplicaOrigin:
-    """This node's side as an origin: offers its committed sets, serves their bytes."""
+    """This node's side as an origin: offers its committed sets, serves their bytes, and
+    confirms the buddies it counts (`_confirm`). Cost of the confirmations: one offer POST
+    (the set's descriptor: ~100 bytes a file, at most peerproto.MAX_OFFER_BYTES) per set per
+    counted buddy per CONFIRM_S while the set is not durable; a buddy that does not answer is
+    asked once per pass, not once per set."""
 
     def __init__(self, *, index: Index, sets: SetRegistry, files: FileCache, node: str,
                  lease: Lease, members: Members, cfg: PeerConfig, k: int,
                  endpoint: tuple[str, int], signals: Signals, interval: float) -> None:
-        """`interval`: the live peers are listed this often (at most PEER_LIST_S)."""
+        """`interval`: the live peers are listed this often (at most PEER_LIST_S), and each
+        counted buddy is confirmed this often (at most CONFIRM_S)."""
         self.index, self.sets, self.files, self.node = index, sets, files, node
         self.interval = min(interval, PEER_LIST_S)
+        self.confirm_every = min(interval, CONFIRM_S)
         self.lease, self.members, self.cfg, self.k = lease, members, cfg, k
         self.endpoint, self.signals = endpoint, signals
         self.holders: dict[int, set[str]] = {}
         self._pulling: dict[int, set[str]] = {}
         self._refused: dict[tuple[int, str], float] = {}  # (seq, node) -> until (monotonic)
-        self._peers: list[PeerEndpoint] = []   # the last listing that answered
-        self._peers_at = -1e9
+        # (seq, node) -> when (monotonic) and where it last answered 200: a key per holder
+        self._answered: dict[tuple[int, str], tuple[float, PeerEndpoint]] = {}
+        self._remembered = index.meta(PEERS_META) or "[]"
+        self._peers: list[PeerEndpoint] = self._recall()  # until a listing answers
         self.offers_sent = 0
         self.served_ranges = 0
 
@@ -147,23 +167,54 @@ class ReplicaOrigin:
         return self.held_by(seq) >= self.k
 
     async def run(self) -> None:
-        while True:
-            await self._pass()
-            with trio.move_on_after(OFFER_POLL_S):
-                await self.signals.wait_changed()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._list_loop)
+            while True:
+                await self._pass()
+                with trio.move_on_after(OFFER_POLL_S):
+                    await self.signals.wait_changed()
 
-    async def _live_peers(self) -> list[PeerEndpoint]:
-        """The live peers, listed every `interval`, with or without sets to offer (so the list
-        is at hand when the store goes down); the last list that answered while the store does
-        not (an outage is when replicas matter most)."""
-        if time.monotonic() - self._peers_at >= self.interval:
-            self._peers_at = time.monotonic()
+    async def _list_loop(self) -> None:
+        """List the live peers every `interval`, with or without sets to offer (so the list is
+        at hand when the store goes down), beside the passes, which use the last list that
+        answered: a store that does not answer (its retries take seconds) never holds up an
+        offer, and an outage is when replicas matter most."""
+        while True:
             try:
-                self._peers = await self.members.peers()
+                peers = await self.members.peers()
             except StoreError as e:
                 log.debug("replicas: cannot list the members (%s): offering to the last known",
                           e)
-        return self._peers
+            else:
+                self._peers = peers
+                self._remember(peers)
+            await trio.sleep(self.interval)
+
+    def _recall(self) -> list[PeerEndpoint]:
+        """The peers this node asked first at its last listing (`PEERS_META`): a daemon that
+        restarts while the store is down offers its sets to them (its buddies answer 200 at
+        once for the replicas they hold)."""
+        try:
+            return [PeerEndpoint(n, h, p) for n, h, p in json.loads(self._remembered)
+                    if isinstance(n, str) and isinstance(h, str) and type(p) is int]
+        except (ValueError, TypeError):
+            log.warning("replicas: index meta %s unreadable: waiting for a listing", PEERS_META)
+            return []
+
+    def _remember(self, peers: list[PeerEndpoint]) -> None:
+        """Keep the peers this node asks first (at most K + EXTRA_ASKED) in the index, when
+        they changed (rarely: rendezvous order moves only when one of them comes or goes)."""
+        first = json.dumps([[p.node, p.host, p.port]
+                            for p in buddies(self.node, peers)[:self.k + EXTRA_ASKED]])
+        if first == self._remembered:
+            return
+        try:
+            with self.index.tx():
+                self.index.set_meta(PEERS_META, first)
+        except IndexFull:
+            log.warning("cache disk full: this node's replica buddies not kept in the index")
+            return
+        self._remembered = first
 
     def known_peers(self) -> list[PeerEndpoint]:
         """The live peers of the last listing that answered (no request)."""
@@ -180,12 +231,50 @@ class ReplicaOrigin:
             del self.holders[gone]
         for gone in set(self._pulling) - keep:
             del self._pulling[gone]
+        self._answered = {k: v for k, v in self._answered.items()
+                          if k[1] in self.holders.get(k[0], ())}
         now = time.monotonic()
         self._refused = {k: u for k, u in self._refused.items() if u > now and k[0] in keep}
-        peers = await self._live_peers()
+        peers = self._peers
+        await self._confirm([s.seq for s in live], peers)
         todo = sorted((s for s in live if not self.replicated(s.seq)), key=lambda s: s.seq)
         for s in todo:  # commit order: each buddy queues its offers in the order they come
             await self._offer(s.seq, peers)
+
+    async def _confirm(self, seqs: list[int], peers: list[PeerEndpoint]) -> None:
+        """Offer each set of `seqs` (live: not durable yet) again to each buddy counted for it
+        whose last 200 is `confirm_every` old, at its endpoint in the last listing (else where
+        it answered): one that answers anything but 200 is counted no more (`_send`), and this
+        pass offers the set again. A buddy that does not answer at all is not asked for the
+        other sets in this pass (each would wait for its timeout): it is counted for none."""
+        listed = {p.node: p for p in peers}
+        silent: set[str] = set()
+        for seq in seqs:
+            body: bytes | None = None
+            for node in sorted(self.holders.get(seq, ())):
+                at, where = self._answered.get((seq, node), (-1e9, listed.get(node)))
+                if time.monotonic() - at < self.confirm_every:
+                    continue
+                where = listed.get(node, where)
+                if where is None or node in silent:
+                    self._count_off(seq, node, "does not answer")
+                    self._refused[(seq, node)] = time.monotonic() + REFUSED_S
+                    continue
+                body = body or self._descriptor(seq)
+                if body is None:
+                    break
+                if await self._send(seq, where, body) is None:
+                    silent.add(node)
+
+    def _count_off(self, seq: int, node: str, why: str) -> None:
+        """`node` no longer counts as holding set `seq` (it said so, or cannot be asked)."""
+        held = self.holders.get(seq, set())
+        if node not in held:
+            return
+        held.discard(node)
+        self._answered.pop((seq, node), None)
+        log.info("replicas: %s no longer holds set %d (%s): %d of %d buddies hold it; offering"
+                 " it again", node, seq, why, len(held), self.k)
 
     def _descriptor(self, seq: int) -> bytes | None:
         s = self.sets.get(seq)
@@ -207,40 +296,55 @@ class ReplicaOrigin:
         return json.dumps(doc, sort_keys=True).encode()
 
     async def _offer(self, seq: int, peers: list[PeerEndpoint]) -> None:
-        held = self.holders.setdefault(seq, set())
-        pulling = self._pulling.setdefault(seq, set())
         body = self._descriptor(seq)
         if body is None:
             return
         now = time.monotonic()
         for p in buddies(self.node, peers)[:self.k + EXTRA_ASKED]:
+            held = self.holders.setdefault(seq, set())
+            pulling = self._pulling.setdefault(seq, set())
             if len(held) >= self.k:
                 break
             if p.node in held or (len(held) + len(pulling) >= self.k and p.node not in pulling) \
                     or self._refused.get((seq, p.node), 0.0) > now:
                 continue
-            try:
-                status, _h, text = await request(self.cfg, p, "POST", OFFER_ROUTE, body=body,
-                                                 limit=4096)
-            except PeerFault as e:
-                log.debug("replicas: offer of set %d to %s: %s", seq, p.describe(), e)
-                pulling.discard(p.node)
-                self._refused[(seq, p.node)] = time.monotonic() + REFUSED_S
-                continue
-            self.offers_sent += 1
-            if status == 200:
+            await self._send(seq, p, body)
+
+    async def _send(self, seq: int, p: PeerEndpoint, body: bytes) -> int | None:
+        """Offer set `seq` to `p` and record the answer (returned; None: no answer): 200 counts
+        `p` as a holder; 202 marks it pulling; anything else, or none, neither (a holder counted
+        until now is counted no more), and `p` is not asked for the set again for REFUSED_S."""
+        try:
+            status, _h, text = await request(self.cfg, p, "POST", OFFER_ROUTE, body=body,
+                                             limit=4096)
+        except PeerFault as e:
+            log.debug("replicas: offer of set %d to %s: %s", seq, p.describe(), e)
+            self._count_off(seq, p.node, f"no answer: {e}")
+            self._pulling.get(seq, set()).discard(p.node)
+            self._refused[(seq, p.node)] = time.monotonic() + REFUSED_S
+            return None
+        self.offers_sent += 1
+        # read after the await: `dropped` may have changed them meanwhile
+        held = self.holders.setdefault(seq, set())
+        pulling = self._pulling.setdefault(seq, set())
+        if status == 200:
+            self._answered[(seq, p.node)] = (time.monotonic(), p)
+            pulling.discard(p.node)
+            if p.node not in held:
                 held.add(p.node)
-                pulling.discard(p.node)
-                if len(held) >= self.k:
+                if len(held) == self.k:
                     log.info("set %d replicated to %s", seq, ", ".join(sorted(held)))
                 self.signals.wake_waiters()
-            elif status == 202:
-                pulling.add(p.node)
-            else:
-                pulling.discard(p.node)
-                self._refused[(seq, p.node)] = time.monotonic() + REFUSED_S
-                log.debug("replicas: %s answered %d to the offer of set %d: %s", p.describe(),
-                          status, seq, text[:200].decode("utf-8", "replace"))
+            return status
+        self._count_off(seq, p.node, f"it answered {status}")
+        if status == 202:
+            pulling.add(p.node)
+            return status
+        pulling.discard(p.node)
+        self._refused[(seq, p.node)] = time.monotonic() + REFUSED_S
+        log.debug("replicas: %s answered %d to the offer of set %d: %s", p.describe(),
+                  status, seq, text[:200].decode("utf-8", "replace"))
+        return status
 
     def dropped(self, body: bytes) -> Reply:
         """A buddy says it dropped its replica of set `seq` (it needed the room): one holder
