@@ -85,6 +85,9 @@ CREATE TABLE xattrs (
 -- cache's objects in the store: data/<node_id>/<ino>/<version>/<name hint> (the hint is the
 -- file's escaped name cut to 100 characters; nothing reads it back: the manifest names the key.
 -- cachemgr.tiering.object_key).
+-- --replicas (meta key 'replica_peers'): JSON, the peers this node offers its sets to first
+-- ([node, host, port], at most K + 3), so a daemon restarted while the store is down reaches its
+-- buddies at once (cachemgr.tiering.replicate.ReplicaOrigin).
 
 -- Shard sets: one row per commit. A set is a directory (its whole subtree), a single file, or a
 -- symlink, named by its path at commit time. States (see docs/SEMANTICS.md "Shard sets"):
