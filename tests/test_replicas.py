@@ -399,6 +399,8 @@ def test_a_fresh_node_reads_a_lost_node_s_sets_from_its_buddy_while_the_store_is
     assert ckptfs.status(b.path)["tiering"]["peers"]["server"]["served_chunks"] >= 4
     res = run_cli("wait", str(c.path / "ckpt.pt"), "--timeout", "0.5")
     assert res.returncode != 0, "a set only peers hold was reported durable"
+    res = run_cli("wait", "--replicated", str(c.path / "ckpt.pt"), "--timeout", "5")
+    assert res.returncode == 0 and "replicated" in res.stdout, (res.stdout, res.stderr)
 
     cluster.proxy.clear()  # the store is back: B takes both sets over
     wait_for(lambda: replication(b)["taken_over"] == 2, timeout=60,

@@ -353,9 +353,10 @@ class Tiering:
             return {"state": "off", "error": "replication is off on this mount (it needs "
                     "--peers and --replicas K > 0)"}
         rep = self.replication.origin
+        # a set shown from the replicas peers hold (cachemgr.tiering.peerspace) is replicated
         return await self.progress.wait_until(
-            path, timeout, lambda s: "replicated" if s.state in LIVE_STATES and
-            rep.replicated(s.seq) else None, "replicated")
+            path, timeout, lambda s: "replicated" if s.state == "replicated" or (
+                s.state in LIVE_STATES and rep.replicated(s.seq)) else None, "replicated")
 
     def services(self) -> dict[str, Any]:
         """Each tiering service's own statistics (status and metrics show them as "services")."""
