@@ -150,6 +150,13 @@ def test_a_namespace_answer_whose_sets_are_not_strings_is_refused(sets):
     _refused(doc)
 
 
+def test_a_namespace_answer_whose_set_is_not_valid_text_is_refused():
+    # valid JSON (json.dumps escapes it as \ud800), not text: DocumentError, never a
+    # UnicodeEncodeError out of the validator (it once took a fresh node's mount down)
+    _refused(namespace_doc(["\ud800"], port=1))
+    _refused(namespace_doc(['{"a": "\udcff"}'], port=1))
+
+
 def test_a_namespace_answer_with_too_many_sets_or_peers_is_refused():
     _refused(namespace_doc([""] * (validate.MAX_NAMESPACE_SETS + 1), port=1))
     _refused(namespace_doc([], port=1, peers="x" * 3))
@@ -529,3 +536,27 @@ def test_a_stalled_namespace_answer_does_not_hold_the_mount(fresh):
     assert_asked_signed(peer)
     (line,) = warned_about(c, peer)
     assert "its replicas are not shown" in line, line
+
+
+def test_an_answer_whose_set_is_not_valid_text_is_refused_whole(fresh):
+    """A signed answer whose set string holds a lone surrogate (valid JSON, not valid text):
+    refused as an invalid answer, its sound manifest with it; the mount comes up."""
+    later = Later()
+    peer = FakePeer(later)
+    files = {"model.pt": b"m" * 1000}
+    desc = descriptor(files)
+    peer.objects = served(desc, files)
+    good = mf.dumps(manifest_of(desc)).decode()
+
+    def answer(target: str) -> Reply:
+        body = json.dumps(namespace_doc([good, "\ud800"], port=peer.port)).encode()
+        assert b"\\ud800" in body
+        name, sig = sign_response(SECRET, target, body)
+        return 200, [(name.decode(), sig.decode())], body
+
+    later.answer = answer
+    c = fresh(peer)
+    assert_asked_signed(peer)
+    assert sets_of(c) == {}
+    (line,) = warned_about(c, peer)
+    assert "invalid namespace answer" in line, line
