@@ -609,5 +609,9 @@ def peer_namespace(data: bytes) -> dict[str, Any]:
         raise E(f"namespace sets must be a list of at most {MAX_NAMESPACE_SETS} documents")
     if type(d.get("truncated")) is not bool:
         raise E("namespace truncated is not true or false")
+    try:
+        docs = [s.encode() for s in sets]
+    except UnicodeEncodeError:  # JSON may escape a lone surrogate: not text, not a manifest
+        raise E("a namespace set is not valid text") from None
     return {"node": node_id(d.get("node"), "namespace node", E), "peers": peers,
-            "sets": [s.encode() for s in sets], "truncated": d["truncated"]}
+            "sets": docs, "truncated": d["truncated"]}
