@@ -519,7 +519,11 @@ class _Daemon:
         if space is None:
             return ""
         with trio.move_on_after(FIRST_LISTING_TIMEOUT_S):
-            answered = await space.pass_once()
+            try:
+                answered = await space.pass_once()
+            except Exception:  # a bug must not fail the mount: the supervised pass retries
+                log.exception("asking the peers for their replicas failed")
+                return "; asking the peers failed (see above)"
             shown = space.statistics().shown_sets
             return f"; {answered} peer(s) answered, {shown} set(s) shown from their replicas"
         return "; the peers did not answer in time"
