@@ -380,6 +380,12 @@ def test_a_fresh_node_reads_a_lost_node_s_sets_from_its_buddy_while_the_store_is
     assert set(wrote) == {"ckpt.pt", "run/dcp_3/.metadata", "run/dcp_3/__0_0.distcp"}
     a.kill9()
     shutil.rmtree(a.cache_dir)
+    # the buddy's own mount shows what it holds once its listings keep failing
+    for rel in ("ckpt.pt", "run/dcp_3"):
+        wait_for(lambda rel=rel: (b.path / rel).exists(), timeout=90,
+                 what=f"{rel} on the buddy, from its own replica")
+        assert set_row(b, rel)["state"] == "replicated"
+    assert {rel: (b.path / rel).read_bytes() for rel in wrote} == wrote
 
     c = cluster("c", "--peer-seeds", peer_endpoint(b), "--allow-empty-namespace",
                 proxied=True)

@@ -47,6 +47,9 @@ log = logging.getLogger(__name__)
 # live_peers(stale): the other live members with a peer endpoint; the records of the nodes in
 # `stale` are read again (Members.peers)
 LivePeers = Callable[[frozenset[str]], Awaitable[list[PeerEndpoint]]]
+# local(key, crc, index): a chunk this node holds outside its cache files (a replica it holds
+# for another node, cachemgr.tiering.replicate), or None
+LocalChunk = Callable[[str, int, int], Awaitable[bytes | None]]
 
 PEER_LIST_TTL_S = 10.0   # one LIST of members/ per this while restoring (1 page per 1,000 nodes)
 MISS_MAX = 65536         # remembered 404s (~10 MB at most)
@@ -65,6 +68,7 @@ class PeerFault(Exception):
 class PeerClientStats:
     asked: int
     hits: int
+    local_hits: int
     misses: int
     errors: dict[str, int]
     cut_off: list[dict[str, Any]]
@@ -73,10 +77,14 @@ class PeerClientStats:
 class PeerClient:
     """Chunks from peers (see the module docstring)."""
 
-    def __init__(self, *, cfg: PeerConfig, node: str, live_peers: LivePeers) -> None:
+    def __init__(self, *, cfg: PeerConfig, node: str, live_peers: LivePeers,
+                 local: LocalChunk | None = None) -> None:
+        """`local`: asked first, for chunks this node holds itself outside its cache files
+        (the replicas it holds: a buddy resuming from the set it holds a replica of)."""
         self.cfg = cfg
         self.node = node
         self._live_peers = live_peers
+        self._local = local
         self._peers: list[PeerEndpoint] = []
         self._listed = -PEER_LIST_TTL_S - 1.0   # monotonic time of the last listing
         self._stale: set[str] = set()
@@ -86,6 +94,7 @@ class PeerClient:
         # statistics
         self.asked = 0
         self.hits = 0
+        self.local_hits = 0  # chunks of the replicas this node holds (`local`)
         self.misses = 0
         self.errors: dict[str, int] = {}
 
@@ -117,6 +126,11 @@ class PeerClient:
     async def fetch(self, obj: StoredObject, i: int) -> bytes | None:
         """Raw chunk `i` of `obj`, verified, from the first peer that has it; None: none did
         (the caller asks the store)."""
+        if self._local is not None:
+            raw = await self._local(obj.key, obj.crc32c, i)
+            if raw is not None and verify_chunk(obj, i, raw):
+                self.local_hits += 1
+                return raw
         now = time.monotonic()
         peers = [p for p in await self._live() if self._usable(p, obj.key, now)]
         for p in rendezvous(obj.key, peers, writer_of(obj.key))[:self.cfg.max_asked]:
@@ -214,7 +228,8 @@ class PeerClient:
     def statistics(self) -> PeerClientStats:
         now = time.monotonic()
         return PeerClientStats(
-            asked=self.asked, hits=self.hits, misses=self.misses, errors=dict(self.errors),
+            asked=self.asked, hits=self.hits, local_hits=self.local_hits, misses=self.misses,
+            errors=dict(self.errors),
             cut_off=[{"node": n, "address": a, "why": why, "for_s": round(u - now, 1)}
                      for n, (u, a, why) in self._cut.items() if u > now])
 

@@ -3,9 +3,10 @@ docs/ARCHITECTURE.md "Peers"): a node that cannot list the store asks its peers 
 replicas they hold and shows those sets, so a job restarted on a fresh node during an outage
 resumes from the checkpoint its dead node had only replicated.
 
-Who is asked: the `--peer-seeds` (host:port; a name is resolved at every pass and each of its
-addresses asked, e.g. a Kubernetes headless service or a Slurm node list), and every peer the
-answers named (a buddy names the live peers it knows, so one seed finds the others). Each
+Who is asked: this node itself (the replicas it holds, in process: a buddy resuming the job
+of the node it holds a replica of sees that set), the `--peer-seeds` (host:port; a name is
+resolved at every pass and each of its addresses asked, e.g. a Kubernetes headless service or
+a Slurm node list), and every peer the answers named (a buddy names the live peers it knows, so one seed finds the others). Each
 answer (GET /v1/replica/namespace, cachemgr.restore.peerproto) must carry the HMAC of the
 request's random target and of its body (`check_response`): the manifests in it have no store
 document to be checked against, so they are trusted only as far as a node holding the shared
@@ -20,9 +21,10 @@ store lists the path's manifest (the buddy took the set over, or its origin came
 replaces it as any newer manifest does; a set no peer holds any more goes only once a store
 listing that began after the peers said so did not list it.
 
-When: a pass every `interval` while the last store listing failed or "replicated" sets are
-shown; the mount waits for one pass when its first listing failed (ckptfs.daemon). Cost: one
-GET per peer known per interval, only then.
+When: a pass every `interval` while the store cannot be listed (since the mount, or for
+OUTAGE_LISTINGS listings in a row) or "replicated" sets are shown; the mount waits for one
+pass when its first listing failed (ckptfs.daemon). Cost: one GET per peer known per
+interval, only then.
 
 State, its owner and its guards: `known` (node -> endpoint, from the answers) and the counters,
 written only by a pass, on the daemon's trio thread; one pass at a time (`_lock`). What a pass
@@ -34,6 +36,7 @@ from __future__ import annotations
 import logging
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -57,9 +60,13 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# local(): (committed_ns, manifest JSON) of each replica this node holds
+LocalManifests = Callable[[], list[tuple[int, str]]]
+
 MAX_ASKED = 64        # peers asked per pass (the seeds' addresses first)
 ASK_CONCURRENCY = 16  # of them at once
 WARN_EVERY_S = 60.0   # a peer's bad answer is logged at most this often
+OUTAGE_LISTINGS = 2   # failed listings in a row (after one succeeded) that make an outage
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,8 +82,11 @@ class PeerNamespace:
     """See the module docstring."""
 
     def __init__(self, *, cfg: PeerConfig, node: str, remote: RemoteSync, sets: SetRegistry,
-                 interval: float) -> None:
+                 interval: float, local: LocalManifests | None = None) -> None:
+        """`local`: the manifests of the replicas this node holds itself (ReplicaHolder): shown
+        like a peer's, so a buddy resuming a lost node's job sees the sets it holds."""
         self.cfg, self.node, self.remote, self.sets = cfg, node, remote, sets
+        self._local = local
         self.interval = interval if interval > 0 else 10.0
         self.known: dict[str, PeerEndpoint] = {}
         self._lock = trio.Lock()
@@ -87,8 +97,12 @@ class PeerNamespace:
         self.last_pass: float | None = None
 
     def wanted(self) -> bool:
-        """Whether a pass is due: the store cannot be listed, or sets from peers are shown."""
-        return (self.remote.first_listing.is_set() and not self.remote.listing_ok) or \
+        """Whether a pass is due: the store cannot be listed (the first listing failed, or
+        OUTAGE_LISTINGS in a row did: one failed listing is no outage), or sets from peers are
+        shown."""
+        r = self.remote
+        return (r.first_listing.is_set() and not r.listing_ok and
+                (r.syncs == 0 or r.failed_listings >= OUTAGE_LISTINGS)) or \
             bool(self.sets.by_states(("replicated",)))
 
     async def run(self) -> None:
@@ -134,6 +148,9 @@ class PeerNamespace:
             async with trio.open_nursery() as n:
                 for p in await self._targets():
                     n.start_soon(ask, p)
+            if self._local is not None:  # the replicas this node holds: an answer of its own
+                answers.append({"node": self.node, "peers": [],
+                                "sets": [mf.loads(doc.encode()) for _ns, doc in self._local()]})
             # From here on: no await until the sets are applied.
             newest: dict[str, dict[str, Any]] = {}
             for a in answers:
@@ -145,11 +162,11 @@ class PeerNamespace:
                     if cur is None or m["commit"]["committed_ns"] > cur["commit"]["committed_ns"]:
                         newest[m["path"]] = m
             self.passes += 1
-            self.answered = len(answers)
+            self.answered = sum(a["node"] != self.node for a in answers)
             self.last_pass = time.time()
             if answers:
                 self.remote.apply_from_peers(list(newest.values()), asked_at)
-            return len(answers)
+            return self.answered
 
     async def _ask(self, p: PeerEndpoint) -> dict[str, Any] | None:
         """One peer's answer, checked: {peers [PeerEndpoint], sets [manifest]}; None (logged)

@@ -149,6 +149,7 @@ class RemoteSync:
         # clock): sets shown from peers' replicas (cachemgr.tiering.peerspace) that no peer
         # holds any more go only once a listing that began after that answer did not list them.
         self.listing_ok = False
+        self.failed_listings = 0  # in a row: 0 once one succeeds
         self.listed_from: float | None = None
         self._peer_missing: dict[int, float] = {}  # seq of a "replicated" set -> since when
 
@@ -163,9 +164,11 @@ class RemoteSync:
                 await self.sync_once()
                 self.first_error = None
                 self.listing_ok, self.listed_from = True, began
+                self.failed_listings = 0
             except StoreError as e:
                 log.warning("listing the store's sets failed: %s", e)
                 self.listing_ok = False
+                self.failed_listings += 1
                 if self.syncs == 0:
                     self.first_error = str(e)
             self.first_listing.set()

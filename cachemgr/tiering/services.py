@@ -145,7 +145,7 @@ class Tiering:
                                  live_members=self.members.live,
                                  peers=None if cfg.peers is None else PeerClient(
                                      cfg=cfg.peers, node=self.node,
-                                     live_peers=self._live_peers),
+                                     live_peers=self._live_peers, local=self._replica_chunk),
                                  concurrency=cfg.prefetch_concurrency, mode=cfg.prefetch,
                                  range_size=cfg.prefetch_range)
         self.remote = RemoteSync(table=cache.table, tree=cache.tree, index=self.index,
@@ -157,7 +157,8 @@ class Tiering:
         # --peers: the sets peers hold replicas of, shown while the store cannot be listed
         self.peerspace = None if cfg.peers is None else PeerNamespace(
             cfg=cfg.peers, node=self.node, remote=self.remote, sets=self.sets,
-            interval=cfg.refresh_interval)
+            interval=cfg.refresh_interval,
+            local=None if self.replication is None else self.replication.holder.manifests)
         self.peer_server = None if peer_sock is None or cfg.peers is None else \
             peerserve.PeerServer(cfg=cfg.peers, sock=peer_sock,
                                  serve_chunk=self._serve_chunk,
@@ -211,6 +212,14 @@ class Tiering:
             if self.peerspace is None or not self.peerspace.known:
                 raise
             return self.peerspace.known_peers(stale)
+
+    async def _replica_chunk(self, key: str, crc: int, index: int) -> bytes | None:
+        """A chunk of a replica this node holds (ReplicaHolder.serve_chunk), for its own
+        restores: a buddy resuming from the set it holds a replica of."""
+        if self.replication is None:
+            return None
+        raw: bytes | None = await self.replication.holder.serve_chunk(key, crc, index)
+        return raw
 
     async def _serve_chunk(self, key: str, crc: int, index: int) -> bytes | None:
         """GET /v1/chunk: a chunk of a replica held here (its virtual object), else one this
