@@ -3,15 +3,16 @@ docs/ARCHITECTURE.md "Peers"): a node that cannot list the store asks its peers 
 replicas they hold and shows those sets, so a job restarted on a fresh node during an outage
 resumes from the checkpoint its dead node had only replicated.
 
-Who is asked: this node itself (the replicas it holds, in process: a buddy resuming the job
-of the node it holds a replica of sees that set), the `--peer-seeds` (host:port; a name is
-resolved at every pass and each of its addresses asked, e.g. a Kubernetes headless service or
-a Slurm node list), and every peer the answers named (a buddy names the live peers it knows, so one seed finds the others). Each
-answer (GET /v1/replica/namespace, cachemgr.restore.peerproto) must carry the HMAC of the
-request's random target and of its body (`check_response`): the manifests in it have no store
-document to be checked against, so they are trusted only as far as a node holding the shared
-secret is. Each manifest is then validated like a store's (cachemgr.format.validate), and its
-files' chunks are checked, when read, against the CRC32Cs the buddy checked when it pulled them.
+Who is asked: this node itself (the replicas it holds, in process: a buddy resuming the job of
+the node it holds a replica of sees that set), the `--peer-seeds` (host:port; a name is resolved
+at every pass and each of its addresses asked, e.g. a Kubernetes headless service or a Slurm
+node list), and every peer the answers named (a buddy names the live peers it knows, so one seed
+finds the others). Each answer (GET /v1/replica/namespace, cachemgr.restore.peerproto) must
+carry the HMAC of the request's random target and of its body (`check_response`): the manifests
+in it have no store document to be checked against, so they are trusted only as far as a node
+holding the shared secret is. Each manifest is then validated like a store's
+(cachemgr.format.validate), and its files' chunks are checked, when read, against the CRC32Cs
+the buddy checked when it pulled them.
 
 What is shown (cachemgr.tiering.remote.RemoteSync.apply_from_peers): per path, the newest
 commit any peer holds, when it is newer than what this node has there, as a "replicated" set
