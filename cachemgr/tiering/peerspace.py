@@ -154,10 +154,10 @@ class PeerNamespace:
                                 "sets": [mf.loads(doc.encode()) for _ns, doc in self._local()]})
             # From here on: no await until the sets are applied.
             newest: dict[str, dict[str, Any]] = {}
+            named = {p.node: p for a in answers for p in a["peers"] if p.node != self.node}
+            if named:  # the peers the answers name now: one gone from all of them is dropped
+                self.known = named
             for a in answers:
-                for peer in a["peers"]:
-                    if peer.node != self.node:
-                        self.known[peer.node] = peer
                 for m in a["sets"]:
                     cur = newest.get(m["path"])
                     if cur is None or m["commit"]["committed_ns"] > cur["commit"]["committed_ns"]:
