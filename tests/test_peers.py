@@ -15,7 +15,6 @@ import io
 import json
 import os
 import socket
-import threading
 import time
 
 import h11
@@ -23,6 +22,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 from conftest import run_cli, wait_for
+from fakehttp import FakeHTTPServer, Request, send_head, send_response
 
 import ckptfs
 
@@ -184,59 +184,32 @@ def _store_get(cluster, key: str) -> bytes:
     return _s3(cluster).get_object(Bucket=cluster.bucket, Key=key)["Body"].read()
 
 
-class FakePeer:
+class FakePeer(FakeHTTPServer):
     """An h11 server on 127.0.0.1 that answers every chunk request with `behaviour`:
     "corrupt" (the right size, wrong bytes), "stall" (headers, then no body), or it is asked
     with another secret (its 401s come from `secret`)."""
+
+    timeout = 30.0
 
     def __init__(self, behaviour: str, real: bytes) -> None:
         self.behaviour = behaviour
         self.real = real       # the file's bytes: chunk i is real[i*4MiB:...]
         self.requests = 0
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._serve, daemon=True)
-        self.thread.start()
+        super().__init__()
 
-    def _serve(self) -> None:
-        self.sock.settimeout(0.2)
-        while not self.stop.is_set():
-            try:
-                s, _ = self.sock.accept()
-            except TimeoutError:
-                continue
-            threading.Thread(target=self._one, args=(s,), daemon=True).start()
-
-    def _one(self, s: socket.socket) -> None:
-        from urllib.parse import parse_qs, urlsplit
-
-        conn = h11.Connection(h11.SERVER)
-        with s:
-            s.settimeout(30)
-            while True:
-                ev = conn.next_event()
-                if ev is h11.NEED_DATA:
-                    conn.receive_data(s.recv(65536))
-                    continue
-                if isinstance(ev, h11.Request):
-                    break
-                return
-            self.requests += 1
-            q = parse_qs(urlsplit(ev.target.decode()).query)
-            i = int(q["i"][0])
-            chunk = self.real[i * 4 * MiB:(i + 1) * 4 * MiB]
-            if self.behaviour == "unauth":
-                s.sendall(conn.send(h11.Response(status_code=401, headers=[
-                    ("content-length", "0")])) + conn.send(h11.EndOfMessage()))
-                return
-            s.sendall(conn.send(h11.Response(status_code=200, headers=[
-                ("content-length", str(len(chunk)))])))
-            if self.behaviour == "stall":
-                self.stop.wait(30)
-                return
-            bad = bytes(b ^ 0xFF for b in chunk[:4096]) + chunk[4096:]
-            s.sendall(conn.send(h11.Data(data=bad)) + conn.send(h11.EndOfMessage()))
+    def answer(self, s: socket.socket, conn: h11.Connection, req: Request) -> None:
+        self.requests += 1
+        i = int(req.query["i"][0])
+        chunk = self.real[i * 4 * MiB:(i + 1) * 4 * MiB]
+        if self.behaviour == "unauth":
+            send_response(s, conn, 401)
+            return
+        if self.behaviour == "stall":
+            send_head(s, conn, 200, len(chunk))
+            self.stop.wait(30)
+            return
+        bad = bytes(b ^ 0xFF for b in chunk[:4096]) + chunk[4096:]
+        send_response(s, conn, 200, body=bad)
 
     def register(self, cluster, node: str) -> str:
         """Its member record in the store, as a live node with --peers writes it."""
@@ -246,11 +219,6 @@ class FakePeer:
                "peer": {"host": "127.0.0.1", "port": self.port}}
         _s3(cluster).put_object(Bucket=cluster.bucket, Key=key, Body=json.dumps(doc).encode())
         return key
-
-    def close(self) -> None:
-        self.stop.set()
-        self.thread.join(5)
-        self.sock.close()
 
 
 @pytest.mark.parametrize("behaviour,said", [

@@ -25,6 +25,7 @@ from urllib.parse import parse_qs, urlsplit
 
 import h11
 import pytest
+from fakehttp import FakeHTTPServer, Request, send_head, send_response
 from faultproxy import FaultProxy
 
 import ckptfs
@@ -294,7 +295,7 @@ def test_a_peer_seeds_list_is_read_as_hosts_and_ports():
 Reply = tuple[int, list[tuple[str, str]], bytes]
 
 
-class FakePeer:
+class FakePeer(FakeHTTPServer):
     """A threaded h11 server playing a buddy that holds replicas: GET /v1/replica/namespace is
     answered by `namespace(target, port)` (`port` its own; None: headers of a body that never
     comes), GET /v1/chunk
@@ -307,62 +308,31 @@ class FakePeer:
         self.requests: list[tuple[str, str | None]] = []
         self._replay = ReplayCache()
         self._lock = threading.Lock()  # guards `requests` and `_replay` (one thread per conn)
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
-        self.stop = threading.Event()
-        self._threads: list[threading.Thread] = []
-        self.thread = threading.Thread(target=self._accept, daemon=True)
-        self.thread.start()
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        super().__init__()
 
     def targets(self, route: str) -> list[str]:
         with self._lock:
             return [t for t, _ in self.requests if urlsplit(t).path == route]
 
-    def _accept(self) -> None:
-        self.sock.settimeout(0.2)
-        while not self.stop.is_set():
-            try:
-                s, _ = self.sock.accept()
-            except TimeoutError:
-                continue
-            t = threading.Thread(target=self._serve, args=(s,), daemon=True)
-            self._threads.append(t)
-            t.start()
+    def handle(self, s: socket.socket, conn: h11.Connection) -> None:
+        try:
+            super().handle(s, conn)
+        except (OSError, h11.ProtocolError):
+            return  # the client went away
 
-    def _serve(self, s: socket.socket) -> None:
-        conn = h11.Connection(h11.SERVER)
-        with s:
-            s.settimeout(10)
-            try:
-                ev = conn.next_event()
-                while ev is h11.NEED_DATA:
-                    conn.receive_data(s.recv(65536))
-                    ev = conn.next_event()
-                if not isinstance(ev, h11.Request):
-                    return
-                target = ev.target.decode()
-                with self._lock:
-                    why = check_auth(SECRET, self._replay, ev.method.decode(), target,
-                                     {k.lower(): v for k, v in ev.headers})
-                    self.requests.append((target, why))
-                reply = self._answer(target) if why is None else (401, [], b"")
-                if reply is None:  # a stalled answer: headers, a few bytes, then nothing
-                    s.sendall(conn.send(h11.Response(status_code=200, headers=[
-                        ("content-length", "100000")])) + conn.send(h11.Data(data=b'{"fo')))
-                    self.stop.wait()
-                    return
-                status, headers, body = reply
-                s.sendall(conn.send(h11.Response(status_code=status, headers=[
-                    ("content-length", str(len(body))), *headers]))
-                    + conn.send(h11.Data(data=body)) + conn.send(h11.EndOfMessage()))
-            except (OSError, h11.ProtocolError):
-                return  # the client went away
+    def answer(self, s: socket.socket, conn: h11.Connection, req: Request) -> None:
+        with self._lock:
+            why = check_auth(SECRET, self._replay, req.method, req.target, req.headers)
+            self.requests.append((req.target, why))
+        reply = self._reply(req.target) if why is None else (401, [], b"")
+        if reply is None:  # a stalled answer: headers, a few bytes, then nothing
+            send_head(s, conn, 200, 100000, first=b'{"fo')
+            self.stop.wait()
+            return
+        status, headers, body = reply
+        send_response(s, conn, status, headers, body)
 
-    def _answer(self, target: str) -> Reply | None:
+    def _reply(self, target: str) -> Reply | None:
         parts = urlsplit(target)
         if parts.path == NAMESPACE_ROUTE:
             return self.namespace(target, self.port)
@@ -380,13 +350,6 @@ class FakePeer:
         """The requests whose authentication failed, with why."""
         with self._lock:
             return [r for r in self.requests if r[1] is not None]
-
-    def close(self) -> None:
-        self.stop.set()
-        self.thread.join(5)
-        for t in self._threads:
-            t.join(5)
-        self.sock.close()
 
 
 def signed(sets: list[str], secret: bytes = SECRET) -> Callable[[str, int], Reply]:

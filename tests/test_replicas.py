@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import threading
 import time
 
 import h11
@@ -20,6 +19,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 from conftest import run_cli, wait_for
+from fakehttp import FakeHTTPServer, Request, send_response
 from faultproxy import FaultProxy
 
 import ckptfs
@@ -211,45 +211,19 @@ def _request(port: int, method: str, target: str, body: bytes = b"",
                 return status
 
 
-class FakeOrigin:
+class FakeOrigin(FakeHTTPServer):
     """An h11 server that answers every replica range with bytes whose CRC32C header lies."""
+
+    threaded = False
 
     def __init__(self) -> None:
         self.requests = 0
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._serve, daemon=True)
-        self.thread.start()
+        super().__init__()
 
-    def _serve(self) -> None:
-        from urllib.parse import parse_qs, urlsplit
-
-        self.sock.settimeout(0.2)
-        while not self.stop.is_set():
-            try:
-                s, _ = self.sock.accept()
-            except TimeoutError:
-                continue
-            conn = h11.Connection(h11.SERVER)
-            with s:
-                s.settimeout(10)
-                ev = conn.next_event()
-                while ev is h11.NEED_DATA:
-                    conn.receive_data(s.recv(65536))
-                    ev = conn.next_event()
-                if not isinstance(ev, h11.Request):
-                    continue
-                self.requests += 1
-                n = int(parse_qs(urlsplit(ev.target.decode()).query)["len"][0])
-                s.sendall(conn.send(h11.Response(status_code=200, headers=[
-                    ("content-length", str(n)), ("x-ckptfs-crc32c", "12345")]))
-                    + conn.send(h11.Data(data=b"\xee" * n)) + conn.send(h11.EndOfMessage()))
-
-    def close(self) -> None:
-        self.stop.set()
-        self.thread.join(5)
-        self.sock.close()
+    def answer(self, s: socket.socket, conn: h11.Connection, req: Request) -> None:
+        self.requests += 1
+        n = int(req.query["len"][0])
+        send_response(s, conn, 200, [("x-ckptfs-crc32c", "12345")], b"\xee" * n)
 
 
 def _offer(port: int, **over) -> bytes:

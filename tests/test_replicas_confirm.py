@@ -28,6 +28,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 from conftest import run_cli, wait_for
+from fakehttp import FakeHTTPServer, Request, send_response
 from test_replicas import cluster, knows_buddy, replication, set_row
 
 import ckptfs
@@ -141,24 +142,22 @@ def test_an_origin_restarted_with_the_store_down_counts_its_buddies_again(cluste
 # any answer but 200 stops the count, and confirmations are bounded: a buddy the test controls
 
 
-class FakeBuddy:
+class FakeBuddy(FakeHTTPServer):
     """An h11 server in a member record of the store: it answers every replica offer with
-    `answer` (the test switches it) and pulls nothing; `offers` counts the offers it got."""
+    `status` (the test switches it) and pulls nothing; `offers` counts the offers it got."""
+
+    threaded = False
 
     def __init__(self) -> None:
-        self.answer = 200
+        self.status = 200
         self.offers = 0
-        self.lock = threading.Lock()  # guards offers and answer (test thread vs server thread)
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.port = int(self.sock.getsockname()[1])
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._serve, daemon=True)
-        self.thread.start()
+        self.lock = threading.Lock()  # guards offers and status (test thread vs server thread)
+        super().__init__()
 
     def set_answer(self, status: int) -> int:
         """Answer `status` from now on; the offers counted until now."""
         with self.lock:
-            self.answer = status
+            self.status = status
             return self.offers
 
     def count(self) -> int:
@@ -174,42 +173,11 @@ class FakeBuddy:
         boto3.client("s3", endpoint_url=cluster.endpoint, region_name="us-east-1").put_object(
             Bucket=cluster.bucket, Key=f"p/members/@{node}.json", Body=json.dumps(doc).encode())
 
-    def _serve(self) -> None:
-        self.sock.settimeout(0.2)
-        while not self.stop.is_set():
-            try:
-                s, _ = self.sock.accept()
-            except TimeoutError:
-                continue
-            with s:
-                s.settimeout(10)
-                self._answer(s)
-
-    def _answer(self, s: socket.socket) -> None:
-        conn = h11.Connection(h11.SERVER)
-        target = b""
-        while True:  # the whole request, body included
-            ev = conn.next_event()
-            if ev is h11.NEED_DATA:
-                data = s.recv(65536)
-                if not data:
-                    return
-                conn.receive_data(data)
-            elif isinstance(ev, h11.Request):
-                target = ev.target
-            elif isinstance(ev, h11.EndOfMessage):
-                break
-        with self.lock:
-            status = self.answer if target == b"/v1/replica/offer" else 404
-            self.offers += target == b"/v1/replica/offer"
-        s.sendall(conn.send(h11.Response(status_code=status, headers=[
-            ("content-length", "2"), ("connection", "close")]))
-            + conn.send(h11.Data(data=b"ok")) + conn.send(h11.EndOfMessage()))
-
-    def close(self) -> None:
-        self.stop.set()
-        self.thread.join(5)
-        self.sock.close()
+    def answer(self, s: socket.socket, conn: h11.Connection, req: Request) -> None:
+        with self.lock:  # the request was read whole, body included
+            status = self.status if req.target == "/v1/replica/offer" else 404
+            self.offers += req.target == "/v1/replica/offer"
+        send_response(s, conn, status, [("connection", "close")], b"ok")
 
 
 def test_any_answer_but_200_stops_the_count_and_confirmations_are_bounded(cluster):

@@ -16,54 +16,12 @@ import pytest
 
 torch = pytest.importorskip("torch")
 from conftest import run_cli, wait_for
-from faultproxy import FaultProxy, Rule
-from test_replicas import SECRET, _store_get, replica_files, replication, set_row, unnamed_objects
+from faultproxy import Rule
+from test_replicas import _store_get, cluster, replica_files, replication, set_row, unnamed_objects
 
-import ckptfs
+__all__ = ["cluster"]  # the fixture, imported for this test
 
 SETS = ("run/step_1", "run/dcp_2")
-
-
-@pytest.fixture
-def cluster(mount_factory, s3_bucket, tmp_path):
-    """test_replicas' `cluster` with a second proxy: cluster(name, *extra, via=None) -> a
-    started node with --peers whose store requests go through `via` (cluster.down: A's, the
-    one that goes down; cluster.race: the buddies', that holds their takeover uploads), or
-    straight to the store."""
-    endpoint, bucket = s3_bucket
-    down, race = FaultProxy(endpoint).start(), FaultProxy(endpoint).start()
-    made = []
-
-    def node(name: str, *extra: str, via: FaultProxy | None = None):
-        sf = tmp_path / f"{name}.secret"
-        sf.write_bytes(SECRET)
-        sf.chmod(0o600)
-        m = mount_factory(name)
-        m.start("--store", f"s3://{bucket}/p", "--s3-endpoint",
-                via.url if via is not None else endpoint, "--s3-path-style",
-                "--refresh-interval", "1", "--peers", "--peer-address", "127.0.0.1",
-                "--peer-secret-file", str(sf), *extra)
-        m.node_id = ckptfs.status(m.path)["tiering"]["store"]["node"]
-        made.append(m)
-        return m
-
-    node.down, node.race, node.endpoint, node.bucket = down, race, endpoint, bucket
-    try:
-        yield node
-    finally:
-        down.clear()
-        race.clear()
-        try:
-            for m in made:
-                errors = m.unexpected_errors()
-                assert not errors, f"daemon {m.mountpoint.name} logged unexpected errors:\n" + \
-                    "\n".join(errors)
-                assert SECRET.decode() not in m.log_text(), "the secret was logged"
-        finally:
-            for m in made:   # while the proxies still run: the proxied nodes' uploads finish
-                m.cleanup()
-            down.stop()
-            race.stop()
 
 
 def _manifest_keys(cluster) -> list[str]:
@@ -103,13 +61,14 @@ def test_two_buddies_race_to_take_over_and_each_set_is_published_once(cluster):
     both buddies drop their replicas; a fresh node D loads both sets bit-exact."""
     import torch.distributed.checkpoint as dcp
 
-    a = cluster("a", "--replicas", "2", "--lease", "4", via=cluster.down)
-    b = cluster("b", "--lease", "4", via=cluster.race)
-    c = cluster("c", "--lease", "4", via=cluster.race)
+    race = cluster.new_proxy()  # the buddies' store: it holds their takeover uploads
+    a = cluster("a", "--replicas", "2", "--lease", "4", proxied=True)  # cluster.proxy: goes down
+    b = cluster("b", "--lease", "4", proxied=race)
+    c = cluster("c", "--lease", "4", proxied=race)
     buddies = {b.node_id, c.node_id}
     wait_for(lambda: set(replication(a)["buddies"]) == buddies, timeout=20,
              what="A to list both B and C as its buddies")
-    cluster.down.outage()  # until clear(): A never reaches the store again
+    cluster.proxy.outage()  # until clear(): A never reaches the store again
     wrote, model, state = _commit_sets(a)
     for rel in SETS:
         res = run_cli("wait", "--replicated", str(a.path / rel), "--timeout", "30")
@@ -126,16 +85,15 @@ def test_two_buddies_race_to_take_over_and_each_set_is_published_once(cluster):
     # The race, provoked: each buddy's first takeover upload waits at the proxy until the
     # other's is there too, so both are past their check of the store for the same set and
     # both will PUT its manifest; one finds the other's there.
-    cluster.race.set_rules([Rule("hold", ops={"put", "create_multipart"}, key="/takeover/",
-                                 delay=120)])
+    race.set_rules([Rule("hold", ops={"put", "create_multipart"}, key="/takeover/", delay=120)])
     a.kill9()
     shutil.rmtree(a.cache_dir)
-    assert cluster.race.wait_held(2, timeout=60), cluster.race.snapshot()
+    assert race.wait_held(2, timeout=60), race.snapshot()
     first_rel, first = min(((rel, r["seq"]) for rel, r in rows.items()), key=lambda x: x[1])
-    held = sorted(k for _op, k, mode in cluster.race.log if mode == "hold")
+    held = sorted(k for _op, k, mode in race.log if mode == "hold")
     assert held == sorted(f"p/data/{n}/takeover/{a.node_id}/{first}/0" for n in buddies), held
-    cluster.race.set_rules([])
-    assert cluster.race.release() == 2
+    race.set_rules([])
+    assert race.release() == 2
 
     # Both buddies settled: each dropped both replicas (published, or found published).
     wait_for(lambda: all(replication(m)["held_for_others"] == 0 for m in (b, c)), timeout=60,
