@@ -235,8 +235,8 @@ def machine_info(python: str, ckptfs: str, work: Path) -> Json:
 
 # A peer-read run whose node B got more than this share of what it fetched from the store did
 # not measure a restore from a peer (A lost chunks, B did not find A, A was cut off): flagged
-# store-fed and left out of the medians. Not 0: the `.metadata` file (a few hundred bytes, maybe
-# without per-chunk CRCs) and a chunk a peer was too slow for may come from the store.
+# store-fed and left out of the medians. Not 0: a chunk a peer was too slow for (no answer in
+# 5 s: docs/ARCHITECTURE.md "Peers") comes from the store without spoiling the measurement.
 STORE_FED_SHARE = 0.10
 
 
