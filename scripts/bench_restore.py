@@ -4,8 +4,11 @@
 What it measures
     A checkpoint set (a DCP-like directory: --files files of random, incompressible bytes plus a
     small `.metadata`, --size in all) is written once through a ckptfs mount (node A) into an
-    S3 store (a moto_server on 127.0.0.1 started by this script), waited durable and unmounted.
-    Then, per repeat:
+    S3 store (a moto_server on 127.0.0.1 started by this script), waited durable and unmounted
+    (with --peers, A is mounted with --peers and stays mounted to the end as the peer that
+    holds the set: that its cache holds the set whole, nothing evicted, is checked once the set
+    is durable and before every peer-read run; its CPU time is counted apart from `other busy`
+    in every run). Then, per repeat:
 
       ceiling   boto3 alone downloads the set's objects (`download_file` per object, all objects
                 in parallel, `TransferConfig(max_concurrency=8, multipart_chunksize=C)`) for
@@ -19,6 +22,15 @@ What it measures
       read      another fresh mount B, the set's files read sequentially (1 MiB reads, like
                 `cat`) with prefetch on: opening the first file prefetches the whole set, the
                 reads wait for the chunks they cover.
+      peer-read (only with --peers) a fresh mount B with --peers reads the set exactly as `read`
+                does, while node A, the writer, is still mounted with --peers and holds the
+                set whole in its cache: each 4 MiB chunk comes from A over HTTP (h11, HMAC),
+                not from the store. Recorded beside MB/s: the bytes B got from peers and from
+                the store (a run with more than 10% from the store is flagged `store-fed` and
+                left out of the medians: it did not measure a restore from a peer), B's and
+                A's daemon CPU time and moto's. `read` and `peer-read` run back to back for
+                each N and R (their order reversed on every other repeat), so results.md gives
+                the ratio peer-read/read pair by pair: median [min-max] over the repeats.
 
     for each N in --concurrency (and each R in --prefetch-range; the order is reversed on every
     other repeat, so a drift of the machine does not favour one value). MB/s are 10^6 bytes/s
@@ -48,7 +60,9 @@ Output (--out, default bench-results/restore)
     results.json  machine, versions, configuration, every run (written after each run)
     results.md    the table: per mode, GET size and N, MB/s median [min-max], ratios to the
                   store ceiling, daemon CPU per GiB, moto/machine/other busy, peak RSS; the
-                  ceilings; every error
+                  ceilings; with --peers also, per GET size and N, read and peer-read MB/s,
+                  their ratio pair by pair (median [min-max]), the share from peers, B's and
+                  A's daemon CPU per GiB; every error
     daemon-*.log  the log of any daemon that logged a warning or an error
 
 Run (needs FUSE, fusermount3, the ckptfs CLI and moto[server] in the same venv):
@@ -56,6 +70,11 @@ Run (needs FUSE, fusermount3, the ckptfs CLI and moto[server] in the same venv):
     .venv/bin/python scripts/bench_restore.py                # 512 MiB, 3 repeats
     .venv/bin/python scripts/bench_restore.py --size 256M --repeats 2 --concurrency 4,8,16
     .venv/bin/python scripts/bench_restore.py --quick --prefetch-range 4M,32M,64M
+    .venv/bin/python scripts/bench_restore.py --quick --peers  # + peer-read: ~2-5 min
+
+With --peers every node (A and each peer-read B) gets `--peers --peer-secret-file F
+--peer-address 127.0.0.1 --peer-listen 127.0.0.1:0 --replicas 0` (no replication: only the
+restore from a peer is measured), F holding 32 random bytes (mode 0600, in the run's temp dir).
 
 Always unmounts what it mounted (`ckptfs umount --no-wait`, falling back to
 `fusermount3 -u -z`) and stops its moto server, by pid, in `finally`.
@@ -99,7 +118,7 @@ from benchlib import (
     read_file,
     run_text,
 )
-from restore_report import MODES, SET_PATH, Json, fmt_size, report
+from restore_report import MODES, PEER_MODE, SET_PATH, Json, fmt_size, report
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -169,6 +188,113 @@ def delta(x1: float | None, x0: float | None) -> float:
     if x1 is None or x0 is None:
         raise BenchError("a process's CPU time could not be read (did it exit?)")
     return x1 - x0
+
+
+def read_sequentially(paths: list[Path], block: int) -> tuple[int, float]:
+    """Read `paths` in order, `block` bytes per read, like `cat`: (bytes read, seconds)."""
+    buf = bytearray(block)
+    view = memoryview(buf)
+    nbytes = 0
+    t0 = time.perf_counter()
+    for p in paths:
+        with open(p, "rb", buffering=0) as f:
+            while True:
+                k = f.readinto(view)
+                if not k:
+                    break
+                nbytes += k
+    return nbytes, time.perf_counter() - t0
+
+
+def machine_info(python: str, ckptfs: str, work: Path) -> Json:
+    """The machine, the versions of what runs, the git state of this checkout."""
+    cpu = ""
+    for line in read_file("/proc/cpuinfo").splitlines():
+        if line.startswith("model name"):
+            cpu = line.split(":", 1)[1].strip()
+            break
+    probe = ("import sys, boto3, moto, pyfuse3, trio; print(boto3.__version__, "
+             "moto.__version__, pyfuse3.__version__, trio.__version__, "
+             "sys.version.split()[0])")
+    v = run_text([python, "-c", probe]).split()
+    v = v if len(v) == 5 else ["?"] * 5
+    return {
+        "hostname": platform.node(), "cpu": cpu, "cpus": os.cpu_count(),
+        "kernel": platform.release(),
+        "boto3": v[0], "moto": v[1], "pyfuse3": v[2], "trio": v[3], "python": v[4],
+        "ckptfs": run_text([ckptfs, "--version"]), "ckptfs_cli": ckptfs,
+        "git_head": run_text(["git", "-C", str(REPO), "rev-parse", "HEAD"]),
+        "git_dirty": bool(run_text(["git", "-C", str(REPO), "status", "--porcelain",
+                                    "--untracked-files=no"])),
+        "workdir": str(work),
+    }
+
+
+# ----------------------------------------------------------------------------------------------
+# --peers: node A, still mounted, serves the set to the peer-read mounts
+
+# A peer-read run whose node B got more than this share of what it fetched from the store did
+# not measure a restore from a peer (A lost chunks, B did not find A, A was cut off): flagged
+# store-fed and left out of the medians. Not 0: a chunk a peer was too slow for (no answer in
+# 5 s: docs/ARCHITECTURE.md "Peers") comes from the store without spoiling the measurement.
+STORE_FED_SHARE = 0.10
+
+
+def write_secret(path: Path) -> None:
+    """32 random bytes, mode 0600 from creation on (a node refuses a secret others can read)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        os.write(fd, os.urandom(32))
+    finally:
+        os.close(fd)
+
+
+def peer_args(secret: Path) -> list[str]:
+    """The `ckptfs mount` flags of every --peers node here: one loopback address, the port of
+    the kernel's choice, no replication (only the restore from a peer is measured)."""
+    return ["--peers", "--peer-secret-file", str(secret), "--peer-address", "127.0.0.1",
+            "--peer-listen", "127.0.0.1:0", "--replicas", "0"]
+
+
+def peer_bytes(st: Json) -> tuple[int, int, int]:
+    """(bytes restored from peers, from the store, served to peers) in a --peers node's status."""
+    p = (st.get("tiering") or {}).get("peers") or {}
+    return ((p.get("restored_from_peers") or {}).get("bytes", 0),
+            (p.get("restored_from_store") or {}).get("bytes", 0),
+            (p.get("server") or {}).get("served_bytes", 0))
+
+
+def check_holder(a: Mount, total: int) -> Json:
+    """Node A's status, after checking that A is up and its cache holds the whole set (`total`
+    bytes of file data present in the cache, nothing ever evicted); BenchError if not."""
+    st = a.status()
+    if st is None or not a.alive():
+        raise BenchError("node A (the peer that holds the set) is gone")
+    cache = st.get("cache") or {}
+    if cache.get("evictions") or cache.get("evicted_bytes") or \
+            cache.get("cached_bytes", 0) < total:
+        raise BenchError(f"node A's cache no longer holds the set whole: {cache}")
+    return st
+
+
+def peer_record(rec: Json, b0: Json, b1: Json, a0: Json, a1: Json) -> None:
+    """The peer-read numbers of a run from B's and A's status before (b0, a0) and after it."""
+    fp, fs = (x1 - x0 for x1, x0 in zip(peer_bytes(b1)[:2], peer_bytes(b0)[:2]))
+    rec.update(from_peers_bytes=fp, from_store_bytes=fs,
+               a_served_bytes=peer_bytes(a1)[2] - peer_bytes(a0)[2],
+               store_fed=fp == 0 or fs > STORE_FED_SHARE * (fp + fs))
+
+
+def peer_note(r: Json) -> str:
+    """The progress line's peer part of a run (empty for runs without node A)."""
+    if r.get("a_daemon_cpu_s") is None:
+        return ""
+    out = f", A CPU {r['a_daemon_cpu_s']:.1f}s"
+    if "from_peers_bytes" in r:
+        out += (f", {r['from_peers_bytes'] / 1e6:.0f} MB from peers, "
+                f"{r['from_store_bytes'] / 1e6:.0f} MB from the store"
+                + (" STORE-FED: left out of the medians" if r.get("store_fed") else ""))
+    return out
 
 
 
@@ -350,6 +476,9 @@ class Bench:
         self.files: list[Json] = []  # manifest entries of the set
         self.total = 0
         self.results: Json = {}
+        # --peers: the shared secret, and node A kept mounted from setup() to the end of run()
+        self.secret = self.work / "peer.secret"
+        self.holder: Mount | None = None
 
     # -- bookkeeping --
 
@@ -358,36 +487,14 @@ class Bench:
         tmp.write_text(json.dumps(self.results, indent=2, sort_keys=False) + "\n")
         os.replace(tmp, self.out / "results.json")
 
-    def machine(self) -> Json:
-        cpu = ""
-        for line in read_file("/proc/cpuinfo").splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-        probe = ("import sys, boto3, moto, pyfuse3, trio; print(boto3.__version__, "
-                 "moto.__version__, pyfuse3.__version__, trio.__version__, "
-                 "sys.version.split()[0])")
-        v = run_text([self.python, "-c", probe]).split()
-        v = v if len(v) == 5 else ["?"] * 5
-        return {
-            "hostname": platform.node(), "cpu": cpu, "cpus": os.cpu_count(),
-            "kernel": platform.release(),
-            "boto3": v[0], "moto": v[1], "pyfuse3": v[2], "trio": v[3], "python": v[4],
-            "ckptfs": run_text([self.ckptfs, "--version"]), "ckptfs_cli": self.ckptfs,
-            "git_head": run_text(["git", "-C", str(REPO), "rev-parse", "HEAD"]),
-            "git_dirty": bool(run_text(["git", "-C", str(REPO), "status", "--porcelain",
-                                        "--untracked-files=no"])),
-            "workdir": str(self.work),
-        }
-
     def mount_args(self, extra: list[str]) -> list[str]:
         return ["--store", self.store_url, "--s3-endpoint", self.moto.url, "--s3-path-style",
                 *extra]
 
-    def new_mount(self, name: str, extra: list[str]) -> Mount:
+    def new_mount(self, name: str, extra: list[str], mnt: str = "mnt") -> Mount:
         cache = self.work / f"cache-{name}"
         shutil.rmtree(cache, ignore_errors=True)
-        m = Mount(self.ckptfs, self.work / "mnt", cache, self.mount_args(extra), name)
+        m = Mount(self.ckptfs, self.work / mnt, cache, self.mount_args(extra), name)
         self.mounts.append(m)
         m.open()
         return m
@@ -421,7 +528,11 @@ class Bench:
         sizes = [per] * a.files
         sizes[-1] += a.size - per * a.files
         log(f"node A: writing {SET_PATH} ({a.files} files, {fmt_size(a.size)} of random bytes)")
-        ma = self.new_mount("A", [])
+        if a.peers:
+            write_secret(self.secret)
+            ma = self.new_mount("A", peer_args(self.secret), "mnt-A")
+        else:
+            ma = self.new_mount("A", [])
         setup: Json = {"mount": ma.info}
         try:
             ckpt = ma.mnt / "ckpt"
@@ -458,7 +569,8 @@ class Bench:
             log(f"  written in {setup['write_s']:.1f}s, durable {setup['upload_wait_s']:.1f}s "
                 "later")
         finally:
-            self.close_mount(ma, wait_uploads=True)
+            if not a.peers:  # with --peers, A stays (cleanup() closes it after a failure)
+                self.close_mount(ma, wait_uploads=True)
 
         key = f"{PREFIX}/manifests/{SET_PATH}.json"
         m = json.loads(self.s3.get_object(Bucket=BUCKET, Key=key)["Body"].read())
@@ -478,6 +590,9 @@ class Bench:
             log(f"!! objects are stored with compression {sorted(comp)}: MB/s below count "
                 "raw bytes")
         self.chunk_size = chunk
+        if a.peers:
+            self.holder = ma
+            setup["holder_cache"] = check_holder(ma, self.total).get("cache")
         self.results["setup"] = setup
         self.save()
 
@@ -573,9 +688,12 @@ class Bench:
         if rng:
             extra += ["--prefetch-range", rng]
         extra += shlex.split(a.mount_args)
+        if mode == PEER_MODE:
+            extra += peer_args(self.secret)
         rec: Json = {"rep": rep, "mode": mode, "concurrency": n,
                      "prefetch_range": self.range_bytes(rng)}
         m = None
+        hold = self.holder  # --peers: node A, whose CPU is counted apart in every run
         try:
             m = self.new_mount(name, extra)
             rec["mount"] = m.info
@@ -583,9 +701,10 @@ class Bench:
             setdir = m.mnt / SET_PATH
             st0 = m.status() or {}
             fetched0 = st0.get("tiering", {}).get("restore", {}).get("bytes_fetched", 0)
-            self.prepare(rec, [self.moto.pid, m.pid])
+            a0 = check_holder(hold, self.total) if hold and mode == PEER_MODE else {}
+            self.prepare(rec, [self.moto.pid, m.pid] + ([hold.pid] if hold else []))
             cpu0, moto0, busy0 = m.cpu_s(), self.moto.cpu_s(), machine_busy_s()
-            self0 = self_cpu_s()
+            self0, hold0 = self_cpu_s(), (hold.cpu_s() if hold else 0.0)
             if mode == "prefetch":
                 cmd = [self.ckptfs, "prefetch", str(setdir)]
                 rec["cmd"] = shlex.join(cmd)
@@ -603,24 +722,18 @@ class Bench:
             else:
                 paths = [setdir / f["path"] for f in sorted(self.files, key=lambda f: f["path"])]
                 rec["cmd"] = f"sequential read of {len(paths)} files, 1 MiB reads"
-                buf = bytearray(a.read_block)
-                view = memoryview(buf)
-                nbytes = 0
-                t0 = time.perf_counter()
-                for p in paths:
-                    with open(p, "rb", buffering=0) as f:
-                        while True:
-                            k = f.readinto(view)
-                            if not k:
-                                break
-                            nbytes += k
-                secs = time.perf_counter() - t0
+                nbytes, secs = read_sequentially(paths, a.read_block)
                 if nbytes != self.total:
                     raise BenchError(f"read {nbytes} bytes, expected {self.total}")
             cpu1, moto1, busy1 = m.cpu_s(), self.moto.cpu_s(), machine_busy_s()
-            self1 = self_cpu_s()
+            self1, hold1 = self_cpu_s(), (hold.cpu_s() if hold else 0.0)
             st1 = m.status() or {}
             rs = st1.get("tiering", {}).get("restore", {})
+            if hold:
+                rec["a_daemon_cpu_s"] = round(delta(hold1, hold0), 2)
+                rec["set_policy"] = (rs.get("set_policies") or {}).get(SET_PATH)
+            if hold and mode == PEER_MODE:
+                peer_record(rec, st0, st1, a0, hold.status() or {})
             rec["bytes_fetched"] = rs.get("bytes_fetched", 0) - fetched0
             rec["chunks_fetched"] = rs.get("chunks_fetched")
             rec["integrity_errors"] = rs.get("integrity_errors")
@@ -647,7 +760,8 @@ class Bench:
                 # busy CPUs not accounted to the daemon, moto or this script: other load on the
                 # machine (kernel work on their behalf, e.g. FUSE request handling, counts too)
                 rec["other_busy"] = round(rec["machine_busy"] - (
-                    delta(cpu1, cpu0) + delta(moto1, moto0) + (self1 - self0)) / secs, 2)
+                    delta(cpu1, cpu0) + delta(moto1, moto0) + (self1 - self0)
+                    + delta(hold1, hold0)) / secs, 2)
                 self.flag_contended(rec)
             if rec["integrity_errors"]:
                 raise BenchError(f"{rec['integrity_errors']} chunks failed their CRC32C")
@@ -698,7 +812,7 @@ class Bench:
                        "prefetch_range": a.prefetch_range, "mount_args": a.mount_args,
                        "default_prefetch_range": self.default_range,
                        "quick": a.quick, "argv": sys.argv[1:]},
-            "machine": self.machine(),
+            "machine": machine_info(self.python, self.ckptfs, self.work),
             "moto_cmd": shlex.join(self.moto.cmd),
             "ceiling": [], "runs": [], "errors": [],
         }
@@ -710,8 +824,10 @@ class Bench:
             if c not in chunks:
                 chunks.append(c)
         self.results["ceiling_chunks_used"] = chunks
-        nruns = a.repeats * (len(chunks) + len(ranges) * len(a.concurrency) * len(MODES))
+        nruns = a.repeats * (len(chunks) + len(ranges) * len(a.concurrency)
+                             * len(self.modes(0)))
         k = 0
+        width = max(len(m) for m in self.modes(0))  # of the mode in the progress lines
         for rep in range(a.repeats):
             for c in chunks:
                 k += 1
@@ -722,16 +838,29 @@ class Bench:
             order = a.concurrency if rep % 2 == 0 else list(reversed(a.concurrency))
             for rng in (ranges if rep % 2 == 0 else list(reversed(ranges))):
                 for n in order:
-                    for mode in MODES:
+                    for mode in self.modes(rep):
                         k += 1
                         r = self.restore_run(rep, mode, n, rng)
                         self.results["runs"].append(r)
-                        label = f"{mode:<8} N={n:<2} range {fmt_size(self.range_bytes(rng))}"
+                        label = (f"{mode:<{width}} N={n:<2} range "
+                                 f"{fmt_size(self.range_bytes(rng))}")
                         self._progress(k, nruns, rep, label, r)
                         self.save()
+        if self.holder is not None:  # node A: its peak RSS and log go into setup's mount
+            self.close_mount(self.holder)
+            self.holder = None
         self.results["wall_s"] = round(time.monotonic() - t_start, 1)
         self.results["finished"] = _dt.datetime.now().isoformat(timespec="seconds")
         self.save()
+
+    def modes(self, rep: int) -> list[str]:
+        """The modes of repeat `rep` for each N and R: with --peers, `read` and `peer-read` back
+        to back, in reverse order every other repeat, so that each pair shares the machine's
+        state and a drift favours neither."""
+        if not self.a.peers:
+            return list(MODES)
+        pair = ["read", PEER_MODE] if rep % 2 == 0 else [PEER_MODE, "read"]
+        return [m for m in MODES if m != "read"] + pair
 
     def _progress(self, k: int, total: int, rep: int, what: str, r: Json) -> None:
         head = f"[{k:>3}/{total}] rep {rep + 1}/{self.a.repeats} {what}: "
@@ -744,7 +873,7 @@ class Bench:
             extra = (f", daemon job {job:.2f}s" if job else "") + (
                 f", daemon CPU {r['daemon_cpu_s']:.1f}s, moto busy {r['moto_busy']:.2f}, "
                 f"machine busy {r['machine_busy']:.2f} (other {r.get('other_busy')}), "
-                f"peak RSS {r.get('peak_rss_mib')} MiB")
+                f"peak RSS {r.get('peak_rss_mib')} MiB") + peer_note(r)
         else:
             extra = (f", moto busy {r['moto_busy']:.2f}, machine busy {r['machine_busy']:.2f} "
                      f"(other {r.get('other_busy')})")
@@ -771,9 +900,9 @@ class Bench:
             self.moto.stop()
         except Exception as e:  # noqa: BLE001
             log(f"!! stopping moto_server pid {self.moto.pid}: {e}")
-        mnt = self.work / "mnt"
-        if is_mounted(mnt):
-            log(f"!! {mnt} is still mounted: not removing {self.work}")
+        stuck = [p for p in (self.work / "mnt", self.work / "mnt-A") if is_mounted(p)]
+        if stuck:
+            log(f"!! {', '.join(map(str, stuck))} still mounted: not removing {self.work}")
         elif not self.a.keep_workdir:
             shutil.rmtree(self.work, ignore_errors=True)
 
@@ -798,6 +927,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "mount's own default)")
     p.add_argument("--mount-args", default="",
                    help="more `ckptfs mount` arguments for the restoring mounts, one string")
+    p.add_argument("--peers", action="store_true",
+                   help="also measure mode peer-read: a fresh --peers mount reads the set from "
+                   "node A (the writer, kept mounted with --peers, its cache holding the set), "
+                   "beside each read run (adds one mount and one read of the set per N and R)")
     p.add_argument("--ceiling-chunks", type=parse_size_list, default=[64 * MiB],
                    help="boto3 multipart_chunksize values for the store ceiling, beside "
                    "ckptfs's chunk size and each prefetch GET size, which are always measured "

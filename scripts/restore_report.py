@@ -1,5 +1,6 @@
 """The report of scripts/bench_restore.py (results.md): the store ceilings and the ckptfs
-restores of a results.json, medians [min-max] over the uncontended runs.
+restores of a results.json, medians [min-max] over the uncontended runs; with --peers, the
+restores from a peer against `read`, pair by pair.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from benchlib import GiB, MiB
 
 SET_PATH = "ckpt/step_1"
 MODES = ("prefetch", "read")
+PEER_MODE = "peer-read"  # --peers only
+ROW_ORDER = (*MODES, PEER_MODE)
 
 # a JSON document: results.json, one of its runs
 Json = dict[str, Any]
@@ -38,11 +41,19 @@ def clean(rs: list[Json]) -> list[Json]:
     return c or rs
 
 
+def usable(rs: list[Json]) -> list[Json]:
+    """Runs that did not fail and, for peer-read, were not fed by the store (those are left
+    out of the medians, contended or not)."""
+    return [r for r in rs if "error" not in r and not r.get("store_fed")]
+
+
 def runs_col(rs: list[Json]) -> str:
     """`clean/total` runs; the medians are over the clean ones (all, if none is)."""
-    ok = [r for r in rs if "error" not in r]
+    ok = usable(rs)
     n_clean = sum(1 for r in ok if not r.get("contended"))
-    return f"{n_clean}/{len(rs)}" + (" (all contended)" if ok and not n_clean else "")
+    fed = sum(1 for r in rs if r.get("store_fed") and "error" not in r)
+    return f"{n_clean}/{len(rs)}" + (" (all contended)" if ok and not n_clean else "") + (
+        f" ({fed} store-fed)" if fed else "")
 
 
 def header(res: Json) -> list[str]:
@@ -66,6 +77,9 @@ def header(res: Json) -> list[str]:
                  f"~{res.get('cli_startup_s', 0):.2f}s CLI start-up); `read` = sequential "
                  "1 MiB reads of every file, prefetch on. Each run on a fresh mount with an "
                  "empty cache dir.")
+    if any(r["mode"] == PEER_MODE for r in res["runs"]):
+        lines.append("`peer-read` = the same reads on a mount with --peers while node A, the "
+                     "writer, stays mounted with --peers and holds the set in its cache.")
     lines.append("")
     return lines
 
@@ -110,20 +124,20 @@ def restore_table(res: Json, ceil: dict[int, float]) -> list[str]:
               "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     rows = []
     for r in res["runs"]:
-        key = (MODES.index(r["mode"]), r["prefetch_range"], r["concurrency"])
+        key = (ROW_ORDER.index(r["mode"]), r["prefetch_range"], r["concurrency"])
         if key not in rows:
             rows.append(key)
     for mi, rng, n in sorted(rows):
-        mode = MODES[mi]
+        mode = ROW_ORDER[mi]
         same = ceil.get(rng)
         rs = [r for r in res["runs"] if r["mode"] == mode and r["concurrency"] == n
               and r["prefetch_range"] == rng]
-        ok = [r for r in rs if "error" not in r]
-        nerr = len(rs) - len(ok)
-        ok = clean(ok)
+        nerr = sum(1 for r in rs if "error" in r)
+        ok = clean(usable(rs))
         t = mmm([r["mb_s"] for r in ok])
         if not t:
-            lines.append(f"| {mode} | {fmt_size(rng)} | {n} | failed ({nerr}) "
+            what = f"failed ({nerr})" if nerr == len(rs) else "no usable run"
+            lines.append(f"| {mode} | {fmt_size(rng)} | {n} | {what} "
                          "| | | | | | | | | |")
             continue
         dj = mmm([r.get("daemon_job_mb_s") for r in ok])
@@ -148,6 +162,81 @@ def restore_table(res: Json, ceil: dict[int, float]) -> list[str]:
             + (f"{max(rss):.0f}" if rss else "-") + " | "
             + runs_col(rs) + " |")
     lines.append("")
+    return lines
+
+
+Pair = tuple[Json, Json]  # (read, peer-read) of one repeat, one GET size, one N
+
+
+def peer_pairs(res: Json) -> dict[tuple[int, int], list[Pair]]:
+    """The (read, peer-read) runs of each repeat, by (GET size, N), in run order."""
+    by: dict[tuple[int, int, int], dict[str, Json]] = {}
+    for r in res["runs"]:
+        if r["mode"] in ("read", PEER_MODE):
+            by.setdefault((r["prefetch_range"], r["concurrency"], r["rep"]), {})[r["mode"]] = r
+    out: dict[tuple[int, int], list[Pair]] = {}
+    for (rng, n, _rep), d in by.items():
+        if "read" in d and PEER_MODE in d:
+            out.setdefault((rng, n), []).append((d["read"], d[PEER_MODE]))
+    return out
+
+
+def pairs_col(ps: list[Pair], used: list[Pair], all_contended: bool) -> str:
+    failed = sum(1 for p in ps if any("error" in r for r in p))
+    fed = sum(1 for p in ps if not any("error" in r for r in p) and p[1].get("store_fed"))
+    return f"{len(used)}/{len(ps)}" + (" (all contended)" if all_contended else "") + (
+        f" ({fed} store-fed)" if fed else "") + (f" ({failed} failed)" if failed else "")
+
+
+def per_gib(ps: list[Pair], key: str) -> tuple[float, float, float] | None:
+    """`key` (CPU seconds) of the peer-read runs per GiB read."""
+    return mmm([p[1][key] / (p[1]["bytes"] / GiB) for p in ps if p[1].get(key) is not None])
+
+
+def peer_table(res: Json) -> list[str]:
+    """--peers: each peer-read against the read of the same repeat, GET size and N."""
+    by = peer_pairs(res)
+    if not by:
+        return []
+    lines = ["## Restore from a peer (--peers): peer-read vs read, pair by pair", "",
+             ("| GET size | N | read MB/s | peer-read MB/s | peer-read/read | from peers "
+              "| B daemon CPU s/GiB | A daemon CPU s/GiB | moto busy | other busy | pairs |"),
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for (rng, n), ps in sorted(by.items()):
+        ok = [p for p in ps if not any("error" in r for r in p) and not p[1].get("store_fed")]
+        used = [p for p in ok if not any(r.get("contended") for r in p)] or ok
+        cont = bool(ok) and all(any(r.get("contended") for r in p) for p in ok)
+        ratio = mmm([p[1]["mb_s"] / p[0]["mb_s"] for p in used])
+        if ratio is None:
+            lines.append(f"| {fmt_size(rng)} | {n} | | | none usable | | | | | | "
+                         f"{pairs_col(ps, used, cont)} |")
+            continue
+        rd, pr = (mmm([p[k]["mb_s"] for p in used]) for k in (0, 1))
+        share = mmm([p[1]["from_peers_bytes"] / max(p[1]["from_peers_bytes"]
+                                                     + p[1]["from_store_bytes"], 1)
+                     for p in used])
+        b_cpu, a_cpu = per_gib(used, "daemon_cpu_s"), per_gib(used, "a_daemon_cpu_s")
+        moto, other = (mmm([p[1].get(k) for p in used]) for k in ("moto_busy", "other_busy"))
+        assert rd and pr and share  # every used pair has MB/s and peer bytes
+        lines.append(
+            f"| {fmt_size(rng)} | {n} | {rd[0]:.1f} [{rd[1]:.1f}-{rd[2]:.1f}] | "
+            f"{pr[0]:.1f} [{pr[1]:.1f}-{pr[2]:.1f}] | "
+            f"{ratio[0]:.2f} [{ratio[1]:.2f}-{ratio[2]:.2f}] | {100 * share[1]:.1f}% | "
+            + " | ".join(f"{x[0]:.2f}" if x else "-" for x in (b_cpu, a_cpu, moto, other))
+            + f" | {pairs_col(ps, used, cont)} |")
+    policies = sorted({str(r.get("set_policy")) for ps in by.values() for p in ps for r in p})
+    lines += ["", ("`peer-read/read`: each peer-read run's MB/s over the read run of the same "
+              "repeat, GET size and N (run back to back, in reverse order every other repeat), "
+              "median [min-max] over the pairs; the MB/s columns are medians over the same "
+              "pairs. `from peers`: the smallest share, over those pairs, of what node B "
+              "fetched that came from a peer (`ckptfs status`: tiering.peers."
+              "restored_from_peers vs restored_from_store); a run that got more than 10% from "
+              "the store is `store-fed` and its pair left out. `A daemon CPU`: node A (the "
+              "writer, serving the chunks) per GiB read by B; `moto busy`, `other busy`: of "
+              "the peer-read runs (A's CPU is counted apart from `other busy`). `pairs`: "
+              "pairs used / all; a pair is left out when either run was contended (unless all "
+              "are), failed or was store-fed. Restore policy of node B (`--prefetch auto`, "
+              f"tiering.restore.set_policies): {', '.join(policies)}."), ""]
     return lines
 
 
@@ -184,5 +273,6 @@ def report(res: Json, max_other_busy: float) -> str:
     ceil_lines, ceil = ceiling_table(res)
     lines += ceil_lines
     lines += restore_table(res, ceil)
+    lines += peer_table(res)
     lines += footer(res, max_other_busy)
     return "\n".join(lines) + "\n"
