@@ -391,6 +391,9 @@ def _sets(t: dict, fancy: bool, narrow: bool) -> Table:
             shown = f"replicated/{shown}"  # on K buddies' disks (--replicas), not durable
         if "replicas" in x and x["state"] in ("committed", "uploading"):
             notes.append(Text(f"held by {x['replicas']} buddy node(s)", style=note))
+        if x["state"] == "replicated":  # another node's, shown from peers' replicas
+            notes.append(Text(f"node {safe(str(x.get('origin', '?')))}'s, read from the "
+                              "replicas peers hold: not in the store yet", style=note))
         state = Text(shown, style=STATE_STYLE.get(x["state"], "") if fancy else "")
         rows.append(([str(x["seq"]), state, str(x["files"]), human(x["bytes"]),
                       human(x["bytes_uploaded"])], path, notes))

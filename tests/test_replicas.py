@@ -381,6 +381,8 @@ def test_a_fresh_node_reads_a_lost_node_s_sets_from_its_buddy_while_the_store_is
     assert res.returncode != 0, "a set only peers hold was reported durable"
     res = run_cli("wait", "--replicated", str(c.path / "ckpt.pt"), "--timeout", "5")
     assert res.returncode == 0 and "replicated" in res.stdout, (res.stdout, res.stderr)
+    res = run_cli("status", str(c.path))
+    assert res.returncode == 0 and "read from the replicas peers hold" in res.stdout, res.stdout
 
     cluster.proxy.clear()  # the store is back: B takes both sets over
     wait_for(lambda: replication(b)["taken_over"] == 2, timeout=60,
