@@ -40,7 +40,7 @@ from typing import Any
 
 from cachemgr.core.errors import IndexError_, IndexFull
 from cachemgr.format.names import escape_name, unescape_name
-from cachemgr.host.nodefiles import FILE_MODE, open_private, restrict
+from cachemgr.host.nodefiles import FILE_MODE, fsync_dir, open_private, restrict
 
 log = logging.getLogger(__name__)
 
@@ -443,11 +443,7 @@ class Index(TreeQueries, ContentQueries):
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.rename(tmp, path)
-        dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
+        fsync_dir(path.parent)
 
     def meta(self, key: str) -> str | None:
         row = self.conn.execute("SELECT value FROM meta WHERE key=?", (key,)).fetchone()

@@ -66,3 +66,29 @@ def _force(st: os.stat_result, chmod: Callable[[int], None], mode: int) -> None:
     if (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)) and \
             st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) != mode:
         chmod(mode)
+
+
+def fsync_dir(path: Path | str) -> None:
+    """fsync directory `path`: a rename or create in it is then durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_durably(path: Path, data: bytes) -> None:
+    """Write `data` to `path` whole or not at all, durably: a temp file beside it (FILE_MODE),
+    fsynced, renamed over `path`, then the directory fsynced."""
+    tmp = path.with_name(path.name + ".tmp")
+    fd = open_private(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.rename(tmp, path)
+    fsync_dir(path.parent)
+

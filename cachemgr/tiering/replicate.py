@@ -66,6 +66,7 @@ from cachemgr.format import validate
 from cachemgr.format.decode import crc32c, crc32c_combine
 from cachemgr.format.keys import manifest_key
 from cachemgr.format.objects import StoredObject, chunk_count, chunk_span, verify_chunk
+from cachemgr.host.nodefiles import fsync_dir
 from cachemgr.restore.peerproto import (
     DROPPED_ROUTE,
     FILE_ROUTE,
@@ -107,14 +108,6 @@ DESCRIPTOR = "descriptor.json"
 Reply = tuple[int, bytes, list[tuple[bytes, bytes]]]
 # upload(local path, object key, size): the stored object (cachemgr.transfer.upload)
 Upload = Callable[[str, str, int], Awaitable[StoredObject]]
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 @dataclass(frozen=True, slots=True)
@@ -582,11 +575,11 @@ class ReplicaHolder:
             f.write(json.dumps(doc, sort_keys=True).encode())
             f.flush()
             os.fsync(f.fileno())
-        _fsync_dir(part)
+        fsync_dir(part)
         final = part.with_name(str(desc["seq"]))
         shutil.rmtree(final, ignore_errors=True)
         os.rename(part, final)
-        _fsync_dir(final.parent)
+        fsync_dir(final.parent)
 
     # -- dropping -----------------------------------------------------------------------------
 

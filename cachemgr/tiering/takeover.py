@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -34,6 +33,7 @@ from cachemgr.format import manifest as mf
 from cachemgr.format import validate
 from cachemgr.format.keys import manifest_key
 from cachemgr.format.objects import StoredObject
+from cachemgr.host.nodefiles import make_dirs, write_durably
 from cachemgr.store import NotFound, ObjectStore, PreconditionFailed, StoreError
 from cachemgr.tiering.members import Lease
 
@@ -170,19 +170,9 @@ class TakeoverRecords:
         self.dir = replicas_dir / RECORDS
 
     def write(self, desc: dict[str, Any], keys: list[str]) -> Path:
-        self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        make_dirs(self.dir)
         where = self.dir / f"{desc['origin']}-{desc['seq']}.json"
-        tmp = where.with_suffix(".tmp")
-        with open(tmp, "wb") as f:
-            f.write(json.dumps({"path": desc["path"], "keys": keys}).encode())
-            f.flush()
-            os.fsync(f.fileno())
-        os.rename(tmp, where)
-        fd = os.open(self.dir, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        write_durably(where, json.dumps({"path": desc["path"], "keys": keys}).encode())
         return where
 
     def read(self) -> list[tuple[Path, str, set[str]]]:
