@@ -8,9 +8,12 @@ A fake `scontrol` on PATH records what the epilog asks of Slurm.
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import re
+import secrets
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -36,8 +39,19 @@ class Node:
         self.bin = root / "bin"
         self.bin.mkdir()
         self.scontrol_log = root / "scontrol.args"
+        # `show hostnames`: the lines of self.hostnames; with self.scontrol_fails present, an
+        # error and exit 1. Every call's arguments are recorded.
+        self.hostnames = root / "hostnames"
+        self.scontrol_fails = root / "scontrol.fail"
         fake = self.bin / "scontrol"
-        fake.write_text(f'#!/bin/sh\nprintf "%s\\n" "$*" >> {self.scontrol_log}\n')
+        fake.write_text(
+            f'#!/bin/sh\nprintf "%s\\n" "$*" >> {self.scontrol_log}\n'
+            'if [ "$1 $2" = "show hostnames" ]; then\n'
+            f'    if [ -e {self.scontrol_fails} ]; then\n'
+            '        echo "scontrol: error: Unable to contact slurm controller" >&2; exit 1\n'
+            '    fi\n'
+            f'    cat {self.hostnames}\n'
+            'fi\n')
         fake.chmod(0o755)
         self.settings = {
             "CKPTFS_SLURM_STORE": store,
@@ -321,3 +335,220 @@ def test_example_config_is_read_as_documented():
     assert res.stdout.split() == ["/ckpt/42", "/nvme/ckptfs/job-42",
                                   "/var/log/ckptfs/job-42.log", "s3://my-bucket/checkpoints",
                                   "600", "--s3-region", "us-east-1", "--cache-size", "400G"]
+
+
+# --- peers (README.md here, "Peers") -----------------------------------------------------------
+
+PEER_HOSTS = ["127.0.0.1", "127.0.0.2", "127.0.0.3"]  # loopback: the job's three "nodes"
+
+
+def free_port() -> int:
+    """A port nobody on this host listens on now (the kernel's choice), for the peer server."""
+    with socket.socket() as s:
+        s.bind(("0.0.0.0", 0))
+        return s.getsockname()[1]
+
+
+def peer_secret(node: Node) -> tuple[Path, str]:
+    """The shared secret file as an admin deploys it: root's, 0600."""
+    secret = secrets.token_hex(32)
+    f = node.root / "peer.secret"
+    f.write_text(secret + "\n")
+    f.chmod(0o600)
+    return f, secret
+
+
+def daemon_argv(mp: Path) -> tuple[dict, list[str]]:
+    """`ckptfs status --json` of the mount, and its daemon's command line."""
+    res = subprocess.run([str(VENV_BIN / "ckptfs"), "status", str(mp), "--json"],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    st = json.loads(res.stdout)
+    with open(f"/proc/{int(st['pid'])}/cmdline", "rb") as f:
+        return st, f.read().decode().split("\0")[:-1]
+
+
+def option(argv: list[str], name: str) -> str:
+    assert argv.count(name) == 1, argv
+    return argv[argv.index(name) + 1]
+
+
+def test_prolog_with_peer_keys_mounts_with_peers_seeded_by_the_jobs_nodes(s3_node):
+    """CKPTFS_SLURM_PEER_*: the daemon runs with --peers, listens on the job's port, and has
+    every node of the job (scontrol show hostnames) as a seed at that port; the secret is
+    passed by its path only. The epilog drains and unmounts as without peers."""
+    node = s3_node
+    port = free_port()
+    secret_file, secret = peer_secret(node)
+    node.hostnames.write_text("\n".join(PEER_HOSTS) + "\n")
+    # PEER_PORTS=1: the job's port is PEER_PORT + id % 1, exactly the free port
+    node.write_conf(CKPTFS_SLURM_PEER_SECRET=str(secret_file), CKPTFS_SLURM_PEER_PORT=str(port),
+                    CKPTFS_SLURM_PEER_PORTS="1", CKPTFS_SLURM_PEER_ADDRESS="127.0.0.1",
+                    CKPTFS_SLURM_PEER_REPLICAS="2")
+    job = job_id()
+    res = node.run("prolog.sh", job, SLURM_JOB_NODELIST="node[1-3]")
+    assert res.returncode == 0, res.stdout + res.stderr
+    mp = node.mp(job)
+    assert one_line(res.stdout).startswith(f"ckptfs-slurm prolog: job {job}: mounted {mp} ")
+    assert one_line(node.scontrol_log.read_text()) == "show hostnames node[1-3]"
+
+    st, argv = daemon_argv(mp)
+    peers = st["tiering"]["peers"]
+    assert peers is not None and peers["server"] is not None, st["tiering"]
+    assert peers["server"]["endpoint"].endswith(f":{port}"), peers["server"]
+    assert "--peers" in argv, argv
+    assert option(argv, "--peer-seeds").split(",") == [f"{h}:{port}" for h in PEER_HOSTS]
+    assert option(argv, "--peer-listen") == f"0.0.0.0:{port}"
+    assert option(argv, "--peer-secret-file") == str(secret_file)
+    assert option(argv, "--peer-address") == "127.0.0.1"
+    assert option(argv, "--replicas") == "2"
+    assert "--allow-empty-namespace" not in argv  # not asked for
+    assert secret not in "\0".join(argv)
+    assert secret not in (node.root / "log" / f"job-{job}.log").read_text()
+
+    assert save(node, mp, b"with peers").returncode == 0
+    res = node.run("epilog.sh", job, SLURM_JOB_NODELIST="node[1-3]")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert one_line(res.stdout) == (f"ckptfs-slurm epilog: job {job}: every set durable in "
+                                    f"{node.settings['CKPTFS_SLURM_STORE']}; unmounted {mp}")
+    assert not is_mounted(mp) and not node.cache(job).exists()
+    assert "ckpt/manifests/run/step_1.pt.json" in s3_keys(node)
+
+
+def test_allow_empty_namespace_key_adds_the_flag(s3_node):
+    """CKPTFS_SLURM_ALLOW_EMPTY_NAMESPACE=1 (with peers): the mount has --allow-empty-namespace;
+    in node mode the port is CKPTFS_SLURM_PEER_PORT itself, whatever the job id."""
+    node = s3_node
+    port = free_port()
+    secret_file, _ = peer_secret(node)
+    node.hostnames.write_text("127.0.0.1\n")
+    node.write_conf(CKPTFS_SLURM_MODE="node", CKPTFS_SLURM_PEER_SECRET=str(secret_file),
+                    CKPTFS_SLURM_PEER_PORT=str(port), CKPTFS_SLURM_PEER_ADDRESS="127.0.0.1",
+                    CKPTFS_SLURM_ALLOW_EMPTY_NAMESPACE="1")
+    mp = node.root / "ckpt"
+    node.mounted.append(mp)
+    res = node.run("prolog.sh", job_id(), SLURM_JOB_NODELIST="node1")
+    assert res.returncode == 0, res.stdout + res.stderr
+    _, argv = daemon_argv(mp)
+    assert "--allow-empty-namespace" in argv and "--replicas" not in argv, argv
+    assert option(argv, "--peer-seeds") == f"127.0.0.1:{port}"
+
+
+@pytest.mark.parametrize("change,why", [
+    ({"CKPTFS_SLURM_PEER_PORT": "seventy"},
+     "CKPTFS_SLURM_PEER_PORT must be a number from 1 to 65535, not 'seventy'"),
+    ({"CKPTFS_SLURM_PEER_PORT": "70000"},
+     "CKPTFS_SLURM_PEER_PORT must be a number from 1 to 65535, not '70000'"),
+    ({"CKPTFS_SLURM_PEER_PORT": "0"},
+     "CKPTFS_SLURM_PEER_PORT must be a number from 1 to 65535, not '0'"),
+    ({"CKPTFS_SLURM_PEER_PORTS": "-3"},
+     "CKPTFS_SLURM_PEER_PORTS must be a number from 1 to 65535, not '-3'"),
+    ({"CKPTFS_SLURM_PEER_PORT": "65000"},  # + 1000 ports: some jobs would get 65536 and up
+     "CKPTFS_SLURM_PEER_PORT + CKPTFS_SLURM_PEER_PORTS - 1 must be at most 65535, not 65999"),
+    ({"CKPTFS_SLURM_PEER_REPLICAS": "many"},
+     "CKPTFS_SLURM_PEER_REPLICAS must be a number from 0 to 16, not 'many'"),
+    ({"CKPTFS_SLURM_PEER_SECRET": "peer.secret"},
+     "CKPTFS_SLURM_PEER_SECRET must be an absolute path, not 'peer.secret'"),
+    ({"CKPTFS_SLURM_PEER_SECRET": "/nonexistent/peer.secret"},
+     "peer secret /nonexistent/peer.secret (CKPTFS_SLURM_PEER_SECRET) is not a readable file"),
+    ({"CKPTFS_SLURM_PEER_SECRET": "", "CKPTFS_SLURM_ALLOW_EMPTY_NAMESPACE": "1"},
+     "CKPTFS_SLURM_ALLOW_EMPTY_NAMESPACE=1 needs peers (CKPTFS_SLURM_PEER_SECRET)"),
+    ({"CKPTFS_SLURM_ALLOW_EMPTY_NAMESPACE": "yes"},
+     "CKPTFS_SLURM_ALLOW_EMPTY_NAMESPACE must be 0 or 1, not 'yes'"),
+    ({"CKPTFS_SLURM_OPTIONS": "--peers --peer-seeds x:1"},
+     "CKPTFS_SLURM_OPTIONS may not hold --peer*, --replicas or --allow-empty-namespace"),
+])
+def test_prolog_on_bad_peer_settings_fails_with_one_line(node_root, change, why):
+    node = Node(node_root, "s3://bucket/p", "")
+    secret_file, _ = peer_secret(node)
+    node.hostnames.write_text("127.0.0.1\n")
+    node.write_conf(**{"CKPTFS_SLURM_PEER_SECRET": str(secret_file), **change})
+    res = node.run("prolog.sh", job_id(), SLURM_JOB_NODELIST="node1")
+    assert res.returncode == 1, res.stdout + res.stderr
+    line = one_line(res.stderr)
+    assert why in line and line.startswith("ckptfs-slurm prolog: "), res.stderr
+    assert not (node.root / "ckpt").exists()  # nothing made before the peers were known
+
+
+@pytest.mark.parametrize("case", ["scontrol fails", "no node list"])
+def test_prolog_that_cannot_name_the_jobs_nodes_fails_with_one_line(node_root, case):
+    """The seeds are the job's nodes: scontrol failing, or no SLURM_JOB_NODELIST, fails the
+    prolog (exit 1) in one line, before anything is mounted or made."""
+    node = Node(node_root, "s3://bucket/p", "")
+    secret_file, _ = peer_secret(node)
+    node.write_conf(CKPTFS_SLURM_PEER_SECRET=str(secret_file))
+    job = job_id()
+    if case == "scontrol fails":
+        node.scontrol_fails.touch()
+        res = node.run("prolog.sh", job, SLURM_JOB_NODELIST="node[1-3]")
+        why = (f"ckptfs-slurm prolog: job {job}: scontrol show hostnames 'node[1-3]' failed "
+               "(exit 1): scontrol: error: Unable to contact slurm controller")
+        assert one_line(node.scontrol_log.read_text()) == "show hostnames node[1-3]"
+    else:
+        res = node.run("prolog.sh", job)
+        why = (f"ckptfs-slurm prolog: job {job}: SLURM_JOB_NODELIST is not set: the peers are "
+               "the job's nodes")
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert one_line(res.stderr) == why
+    assert not (node.root / "ckpt").exists()
+
+
+def test_example_config_peer_keys_give_the_documented_port():
+    """slurm.conf.example's commented peer keys, uncommented: job 42 in job mode listens on
+    CKPTFS_SLURM_PEER_PORT + 42 % CKPTFS_SLURM_PEER_PORTS."""
+    text = (SLURM / "slurm.conf.example").read_text()
+    peer_lines = [ln[1:] for ln in text.splitlines() if ln.startswith("#CKPTFS_SLURM_PEER_")]
+    assert {ln.split("=")[0] for ln in peer_lines} >= {
+        "CKPTFS_SLURM_PEER_SECRET", "CKPTFS_SLURM_PEER_PORT", "CKPTFS_SLURM_PEER_PORTS"}
+    with tempfile.NamedTemporaryFile("w", suffix=".conf") as conf:
+        conf.write(text + "\n".join(peer_lines) + "\n")
+        conf.flush()
+        env = {"PATH": os.environ["PATH"], "CKPTFS_SLURM_CONF": conf.name,
+               "CKPTFS_BIN": str(VENV_BIN / "ckptfs")}
+        out = {}
+        for job in ("42", "1042", "999"):
+            res = subprocess.run(
+                ["bash", "-c", f'. {SLURM}/ckptfs-slurm.sh; load_config; echo "$PEER_PORT"'],
+                capture_output=True, text=True, env={**env, "SLURM_JOB_ID": job}, timeout=60)
+            assert res.returncode == 0, res.stderr
+            out[job] = int(res.stdout)
+    assert out == {"42": 7112, "1042": 7112, "999": 8069}
+
+
+def test_a_job_of_more_nodes_than_ckptfs_takes_seeds_is_seeded_by_its_first_64(node_root):
+    """ckptfs takes at most 64 --peer-seeds (one answering seed names the others): a job of
+    70 nodes seeds every node's mount with the same first 64 of its node list."""
+    node = Node(node_root, "s3://bucket/p", "")
+    secret_file, _ = peer_secret(node)
+    hosts = [f"gpu{i:03d}" for i in range(70)]
+    node.hostnames.write_text("\n".join(hosts) + "\n")
+    node.write_conf(CKPTFS_SLURM_PEER_SECRET=str(secret_file))
+    script = (f'. {SLURM}/ckptfs-slurm.sh; load_config; peer_mount_args; '
+              'printf "%s\\n" "${PEER_ARGS[@]}"')
+    res = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60,
+                         env=node.job_env("5", SLURM_JOB_NODELIST="gpu[000-069]"))
+    assert res.returncode == 0, res.stderr
+    argv = res.stdout.splitlines()
+    assert option(argv, "--peer-seeds").split(",") == [f"{h}:7075" for h in hosts[:64]]
+
+
+def test_two_jobs_on_one_port_the_second_prolog_fails_with_one_line(s3_node):
+    """README "Peers", the port: jobs whose ports collide (here PEER_PORTS=1, so every job gets
+    PEER_PORT): the second job's mount cannot bind, and its prolog fails in one line, exit 1,
+    leaving the first job's mount alone."""
+    node = s3_node
+    port = free_port()
+    secret_file, _ = peer_secret(node)
+    node.hostnames.write_text("127.0.0.1\n")
+    node.write_conf(CKPTFS_SLURM_PEER_SECRET=str(secret_file), CKPTFS_SLURM_PEER_PORT=str(port),
+                    CKPTFS_SLURM_PEER_PORTS="1", CKPTFS_SLURM_PEER_ADDRESS="127.0.0.1")
+    first, second = job_id(), job_id()
+    res = node.run("prolog.sh", first, SLURM_JOB_NODELIST="node1")
+    assert res.returncode == 0, res.stdout + res.stderr
+    res = node.run("prolog.sh", second, SLURM_JOB_NODELIST="node1")
+    assert res.returncode == 1, res.stdout + res.stderr
+    line = one_line(res.stderr)
+    assert line.startswith(f"ckptfs-slurm prolog: job {second}: mount of {node.mp(second)} "
+                           "failed (ckptfs exit "), line
+    assert str(port) in line, line
+    assert not node.mp(second).exists() and is_mounted(node.mp(first))

@@ -20,6 +20,7 @@
 # Exit 1 also when the unmount fails (a process of the job survived and holds files open).
 set -uo pipefail
 CKPTFS_SLURM_STEP=epilog
+# shellcheck source=ckptfs-slurm.sh  # followed: .shellcheckrc here
 . "$(dirname "${BASH_SOURCE[0]}")/ckptfs-slurm.sh"
 
 load_config

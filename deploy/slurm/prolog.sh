@@ -8,12 +8,15 @@
 #   node mode           one mount per node at <mount root>, mounted by the first job's prolog
 #                       (serialized by a lock), kept across jobs; each user gets
 #                       <mount root>/<user>/ (0700)
+#   peers (opt-in)      CKPTFS_SLURM_PEER_SECRET set: --peers, the job's nodes (scontrol show
+#                       hostnames) as --peer-seeds, a port per job (README.md "Peers")
 #
 # Exit 0: mounted (or mounted already: a requeued job, node mode). Exit 1: a bad
 # configuration or a failed mount, with one line saying why; Slurm then drains the node and
 # requeues the job (a job must not start without the checkpoints it would resume from).
 set -uo pipefail
 CKPTFS_SLURM_STEP=prolog
+# shellcheck source=ckptfs-slurm.sh  # followed: .shellcheckrc here
 . "$(dirname "${BASH_SOURCE[0]}")/ckptfs-slurm.sh"
 
 load_config
@@ -26,17 +29,18 @@ mount_it() {
     if is_ckptfs_mount "$MP"; then
         return 0  # a requeued job's rerun prolog, or node mode's later jobs
     fi
+    peer_mount_args  # PEER_ARGS: --peers and the job's nodes as seeds, if configured
     mkdir -p "$MP" "$CKPTFS_SLURM_CACHE_ROOT" "$CKPTFS_SLURM_LOG_DIR" ||
         fail 1 "job $SLURM_JOB_ID: cannot create $MP, $CKPTFS_SLURM_CACHE_ROOT or $CKPTFS_SLURM_LOG_DIR"
     local out rc
-    # shellcheck disable=SC2086  # CKPTFS_SLURM_OPTIONS: mount options, split at spaces
     # 9>&-: the daemon must not inherit node mode's lock (it would hold it for good)
     # job mode: the whole tree is the job user's (--uid/--gid: every inode reports that owner,
     # the checkpoints restored from the store included), so a resumed job writes anywhere in it
     local owner=()
     [ "$CKPTFS_SLURM_MODE" = job ] && owner=(--uid "$SLURM_JOB_UID" --gid "$gid")
+    # shellcheck disable=SC2086  # CKPTFS_SLURM_OPTIONS: mount options, split at spaces
     out=$("$CKPTFS_BIN" mount "$MP" --store "$CKPTFS_SLURM_STORE" --cache-dir "$CACHE" \
-        --log-file "$LOG" "${owner[@]}" ${CKPTFS_SLURM_OPTIONS:-} 2>&1 9>&-)
+        --log-file "$LOG" "${owner[@]}" "${PEER_ARGS[@]}" ${CKPTFS_SLURM_OPTIONS:-} 2>&1 9>&-)
     rc=$?
     if [ "$rc" -ne 0 ]; then
         [ "$CKPTFS_SLURM_MODE" = job ] && rmdir "$MP" 2>/dev/null
@@ -54,12 +58,14 @@ if [ "$CKPTFS_SLURM_MODE" = node ]; then
     exec 9>&-
     userdir=$MP/${SLURM_JOB_USER:-uid-$SLURM_JOB_UID}
     if [ ! -d "$userdir" ]; then
+        # shellcheck disable=SC2015  # any step failing fails the prolog
         mkdir "$userdir" && chown "$SLURM_JOB_UID:$gid" "$userdir" && chmod 0700 "$userdir" ||
             fail 1 "job $SLURM_JOB_ID: cannot create $userdir for uid $SLURM_JOB_UID"
     fi
 else
     mount_it
     # the mount's root is the job's: its user writes there, nobody else reads it
+    # shellcheck disable=SC2015  # any step failing fails the prolog
     chown "$SLURM_JOB_UID:$gid" "$MP" && chmod 0700 "$MP" ||
         fail 1 "job $SLURM_JOB_ID: cannot hand $MP to uid $SLURM_JOB_UID"
 fi
