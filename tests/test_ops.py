@@ -420,7 +420,12 @@ def test_readdir_under_concurrent_create_unlink(mnt):
                 counts[n] = counts.get(n, 0) + 1
             assert all(counts.get(n) == 1 for n in stable), (
                 {n: counts.get(n, 0) for n in stable if counts.get(n) != 1})
-            assert all(c == 1 for c in counts.values())
+            # Only a name removed and made again during the listing may show twice: two
+            # entries, the old one and its successor (docs/SEMANTICS.md: entries created or
+            # removed during the listing may or may not appear). churn re-creates only
+            # final.tmp; every other name is made once and removed at most once.
+            twice = {n for n, c in counts.items() if c != 1}
+            assert twice <= {"final.tmp"}, {n: counts[n] for n in twice}
             assert not errors, errors
             assert listings < 2000, "churn thread made no progress"
     finally:
