@@ -18,6 +18,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from cachemgr.format.validate import is_host
+
 LOG_LEVELS = ("debug", "info", "warning", "error")
 # --prefetch: the restore policies of cachemgr.restore.restorer (MODES there)
 PREFETCH_MODES = ("auto", "set", "file", "reads", "none")
@@ -164,8 +166,7 @@ def parse_peer_seeds(text: str) -> tuple[tuple[str, int], ...]:
         host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
         if not host or not (port.isascii() and port.isdigit()) or not 1 <= int(port) <= 65535:
             raise ConfigError(f"--peer-seeds {item!r}: not HOST:PORT")
-        if not (len(host) <= 253 and host.isascii() and
-                all(c.isalnum() or c in ".-:_" for c in host)):
+        if not is_host(host):
             raise ConfigError(f"--peer-seeds {item!r}: {host!r} is not a host name or address")
         out.append((host, int(port)))
     if len(out) > MAX_PEER_SEEDS:
@@ -408,9 +409,7 @@ class MountConfig:
             parse_peer_listen(self.peer_listen)
         if self.peer_seeds is not None:
             parse_peer_seeds(self.peer_seeds)
-        if self.peer_address is not None and not (
-                1 <= len(self.peer_address) <= 253 and self.peer_address.isascii() and
-                all(c.isalnum() or c in ".-:" for c in self.peer_address)):
+        if self.peer_address is not None and not is_host(self.peer_address):
             raise ConfigError(f"--peer-address {self.peer_address!r} is not a host name or "
                               "address")
 

@@ -473,13 +473,19 @@ def protocol_doc(data: bytes, kind: str) -> dict[str, Any]:
 _HOST_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.-:")
 
 
+def is_host(s: object) -> bool:
+    """A host name or an IP address as a member record's `peer` may name it (and so as
+    --peer-address and --peer-seeds may give it)."""
+    return isinstance(s, str) and 1 <= len(s) <= 253 and set(s) <= _HOST_CHARS
+
+
 def peer_endpoint(v: object, error: type[DocumentError] = DocumentError) -> tuple[str, int]:
     """A member record's `peer` ({"host": name or IP address, "port": 1..65535}: where the
     node serves chunks to peers, cachemgr.restore.peerserve) as (host, port)."""
     if not isinstance(v, dict) or set(v) != {"host", "port"}:
         raise error("member peer is not {host, port}")
     host, port = v["host"], v["port"]
-    if not isinstance(host, str) or not 1 <= len(host) <= 253 or not set(host) <= _HOST_CHARS:
+    if not is_host(host):
         raise error(f"member peer host {_short(host)} is not a host name or address")
     if type(port) is not int or not 1 <= port <= 65535:
         raise error(f"member peer port {_short(port)} is not a port")

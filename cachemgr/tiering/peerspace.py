@@ -102,7 +102,7 @@ class PeerNamespace:
         OUTAGE_LISTINGS in a row did: one failed listing is no outage), or sets from peers are
         shown."""
         r = self.remote
-        return (r.first_listing.is_set() and not r.listing_ok and
+        return (r.first_listing.is_set() and r.failed_listings > 0 and
                 (r.syncs == 0 or r.failed_listings >= OUTAGE_LISTINGS)) or \
             bool(self.sets.by_states(("replicated",)))
 

@@ -145,11 +145,11 @@ class RemoteSync:
         # mount` sees every set the store held then.
         self.first_listing = trio.Event()
         self.first_error: str | None = None
-        # Whether the last listing succeeded, and when the last one that did began (wall
-        # clock): sets shown from peers' replicas (cachemgr.tiering.peerspace) that no peer
-        # holds any more go only once a listing that began after that answer did not list them.
-        self.listing_ok = False
-        self.failed_listings = 0  # in a row: 0 once one succeeds
+        # Listings that failed in a row (0 once one succeeds), and when the last one that
+        # succeeded began (wall clock): sets shown from peers' replicas
+        # (cachemgr.tiering.peerspace) that no peer holds any more go only once a listing that
+        # began after that answer did not list them.
+        self.failed_listings = 0
         self.listed_from: float | None = None
         self._peer_missing: dict[int, float] = {}  # seq of a "replicated" set -> since when
 
@@ -163,11 +163,9 @@ class RemoteSync:
             try:
                 await self.sync_once()
                 self.first_error = None
-                self.listing_ok, self.listed_from = True, began
-                self.failed_listings = 0
+                self.listed_from, self.failed_listings = began, 0
             except StoreError as e:
                 log.warning("listing the store's sets failed: %s", e)
-                self.listing_ok = False
                 self.failed_listings += 1
                 if self.syncs == 0:
                     self.first_error = str(e)
@@ -271,7 +269,7 @@ class RemoteSync:
                         cur.committed_ns > int(m["commit"].get("committed_ns", 0)):
                     continue  # peers hold a newer commit than the store's (not durable yet)
                 try:
-                    if self._apply(m, info.etag, self.sets.newest_at(path)):
+                    if self._apply(m, info.etag, cur):
                         self._named.pop(key, None)
                 except Exception as e:  # one set must not stop the others
                     # A bug, not bad input (that is refused above): the set's transaction
@@ -378,7 +376,10 @@ class RemoteSync:
                 if self._blocked.get(m["path"]) != why:
                     log.exception("peers' set %s not shown", m["path"])
                     self._blocked[m["path"]] = why
-        for s in self.sets.by_states(("replicated",)):
+        shown = self.sets.by_states(("replicated",))
+        seqs = {s.seq for s in shown}  # forget sets replaced or removed meanwhile
+        self._peer_missing = {q: t for q, t in self._peer_missing.items() if q in seqs}
+        for s in shown:
             if s.etag in held:
                 self._peer_missing.pop(s.seq, None)
                 continue

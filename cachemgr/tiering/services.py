@@ -224,11 +224,9 @@ class Tiering:
     async def _serve_chunk(self, key: str, crc: int, index: int) -> bytes | None:
         """GET /v1/chunk: a chunk of a replica held here (its virtual object), else one this
         cache holds verified (ChunkFetcher.serve_chunk)."""
-        if self.replication is not None:
-            raw: bytes | None = await self.replication.holder.serve_chunk(key, crc, index)
-            if raw is not None:
-                return raw
-        return await self.restorer.chunks.serve_chunk(key, crc, index)
+        raw = await self._replica_chunk(key, crc, index)
+        return raw if raw is not None else \
+            await self.restorer.chunks.serve_chunk(key, crc, index)
 
     def _known_durable(self, path: str, committed_ns: int) -> bool:
         """Does this node's registry hold a durable set of `path` committed at or after
