@@ -30,6 +30,7 @@ from .mount import (
     EXIT_MOUNTPOINT,
     EXIT_OK,
     EXIT_STORE,
+    EXIT_UNSAVED,
     EXIT_USAGE,
     MountError,
     check_cache_dir,
@@ -293,6 +294,9 @@ def _add_umount(sub: argparse._SubParsersAction) -> None:
     u.add_argument("--timeout", type=_nonneg_float, default=None,
                    help="seconds to wait for uploads (default: no limit); on timeout unmount "
                    "anyway and exit 7")
+    u.add_argument("--allow-unsaved", action="store_true",
+                   help="exit 0 even if closed files in no committed set are left, only in "
+                   "this cache dir (default: unmount, name them and exit 12)")
 
 
 def _add_commit(sub: argparse._SubParsersAction) -> None:
@@ -426,14 +430,35 @@ def cmd_umount(a: argparse.Namespace) -> int:
                 drained = ui.drain(mp, a.timeout)
             except api.CkptfsError as e:
                 ui.note(f"not waiting for uploads: {e}")
+    unsaved = _unsaved(mp)  # what the daemon says before it goes: nothing asks it after
     code, msg = umount(mp)
     if code != EXIT_OK:
         return ui.fail(code, msg)
     if not drained:
         return ui.fail(EXIT_STORE, f"{msg}, but uploads were still pending after {a.timeout}s; "
-                     "they resume at the next mount of this cache dir")
+                     "they resume at the next mount of this cache dir" +
+                     (f"; and {unsaved}" if unsaved else ""))
+    if unsaved and not a.allow_unsaved:
+        return ui.fail(EXIT_UNSAVED, f"{msg}, but {unsaved}")
     ui.result(f"ckptfs: {msg}")
     return EXIT_OK
+
+
+def _unsaved(mp: Path) -> str | None:
+    """`umount`: the mount's closed files in no committed set, said in one line (None: none,
+    or the daemon did not answer: it is unmounted all the same)."""
+    from . import ui
+
+    try:
+        t = api.status(mp).get("tiering", {})
+    except api.CkptfsError:
+        return None
+    if not t.get("unsaved_files"):
+        return None
+    paths = [ui.safe(p) for p in t.get("unsaved", [])[:5]]
+    more = t["unsaved_files"] - len(paths)
+    return (ui.unsaved_words(t) + ": " + ", ".join(paths) + (f" and {more} more" if more > 0
+                                                              else ""))
 
 
 def cmd_commit(a: argparse.Namespace) -> int:

@@ -605,6 +605,11 @@ class _Daemon:
                 fuse.close_session(unmount=True)
             except Exception:
                 log.exception("closing the FUSE session failed")
+        if self.tiering is not None:
+            try:
+                self._warn_unsaved()
+            except Exception:
+                log.exception("counting the files in no committed set failed")
         if self.core is not None or self.cache is not None:
             try:
                 (self.core or self.cache).close()
@@ -613,6 +618,16 @@ class _Daemon:
         unregister(self.cfg.mountpoint)
         self.lock.release()
         log.info("daemon exiting")
+
+
+    def _warn_unsaved(self) -> None:
+        """One log line at the end when closed files in no committed set stay behind: nothing
+        uploads them, and a lost cache dir takes them (docs/SEMANTICS.md "Files in no set")."""
+        u = self.tiering.sets.unsaved(5)
+        if u.files:
+            more = f" and {u.files - len(u.paths)} more" if u.files > len(u.paths) else ""
+            log.warning("%d file(s) (%d bytes) in no committed set stay only in this cache "
+                        "dir: %s%s", u.files, u.bytes, ", ".join(u.paths), more)
 
 
 def run_daemon(cfg: MountConfig, notify: Notify) -> int:

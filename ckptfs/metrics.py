@@ -240,6 +240,14 @@ def _tiering_families(t: dict, now_ns: int) -> Iterator[Metric]:
                             value=sets["failed_sets"])
     yield GaugeMetricFamily("ckptfs_failed_bytes", "Bytes of the files of those failed sets "
                             "(ckptfs_failed_sets)", value=sets["failed_bytes"])
+    yield GaugeMetricFamily("ckptfs_unsaved_files", "Closed files in no committed set (a "
+                            "temporary name never renamed, shards of a DCP directory whose "
+                            ".metadata never came, a file in a directory that is no set): "
+                            "nothing uploads them as they are; only in this node's cache. "
+                            "ckptfs status names them; 0 when none",
+                            value=sets["unsaved_files"])
+    yield GaugeMetricFamily("ckptfs_unsaved_bytes", "Bytes of those files "
+                            "(ckptfs_unsaved_files)", value=sets["unsaved_bytes"])
     yield from _stuck_families(sets, now_ns)
 
     up = t["uploads"]

@@ -63,6 +63,8 @@ EXIT_STORE = 7          # the object store is unusable (no bucket, access denied
 EXIT_NO_SET = 8         # `wait`: the path is in no committed set (a directory: holds none,
                         # or a closed file in none)
 EXIT_ACCESS = 9         # control request refused: the caller may not read/write the path
+EXIT_UNSAVED = 12       # `umount`: unmounted, but files in no committed set stay only in the
+                        # cache dir (named; --allow-unsaved: exit 0)
 
 READY_TIMEOUT_S = 90.0  # generous: recovery of a large cache index runs before readiness
 # The first listing of the store's sets runs before readiness too: RetryingStore gives a

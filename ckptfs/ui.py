@@ -183,10 +183,13 @@ def _at_risk(t: dict, now: float) -> Text:
     (the first FAILED_NAMED)."""
     n, pending = t.get("pending_sets", 0), t.get("pending_bytes", 0)
     nfailed = t.get("failed_sets", 0)  # absent from a daemon older than this CLI
-    if n == 0 and nfailed == 0:
+    nunsaved = t.get("unsaved_files", 0)
+    if n == 0 and nfailed == 0 and nunsaved == 0:
         return Text(f"{human(pending)} in 0 sets: every committed set is durable in the store",
                     style="green")
     out = Text()
+    if n == 0 and nfailed == 0:
+        out.append("every committed set is durable in the store; ", style="green")
     if n:
         live = [s["committed_ns"] for s in t.get("sets", []) if s["state"] in AT_RISK
                 and s.get("committed_ns")]
@@ -210,7 +213,23 @@ def _at_risk(t: dict, now: float) -> Text:
                        style="red")
         if nfailed > len(shown):
             out.append(f"\n  and {nfailed - len(shown)} more", style="red")
+    if nunsaved:
+        if n or nfailed:
+            out.append("; ")
+        out.append(unsaved_words(t) + ":", style="bold red")
+        named = t.get("unsaved", [])[:FAILED_NAMED]
+        for p in named:
+            out.append(f"\n  {safe(p)}", style="red")
+        if nunsaved > len(named):
+            out.append(f"\n  and {nunsaved - len(named)} more", style="red")
     return out
+
+
+def unsaved_words(t: dict) -> str:
+    """What status and umount say of the closed files in no committed set."""
+    return (f"{human(t.get('unsaved_bytes', 0))} in {_plural(t['unsaved_files'], 'file')} in no "
+            "committed set, only in this cache (nothing uploads them as they are: "
+            "`ckptfs commit` them, or remove them)")
 
 
 def _stuck(t: dict) -> Text | None:

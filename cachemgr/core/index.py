@@ -48,6 +48,9 @@ LAYOUT_VERSION = 1
 # schema.sql's index of the inodes' object keys, for caches made before it (Index._add_indexes)
 OBJ_KEY_INDEX = ("CREATE INDEX IF NOT EXISTS inodes_by_obj_key ON inodes(json_extract(obj, "
                  "'$.key')) WHERE obj IS NOT NULL")
+# ... and of the sets by their root inode (SetRegistry.dir_set_of, asked at every close in a
+# directory: without it a scan of every set the index holds)
+SETS_BY_ROOT_INDEX = "CREATE INDEX IF NOT EXISTS sets_by_root ON sets(root_ino, seq)"
 ROOT_INO = 1
 
 # Room kept for the index's own writes on a full cache disk. The WAL is reused from its start
@@ -343,11 +346,12 @@ class Index(TreeQueries, ContentQueries):
         """Indexes schema.sql gained after layout version 1 (any ckptfs reads a cache with
         them), made in a cache created before them. A cache disk too full for one leaves it
         out, logged: its queries then scan, and the next open tries again."""
-        try:
-            conn.execute(OBJ_KEY_INDEX)
-        except sqlite3.OperationalError as e:
-            log.warning("cache index %s: cannot add the object-key index (%s); peer look-ups "
-                        "scan the inode table until a later mount adds it", path, e)
+        for ddl, what in ((OBJ_KEY_INDEX, "object-key"), (SETS_BY_ROOT_INDEX, "set-root")):
+            try:
+                conn.execute(ddl)
+            except sqlite3.OperationalError as e:
+                log.warning("cache index %s: cannot add the %s index (%s); its look-ups scan "
+                            "until a later mount adds it", path, what, e)
 
     # -- the reserve -------------------------------------------------------------------------
 

@@ -123,6 +123,9 @@ CREATE TABLE sets (
 );
 CREATE INDEX sets_by_path ON sets(path);
 CREATE INDEX sets_by_state ON sets(state);
+-- A directory's sets (SetRegistry.dir_set_of: is it a committed directory?). An added index,
+-- not a layout change: Index.open adds it to a cache made before it.
+CREATE INDEX sets_by_root ON sets(root_ino, seq);
 
 -- The regular files of each set, as of the commit: content (ino, version) plus the metadata the
 -- manifest records. `obj` is filled in when the upload of exactly that content has finished.

@@ -44,6 +44,11 @@ LIVE_STATES = ("committed", "uploading")
 # "replicated": another node's set materialised from the replicas peers hold, its store
 # manifest not listed here yet (cachemgr.tiering.peerspace; docs/SEMANTICS.md "Replicated")
 KEPT_STATES = ("committed", "uploading", "durable", "replicated")
+# A directory whose newest set is in one of these states is a committed directory: a file
+# closed in it later amends that set (SetRegistry.amend_target; docs/SEMANTICS.md "Files written
+# into a committed directory"). `superseded`/`failed`: a commit of it that will not publish as
+# it was (a file rewritten before it was durable, a refusal); the amend is its next commit.
+AMENDABLE_STATES = ("committed", "uploading", "durable", "superseded", "failed")
 
 
 def _rowid(cur: sqlite3.Cursor) -> int:
@@ -94,6 +99,16 @@ class SetStats:
     oldest_live_committed_ns: int | None
 
 
+@dataclass(frozen=True, slots=True)
+class Unsaved:
+    """`SetRegistry.unsaved()`: closed files in no set, at risk (`paths`: the first few)."""
+
+    files: int
+    bytes: int
+    paths: list[str]
+    handed: int
+
+
 class SetRegistry:
     """The `sets`, `set_files` and `objects` tables: their one owner, and the only code that
     writes SQL on them (the SQL on `dentries`, `inodes` and `meta` is `Index`'s, asked through
@@ -114,6 +129,54 @@ class SetRegistry:
             f"SELECT 1 FROM sets WHERE root_ino=? AND kind='dir' AND state IN {KEPT_STATES}"
             " LIMIT 1", (ino,)
         ).fetchone() is not None
+
+    def dir_set_of(self, ino: int) -> SetRow | None:
+        """The newest set rooted at directory `ino` (index `sets_by_root`: one seek)."""
+        r = self.conn.execute(
+            f"SELECT {_SET_COLS} FROM sets WHERE root_ino=? AND kind='dir' ORDER BY seq DESC"
+            " LIMIT 1", (ino,)).fetchone()
+        return SetRow(*r) if r else None
+
+    def amend_target(self, dir_ino: int) -> SetRow | None:
+        """The committed directory set that a file closed (renamed in, linked) in directory
+        `dir_ino` amends, or None. Walking up from `dir_ino`: a directory with a temporary
+        name, or a DCP directory that is no set yet, means the file belongs to a set still being
+        built (None); among the directories above that are this node's committed sets (their
+        newest set in AMENDABLE_STATES, committed here, at the directory's current path), the
+        one committed last: the set that holds the directory now (a later commit of a
+        directory above absorbed the ones below it). Cost: O(depth) index seeks."""
+        best: SetRow | None = None
+        cur = dir_ino
+        while cur != ROOT_INO:
+            entry = self.index.dentry_of(cur)
+            if entry is None or is_temp_name(_name(entry[1])):
+                return None
+            s = self.dir_set_of(cur)
+            if s is not None and s.origin == "local" and s.state in AMENDABLE_STATES and \
+                    s.path == self.index.path_of(cur):
+                if best is None or s.seq > best.seq:
+                    best = s
+            elif best is None and self.is_dcp_dir(cur):
+                return None
+            cur = entry[0]
+        return best
+
+    def dcp_save_under_way(self, s: SetRow) -> bool:
+        """Is a DCP save into set `s`'s directory under way: a `.metadata.tmp` there, or a DCP
+        file (`*.distcp`, `.metadata`) whose content is not the one `s` holds? Then a late file
+        does not amend `s` (it would publish a mix of two saves): the save's own `.metadata`
+        rename commits the directory, late files included. O(files of the set)."""
+        if self.index.lookup(s.root_ino, DCP_METADATA.encode() + b".tmp") is not None:
+            return True
+        held = {(r[0]): (r[1], r[2]) for r in self.conn.execute(
+            "SELECT rel, ino, version FROM set_files WHERE seq=?", (s.seq,))}
+        files, _layout = self.snapshot(s.root_ino)
+        for rel, ino, version, *_ in files:
+            base = rel.rsplit("/", 1)[-1]
+            if (base.endswith(".distcp") or base == DCP_METADATA) and \
+                    held.get(rel) != (ino, version):
+                return True
+        return False
 
     def in_open_set(self, parent_ino: int) -> bool:
         """True if a file in directory `parent_ino` belongs to a set being built (or already
@@ -307,6 +370,26 @@ class SetRegistry:
             f"SELECT MIN(committed_ns) FROM sets WHERE state IN {LIVE_STATES}").fetchone()[0]
         return SetStats(by_state=by_state, pending_files=files, pending_bytes=nbytes,
                         oldest_live_committed_ns=oldest)
+
+    def unsaved(self, limit: int) -> Unsaved:
+        """The regular files of this cache, closed, whose current content is in no kept set:
+        nothing will put them in the store as they are (a temporary name never renamed, shards
+        of a DCP directory whose `.metadata` never came, a file in a directory that is no
+        set). `handed`: those of them whose content is uploaded and named in this node's part
+        record of their directory (cachemgr.tiering.parts): in the store, for another node's
+        commit of that directory to publish. One pass over the inodes with a seek of
+        `set_files_by_content` each: O(files in the cache); asked by status, metrics and
+        umount, never by a file operation."""
+        rows = self.conn.execute(
+            "SELECT i.ino, i.size, i.obj_version IS i.version AND EXISTS (SELECT 1 FROM meta m"
+            " WHERE m.key = 'part:' || d.parent) FROM inodes i JOIN dentries d ON d.ino = i.ino"
+            " WHERE (i.mode & 61440) = 32768 AND i.writing = 0 AND NOT EXISTS (SELECT 1 FROM"
+            " set_files f JOIN sets s ON s.seq = f.seq WHERE f.ino = i.ino AND"
+            f" f.version = i.version AND s.state IN {KEPT_STATES}) ORDER BY i.ino").fetchall()
+        mine = [(ino, size) for ino, size, handed in rows if not handed]
+        named = [p for p in (self.index.path_of(ino) for ino, _ in mine[:limit]) if p]
+        return Unsaved(files=len(mine), bytes=sum(size for _, size in mine), paths=named,
+                       handed=len(rows) - len(mine))
 
     def failed_newest(self) -> list[tuple[SetRow, int]]:
         """Failed sets that are still the newest set of their path (no later commit of the same

@@ -100,7 +100,8 @@ class Committer:
         self._written(node.ino)
         self.uploads.enqueue(node.ino, node.version)
         if self.sets.in_open_set(parent_ino):
-            self._mark_dir(parent_ino)  # another node may commit this directory
+            if is_temp_name(_s(name)) or not self.amend(parent_ino, _s(name)):
+                self._mark_dir(parent_ino)  # another node may commit this directory
         elif not is_temp_name(_s(name)):
             path = self.index.path_of(node.ino)
             if path:
@@ -140,6 +141,10 @@ class Committer:
             else:
                 self.commit(new_path, src.ino, "rename", absorb_paths=[old_path])
                 committed = True
+        amends = (not committed and not commits_at_close and not is_temp_name(_s(new_name))
+                  and not stat.S_ISDIR(src.mode) and self.sets.in_open_set(new_parent))
+        if amends and stat.S_ISREG(src.mode) and src.writing:
+            amends = False  # its last close amends (on_close)
         if not committed:
             # The old path is gone, and so is whatever the rename replaced at the new path.
             replaced = self.sets.at_or_under(new_path, KEPT_STATES) if dst is not None else []
@@ -155,6 +160,8 @@ class Committer:
                 paths.append(new_path)
             self.delete_sets(moved + replaced, f"renamed away ({old_path} -> {new_path})",
                              paths)
+        if amends:
+            self.amend(new_parent, _s(new_name))
 
     def on_remove(self, node: Inode, path: str) -> None:
         """`path` (a file, empty directory or symlink) was unlinked/removed."""
@@ -172,10 +179,31 @@ class Committer:
         self.signals.wake_waiters()  # a directory wait may wait for this file
 
     def on_symlink(self, node: Inode, parent_ino: int, name: bytes) -> None:
-        if not is_temp_name(_s(name)) and not self.sets.in_open_set(parent_ino):
+        if is_temp_name(_s(name)):
+            return
+        if not self.sets.in_open_set(parent_ino):
             path = self.index.path_of(node.ino)
             if path:
                 self.commit(path, node.ino, "symlink")
+        else:
+            self.amend(parent_ino, _s(name))
+
+    def amend(self, dir_ino: int, name: str) -> bool:
+        """A file `name` was closed (renamed in, linked) in directory `dir_ino`, inside an open
+        set: if that set is a committed directory (SetRegistry.amend_target), commit it again,
+        whole, as `amend` (docs/SEMANTICS.md "Files written into a committed directory"); the
+        new commit supersedes the earlier one if it is not durable yet, and replaces its
+        manifest once durable itself. Its unchanged files keep their objects (keys are per
+        content), so only the new bytes are uploaded. Not while a DCP save into the directory
+        is under way (its `.metadata` rename commits it) nor for DCP's own files. True if it
+        committed."""
+        if name.endswith(".distcp") or name == DCP_METADATA:
+            return False
+        target = self.sets.amend_target(dir_ino)
+        if target is None or self.sets.dcp_save_under_way(target):
+            return False
+        self.commit(target.path, target.root_ino, "amend", absorb_paths=[target.path])
+        return True
 
     def on_purge(self, ino: int) -> None:
         self._forget(ino)  # a partly restored file's chunks leave the cache with it

@@ -169,7 +169,8 @@ class Gatherer:
             layout = json.loads(s.layout)
             roots = [s.path] + ([layout["from"]] if layout.get("from") else [])
             local = {r[0] for r in self.sets.files(seq)}
-            required = await self._required(seq) if s.reason == "dcp" else None
+            # an amend of a DCP directory: its `.metadata` still names the files it needs
+            required = await self._required(seq) if s.reason in ("dcp", "amend") else None
             if required is None:
                 acks = self._commit_acks(seq, s.path, roots)
             foreign = await self._poll(seq, roots, local, required, acks)

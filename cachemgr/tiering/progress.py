@@ -546,5 +546,6 @@ def _uncommitted(where: str, paths: list[str], closed: bool = False) -> Reply:
     what = (f"{where} was closed but is in no committed set" if closed else
             f"{where} holds {len(paths)} file(s) in no committed set: {_some(paths)}")
     return {"state": "uncommitted", "path": where, "files": paths[:50], "count": len(paths),
-            "error": f"{what}; not durable (a temporary name, or in a directory not committed"
-                     " yet: nothing commits it on its own; `ckptfs commit` it, or remove it)"}
+            "error": f"{what}; not durable (a temporary name, a directory that is no set or "
+                     "another node's: nothing commits it on its own; `ckptfs commit` it, or "
+                     "remove it)"}

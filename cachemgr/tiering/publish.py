@@ -664,5 +664,6 @@ def _at_or_under(path: str, root: str) -> bool:
 
 def _gathers(s: SetRow) -> bool:
     """Can other nodes hold files of set `s`? Directories committed by DCP, a rename or a
-    request can; single files and symlinks commit on the node that has them."""
-    return s.kind == "dir" and s.reason in ("dcp", "rename", "request")
+    request (or an amend of one of those) can; single files and symlinks commit on the node
+    that has them."""
+    return s.kind == "dir" and s.reason in ("dcp", "rename", "request", "amend")

@@ -427,6 +427,10 @@ class Tiering:
             "failed_sets": len(failed),
             "failed_bytes": sum(f["bytes"] for f in failed),
             "failed": failed[:FAILED_SHOWN],  # each {seq, path, bytes, error, committed_ns}
+            # closed files in no committed set (SetRegistry.unsaved): at risk too, and nothing
+            # will upload them as they are; the first FAILED_SHOWN paths; `handed_files`: in
+            # the store, named in a part record for another node's commit (not at risk here)
+            **self._unsaved(),
             # when the oldest pending set was committed (None: none), whatever its position
             "oldest_pending_committed_ns": min((s.committed_ns for s in live), default=None),
             # pending longer than stuck_after_s (cachemgr.tiering.progress.stuck_sets), over every
@@ -458,6 +462,7 @@ class Tiering:
         return {
             "sets": {**asdict(self.sets.statistics()), "failed_sets": len(failed),
                      "failed_bytes": sum(f["bytes"] for f in failed),
+                     **self._unsaved(),
                      "stuck_after_s": after_s, "stuck_sets": nstuck,
                      "stuck": [{k: x[k] for k in ("seq", "path", "state", "committed_ns",
                                                   "age_s", "waits_for", "why")}
@@ -477,6 +482,11 @@ class Tiering:
             "peers": self.peers_status(),
             "services": self.services(),
         }
+
+    def _unsaved(self) -> dict[str, Any]:
+        u = self.sets.unsaved(FAILED_SHOWN)
+        return {"unsaved_files": u.files, "unsaved_bytes": u.bytes, "unsaved": u.paths,
+                "handed_files": u.handed}
 
     def replication_status(self) -> dict[str, Any] | None:
         """--replicas: this node's sets held by buddies and what it holds for others (None:
