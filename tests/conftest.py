@@ -177,8 +177,9 @@ class Mount:
         """The mount's data path is FUSE passthrough (`ckptfs status`)."""
         return self.status()["data_path"]["mode"] == "passthrough"
 
-    def stop(self) -> None:
-        res = run_cli("umount", str(self.mountpoint))
+    def stop(self, *extra: str) -> None:
+        """`ckptfs umount`, which must exit 0 (`extra`: its options, e.g. --allow-unsaved)."""
+        res = run_cli("umount", str(self.mountpoint), *extra)
         assert res.returncode == 0, f"umount failed ({res.returncode}): {res.stderr}"
         self.pid = None
 

@@ -603,7 +603,9 @@ def test_stale_mount_cleaned_up(mnt, idle: bool) -> None:
     assert os.listdir(mnt.path) == ([] if idle else ["kept"])
     if not idle:
         assert (mnt.path / "kept").read_bytes() == b"survives"
-    mnt.stop()
+    # `kept` is in no set if its close had not reached the daemon when it died (a file open
+    # for writing at a crash commits only at its next close: docs/SEMANTICS.md)
+    mnt.stop("--allow-unsaved")
     assert not is_mounted(mnt.path)
 
 

@@ -423,7 +423,8 @@ def test_failed_sets_are_gauges_of_their_own(tmp_path):
     tiering = {
         "sets": {"by_state": {"durable": 3, "failed": 4}, "pending_files": 0,
                  "pending_bytes": 0, "oldest_live_committed_ns": None, "failed_sets": 2,
-                 "failed_bytes": 12345},
+                 "failed_bytes": 12345, "unsaved_files": 3, "unsaved_bytes": 700,
+                 "unsaved": ["a.tmp"], "handed_files": 0},
         "uploads": {"bytes": 0, "stored_bytes": 0, "parts": 0, "done": 0, "cancelled": 0,
                     "running": 0, "queued": 0},
         "restore": {"bytes": 0, "chunks": 0, "integrity_errors": 0, "damaged_cache_chunks": 0},
@@ -436,7 +437,8 @@ def test_failed_sets_are_gauges_of_their_own(tmp_path):
             "data_path": {"mode": "passthrough"}, "fuse": {"requests": {}, "errors": {}},
             "tiering": tiering, "now_ns": time.time_ns(), "took_s": 0.0}
     fams = {f.name: f for f in metrics.families(snap, tmp_path)}
-    for name, want in (("ckptfs_failed_sets", 2), ("ckptfs_failed_bytes", 12345)):
+    for name, want in (("ckptfs_failed_sets", 2), ("ckptfs_failed_bytes", 12345),
+                       ("ckptfs_unsaved_files", 3), ("ckptfs_unsaved_bytes", 700)):
         assert fams[name].type == "gauge"
         assert [(x.labels, x.value) for x in fams[name].samples] == [({}, want)]
     by_state = {x.labels["state"]: x.value for x in fams["ckptfs_sets"].samples}

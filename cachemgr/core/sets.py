@@ -372,24 +372,26 @@ class SetRegistry:
                         oldest_live_committed_ns=oldest)
 
     def unsaved(self, limit: int) -> Unsaved:
-        """The regular files of this cache, closed, whose current content is in no kept set:
+        """The regular files of this cache, closed, whose current content is in no kept set
+        (nor in a failed one: status names those as failed sets already):
         nothing will put them in the store as they are (a temporary name never renamed, shards
         of a DCP directory whose `.metadata` never came, a file in a directory that is no
-        set). `handed`: those of them whose content is uploaded and named in this node's part
-        record of their directory (cachemgr.tiering.parts): in the store, for another node's
-        commit of that directory to publish. One pass over the inodes with a seek of
-        `set_files_by_content` each: O(files in the cache); asked by status, metrics and
-        umount, never by a file operation."""
+        set). `handed`: how many of them are uploaded and named in this node's part record of
+        their directory (cachemgr.tiering.parts): in the store, for a commit of that directory
+        on another node to publish, if one comes (at risk all the same: no manifest names them
+        until then, and this node cannot know that one will). One pass over the inodes with a
+        seek of `set_files_by_content` each: O(files in the cache); asked by status, metrics
+        and umount, never by a file operation."""
         rows = self.conn.execute(
             "SELECT i.ino, i.size, i.obj_version IS i.version AND EXISTS (SELECT 1 FROM meta m"
             " WHERE m.key = 'part:' || d.parent) FROM inodes i JOIN dentries d ON d.ino = i.ino"
             " WHERE (i.mode & 61440) = 32768 AND i.writing = 0 AND NOT EXISTS (SELECT 1 FROM"
             " set_files f JOIN sets s ON s.seq = f.seq WHERE f.ino = i.ino AND"
-            f" f.version = i.version AND s.state IN {KEPT_STATES}) ORDER BY i.ino").fetchall()
-        mine = [(ino, size) for ino, size, handed in rows if not handed]
-        named = [p for p in (self.index.path_of(ino) for ino, _ in mine[:limit]) if p]
-        return Unsaved(files=len(mine), bytes=sum(size for _, size in mine), paths=named,
-                       handed=len(rows) - len(mine))
+            f" f.version = i.version AND s.state IN {(*KEPT_STATES, 'failed')})"
+            " ORDER BY i.ino").fetchall()
+        named = [p for p in (self.index.path_of(r[0]) for r in rows[:limit]) if p]
+        return Unsaved(files=len(rows), bytes=sum(r[1] for r in rows), paths=named,
+                       handed=sum(1 for r in rows if r[2]))
 
     def failed_newest(self) -> list[tuple[SetRow, int]]:
         """Failed sets that are still the newest set of their path (no later commit of the same

@@ -428,8 +428,8 @@ class Tiering:
             "failed_bytes": sum(f["bytes"] for f in failed),
             "failed": failed[:FAILED_SHOWN],  # each {seq, path, bytes, error, committed_ns}
             # closed files in no committed set (SetRegistry.unsaved): at risk too, and nothing
-            # will upload them as they are; the first FAILED_SHOWN paths; `handed_files`: in
-            # the store, named in a part record for another node's commit (not at risk here)
+            # will upload them as they are; the first FAILED_SHOWN paths; `handed_files`: how
+            # many of them are in the store, named in a part record for a commit on another node
             **self._unsaved(),
             # when the oldest pending set was committed (None: none), whatever its position
             "oldest_pending_committed_ns": min((s.committed_ns for s in live), default=None),

@@ -83,7 +83,12 @@ if [ "$CKPTFS_SLURM_MODE" = job ]; then
     # drained: nothing left to wait for; not drained: the cache keeps it for a later mount
     uout=$("$CKPTFS_BIN" umount "$MP" --no-wait 2>&1)
     urc=$?
-    if [ "$urc" -ne 0 ]; then
+    if [ "$urc" -eq 12 ]; then
+        # unmounted, but files in no committed set are only in the cache: keep it, say so
+        say "job $SLURM_JOB_ID: ${uout#ckptfs: } (cache $CACHE kept)"
+        drained=0
+        risk_text="files in no committed set"
+    elif [ "$urc" -ne 0 ]; then
         fail 1 "job $SLURM_JOB_ID: unmount of $MP failed (ckptfs exit $urc): ${uout#ckptfs: }"
     fi
     rmdir "$MP" 2>/dev/null
