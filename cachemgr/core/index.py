@@ -51,6 +51,15 @@ OBJ_KEY_INDEX = ("CREATE INDEX IF NOT EXISTS inodes_by_obj_key ON inodes(json_ex
 # ... and of the sets by their root inode (SetRegistry.dir_set_of, asked at every close in a
 # directory: without it a scan of every set the index holds)
 SETS_BY_ROOT_INDEX = "CREATE INDEX IF NOT EXISTS sets_by_root ON sets(root_ino, seq)"
+# ... the entries of a directory named `*.distcp` (SetRegistry.is_dcp_dir, asked at every close
+# in a directory: without it O(entries of the directory) per close), a partial index on the
+# suffix has_entry_like looks for; and the objects by content (SetRegistry.object_key at every
+# upload, the candidates of an incremental GC pass: without it a scan of every object)
+INDEXED_SUFFIX = ".distcp"
+DENTRIES_SUFFIX_INDEX = ("CREATE INDEX IF NOT EXISTS dentries_distcp ON dentries(parent) WHERE"
+                         f" CAST(name AS TEXT) LIKE '%{INDEXED_SUFFIX}'")
+OBJECTS_BY_CONTENT_INDEX = ("CREATE INDEX IF NOT EXISTS objects_by_content ON"
+                            " objects(ino, version)")
 ROOT_INO = 1
 
 # Room kept for the index's own writes on a full cache disk. The WAL is reused from its start
@@ -208,14 +217,28 @@ class TreeQueries:
             cur = entry[0]
         return "/".join(reversed(parts))
 
-    def has_entry_like(self, parent: int, names: tuple[str, ...], suffix: str) -> bool:
+    def has_entry_like(self, parent: int, names: tuple[str, ...],
+                       suffix: str = INDEXED_SUFFIX) -> bool:
         """Does `parent` hold an entry named one of `names`, or whose name ends in `suffix`
-        (no LIKE wildcards in it)?"""
-        blobs = " OR ".join("name=CAST(? AS BLOB)" for _ in names)
-        return self.conn.execute(
-            f"SELECT 1 FROM dentries WHERE parent=? AND ({blobs} OR CAST(name AS TEXT) LIKE ?)"
-            " LIMIT 1", (parent, *names, "%" + suffix),
-        ).fetchone() is not None
+        (case-insensitively for ASCII, as LIKE)? Asked at every close in a directory: a seek
+        of the unique (parent, name) index per name, and one of the partial index
+        `dentries_distcp` for the suffix, so O(len(names) * log D) for a directory of D
+        entries, never a pass over them. Only the indexed suffix is accepted."""
+        if suffix != INDEXED_SUFFIX:
+            raise ValueError(f"no index of entries ending in {suffix!r}")
+        if any(self.lookup(parent, n.encode()) is not None for n in names):
+            return True
+        like = (f"SELECT 1 FROM dentries {{}} WHERE parent=? AND CAST(name AS TEXT) LIKE"
+                f" '%{INDEXED_SUFFIX}' LIMIT 1")
+        try:
+            row = self.conn.execute(like.format("INDEXED BY dentries_distcp"),
+                                    (parent,)).fetchone()
+        except sqlite3.OperationalError as e:
+            if "no such index" not in str(e):
+                raise
+            # a cache the index could not be added to (Index._add_indexes): a scan
+            row = self.conn.execute(like.format(""), (parent,)).fetchone()
+        return row is not None
 
     def count_dentries(self) -> int:
         return int(self.conn.execute("SELECT COUNT(*) FROM dentries").fetchone()[0])
@@ -346,7 +369,9 @@ class Index(TreeQueries, ContentQueries):
         """Indexes schema.sql gained after layout version 1 (any ckptfs reads a cache with
         them), made in a cache created before them. A cache disk too full for one leaves it
         out, logged: its queries then scan, and the next open tries again."""
-        for ddl, what in ((OBJ_KEY_INDEX, "object-key"), (SETS_BY_ROOT_INDEX, "set-root")):
+        for ddl, what in ((OBJ_KEY_INDEX, "object-key"), (SETS_BY_ROOT_INDEX, "set-root"),
+                          (DENTRIES_SUFFIX_INDEX, "entry-suffix"),
+                          (OBJECTS_BY_CONTENT_INDEX, "object-content")):
             try:
                 conn.execute(ddl)
             except sqlite3.OperationalError as e:

@@ -72,6 +72,12 @@ CREATE TABLE dentries (
     UNIQUE (parent, name)
 );
 CREATE INDEX dentries_by_ino ON dentries(ino);
+-- The entries of a directory whose names end in `.distcp` (SetRegistry.is_dcp_dir, asked at
+-- every close in a directory: is it a DCP save?): without it a scan of the directory's
+-- entries, O(entries) per close. A partial index, so it holds only those entries; queried
+-- with its own WHERE clause (Index.has_entry_like). Added, not a layout change: Index.open adds
+-- it to a cache made before it.
+CREATE INDEX dentries_distcp ON dentries(parent) WHERE CAST(name AS TEXT) LIKE '%.distcp';
 
 -- Extended attributes. system.* names are refused (ENOTSUP) before they get here.
 CREATE TABLE xattrs (
@@ -151,3 +157,6 @@ CREATE TABLE objects (
     version  INTEGER NOT NULL,
     size     INTEGER NOT NULL
 );
+-- An object by its content (SetRegistry.object_key at every upload; the candidates of an
+-- incremental GC pass, SetRegistry.garbage_of). Added, not a layout change (Index.open).
+CREATE INDEX objects_by_content ON objects(ino, version);

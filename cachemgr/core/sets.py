@@ -49,6 +49,13 @@ KEPT_STATES = ("committed", "uploading", "durable", "replicated")
 # into a committed directory"). `superseded`/`failed`: a commit of it that will not publish as
 # it was (a file rewritten before it was durable, a refusal); the amend is its next commit.
 AMENDABLE_STATES = ("committed", "uploading", "durable", "superseded", "failed")
+# The states in which a set holds its objects in the store: garbage collection keeps every object
+# such a set names. A set leaving them (superseded, failed, replaced, deleted) makes its
+# contents candidates of the next GC pass (SetRegistry.set_state).
+HOLDING_STATES = (*KEPT_STATES, "deleting")
+# The states a set never leaves: its row is history, pruned by SetRegistry.prune once nothing
+# needs it (docs/SEMANTICS.md "How long the index remembers a set").
+ENDED_STATES = ("superseded", "failed", "replaced", "deleted")
 
 
 def _rowid(cur: sqlite3.Cursor) -> int:
@@ -87,6 +94,12 @@ class SetRow:
 _SET_COLS = ("seq, path, kind, root_ino, state, reason, committed_ns, durable_ns, error, layout,"
              " origin, etag")
 _S_COLS = ", ".join("s." + c.strip() for c in _SET_COLS.split(","))  # the same, of `sets s`
+# An object `o` that is garbage: no set holding objects names its content, and it is not the
+# current content of a linked file (seeks of `set_files_by_content` and the inodes' key).
+_UNREFERENCED = (
+    "NOT EXISTS (SELECT 1 FROM set_files f JOIN sets s ON s.seq=f.seq WHERE f.ino=o.ino AND"
+    f" f.version=o.version AND s.state IN {HOLDING_STATES}) AND NOT EXISTS (SELECT 1 FROM"
+    " inodes i WHERE i.ino=o.ino AND i.version=o.version AND i.nlink > 0)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,11 +125,21 @@ class Unsaved:
 class SetRegistry:
     """The `sets`, `set_files` and `objects` tables: their one owner, and the only code that
     writes SQL on them (the SQL on `dentries`, `inodes` and `meta` is `Index`'s, asked through
-    its methods). Every method runs inside the caller's transaction."""
+    its methods). Every method runs inside the caller's transaction.
+
+    Besides the tables it keeps one piece of memory, `_unreferenced`: the contents (ino,
+    version) that may have lost their last reason to stay in the store since the last GC pass
+    (a set holding them left HOLDING_STATES, `set_state`; the file's content changed or the
+    file went, `note_unreferenced`/`note_inode`). A GC pass (`garbage_of`) looks only at those,
+    so its cost follows what changed, not how many objects the store holds. Guarded by the trio
+    thread (the only one that calls here). A superset is harmless (each candidate is checked
+    against the tables): a transaction that rolls back leaves its candidates, and is not
+    undone; a candidate lost in a crash is found by the full pass recovery runs (`garbage`)."""
 
     def __init__(self, index: Index) -> None:
         self.index = index
         self.conn = index.conn
+        self._unreferenced: set[tuple[int, int]] = set()
 
     # -- namespace questions -----------------------------------------------------------------
 
@@ -236,9 +259,10 @@ class SetRegistry:
         else:
             kind = "file"
             files = [("", root_ino, row[11], row[4], stat.S_IMODE(mode), row[6])]
-        self.conn.execute(
-            f"UPDATE sets SET state='superseded', error='a later commit of the same path'"
-            f" WHERE path=? AND state IN {LIVE_STATES}", (path,))
+        for (old,) in self.conn.execute(
+                f"SELECT seq FROM sets WHERE path=? AND +state IN {LIVE_STATES}",
+                (path,)).fetchall():
+            self.set_state(old, "superseded", "a later commit of the same path")
         cur = self.conn.execute(
             "INSERT INTO sets (path, kind, root_ino, state, reason, committed_ns, layout)"
             " VALUES (?, ?, ?, 'committed', ?, ?, ?)",
@@ -408,11 +432,15 @@ class SetRegistry:
             f"SELECT {_SET_COLS} FROM sets ORDER BY seq DESC LIMIT ?", (limit,))][::-1]
 
     def at_or_under(self, path: str, states: tuple[str, ...]) -> list[SetRow]:
+        """The sets in `states` whose path is `path` or below it, in seq order. Two ranges of
+        `sets_by_path` (the path itself; the paths from `path/` up to `path0`, '0' being the
+        character after '/'), `+state` keeping the planner off `sets_by_state` (which would
+        visit every durable set): O(log N + the sets at or under `path`, in any state)."""
         q = ",".join("?" * len(states))
-        like = path.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "/%"
         return [SetRow(*r) for r in self.conn.execute(
-            f"SELECT {_SET_COLS} FROM sets WHERE (path=? OR path LIKE ? ESCAPE '\\')"
-            f" AND state IN ({q}) ORDER BY seq", (path, like, *states))]
+            f"SELECT {_SET_COLS} FROM sets WHERE path=? AND +state IN ({q}) UNION ALL"
+            f" SELECT {_SET_COLS} FROM sets WHERE path>=? AND path<? AND +state IN ({q})"
+            " ORDER BY seq", (path, *states, path + "/", path + "0", *states))]
 
     def holding(self, path: str) -> SetRow | None:
         """The newest set whose path is `path` or one of its ancestors."""
@@ -462,20 +490,28 @@ class SetRegistry:
         return r[1] if r is not None and r[0] == "durable" else None
 
     def set_state(self, seq: int, state: str, error: str | None = None) -> None:
+        """Every change of a set's state. Into a state that holds no object (not in
+        HOLDING_STATES): the set's contents become GC candidates (O(files of the set))."""
         durable = time.time_ns() if state == "durable" else None
         self.conn.execute(
             "UPDATE sets SET state=?, error=COALESCE(?, error),"
             " durable_ns=COALESCE(?, durable_ns) WHERE seq=?",
             (state, error, durable, seq))
+        if state not in HOLDING_STATES:
+            self._unreferenced.update(
+                (ino, version) for ino, version in self.conn.execute(
+                    "SELECT ino, version FROM set_files WHERE seq=?", (seq,)))
 
     def max_seq(self) -> int:
         """The newest commit's seq (0 when none)."""
         return int(self.conn.execute("SELECT COALESCE(MAX(seq), 0) FROM sets").fetchone()[0])
 
     def earlier_live(self, seq: int) -> int | None:
-        """The newest live set committed before `seq` (publication waits for it), or None."""
+        """The newest live set committed before `seq` (publication waits for it), or None.
+        One seek per live state in `sets_by_state` (state, seq): O(log N)."""
         r = self.conn.execute(
-            f"SELECT MAX(seq) FROM sets WHERE seq < ? AND state IN {LIVE_STATES}",
+            f"SELECT MAX(seq) FROM sets INDEXED BY sets_by_state WHERE state IN {LIVE_STATES}"
+            " AND seq < ?",
             (seq,)).fetchone()
         return r[0] if r else None
 
@@ -484,6 +520,32 @@ class SetRegistry:
             f"SELECT MIN(s.seq) FROM set_files f JOIN sets s ON s.seq=f.seq WHERE f.ino=? AND"
             f" f.version=? AND s.state IN {LIVE_STATES}", (ino, version)).fetchone()
         return r[0] if r else None
+
+    # -- history (cachemgr.tiering.history) ---------------------------------------------------
+
+    def prunable(self, before_seq: int, before_ns: int) -> list[int]:
+        """Seqs of the sets that ended (ENDED_STATES) before seq `before_seq`, committed before
+        `before_ns`, that a later set of their path replaces (or `deleted`), in seq order. A
+        walk of `sets_by_state` over the ended sets (which pruning keeps few) with one seek of
+        `sets_by_path` each; never over the sets that hold data."""
+        return [r[0] for r in self.conn.execute(
+            f"SELECT s.seq FROM sets s WHERE s.state IN {ENDED_STATES} AND s.seq < ? AND"
+            " s.committed_ns < ? AND (s.state = 'deleted' OR EXISTS (SELECT 1 FROM sets t"
+            " WHERE t.path = s.path AND t.seq > s.seq)) ORDER BY s.seq",
+            (before_seq, before_ns))]
+
+    def prune(self, seqs: list[int]) -> None:
+        """Forget the sets `seqs` (rows of `sets` and `set_files`): O(log N) per row."""
+        arg = json.dumps(seqs)
+        self.conn.execute("DELETE FROM set_files WHERE seq IN (SELECT value FROM json_each(?))",
+                          (arg,))
+        self.conn.execute("DELETE FROM sets WHERE seq IN (SELECT value FROM json_each(?))",
+                          (arg,))
+
+    def row_counts(self) -> dict[str, int]:
+        """Rows of each table this registry owns (status, tests): O(rows), not for a hot path."""
+        return {t: int(self.conn.execute(f"SELECT COUNT(*) FROM {t}").fetchone()[0])
+                for t in ("sets", "set_files", "objects")}
 
     # -- objects (for garbage collection) ----------------------------------------------------
 
@@ -501,16 +563,40 @@ class SetRegistry:
         self.conn.execute("INSERT OR REPLACE INTO objects VALUES (?, ?, ?, ?)",
                           (key, ino, version, size))
 
+    def note_unreferenced(self, ino: int, version: int) -> None:
+        """Content (ino, version) may have lost its last reference (the file's content changed,
+        an upload of content no longer current ended): a candidate of the next GC pass."""
+        self._unreferenced.add((ino, version))
+
+    def note_inode(self, ino: int) -> None:
+        """File `ino` was removed or purged: each of its objects is a candidate of the next GC
+        pass (a seek of `objects_by_content`, O(log N + its objects))."""
+        self._unreferenced.update(
+            (ino, v) for (v,) in self.conn.execute("SELECT version FROM objects WHERE ino=?",
+                                                   (ino,)))
+
+    def take_unreferenced(self) -> set[tuple[int, int]]:
+        """The GC candidates noted since the last call (and forget them)."""
+        out, self._unreferenced = self._unreferenced, set()
+        return out
+
     def garbage(self) -> list[str]:
-        """Keys of objects no kept set refers to and that are not the current upload of a
-        live file. A `deleting` set counts as kept: its manifest may still be in the store
-        (its unpublish waits in commit order, or is queued behind this GC), and an object it
-        names must outlive it."""
-        live = self.index.live_contents()
-        return [key for key, ino, version in self.conn.execute(
-            f"SELECT o.key, o.ino, o.version FROM objects o WHERE NOT EXISTS (SELECT 1 FROM"
-            f" set_files f JOIN sets s ON s.seq=f.seq WHERE f.ino=o.ino AND f.version=o.version"
-            f" AND s.state IN {(*KEPT_STATES, 'deleting')})") if (ino, version) not in live]
+        """Keys of objects no set in HOLDING_STATES refers to and that are not the current
+        content of a linked file. A `deleting` set counts: its manifest may still be in the
+        store (its unpublish waits in commit order, or is queued behind this GC), and an
+        object it names must outlive it. Every object: O(objects * log N), run by recovery
+        (cachemgr.tiering.commit `recover`), once per mount; the passes after each change
+        look only at what changed (`garbage_of`)."""
+        return [key for (key,) in self.conn.execute(
+            f"SELECT o.key FROM objects o WHERE {_UNREFERENCED}")]
+
+    def garbage_of(self, contents: set[tuple[int, int]]) -> list[str]:
+        """`garbage`, of the objects of `contents` only (the candidates `take_unreferenced`
+        gave): O(len(contents) * log N) whatever the index holds."""
+        return [key for (key,) in self.conn.execute(
+            f"SELECT o.key FROM json_each(?) c JOIN objects o ON o.ino = c.value ->> 0 AND"
+            f" o.version = c.value ->> 1 WHERE {_UNREFERENCED} ORDER BY o.key",
+            (json.dumps(sorted(contents)),))]
 
     def keys_named_by_others(self, seq: int, keys: set[str]) -> set[str]:
         """Those of `keys` (object keys) that a set other than `seq` names, in a kept, live or
@@ -518,7 +604,7 @@ class SetRegistry:
         return {k for (k,) in self.conn.execute(
             f"SELECT DISTINCT json_extract(f.obj, '$.key') FROM set_files f JOIN sets s ON"
             f" s.seq=f.seq WHERE s.seq != ? AND f.obj IS NOT NULL AND s.state IN"
-            f" {(*KEPT_STATES, 'deleting')}", (seq,)) if k in keys}
+            f" {HOLDING_STATES}", (seq,)) if k in keys}
 
     def forget_object(self, key: str) -> None:
         self.conn.execute("DELETE FROM objects WHERE key=?", (key,))

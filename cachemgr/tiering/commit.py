@@ -68,7 +68,7 @@ class Committer:
     def __init__(self, *, table: InodeTable, index: Index, sets: SetRegistry, uploads: UploadQueue,
                  publisher: Publisher, signals: Signals, forget: Callable[[int], None],
                  written: Callable[[int], None], mark_dir: Callable[[int], object],
-                 mark_all: Callable[[], None]) -> None:
+                 mark_moved: Callable[[list[str], list[int]], None]) -> None:
         self.table = table
         self.index = index
         self.sets = sets
@@ -78,7 +78,7 @@ class Committer:
         self._forget = forget      # restore.restorer: drop what it knows of a file's content
         self._written = written    # cachemgr.restore.restorer: written here, no check on its reads
         self._mark_dir = mark_dir  # tiering.parts: a directory's record is to be brought up
-        self._mark_all = mark_all  # ... every published record (paths moved)
+        self._mark_moved = mark_moved  # ... the records at or under moved paths, of dirs
         self.commits = 0
         self.deletes = 0
 
@@ -89,6 +89,7 @@ class Committer:
         for seq in self.sets.supersede_content(ino, old_version, "a file was modified before"
                                                " the set became durable", uploaded_too=True):
             log.info("set %d superseded: content of inode %d changed", seq, ino)
+        self.sets.note_unreferenced(ino, old_version)  # its object, if any, may be garbage now
         self._forget(ino)
         self.uploads.drop(ino, old_version)
         self.signals.changed_now()
@@ -125,7 +126,8 @@ class Committer:
             return
         moved = self.sets.at_or_under(old_path, KEPT_STATES) if old_path else []
         committed = commits_at_close = False
-        self._mark_all()  # record keys follow their directories' paths
+        # record keys follow their directories' paths; the two directories' file lists changed
+        self._mark_moved([p for p in (old_path, new_path) if p], [old_parent, new_parent])
         if stat.S_ISDIR(src.mode):
             self.commit(new_path, src.ino, "rename", absorb_paths=[old_path, new_path],
                         from_path=old_path)
@@ -167,13 +169,15 @@ class Committer:
         """`path` (a file, empty directory or symlink) was unlinked/removed."""
         self.delete_sets(self.sets.at_or_under(path, KEPT_STATES), "deleted through the mount",
                          [path])
-        self._mark_all()
+        parent = self.index.resolve(path.rpartition("/")[0])
+        self._mark_moved([path], [] if parent is None else [parent])
         if stat.S_ISREG(node.mode):
             # A set that still needed this file's upload can never be published as committed.
             for seq in self.sets.supersede_content(node.ino, node.version, f"{path} was deleted"
                                                    " before its upload"):
                 log.info("set %d superseded: %s deleted before its upload", seq, path)
             self.uploads.drop_inode(node.ino)
+            self.sets.note_inode(node.ino)
         self.publisher.gc()
         self.signals.wake_ns()
         self.signals.wake_waiters()  # a directory wait may wait for this file
@@ -207,6 +211,7 @@ class Committer:
 
     def on_purge(self, ino: int) -> None:
         self._forget(ino)  # a partly restored file's chunks leave the cache with it
+        self.sets.note_inode(ino)
         self.publisher.gc()
         self.signals.wake_ns()
 
@@ -332,7 +337,7 @@ class Committer:
             # Closed files whose current content is not uploaded yet.
             for ino, version in self.index.unuploaded_files():
                 self.uploads.enqueue(ino, version)
-        self.publisher.gc()
+        self.publisher.gc(full=True)  # every object, once: candidates noted before are gone
         n_live = len(self.sets.by_states(LIVE_STATES))
         if n_live or self.uploads.queued():
             log.info("tiering: resuming %d sets, %d uploads", n_live, self.uploads.queued())

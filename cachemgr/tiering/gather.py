@@ -104,6 +104,10 @@ class Gatherer:
         """The lowest seq of the sets that wait for other nodes (None: none)."""
         return min(self._waiting) if self._waiting else None
 
+    def held_seqs(self) -> set[int]:
+        """The sets gathered or waited for now (never pruned: cachemgr.tiering.history)."""
+        return set(self._foreign) | set(self._waiting) | self._gathering
+
     def gathering(self, seq: int) -> bool:
         """A `gather` task runs for set `seq` now (status: what a stuck set waits for)."""
         return seq in self._gathering

@@ -51,6 +51,7 @@ error in `ckptfs status`).
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 import logging
@@ -168,8 +169,11 @@ class PartPublisher:
         self._inflight: set[int] = set()  # directories of the pass running now
         self._wake = trio.Event()
         self.published: dict[int, dict[str, str]] = {}
+        # (recorded path, dir ino) of every record in `published`, sorted: the records at or
+        # under a path moved or removed are a range of it (`mark_moved`), found by bisection
+        self._by_path: list[tuple[str, int]] = []
         for key, value in self.index.meta_with_prefix(_META):
-            self.published[int(key[len(_META):])] = json.loads(value)
+            self._record(int(key[len(_META):]), json.loads(value))
         # statistics
         self.puts = 0
         self.deletes = 0
@@ -187,9 +191,46 @@ class PartPublisher:
         return w
 
     def mark_all(self) -> None:
-        """Every directory with a record (a subtree moved or removed: paths may have changed)."""
+        """Every directory with a record (a restart; a listing that moved paths: any may have
+        changed). O(records): not on the write path (`mark_moved` is)."""
         for ino in list(self.published):
             self.mark(ino)
+
+    def mark_moved(self, paths: list[str], dirs: list[int]) -> None:
+        """A subtree at one of `paths` moved or went, and files left or entered the
+        directories `dirs`: the records whose directory was at or under one of `paths` (their
+        path changed, or they went) and those of `dirs` are looked at again. What a rename or
+        removal asks at each call: O(log R + the records it marks) for R records, where
+        `mark_all` would look at every record."""
+        hit: set[int] = {d for d in dirs if d in self.published}
+        for p in paths:
+            if not p:
+                hit.update(self.published)  # the mount root: every record
+                continue
+            i = bisect.bisect_left(self._by_path, (p,))
+            while i < len(self._by_path) and self._by_path[i][0] == p:
+                hit.add(self._by_path[i][1])
+                i += 1
+            i = bisect.bisect_left(self._by_path, (p + "/",))
+            end = p + "0"  # the character after '/': the end of the paths under p
+            while i < len(self._by_path) and self._by_path[i][0] < end:
+                hit.add(self._by_path[i][1])
+                i += 1
+        for ino in sorted(hit):
+            self.mark(ino)
+
+    def _record(self, dir_ino: int, rec: dict[str, str]) -> None:
+        """`published[dir_ino] = rec`, and its place in `_by_path`."""
+        self._unrecord(dir_ino)
+        self.published[dir_ino] = rec
+        bisect.insort(self._by_path, (rec["path"], dir_ino))
+
+    def _unrecord(self, dir_ino: int) -> None:
+        old = self.published.pop(dir_ino, None)
+        if old is not None:
+            i = bisect.bisect_left(self._by_path, (old["path"], dir_ino))
+            if i < len(self._by_path) and self._by_path[i] == (old["path"], dir_ino):
+                del self._by_path[i]
 
     async def sync(self, dir_inos: Iterable[int]) -> None:
         """Bring these directories' records up to date in the store: returns once a pass that
@@ -252,14 +293,14 @@ class PartPublisher:
                     await self.store.delete(part_key(old["path"], self.node))
                     self.deletes += 1
                 rec = {"path": path, "digest": digest}
-                self.published[dir_ino] = rec
+                self._record(dir_ino, rec)
                 with self.index.tx():
                     self.index.set_meta(f"{_META}{dir_ino}", json.dumps(rec))
         elif old is not None:
             await self.lease.ensure()
             await self.store.delete(part_key(old["path"], self.node))
             self.deletes += 1
-            del self.published[dir_ino]
+            self._unrecord(dir_ino)
             with self.index.tx():
                 self.index.delete_meta(f"{_META}{dir_ino}")
 

@@ -125,6 +125,17 @@ class Progress:
         self._waiting_for = waiting_for  # cachemgr.tiering.gather: what a set waits for
         self._blocked_by = blocked_by    # cachemgr.tiering.publish: the set it is published after
         self.waits = 0
+        # the sets each directory wait in flight follows (its `pending` and `durable`, which it
+        # changes in place): held in the index while it runs (cachemgr.tiering.history)
+        self._dir_waits: dict[int, tuple[set[int], set[int]]] = {}
+        self._dir_wait_ids = 0
+
+    def held_seqs(self) -> set[int]:
+        """The sets the directory waits in flight will look up again (never pruned)."""
+        out: set[int] = set()
+        for pending, durable in self._dir_waits.values():
+            out |= pending | durable
+        return out
 
     # -- status -------------------------------------------------------------------------------
 
@@ -434,6 +445,16 @@ class Progress:
         log.info("wait %s: %d set(s) committed under it, %d file(s) open for writing", where,
                  len(pending), len(writing))
         durable: set[int] = set()
+        self._dir_wait_ids += 1
+        token = self._dir_wait_ids
+        self._dir_waits[token] = (pending, durable)
+        try:
+            return await self._follow_dir(where, path, pending, durable, writing, timeout)
+        finally:
+            del self._dir_waits[token]
+
+    async def _follow_dir(self, where: str, path: str, pending: set[int], durable: set[int],
+                          writing: dict[int, str], timeout: float | None) -> Reply:
         with trio.move_on_after(math.inf if timeout is None else timeout):
             while True:
                 ended = self._dir_step(pending, durable, writing)

@@ -24,7 +24,7 @@ workers and recovery, synchronously, and consumed only by the worker — no lock
     them on: to the commit that supersedes or absorbs it (`inherit`), to the next commit at
     or over its path after a rewrite superseded it (`inherit_superseded`), or to the deletion
     of its path (`unpublish_absorbed`), so a path renamed away never stays in the store;
-  * garbage keys the store refused to delete for good (`_gc_refused`) are not tried again
+  * garbage keys the store refused to delete for good (`Collector.refused`) are not tried again
     until a restart.
 
 Crash states: all of this is in memory. A crash between a manifest PUT and the index recording
@@ -108,12 +108,12 @@ class Publisher:
         self._absorb: dict[int, set[tuple[int, str]]] = {}
         self._blocked: dict[int, int] = {}
         self._blocked_unpublish: list[Event] = []
-        self._gc_refused: set[str] = set()
+        self._collector = Collector(index=index, sets=sets, store=store, node=node,
+                                    health=health)
         self._guarded: int | None = None  # the index transaction whose undo is registered
         self._current: Event | None = None  # the event the worker is handling now
         self.published = 0
         self.unpublished = 0
-        self.gc_deleted = 0
         signals.on_set_changed(self._on_set_changed)
 
     # -- queueing (synchronous) ---------------------------------------------------------------
@@ -149,8 +149,12 @@ class Publisher:
         self._guard()
         self._events.append(("unpublish", seq, path, horizon))
 
-    def gc(self) -> None:
+    def gc(self, full: bool = False) -> None:
+        """Queue a GC pass: over the contents that may have lost their last reference since
+        the last pass (SetRegistry.take_unreferenced: O(what changed)), or `full`, over every
+        object (recovery, once per mount)."""
         self._guard()
+        self._collector.full = self._collector.full or full
         self._events.append(("gc",))
 
     def absorb(self, seq: int, old_seq: int, old_path: str) -> None:
@@ -250,6 +254,19 @@ class Publisher:
         queues its unpublish)."""
         return not self._events and self._current is None and not self._spawn
 
+    def held_seqs(self) -> set[int]:
+        """The sets this worker will look up again (queued events, the one being applied,
+        held back by commit order, absorbed or absorbing): never pruned from the index
+        (cachemgr.tiering.history). O(its queues), not O(sets)."""
+        out = set(self._absorb) | set(self._blocked) | set(self._blocked.values())
+        for moved in self._absorb.values():
+            out.update(old_seq for old_seq, _path in moved)
+        for ev in (*self._events, *self._blocked_unpublish,
+                   *(() if self._current is None else (self._current,))):
+            if len(ev) > 1 and isinstance(ev[1], int):
+                out.add(ev[1])
+        return out
+
     def deletes_waiting(self) -> int:
         return len(self._blocked_unpublish)
 
@@ -264,8 +281,9 @@ class Publisher:
     def statistics(self) -> PublishStats:
         return PublishStats(events=len(self._events), blocked=len(self._blocked),
                             deletes_waiting=len(self._blocked_unpublish),
-                            gc_refused=len(self._gc_refused), published=self.published,
-                            unpublished=self.unpublished, gc_deleted=self.gc_deleted)
+                            gc_refused=len(self._collector.refused),
+                            published=self.published, unpublished=self.unpublished,
+                            gc_deleted=self._collector.deleted)
 
     # -- the worker ---------------------------------------------------------------------------
 
@@ -291,7 +309,7 @@ class Publisher:
                             continue
                         await self._unpublish(ev[1], ev[2])
                     elif ev[0] == "gc" and ("gc",) not in self._events:  # coalesce bursts
-                        await self._gc()
+                        await self._collector.run()
                 except StoreError as e:
                     await self._event_failed(ev, e)
                 except Exception as e:  # a bug: it must not take the queue and helpers along
@@ -589,8 +607,40 @@ class Publisher:
         for key in sorted(keys):
             await self.store.delete(key)
 
-    async def _gc(self) -> None:
-        keys = [k for k in self.sets.garbage() if k not in self._gc_refused]
+
+class Collector:
+    """Garbage collection of this node's objects, one pass at a time in the namespace worker
+    (`Publisher` owns it and runs its passes in FIFO order). A pass looks at the contents that
+    may have lost their last reference since the last one (SetRegistry.take_unreferenced), or
+    at every object after `full` (recovery): its cost follows what changed. State: the keys the
+    store refused to delete for good (`refused`, not tried again until a restart), whether the
+    next pass is full, and a counter; trio thread only."""
+
+    def __init__(self, *, index: Index, sets: SetRegistry, store: ObjectStore, node: str,
+                 health: StoreHealth) -> None:
+        self.index = index
+        self.sets = sets
+        self.store = store
+        self.node = node
+        self.health = health
+        self.refused: set[str] = set()
+        self.full = False
+        self.deleted = 0
+
+    async def run(self) -> None:
+        full, self.full = self.full, False
+        contents = self.sets.take_unreferenced()
+        try:
+            await self._collect(self.sets.garbage() if full else self.sets.garbage_of(contents))
+        except BaseException:
+            # retried as a whole (a transient error, a cancelled worker): the candidates too
+            self.full = self.full or full
+            for ino, version in contents:
+                self.sets.note_unreferenced(ino, version)
+            raise
+
+    async def _collect(self, garbage: list[str]) -> None:
+        keys = [k for k in garbage if k not in self.refused]
         # A takeover object is owned by the last file here materialised from a manifest naming
         # it (cachemgr.tiering.materialise); another set here may name it too (the same content
         # at a new path): it stays while any kept set names it.
@@ -607,14 +657,14 @@ class Publisher:
                     raise  # retried as a whole after a pause
                 # Refused for good (e.g. a symlink planted in a file:// store): this key is
                 # left alone, logged once, and the garbage after it is still collected.
-                self._gc_refused.add(key)
+                self.refused.add(key)
                 self.health.error(f"gc: {e}")
                 log.warning("gc: cannot delete %s: %s; leaving it", key, e)
                 continue
             with self.index.tx():
                 self.sets.forget_object(key)
             done += 1
-        self.gc_deleted += done
+        self.deleted += done
         if done:
             log.info("gc: deleted %d unreferenced objects", done)
 

@@ -55,6 +55,7 @@ from cachemgr.restore.peerproto import PeerConfig, PeerEndpoint
 from cachemgr.store import ObjectStore, StoreError
 from cachemgr.tiering.commit import Committer
 from cachemgr.tiering.gather import Gatherer
+from cachemgr.tiering.history import History
 from cachemgr.tiering.members import Lease, Members
 from cachemgr.tiering.parts import PartPublisher
 from cachemgr.tiering.peerspace import PeerNamespace
@@ -96,6 +97,10 @@ class TieringConfig:
     # restorer, remote sync); nothing uploads, publishes, deletes or registers, and no member
     # record is written: the node writes no file, so no commit elsewhere needs to wait for it.
     read_only: bool = False
+    # How long the index remembers sets that ended (cachemgr.tiering.history): the newest
+    # `history_keep` sets and those committed in the last `history_age` seconds always stay.
+    history_keep: int = 200
+    history_age: float = 300.0
     # --peers: restore from and serve to other nodes (cachemgr.restore.peers, peerserve)
     peers: PeerConfig | None = None
     # --replicas K: buddies every committed set is copied to before the store has it
@@ -263,7 +268,7 @@ class Tiering:
         self.commits = Committer(
             table=cache.table, index=self.index, sets=self.sets, uploads=self.uploads,
             publisher=self.publisher, signals=self.signals, forget=restorer.forget,
-            written=restorer.clean.add, mark_dir=parts.mark, mark_all=parts.mark_all)
+            written=restorer.clean.add, mark_dir=parts.mark, mark_moved=parts.mark_moved)
         self.fetcher = Fetcher(table=cache.table, files=cache.files, residency=cache.residency,
                                index=self.index, store=self.store,
                                wait_for_room=self.space.wait_for_room, obj_of=restorer.obj_of,
@@ -271,6 +276,10 @@ class Tiering:
         self.progress = Progress(table=cache.table, index=self.index, sets=self.sets,
                                  signals=self.signals, waiting_for=self.gatherer.waiting,
                                  blocked_by=self.publisher.blocked_by)
+        self.history = History(index=self.index, sets=self.sets, signals=self.signals,
+                               held=[self.publisher.held_seqs, self.gatherer.held_seqs,
+                                     self.progress.held_seqs],
+                               keep_recent=cfg.history_keep, keep_age=cfg.history_age)
         # what the cache's owners tell: an inode purged (a partly restored file's chunks go
         # with it, GC looks again), cached bytes freed (writers waiting for room look again)
         cache.table.on_purged(self.commits.on_purge)
@@ -291,6 +300,7 @@ class Tiering:
                 for _ in range(max(1, self.cfg.file_concurrency)):
                     nursery.start_soon(self._supervised, self.uploads.worker)
                 nursery.start_soon(self._supervised, self.publisher.worker)
+                nursery.start_soon(self._supervised, self.history.run)
                 await nursery.start(self.restorer.run)
                 nursery.start_soon(self._supervised, self.remote.run)
                 nursery.start_soon(self._supervised, self.parts.run)
@@ -372,7 +382,8 @@ class Tiering:
                 "gather": asdict(self.gatherer.statistics()),
                 "space": asdict(self.space.statistics()),
                 "fetch": asdict(self.fetcher.statistics()),
-                "progress": asdict(self.progress.statistics())}
+                "progress": asdict(self.progress.statistics()),
+                "history": asdict(self.history.statistics())}
 
     def status(self, limit: int = 50, stuck_after: float | None = None) -> dict[str, Any]:
         """`ckptfs status --json`'s "tiering". `stuck_after`: the stuck threshold in seconds

@@ -268,6 +268,7 @@ class UploadQueue:
         if self.sets.object_key(ino, version) is None:
             with self.index.tx():
                 self.sets.add_object(key, ino, version, size)
+        self.sets.note_unreferenced(ino, version)
         self._gc()
         self.signals.wake_ns()  # the namespace worker runs the GC pass
 
