@@ -58,6 +58,18 @@ def _stats(values: list[int]) -> dict[str, float]:
             "max": max(values) if values else 0}
 
 
+def _no_data(prefixes: dict[str, dict[str, int]]) -> dict[str, Any]:
+    """`prefixes` with the data/<node> ones summed into one entry."""
+    out: dict[str, Any] = {p: v for p, v in prefixes.items() if not p.startswith("data/")}
+    data: dict[str, int] = {}
+    for p, v in prefixes.items():
+        if p.startswith("data/"):
+            for op, c in v.items():
+                data[op] = data.get(op, 0) + c
+    out["data/*"] = data
+    return out
+
+
 def summarise(r: FleetResult, n: int, interval: float) -> dict:
     """The report of one run (JSON-able)."""
     log = r.log
@@ -114,6 +126,7 @@ def summarise(r: FleetResult, n: int, interval: float) -> dict:
             "start_s": round(r.start_s, 2), "publish_s": round(r.publish_s, 2),
             "visible_s": round(r.visible_s, 2), "restore_s": round(r.restore_s, 2),
             "phases": phases, "prefixes": shown, "busiest": busiest,
+            "prefixes_by_phase": {ph: _no_data(log.per_prefix(ph)) for ph in PHASES},
             "steady_per_s_at_10s_interval": idle_rate,
             "store_keys": r.keys}
 
