@@ -680,6 +680,26 @@ def method_section(res: Json) -> list[str]:
     return L
 
 
+FLEET_MD = Path(__file__).resolve().parent.parent / "docs" / "bench" / "sim_fleet_mem.md"
+
+
+def fleet_section() -> list[str]:
+    """docs/PERFORMANCE.md's "Scale: a fleet on one bucket": the table of the last
+    `scripts/sim_fleet.py --out docs/bench` run (docs/bench/sim_fleet_mem.md), if there is one;
+    the fleet simulation is not part of bench.sh (it takes ~13 minutes at 1,000 nodes)."""
+    if not FLEET_MD.exists():
+        return []
+    rows = [ln for ln in FLEET_MD.read_text().splitlines() if ln.startswith("|")]
+    return ["## Scale: a fleet on one bucket", "",
+            ("_From `PYTHONPATH=$PWD python scripts/sim_fleet.py --sizes 10,100,1000 --interval 3"
+             " --idle 9 --out docs/bench` (in-process nodes on one counted in-memory store; the"
+             " whole report, per operation and per prefix: "
+             "[docs/bench/sim_fleet_mem.md](bench/sim_fleet_mem.md)). Request counts are exact;"
+             " seconds are the simulation's, every node sharing one CPU of this machine, and"
+             " per-second peaks are in those seconds. docs/ARCHITECTURE.md \"Scale on paper\""
+             " reads the numbers._"), "", *rows, ""]
+
+
 def markdown(res: Json, s: Json, pngs: list[str], docs: bool) -> str:
     L = header(res, docs)
     L += data_paths_section(res, s)
@@ -697,6 +717,8 @@ def markdown(res: Json, s: Json, pngs: list[str], docs: bool) -> str:
     L += rss_section(s)
     L += profiles_section(res)
     L += peers_section(res)
+    if docs:
+        L += fleet_section()
     L += method_section(res)
     return "\n".join(L)
 
