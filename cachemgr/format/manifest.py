@@ -118,9 +118,18 @@ def _strings(x: object) -> Iterator[str]:
 def dumps_checked(doc: dict[str, Any], what: str, **kw: Any) -> bytes:
     """JSON of a store document; UnrepresentableError if a string in it holds a lone surrogate
     (json.dumps would write it as a \\udcXX escape, which strict JSON parsers refuse)."""
-    for s in _strings(doc):
-        if _surrogates(s):
-            raise UnrepresentableError(f"{what} cannot be written: {s!r} is not valid text")
+    # The check is one compact dump without escapes encoded as UTF-8, which fails exactly on a
+    # lone surrogate: C code, O(size). (A walk over every string in Python took ~0.1 ms an
+    # entry, 50 s of the daemon's CPU over the part records of a 1,024-shard DCP save.) Only
+    # when it fails are the strings walked, to name the culprit.
+    try:
+        json.dumps(doc, ensure_ascii=False, check_circular=False).encode()
+    except UnicodeEncodeError:
+        for s in _strings(doc):
+            if _surrogates(s):
+                raise UnrepresentableError(
+                    f"{what} cannot be written: {s!r} is not valid text") from None
+        raise
     return json.dumps(doc, **kw).encode()
 
 
