@@ -29,6 +29,7 @@ import trio
 from trio.testing import MockClock
 
 from cachemgr.format import manifest as mf
+from cachemgr.format import validate
 from cachemgr.store import LocalStore
 from cachemgr.tiering import parts as parts_mod
 from cachemgr.tiering.remote import RemoteSync
@@ -305,3 +306,22 @@ def test_a_fresh_nodes_first_listing_of_2000_sets_is_applied_in_bounded_steps(tm
     assert store.gets == []  # unchanged manifests cost nothing
     assert h.core.check_consistency() == []
     h.close()
+
+
+def test_a_manifest_no_reader_would_accept_fails_its_set(tmp_path, monkeypatch):
+    """A manifest over validate.MAX_DOCUMENT_BYTES (lowered here) is not PUT: its set fails,
+    saying why, instead of being marked durable while every reader refuses it."""
+    monkeypatch.setattr(validate, "MAX_DOCUMENT_BYTES", 2000)
+    store = LocalStore(tmp_path / "store")
+    node = Node(tmp_path / "a", store)
+    node.mkdir("ck")
+    for i in range(10):
+        node.write(f"ck/f{i}", b"m")
+    seq = node.t.commit_path("ck")
+
+    async def body():
+        await until(lambda: node.sets.get(seq).state == "failed", "the set failed")
+    run_nodes([node], body)
+    assert "a reader accepts" in node.sets.get(seq).error
+    assert not trio.run(store.list, mf.MANIFEST_PREFIX)
+    node.core.close()
