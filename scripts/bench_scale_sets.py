@@ -29,6 +29,8 @@ What it measures
 Output (--out, default bench-results/scale-sets)
     results.json   machine, configuration, every run (written after each run)
     results.md     the tables
+    with --docs also docs/bench/scale-sets.json, rendered into docs/PERFORMANCE.md's "Scale"
+    section by scripts/bench_report.py (the next `bash scripts/bench.sh --full`)
 
 Run (needs FUSE, fusermount3 and the ckptfs CLI in the same venv):
     .venv/bin/python scripts/bench_scale_sets.py --quick   # 1,024 shards; 1,000 + 2,000 sets
@@ -253,8 +255,11 @@ class Bench:
 
     def save(self) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
-        (self.out / "results.json").write_text(json.dumps(self.results, indent=1) + "\n")
+        text = json.dumps(self.results, indent=1) + "\n"
+        (self.out / "results.json").write_text(text)
         (self.out / "results.md").write_text(self.report() + "\n")
+        if self.a.docs:
+            (REPO / "docs" / "bench" / "scale-sets.json").write_text(text)
 
     def mount(self, name: str, store: Path, extra: list[str] | None = None) -> Mount:
         m = Mount(self.ckptfs, self.work / f"mnt-{name}", self.work / f"cache-{name}", store,
@@ -358,51 +363,7 @@ class Bench:
     # -- report ---------------------------------------------------------------------------------
 
     def report(self) -> str:
-        r = self.results
-        title = (f"# ckptfs scale: one big set, many sets ({r['started']}, git "
-                 f"{r['machine']['git']}, {r['machine']['cpus']} CPUs)")
-        out = [title, ""]
-        ok = [x for x in r["commit"] if "error" not in x]
-        if ok:
-            head = ("| case | files | write | commit -> durable | total | files/s first block"
-                    " | files/s last block | daemon CPU s | peak RSS MiB | objects in store |")
-            out += ["## One set: commit -> durable (median [min-max] over rounds, seconds)", "",
-                    head, "|---|---|---|---|---|---|---|---|---|---|"]
-            for case in ("shards", "8-files"):
-                xs = [x for x in ok if x["case"] == case]
-                if not xs:
-                    continue
-                first = [x["files_per_s_by_block"][0] for x in xs if x["files_per_s_by_block"]]
-                lastb = [x["files_per_s_by_block"][-1] for x in xs if x["files_per_s_by_block"]]
-                out.append(
-                    f"| {case} | {xs[0]['files']} | {mmm([x['write_s'] for x in xs])} | "
-                    f"{mmm([x['commit_to_durable_s'] for x in xs])} | "
-                    f"{mmm([x['total_s'] for x in xs])} | {mmm(first)} | {mmm(lastb)} | "
-                    f"{mmm([x['daemon_cpu_s'] for x in xs if x.get('daemon_cpu_s')])} | "
-                    f"{mmm([x['peak_rss_mib'] for x in xs if x.get('peak_rss_mib')])} | "
-                    f"{', '.join(str(x['objects_in_store']) for x in xs)} |")
-            sh = {x["round"]: x["total_s"] for x in ok if x["case"] == "shards"}
-            ei = {x["round"]: x["total_s"] for x in ok if x["case"] == "8-files"}
-            ratios = [sh[k] / ei[k] for k in sh if k in ei and ei[k] > 0]
-            if ratios:
-                out += ["", ("shards / 8-files, write + commit -> durable, round by round: "
-                             f"{mmm(ratios)}x")]
-            out.append("")
-        okm = [x for x in r["mount"] if "error" not in x]
-        if okm:
-            head = "| sets | files | mount s | RSS after mount MiB | peak RSS MiB | daemon CPU s |"
-            out += ["## A fresh node's `ckptfs mount` on a store of N sets", "", head,
-                    "|---|---|---|---|---|---|"]
-            for n in sorted({x["sets"] for x in okm}):
-                xs = [x for x in okm if x["sets"] == n]
-                out.append(f"| {n} | {xs[0]['files']} | {mmm([x['mount_s'] for x in xs])} | "
-                           f"{mmm([x['rss_after_mount_mib'] for x in xs if x.get('rss_after_mount_mib')])} | "  # noqa: E501
-                           f"{mmm([x['peak_rss_mib'] for x in xs if x.get('peak_rss_mib')])} | "
-                           f"{mmm([x['daemon_cpu_s'] for x in xs if x.get('daemon_cpu_s')])} |")
-            out.append("")
-        if r["errors"]:
-            out += ["## Errors", ""] + [f"- {e}" for e in r["errors"]]
-        return "\n".join(out)
+        return report(self.results)
 
     def cleanup(self) -> None:
         for m in list(self.mounts):
@@ -414,6 +375,57 @@ class Bench:
             log(f"!! something is still mounted under {self.work}: not removing it")
         elif not self.a.keep_workdir:
             shutil.rmtree(self.work, ignore_errors=True)
+
+
+def report(r: Json, title: bool = True) -> str:
+    """The markdown tables of a results.json (also docs/PERFORMANCE.md's "Scale" section:
+    scripts/bench_report.py)."""
+    out: list[str] = []
+    h = "##" if title else "###"
+    if title:
+        out += [(f"# ckptfs scale: one big set, many sets ({r['started']}, git "
+                 f"{r['machine']['git']}, {r['machine']['cpus']} CPUs)"), ""]
+    ok = [x for x in r["commit"] if "error" not in x]
+    if ok:
+        head = ("| case | files | write | commit -> durable | total | files/s first block"
+                " | files/s last block | daemon CPU s | peak RSS MiB | objects in store |")
+        out += [f"{h} One set: commit -> durable (median [min-max] over rounds, seconds)", "",
+                head, "|---|---|---|---|---|---|---|---|---|---|"]
+        for case in ("shards", "8-files"):
+            xs = [x for x in ok if x["case"] == case]
+            if not xs:
+                continue
+            first = [x["files_per_s_by_block"][0] for x in xs if x["files_per_s_by_block"]]
+            lastb = [x["files_per_s_by_block"][-1] for x in xs if x["files_per_s_by_block"]]
+            out.append(
+                f"| {case} | {xs[0]['files']} | {mmm([x['write_s'] for x in xs])} | "
+                f"{mmm([x['commit_to_durable_s'] for x in xs])} | "
+                f"{mmm([x['total_s'] for x in xs])} | {mmm(first)} | {mmm(lastb)} | "
+                f"{mmm([x['daemon_cpu_s'] for x in xs if x.get('daemon_cpu_s')])} | "
+                f"{mmm([x['peak_rss_mib'] for x in xs if x.get('peak_rss_mib')])} | "
+                f"{', '.join(str(x['objects_in_store']) for x in xs)} |")
+        sh = {x["round"]: x["total_s"] for x in ok if x["case"] == "shards"}
+        ei = {x["round"]: x["total_s"] for x in ok if x["case"] == "8-files"}
+        ratios = [sh[k] / ei[k] for k in sh if k in ei and ei[k] > 0]
+        if ratios:
+            out += ["", ("shards / 8-files, write + commit -> durable, round by round: "
+                         f"{mmm(ratios)}x")]
+        out.append("")
+    okm = [x for x in r["mount"] if "error" not in x]
+    if okm:
+        head = "| sets | files | mount s | RSS after mount MiB | peak RSS MiB | daemon CPU s |"
+        out += [f"{h} A fresh node's `ckptfs mount` on a store of N sets", "", head,
+                "|---|---|---|---|---|---|"]
+        for n in sorted({x["sets"] for x in okm}):
+            xs = [x for x in okm if x["sets"] == n]
+            out.append(f"| {n} | {xs[0]['files']} | {mmm([x['mount_s'] for x in xs])} | "
+                       f"{mmm([x['rss_after_mount_mib'] for x in xs if x.get('rss_after_mount_mib')])} | "  # noqa: E501
+                       f"{mmm([x['peak_rss_mib'] for x in xs if x.get('peak_rss_mib')])} | "
+                       f"{mmm([x['daemon_cpu_s'] for x in xs if x.get('daemon_cpu_s')])} |")
+        out.append("")
+    if r["errors"]:
+        out += [f"{h} Errors", ""] + [f"- {e}" for e in r["errors"]]
+    return "\n".join(out)
 
 
 def _interrupt(signum: int, _frame: object) -> None:
@@ -439,6 +451,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="output directory (default bench-results/scale-sets)")
     p.add_argument("--workdir", type=Path, default=Path("/dev/shm"),
                    help="where store, caches and mount points go (default /dev/shm)")
+    p.add_argument("--docs", action="store_true",
+                   help="also write docs/bench/scale-sets.json, which scripts/bench_perf.py "
+                   "renders into docs/PERFORMANCE.md's \"Scale\" section")
     p.add_argument("--keep-workdir", action="store_true", help="do not delete the temp dir")
     p.add_argument("--ckptfs", default=None, help="the ckptfs CLI (default: beside python)")
     return p
