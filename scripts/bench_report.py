@@ -162,7 +162,11 @@ def scale_section(sc: Json) -> list[str]:
              "table interleaved and their order reversed every other round; median "
              "[min–max] over the rounds. What each column measures: the script's docstring; "
              "the costs behind them: docs/ARCHITECTURE.md \"Scale\"._"), "",
-            bench_scale_sets.report(sc, title=False), ""]
+            *([f"_{sc['note']}._", ""] if sc.get("note") else []),
+            bench_scale_sets.report(sc, title=False), "",
+            *[line for before in sc.get("compare", []) for line in (
+                f"#### {before['what']}", "", f"_{before['how']}._", "",
+                bench_scale_sets.report(before, title=False).replace("### ", "##### "), "")]]
 
 
 def overhead_section(ov: Json) -> list[str]:
