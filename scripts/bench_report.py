@@ -147,6 +147,28 @@ OVERHEAD_GOALS = [
 OVERHEAD_CPU_GOALS = (0.02, 0.3)  # daemon s/GiB: request path, including the upload (file://)
 
 
+def scale_section(sc: Json) -> list[str]:
+    """docs/PERFORMANCE.md's "Scale" section: scripts/bench_scale_sets.py's report
+    (`res["scale"]`, from docs/bench/scale-sets.json)."""
+    import bench_scale_sets
+
+    c = sc.get("config", {})
+    cmd = (f"python scripts/bench_scale_sets.py --rounds {c.get('rounds')} --shards "
+           f"{c.get('shards')} --sets {','.join(str(n) for n in c.get('sets') or [])} --docs")
+    return ["## Scale: one big set, many sets", "",
+            (f"_From `{cmd}` ({sc.get('started')}, commit {sc.get('machine', {}).get('git')}, "
+             f"{sc.get('machine', {}).get('cpus')} CPUs; store, cache and mount point in "
+             f"{c.get('workdir')}): a fresh `file://` store and mount per run, the cases of a "
+             "table interleaved and their order reversed every other round; median "
+             "[min–max] over the rounds. What each column measures: the script's docstring; "
+             "the costs behind them: docs/ARCHITECTURE.md \"Scale\"._"), "",
+            *([f"_{sc['note']}._", ""] if sc.get("note") else []),
+            bench_scale_sets.report(sc, title=False), "",
+            *[line for before in sc.get("compare", []) for line in (
+                f"#### {before['what']}", "", f"_{before['how']}._", "",
+                bench_scale_sets.report(before, title=False).replace("### ", "##### "), "")]]
+
+
 def overhead_section(ov: Json) -> list[str]:
     """docs/PERFORMANCE.md's section for bench_overhead's report (`res["overhead"]`)."""
     meta, a, rows = ov.get("meta", {}), ov.get("args", {}), ov.get("rows", [])
@@ -706,6 +728,8 @@ def markdown(res: Json, s: Json, pngs: list[str], docs: bool) -> str:
     L += issue_targets_section(res, s)
     if res.get("overhead"):
         L += overhead_section(res["overhead"])
+    if res.get("scale"):
+        L += scale_section(res["scale"])
     L += targets_section(res, s)
     for p in pngs:
         if p.endswith(".png"):
