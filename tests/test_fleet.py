@@ -48,9 +48,11 @@ def test_requests_per_node_do_not_grow_with_the_fleet(tmp_path):
         passes = r.idle_s / 0.1
         lists = [ops.get("list", 0) for ops in r.log.per_node("idle", r.nodes).values()]
         assert max(lists) <= 2 * passes + 4, (lists, passes)  # manifests/ + intents/
-    # the committer's own requests are O(N) (a GET per record, a HEAD per object), no more
-    c_small, c_big = (sum(r.log.per_node("commit", r.nodes[:1], exclude=PERIODIC)
-                          [r.nodes[0]].values()) for r in (small, big))
+    # the committer's own requests are O(N) (a GET per record, a HEAD per object), no more;
+    # its LISTs of the records are one per poll, and how many polls the gathering takes
+    # depends on how fast the other nodes' uploads land (the machine's load), not on N
+    c_small, c_big = (sum(n for op, n in r.log.per_node("commit", r.nodes[:1], exclude=PERIODIC)
+                          [r.nodes[0]].items() if op != "list") for r in (small, big))
     assert c_big <= c_small + 3 * (24 - 4), (c_small, c_big)
 
 
