@@ -14,8 +14,10 @@ for `miss_s`, per peer and file, so a set's later chunks do not ask it again.
 
 State, all on the daemon's trio thread: `_peers` (the last list of live peers with endpoints,
 refreshed every PEER_LIST_TTL_S through `live_peers`, the members listing of
-cachemgr.tiering.members; one refresh at a time, under `_listing`, so concurrent fetches wait for
-it instead of seeing an empty list),
+cachemgr.tiering.members, which answers or fails within its own deadline; one refresh at a time,
+under `_listing`: only fetches that have no list yet wait for it, instead of seeing an empty
+list; once there is one, a fetch never waits behind a refresh (a hung store must not hold the
+chunk fetches of live peers) and uses the last list),
 `_cut` (node -> until, why), `_miss` ((node, key) -> until, bounded), `_stale` (nodes whose
 member record must be read again: unreachable at the endpoint it named). Nothing is durable.
 """
@@ -87,6 +89,7 @@ class PeerClient:
         self._local = local
         self._peers: list[PeerEndpoint] = []
         self._listed = -PEER_LIST_TTL_S - 1.0   # monotonic time of the last listing
+        self._have_list = False                  # a listing ended (answered or failed)
         self._stale: set[str] = set()
         self._listing = trio.Lock()
         self._cut: dict[str, tuple[float, str, str]] = {}  # node -> (until, address, why)
@@ -99,8 +102,11 @@ class PeerClient:
         self.errors: dict[str, int] = {}
 
     async def _live(self) -> list[PeerEndpoint]:
-        # One listing at a time (`_listing`): concurrent fetches wait for it rather than see
-        # the list empty before the first listing ends.
+        # One listing at a time (`_listing`): before the first ends, concurrent fetches wait
+        # for it rather than see the list empty; after, they use the last list, never waiting
+        # behind a refresh.
+        if self._listing.locked() and self._have_list:
+            return self._peers
         async with self._listing:
             now = time.monotonic()
             if now - self._listed >= PEER_LIST_TTL_S or self._stale:
@@ -112,6 +118,7 @@ class PeerClient:
                     log.warning("peers: cannot list the live members: %s; asking the store", e)
                     self._peers = []
                 self._listed = time.monotonic()
+                self._have_list = True
             return self._peers
 
     def _usable(self, p: PeerEndpoint, key: str, now: float) -> bool:
@@ -184,10 +191,12 @@ class PeerClient:
                         target: str, obj: StoredObject, i: int, size: int) -> bytes | None:
         headers = [(b"host", f"{p.host}:{p.port}".encode()), (b"connection", b"close"),
                    *sign(self.cfg.secret, "GET", target)]
-        await stream.send_all(conn.send(h11.Request(method="GET", target=target,
-                                                    headers=headers))
-                              + (conn.send(h11.EndOfMessage()) or b""))
+        # the request and its answer's headers within header_timeout: a peer that takes the
+        # connection and never reads or answers (a black hole) holds this fetch no longer
         with trio.move_on_after(self.cfg.header_timeout) as scope:
+            await stream.send_all(conn.send(h11.Request(method="GET", target=target,
+                                                        headers=headers))
+                                  + (conn.send(h11.EndOfMessage()) or b""))
             ev = await _next(stream, conn)
         if scope.cancelled_caught:
             raise PeerFault("stall", f"sent no answer within {self.cfg.header_timeout:.0f} s")
@@ -252,14 +261,18 @@ async def request(cfg: PeerConfig, p: PeerEndpoint, method: str, target: str, *,
                (b"content-length", str(len(body)).encode()), *sign(cfg.secret, method, target)]
     async with stream:
         try:
-            await stream.send_all(conn.send(h11.Request(method=method, target=target,
-                                                        headers=headers))
-                                  + (conn.send(h11.Data(data=body)) if body else b"")
-                                  + (conn.send(h11.EndOfMessage()) or b""))
-            with trio.move_on_after(cfg.header_timeout) as scope:
+            # the request (its body at min_rate) and the answer's headers within their budget:
+            # a peer that takes the connection and never reads (a black hole) holds no longer
+            budget = cfg.header_timeout + len(body) / cfg.min_rate
+            with trio.move_on_after(budget) as scope:
+                await stream.send_all(conn.send(h11.Request(method=method, target=target,
+                                                            headers=headers))
+                                      + (conn.send(h11.Data(data=body)) if body else b"")
+                                      + (conn.send(h11.EndOfMessage()) or b""))
                 ev = await _next(stream, conn)
             if scope.cancelled_caught:
-                raise PeerFault("stall", f"sent no answer within {cfg.header_timeout:.0f} s")
+                raise PeerFault("stall", f"took no request or sent no answer within "
+                                f"{budget:.0f} s")
             if not isinstance(ev, h11.Response):
                 raise PeerFault("protocol", f"answered with {type(ev).__name__}")
             status, got = ev.status_code, {k.lower(): v for k, v in ev.headers}
