@@ -13,11 +13,12 @@ comes from the next peer or the store. A 404 (the peer does not hold that file) 
 for `miss_s`, per peer and file, so a set's later chunks do not ask it again.
 
 State, all on the daemon's trio thread: `_peers` (the last list of live peers with endpoints,
-refreshed every PEER_LIST_TTL_S through `live_peers`, the members listing of
+refreshed every PEER_LIST_TTL_S while restoring through `live_peers`, the members listing of
 cachemgr.tiering.members, which answers or fails within its own deadline; one refresh at a time,
-under `_listing`: only fetches that have no list yet wait for it, instead of seeing an empty
-list; once there is one, a fetch never waits behind a refresh (a hung store must not hold the
-chunk fetches of live peers) and uses the last list),
+under `_listing`: only the fetches before the first list wait for it, instead of seeing an empty
+list; after that a fetch that finds the list due only wakes `run` (`_due`), which refreshes it in
+the background, and goes on with the last list: a store that does not answer never holds the
+chunk fetches from live peers),
 `_cut` (node -> until, why), `_miss` ((node, key) -> until, bounded), `_stale` (nodes whose
 member record must be read again: unreachable at the endpoint it named). Nothing is durable.
 """
@@ -92,6 +93,7 @@ class PeerClient:
         self._have_list = False                  # a listing ended (answered or failed)
         self._stale: set[str] = set()
         self._listing = trio.Lock()
+        self._due = trio.Event()   # a fetch found the list due: `run` refreshes it
         self._cut: dict[str, tuple[float, str, str]] = {}  # node -> (until, address, why)
         self._miss: dict[tuple[str, str], float] = {}
         # statistics
@@ -101,25 +103,36 @@ class PeerClient:
         self.misses = 0
         self.errors: dict[str, int] = {}
 
+    async def run(self) -> None:
+        """Refresh the list of live peers when a fetch found it due (background: no fetch
+        waits for a refresh once there is a list)."""
+        while True:
+            await self._due.wait()
+            self._due = trio.Event()
+            async with self._listing:
+                await self._refresh()
+
     async def _live(self) -> list[PeerEndpoint]:
-        # One listing at a time (`_listing`): before the first ends, concurrent fetches wait
-        # for it rather than see the list empty; after, they use the last list, never waiting
-        # behind a refresh.
-        if self._listing.locked() and self._have_list:
-            return self._peers
-        async with self._listing:
-            now = time.monotonic()
-            if now - self._listed >= PEER_LIST_TTL_S or self._stale:
-                stale, self._stale = frozenset(self._stale), set()
-                try:
-                    found = await self._live_peers(stale)
-                    self._peers = [p for p in found if p.node != self.node]
-                except StoreError as e:
-                    log.warning("peers: cannot list the live members: %s; asking the store", e)
-                    self._peers = []
-                self._listed = time.monotonic()
-                self._have_list = True
-            return self._peers
+        if not self._have_list:
+            # the first list: concurrent fetches wait for it rather than see it empty
+            async with self._listing:
+                if not self._have_list:
+                    await self._refresh()
+        elif time.monotonic() - self._listed >= PEER_LIST_TTL_S or self._stale:
+            self._due.set()
+        return self._peers
+
+    async def _refresh(self) -> None:
+        """One listing (the caller holds `_listing`: one at a time)."""
+        stale, self._stale = frozenset(self._stale), set()
+        try:
+            found = await self._live_peers(stale)
+            self._peers = [p for p in found if p.node != self.node]
+        except StoreError as e:
+            log.warning("peers: cannot list the live members: %s; asking the store", e)
+            self._peers = []
+        self._listed = time.monotonic()
+        self._have_list = True
 
     def _usable(self, p: PeerEndpoint, key: str, now: float) -> bool:
         cut = self._cut.get(p.node)

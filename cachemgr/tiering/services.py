@@ -217,7 +217,10 @@ class Tiering:
     async def _live_peers(self, stale: frozenset[str]) -> list[PeerEndpoint]:
         """The live peers for restores: the members listing (Members.peers), within
         PEER_LISTING_DEADLINE_S; while the store cannot be listed or does not answer, the peers
-        the namespace answers named (PeerNamespace)."""
+        the namespace answers named (PeerNamespace), at once while the store's last listing
+        failed (a fresh node during an outage must not wait a listing deadline per restore)."""
+        if self.peerspace is not None and self.peerspace.known and self.remote.failed_listings:
+            return self.peerspace.known_peers(stale)
         try:
             with trio.move_on_after(PEER_LISTING_DEADLINE_S):
                 return await self.members.peers(stale)
@@ -303,16 +306,19 @@ class Tiering:
         if self.cfg.read_only:
             await self._run_read_only(task_status)
             return
-        await self.members.register()  # before the first request is served (tiering.members)
-        self.running = True
         try:
             async with trio.open_nursery() as nursery:
+                # The first listing runs while the node registers: both wait on the store, and
+                # a store that does not answer must cost a mount one of their deadlines, not
+                # both in a row (issue 36: a fresh node mounts within 60 s of a black hole).
+                await nursery.start(self.restorer.run)  # what the listing may prefetch with
+                nursery.start_soon(self._supervised, self.remote.run)
+                await self.members.register()  # before the first request is served
+                self.running = True
                 for _ in range(max(1, self.cfg.file_concurrency)):
                     nursery.start_soon(self._supervised, self.uploads.worker)
                 nursery.start_soon(self._supervised, self.publisher.worker)
                 nursery.start_soon(self._supervised, self.history.run)
-                await nursery.start(self.restorer.run)
-                nursery.start_soon(self._supervised, self.remote.run)
                 nursery.start_soon(self._supervised, self.parts.run)
                 nursery.start_soon(self._supervised, self.members.run)
                 if self.peer_server is not None:
