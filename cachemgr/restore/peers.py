@@ -184,6 +184,8 @@ class PeerClient:
         size = chunk_span(obj, i)[1]
         target = chunk_target(obj.key, obj.crc32c, i)
         conn = h11.Connection(h11.CLIENT, max_incomplete_event_size=16384)
+        # the name lookup too: trio runs getaddrinfo in a thread it abandons when cancelled,
+        # so a resolver that does not answer holds this no longer than the connect bound
         with trio.move_on_after(self.cfg.header_timeout) as scope:
             try:
                 stream = await trio.open_tcp_stream(p.host, p.port)

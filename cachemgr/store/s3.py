@@ -20,7 +20,7 @@ What bounds the abandoned threads and their connections: trio releases an abando
 `CapacityLimiter` token only when the thread really ends (trio/_threads.py,
 `report_back_in_trio_thread_fn` runs `limiter.release_on_behalf_of` once the worker returns), so
 threads, abandoned or not, and their connections never exceed `max_connections` (the client's
-pool is sized to match); a new call during an outage waits for a token (at most `queue_timeout`,
+pool is sized to match); a new call during an outage waits for a token (at most `Deadlines.queue`,
 then `DeadlineExceeded` too). Each blocking socket call of a thread is bounded by botocore: a
 connect or a send by `connect_timeout` (urllib3 sets the socket's timeout to it until the request
 is sent), each receive by `read_timeout`; botocore does not retry (`max_attempts=1`). So a thread
