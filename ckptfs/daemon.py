@@ -124,6 +124,9 @@ class Injected:
 INJECTED = Injected()
 
 
+PROBE_LIST_S = 15.0
+
+
 async def _probe_store(store, read_only: bool = False) -> None:
     """Fail the mount early on a store that cannot work at all (no such bucket, no access);
     transient trouble only warns: writes land in the cache and uploads retry. Then find out
@@ -133,7 +136,10 @@ async def _probe_store(store, read_only: bool = False) -> None:
 
     from cachemgr.store import StoreError
 
-    with trio.move_on_after(30) as scope:
+    # One LIST page's deadline (cachemgr.store.s3.Deadlines.list_page): a store that does not
+    # answer costs the mount this once here, then the first listing's own deadlines, which
+    # decide whether the namespace is complete.
+    with trio.move_on_after(PROBE_LIST_S) as scope:
         try:
             await store.list("manifests/")
         except StoreError as e:
@@ -142,7 +148,8 @@ async def _probe_store(store, read_only: bool = False) -> None:
             log.warning("object store not reachable yet (%s); uploads will retry", e)
             return
     if scope.cancelled_caught:
-        log.warning("object store did not answer within 30s; uploads will retry")
+        log.warning("object store did not answer within %.0fs; uploads will retry",
+                    PROBE_LIST_S)
         return
     if read_only:
         return

@@ -68,8 +68,9 @@ EXIT_UNSAVED = 12       # `umount`: unmounted, but files in no committed set sta
 
 READY_TIMEOUT_S = 90.0  # generous: recovery of a large cache index runs before readiness
 # The first listing of the store's sets runs before readiness too: RetryingStore gives a
-# failing LIST about 15 s of retries (8 attempts, backoff capped at 5 s), so this bounds only a
-# store that accepts connections and never answers.
+# failing LIST about 15 s of retries (8 attempts, backoff capped at 5 s), and one that does not
+# answer two LIST deadlines (30 s, cachemgr.store.s3.Deadlines), so this bounds only a listing
+# of many pages from a slow store.
 FIRST_LISTING_TIMEOUT_S = 60.0
 
 

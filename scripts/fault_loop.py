@@ -55,7 +55,7 @@ FAULTS = (
     "kill_daemon_writing", "kill_daemon_committed", "kill_daemon_uploading",
     "kill_daemon_publishing", "kill_daemon_deleting",
     "store_error", "store_reset", "store_truncate", "store_hangup", "store_slow",
-    "store_outage", "disk_full",
+    "store_outage", "store_blackhole", "disk_full",
 )
 FAULT_GROUPS = {
     "kill": [f for f in FAULTS if f.startswith("kill_")],
@@ -84,6 +84,7 @@ class Aim:
             self.pause_rank = 1 if self.victim is self.rig.b else 0
         self.fired = False
         self.hold_release: bool | None = None
+        self.until = 0.0   # store_blackhole: when the window ends (monotonic)
         self.watcher: threading.Thread | None = None
         self.detail = ""
 
@@ -144,6 +145,16 @@ class Aim:
             secs = rng.uniform(5, 10)
             px.outage(secs)
             self.detail = f"{secs:.1f}s"
+        elif fault == "store_blackhole":
+            # the store takes every connection and answers nothing (blackhole), or applies the
+            # requests and the answers never come back (oneway), for a window longer than the
+            # control requests' deadline (10 s, cachemgr.store.s3.Deadlines): some calls end at
+            # their deadline, the rest when clear() closes the held connections
+            mode = rng.choice(["blackhole", "oneway"])
+            secs = rng.uniform(12, 20)
+            px.set_rules([Rule(mode)])
+            self.until = time.monotonic() + secs
+            self.detail = f"{mode} {secs:.1f}s"
         elif fault == "disk_full":
             self.fill_disk(ballast)
         if moment in ("uploading", "publishing") or fault == "kill_daemon_deleting":
@@ -341,6 +352,10 @@ class Loop:
                 ballast.unlink()
         rec["proxy"] = {k: v - stats0.get(k, 0) for k, v in px.snapshot()["stats"].items()
                         if v - stats0.get(k, 0)}   # requests seen and faults injected
+        injected = self.report.setdefault("injected", {})   # the run's faults, by proxy mode
+        for k, v in rec["proxy"].items():
+            if k != "requests":
+                injected[k] = injected.get(k, 0) + v
         self.drain_events(i)
         if errs:
             rec["trainer_errors"] = errs[:5]
@@ -389,13 +404,15 @@ class Loop:
             raise Violation(f"aim: {fault}: the aimed moment never came (events: no "
                             f"{'W' if moment in ('writing', 'deleting') else 'C'} event)")
         pre: list[str] = []
-        if fault.startswith("store_") and fault != "store_outage":
+        if fault.startswith("store_") and fault not in ("store_outage", "store_blackhole"):
             pre += self.checks.read_under_fault(rec)
             time.sleep(self.args.fault_hold)   # the fault stays on a while for uploads
-        if fault == "store_outage":
-            left = self.rig.proxy._outage_until - time.monotonic()
+        if fault in ("store_outage", "store_blackhole"):
+            until = self.rig.proxy._outage_until if fault == "store_outage" else aim.until
+            left = until - time.monotonic()
             if left > 0:
                 time.sleep(left)               # the outage lasts its deliberate time
+            rec["hung_at_end"] = self.rig.proxy.hung()
         return pre
 
     def restart_after(self, fault: str, errs: list[str], rec: Json) -> list[str]:

@@ -31,10 +31,21 @@ Modes (what an S3 client meets in the wild):
   hold         the request waits at a gate until `release()` (forward it, or drop it: the
                connection closes unanswered), or `delay` seconds (then forwarded); `held()`
                counts waiting requests, so a test can aim at "a manifest PUT is in flight"
+  blackhole    a black hole: the request is read whole, never forwarded, never answered, and
+               the connection stays open until the proxy is told (`clear()`, `unhang()`,
+               `DELETE /__faultproxy__/rules`) or stopped; then it is closed unanswered.
+               A rule without filters makes the whole store one: connections accepted, nothing
+               answered (a store behind a dead load balancer, a full accept queue upstream)
+  oneway       forwarded (the store applies it), its answer dropped, the connection kept open
+               as in blackhole: a reply path that is gone (an asymmetric partition)
+
+`hung()` counts the connections held by blackhole and oneway, `wait_hung(n)` waits for them; the
+threads that hold them end at `unhang()`, `clear()` and `stop()`.
 
 Rules are switched at run time: `set_rules`, `add_rule`, `clear`, `outage(seconds)` in process,
 or over HTTP on the proxy's own port: `POST /__faultproxy__/rules` (a JSON list of rule dicts),
 `DELETE /__faultproxy__/rules`, `POST /__faultproxy__/release?forward=1`,
+`POST /__faultproxy__/unhang`,
 `GET /__faultproxy__/stats`.
 """
 
@@ -53,7 +64,8 @@ import urllib.parse
 from dataclasses import asdict, dataclass, field, replace
 
 MODES = ("error500", "error503", "slowdown", "error403", "reset", "truncate", "hangup",
-         "lost_reply", "slow", "stall", "outage", "hold", "strip_conditions")
+         "lost_reply", "slow", "stall", "outage", "hold", "strip_conditions", "blackhole",
+         "oneway")
 OPS = ("get", "head", "put", "delete", "list", "create_multipart", "upload_part",
        "complete_multipart", "abort_multipart", "other")
 CONTROL = "/__faultproxy__/"
@@ -155,6 +167,13 @@ class FaultProxy:
         self._rng = random.Random(seed)
         self._gate = _Gate()
         self._conns: set[socket.socket] = set()
+        # connections held by blackhole / oneway: they wait on _hang until its generation moves
+        # (unhang, clear, stop); _threads: every serving thread, joined by stop()
+        self._hang = threading.Condition()
+        self._hang_gen = 0
+        self._hung = 0
+        self._stopping = False
+        self._threads: set[threading.Thread] = set()
         self.stats: dict[str, int] = {"requests": 0, **dict.fromkeys(MODES, 0)}
         self.log: list[tuple[str, str, str]] = []   # (op, key, mode) of every injected fault
         proxy = self
@@ -184,6 +203,8 @@ class FaultProxy:
         return self
 
     def stop(self) -> None:
+        with self._hang:
+            self._stopping = True
         self.clear()
         self._server.shutdown()
         self._server.server_close()
@@ -196,6 +217,10 @@ class FaultProxy:
                 pass
         if self._thread is not None:
             self._thread.join(timeout=10)
+        with self._lock:
+            threads = list(self._threads)
+        for t in threads:  # the held ones were woken by clear(); all sockets are shut
+            t.join(timeout=10)
 
     def __enter__(self) -> FaultProxy:
         return self.start()
@@ -218,11 +243,48 @@ class FaultProxy:
             return list(self._rules)
 
     def clear(self, release_forward: bool = True) -> None:
-        """No more faults: rules and outage off, held requests released (forwarded)."""
+        """No more faults: rules and outage off, held requests released (forwarded), the
+        connections held by blackhole / oneway closed."""
         with self._lock:
             self._rules = []
             self._outage_until = 0.0
         self.release(forward=release_forward)
+        self.unhang()
+
+    def unhang(self) -> int:
+        """Close, unanswered, every connection held by blackhole / oneway; returns how many
+        were held (a rule still in place holds the next ones)."""
+        with self._hang:
+            n = self._hung
+            self._hang_gen += 1
+            self._hang.notify_all()
+            return n
+
+    def hung(self) -> int:
+        with self._hang:
+            return self._hung
+
+    def wait_hung(self, n: int = 1, timeout: float = 30.0) -> bool:
+        deadline = time.monotonic() + timeout
+        with self._hang:
+            while self._hung < n:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._hang.wait(left)
+            return True
+
+    def _hold_open(self) -> None:
+        """A blackhole / oneway connection: nothing more is read or sent until unhang()."""
+        with self._hang:
+            gen = self._hang_gen
+            self._hung += 1
+            self._hang.notify_all()
+            try:
+                while self._hang_gen == gen and not self._stopping:
+                    self._hang.wait()
+            finally:
+                self._hung -= 1
 
     def outage(self, seconds: float | None = None) -> None:
         """The store is unreachable (every connection reset) for `seconds`, or until clear()."""
@@ -256,7 +318,8 @@ class FaultProxy:
     def snapshot(self) -> dict:
         with self._lock:
             return {"stats": dict(self.stats), "rules": [r.to_dict() for r in self._rules],
-                    "outage": self._outage_until > time.monotonic(), "held": self.held()}
+                    "outage": self._outage_until > time.monotonic(), "held": self.held(),
+                    "hung": self.hung()}
 
     # -- serving ----------------------------------------------------------------------------
 
@@ -280,6 +343,7 @@ class FaultProxy:
     def _serve(self, sock: socket.socket) -> None:
         with self._lock:
             self._conns.add(sock)
+            self._threads.add(threading.current_thread())
         up: http.client.HTTPConnection | None = None
         rfile = sock.makefile("rb")
         try:
@@ -299,6 +363,8 @@ class FaultProxy:
                     continue
                 if mode == "hangup":
                     return
+                if mode == "blackhole":
+                    return self._hold_open()
                 if mode == "reset" and req.body:
                     return _reset(sock)  # (the body was read: to the client it is mid-send)
                 if mode == "stall":
@@ -319,6 +385,8 @@ class FaultProxy:
                     return _reset(sock)
                 if mode == "lost_reply":
                     return
+                if mode == "oneway":
+                    return self._hold_open()
                 head = self._head(req, status, reason, headers, len(body))
                 if mode in ("reset", "truncate") and body:
                     sock.sendall(head + body[:max(1, len(body) // 2)])
@@ -337,6 +405,7 @@ class FaultProxy:
         finally:
             with self._lock:
                 self._conns.discard(sock)
+                self._threads.discard(threading.current_thread())
             if up is not None:
                 up.close()
             try:
@@ -455,6 +524,8 @@ class FaultProxy:
             elif what == "outage" and req.method == "POST":
                 s = q.get("seconds", [None])[0]
                 self.outage(None if s is None else float(s))
+            elif what == "unhang" and req.method == "POST":
+                out = {"closed": self.unhang()}
             elif what == "release" and req.method == "POST":
                 out = {"released": self.release(q.get("forward", ["1"])[0] != "0")}
             elif what == "stats":

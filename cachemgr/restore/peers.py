@@ -13,9 +13,12 @@ comes from the next peer or the store. A 404 (the peer does not hold that file) 
 for `miss_s`, per peer and file, so a set's later chunks do not ask it again.
 
 State, all on the daemon's trio thread: `_peers` (the last list of live peers with endpoints,
-refreshed every PEER_LIST_TTL_S through `live_peers`, the members listing of
-cachemgr.tiering.members; one refresh at a time, under `_listing`, so concurrent fetches wait for
-it instead of seeing an empty list),
+refreshed every PEER_LIST_TTL_S while restoring through `live_peers`, the members listing of
+cachemgr.tiering.members, which answers or fails within its own deadline; one refresh at a time,
+under `_listing`: only the fetches before the first list wait for it, instead of seeing an empty
+list; after that a fetch that finds the list due only wakes `run` (`_due`), which refreshes it in
+the background, and goes on with the last list: a store that does not answer never holds the
+chunk fetches from live peers),
 `_cut` (node -> until, why), `_miss` ((node, key) -> until, bounded), `_stale` (nodes whose
 member record must be read again: unreachable at the endpoint it named). Nothing is durable.
 """
@@ -87,8 +90,10 @@ class PeerClient:
         self._local = local
         self._peers: list[PeerEndpoint] = []
         self._listed = -PEER_LIST_TTL_S - 1.0   # monotonic time of the last listing
+        self._have_list = False                  # a listing ended (answered or failed)
         self._stale: set[str] = set()
         self._listing = trio.Lock()
+        self._due = trio.Event()   # a fetch found the list due: `run` refreshes it
         self._cut: dict[str, tuple[float, str, str]] = {}  # node -> (until, address, why)
         self._miss: dict[tuple[str, str], float] = {}
         # statistics
@@ -98,21 +103,36 @@ class PeerClient:
         self.misses = 0
         self.errors: dict[str, int] = {}
 
+    async def run(self) -> None:
+        """Refresh the list of live peers when a fetch found it due (background: no fetch
+        waits for a refresh once there is a list)."""
+        while True:
+            await self._due.wait()
+            self._due = trio.Event()
+            async with self._listing:
+                await self._refresh()
+
     async def _live(self) -> list[PeerEndpoint]:
-        # One listing at a time (`_listing`): concurrent fetches wait for it rather than see
-        # the list empty before the first listing ends.
-        async with self._listing:
-            now = time.monotonic()
-            if now - self._listed >= PEER_LIST_TTL_S or self._stale:
-                stale, self._stale = frozenset(self._stale), set()
-                try:
-                    found = await self._live_peers(stale)
-                    self._peers = [p for p in found if p.node != self.node]
-                except StoreError as e:
-                    log.warning("peers: cannot list the live members: %s; asking the store", e)
-                    self._peers = []
-                self._listed = time.monotonic()
-            return self._peers
+        if not self._have_list:
+            # the first list: concurrent fetches wait for it rather than see it empty
+            async with self._listing:
+                if not self._have_list:
+                    await self._refresh()
+        elif time.monotonic() - self._listed >= PEER_LIST_TTL_S or self._stale:
+            self._due.set()
+        return self._peers
+
+    async def _refresh(self) -> None:
+        """One listing (the caller holds `_listing`: one at a time)."""
+        stale, self._stale = frozenset(self._stale), set()
+        try:
+            found = await self._live_peers(stale)
+            self._peers = [p for p in found if p.node != self.node]
+        except StoreError as e:
+            log.warning("peers: cannot list the live members: %s; asking the store", e)
+            self._peers = []
+        self._listed = time.monotonic()
+        self._have_list = True
 
     def _usable(self, p: PeerEndpoint, key: str, now: float) -> bool:
         cut = self._cut.get(p.node)
@@ -164,6 +184,8 @@ class PeerClient:
         size = chunk_span(obj, i)[1]
         target = chunk_target(obj.key, obj.crc32c, i)
         conn = h11.Connection(h11.CLIENT, max_incomplete_event_size=16384)
+        # the name lookup too: trio runs getaddrinfo in a thread it abandons when cancelled,
+        # so a resolver that does not answer holds this no longer than the connect bound
         with trio.move_on_after(self.cfg.header_timeout) as scope:
             try:
                 stream = await trio.open_tcp_stream(p.host, p.port)
@@ -184,10 +206,12 @@ class PeerClient:
                         target: str, obj: StoredObject, i: int, size: int) -> bytes | None:
         headers = [(b"host", f"{p.host}:{p.port}".encode()), (b"connection", b"close"),
                    *sign(self.cfg.secret, "GET", target)]
-        await stream.send_all(conn.send(h11.Request(method="GET", target=target,
-                                                    headers=headers))
-                              + (conn.send(h11.EndOfMessage()) or b""))
+        # the request and its answer's headers within header_timeout: a peer that takes the
+        # connection and never reads or answers (a black hole) holds this fetch no longer
         with trio.move_on_after(self.cfg.header_timeout) as scope:
+            await stream.send_all(conn.send(h11.Request(method="GET", target=target,
+                                                        headers=headers))
+                                  + (conn.send(h11.EndOfMessage()) or b""))
             ev = await _next(stream, conn)
         if scope.cancelled_caught:
             raise PeerFault("stall", f"sent no answer within {self.cfg.header_timeout:.0f} s")
@@ -252,14 +276,18 @@ async def request(cfg: PeerConfig, p: PeerEndpoint, method: str, target: str, *,
                (b"content-length", str(len(body)).encode()), *sign(cfg.secret, method, target)]
     async with stream:
         try:
-            await stream.send_all(conn.send(h11.Request(method=method, target=target,
-                                                        headers=headers))
-                                  + (conn.send(h11.Data(data=body)) if body else b"")
-                                  + (conn.send(h11.EndOfMessage()) or b""))
-            with trio.move_on_after(cfg.header_timeout) as scope:
+            # the request (its body at min_rate) and the answer's headers within their budget:
+            # a peer that takes the connection and never reads (a black hole) holds no longer
+            budget = cfg.header_timeout + len(body) / cfg.min_rate
+            with trio.move_on_after(budget) as scope:
+                await stream.send_all(conn.send(h11.Request(method=method, target=target,
+                                                            headers=headers))
+                                      + (conn.send(h11.Data(data=body)) if body else b"")
+                                      + (conn.send(h11.EndOfMessage()) or b""))
                 ev = await _next(stream, conn)
             if scope.cancelled_caught:
-                raise PeerFault("stall", f"sent no answer within {cfg.header_timeout:.0f} s")
+                raise PeerFault("stall", f"took no request or sent no answer within "
+                                f"{budget:.0f} s")
             if not isinstance(ev, h11.Response):
                 raise PeerFault("protocol", f"answered with {type(ev).__name__}")
             status, got = ev.status_code, {k.lower(): v for k, v in ev.headers}

@@ -91,10 +91,15 @@ class Restorer:
         self._fetch_whole = fetch_whole
         self.mode = mode
         self._warned_disk = False
+        self._peers = peers
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
                   ) -> None:
-        await self.prefetch.run(task_status=task_status)
+        async with trio.open_nursery() as nursery:
+            if self._peers is not None:  # its list of live peers, refreshed in the background
+                nursery.start_soon(self._peers.run)
+            await nursery.start(self.prefetch.run)
+            task_status.started()
 
     # -- what tiering and the FUSE layer call ------------------------------------------------
 

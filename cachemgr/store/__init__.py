@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from cachemgr.store.base import (
+    DeadlineExceeded,
     IntegrityError,
     NotFound,
     ObjectInfo,
@@ -20,8 +21,8 @@ from cachemgr.store.local import LocalStore
 from cachemgr.store.wrappers import FaultyStore, RetryingStore, RetryPolicy
 
 __all__ = [
-    "FaultyStore", "IntegrityError", "LocalStore", "NotFound", "ObjectInfo", "ObjectStore",
-    "Part", "PreconditionFailed", "RetryPolicy", "RetryingStore", "StoreError",
+    "DeadlineExceeded", "FaultyStore", "IntegrityError", "LocalStore", "NotFound", "ObjectInfo",
+    "ObjectStore", "Part", "PreconditionFailed", "RetryPolicy", "RetryingStore", "StoreError",
     "TransientStoreError", "crc32c", "open_store",
 ]
 

@@ -134,6 +134,13 @@ class TransientStoreError(StoreError):
     transient = True
 
 
+class DeadlineExceeded(TransientStoreError):
+    """The store did not answer a try within its deadline (a black hole: connections accepted,
+    nothing answered; s3.S3Store's per-class deadlines, docs/ARCHITECTURE.md "Store
+    deadlines"). A failure like a refusal for the store's health; `RetryingStore` tries a call
+    at most `RetryPolicy.deadline_attempts` times when its tries end so."""
+
+
 class IntegrityError(StoreError):
     """Bytes read back do not match their recorded checksum."""
 

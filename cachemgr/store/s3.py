@@ -5,6 +5,28 @@ bounds both threads and connections (the client's pool is sized to match). botoc
 retries are turned off (`max_attempts=1`): `RetryingStore` owns the retry policy so that every
 retry is visible in our statistics and logs.
 
+Deadlines (docs/ARCHITECTURE.md "Store deadlines"): a store that accepts connections and never
+answers (a black hole) must cost each call a known time, not botocore's read timeout times its
+retries. Every request runs in `_thread`: `trio.to_thread.run_sync(..., abandon_on_cancel=True)`
+inside `trio.move_on_after(deadline)`, the deadline chosen per class of operation from the bytes
+it moves (`Deadlines`: a base latency plus the bytes at a floor rate per connection). A try that
+has no answer by then raises `DeadlineExceeded` ("no answer within Xs", transient: a failure for
+the store's health like a refusal) at once, and its thread is abandoned. Not an async HTTP
+client: boto3 is where S3's signing, checksums, credential chain and error codes are right, and
+one thread per request is what a store seam needs at our request rates; what must hold is the
+deadline, and abandoning a thread gives exactly that.
+
+What bounds the abandoned threads and their connections: trio releases an abandoned thread's
+`CapacityLimiter` token only when the thread really ends (trio/_threads.py,
+`report_back_in_trio_thread_fn` runs `limiter.release_on_behalf_of` once the worker returns), so
+threads, abandoned or not, and their connections never exceed `max_connections` (the client's
+pool is sized to match); a new call during an outage waits for a token (at most `Deadlines.queue`,
+then `DeadlineExceeded` too). Each blocking socket call of a thread is bounded by botocore: a
+connect or a send by `connect_timeout` (urllib3 sets the socket's timeout to it until the request
+is sent), each receive by `read_timeout`; botocore does not retry (`max_attempts=1`). So a thread
+talking to a black hole ends within connect_timeout + read_timeout (25 s) after its last byte
+was taken; only a peer that trickles bytes can keep one longer, and it still holds its token.
+
 Credentials come only from the standard AWS chain (environment, shared config/credentials
 files, profile, instance metadata): this module never takes keys as arguments.
 
@@ -28,7 +50,7 @@ from __future__ import annotations
 import builtins
 import logging
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +62,7 @@ import trio
 from cachemgr.store.base import (
     PROBE_PREFIX,
     ConditionalWrites,
+    DeadlineExceeded,
     NotFound,
     ObjectInfo,
     ObjectStore,
@@ -64,6 +87,63 @@ _TRANSIENT_CODES = {
 }
 
 
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class Deadlines:
+    """The deadline of one try of each class of request, in seconds (docs/ARCHITECTURE.md
+    "Store deadlines" has the table with retries). A request that moves bytes gets `base` plus
+    its bytes at `floor_rate`; the others a fixed bound.
+
+    - `base` 10 s: connect, TLS, signing and the store's first byte, which S3 answers in tens
+      of milliseconds; 10 s is two orders of magnitude of slack for a loaded store or node.
+    - `floor_rate` 4 MiB/s per connection: 16 connections at the floor move 64 MiB/s, a tenth of
+      a 10 Gbit/s NIC and half of a 1 Gbit/s one; a connection slower than this is treated as
+      not answering (a 64 MiB part: 26 s; a 4 MiB chunk: 11 s).
+    - documents read whole (no range: manifests, part records, member records) are sized at
+      their cap, validate.MAX_DOCUMENT_BYTES (64 MiB): 26 s.
+    - `control` 10 s: HEAD, DELETE, create and abort of a multipart upload (no body).
+    - `list_page` 15 s: one page of ListObjectsV2 (1,000 keys, ~300 KB of XML); a listing
+      gets this per page, so a long listing is never cut short for being long.
+    - `complete` 30 s + 0.05 s per part: S3 may take long to assemble a large upload (it
+      keeps the connection alive with whitespace meanwhile).
+    - `queue` 30 s: the wait for a free connection (a token of the limiter) before a request
+      starts; longer than a thread that talks to a black hole lives (25 s, module docstring).
+    """
+
+    base: float = 10.0
+    floor_rate: float = 4 * MiB
+    document_bytes: int = 64 * MiB
+    control: float = 10.0
+    list_page: float = 15.0
+    complete: float = 30.0
+    complete_per_part: float = 0.05
+    queue: float = 30.0
+
+    def data(self, nbytes: int | None) -> float:
+        """A request that moves `nbytes` (None: a document read whole)."""
+        n = self.document_bytes if nbytes is None else nbytes
+        return self.base + n / self.floor_rate
+
+
+class _Held:
+    """A limiter token already acquired for `borrower`, handed to `trio.to_thread.run_sync` as
+    its limiter: the thread starts without waiting and the token is released when the thread
+    really ends, abandoned or not (so the wait for a token has its own bound)."""
+
+    def __init__(self, limiter: trio.CapacityLimiter, borrower: object) -> None:
+        self._limiter = limiter
+        self._borrower = borrower
+        self.taken = False  # run_sync took the token over (it releases it from then on)
+
+    async def acquire_on_behalf_of(self, borrower: object) -> None:
+        self.taken = True
+
+    def release_on_behalf_of(self, borrower: object) -> None:
+        self._limiter.release_on_behalf_of(self._borrower)
+
+
 @dataclass(frozen=True)
 class S3Options:
     endpoint_url: str | None = None
@@ -71,8 +151,12 @@ class S3Options:
     path_style: bool = False
     profile: str | None = None
     max_connections: int = 16
-    connect_timeout: float = 10.0
-    read_timeout: float = 60.0
+    # botocore's bounds on each blocking socket call of a request's thread: a connect or a send
+    # (connect_timeout), a receive (read_timeout). They bound how long an abandoned thread
+    # lives (module docstring), not a request: that is `deadlines`.
+    connect_timeout: float = 5.0
+    read_timeout: float = 20.0
+    deadlines: Deadlines = Deadlines()
     # A store found to ignore conditional writes is used anyway, writing unconditionally (the
     # last writer of a path wins): `ckptfs mount --store-ignores-conditions`. Without it such a
     # store fails the conditional PUT (and the mount refuses it).
@@ -107,6 +191,7 @@ class S3Store(ObjectStore):
         )
         self.client = session.client("s3", endpoint_url=opts.endpoint_url, config=cfg)
         self._limiter = trio.CapacityLimiter(opts.max_connections)
+        self.deadlines = opts.deadlines
         self._allow_unconditional = opts.allow_unconditional
         # What the probe found; written once by probe_conditional under _probe_lock (trio
         # thread only), read by put() and by callers through `supports_conditional_put`.
@@ -125,8 +210,33 @@ class S3Store(ObjectStore):
     def _k(self, key: str) -> str:
         return self.prefix + check_key(key)
 
-    async def _call(self, key: str | None, fn: Callable[..., Any], **kw: Any) -> Any:
-        """`fn(**kw)` (a boto3 client method) in a worker thread, its errors translated."""
+    async def _thread(self, deadline: float, what: str, key: str | None,
+                      fn: Callable[[], Any]) -> Any:
+        """`fn()` in a worker thread, its answer awaited at most `deadline` seconds once a
+        connection is free (at most `deadlines.queue`): else DeadlineExceeded at once, the
+        thread abandoned (module docstring: what bounds it)."""
+        borrower = object()
+        with trio.move_on_after(self.deadlines.queue) as queued:
+            await self._limiter.acquire_on_behalf_of(borrower)
+        if queued.cancelled_caught:
+            raise DeadlineExceeded(f"{what} {key or ''}: no connection free within "
+                                   f"{self.deadlines.queue:.0f}s", key=key)
+        held = _Held(self._limiter, borrower)
+        try:
+            with trio.move_on_after(deadline):
+                # trio takes any "CapacityLimiter-like object" (run_sync's docstring); its
+                # annotation names only CapacityLimiter
+                return await trio.to_thread.run_sync(
+                    fn, abandon_on_cancel=True, limiter=held)  # type: ignore[arg-type]
+        finally:
+            if not held.taken:  # cancelled before run_sync took it: no thread will release it
+                self._limiter.release_on_behalf_of(borrower)
+        raise DeadlineExceeded(f"{what} {key or ''}: no answer within {deadline:.0f}s", key=key)
+
+    async def _call(self, key: str | None, deadline: float, fn: Callable[..., Any],
+                    **kw: Any) -> Any:
+        """`fn(**kw)` (a boto3 client method) in a worker thread within `deadline`, its errors
+        translated."""
         def run() -> Any:
             try:
                 return fn(**kw)
@@ -136,7 +246,7 @@ class S3Store(ObjectStore):
                     botocore.exceptions.ReadTimeoutError,
                     botocore.exceptions.ConnectTimeoutError) as e:
                 raise TransientStoreError(f"{fn.__name__} {key}: {e}", key=key) from None
-        return await trio.to_thread.run_sync(run, limiter=self._limiter)
+        return await self._thread(deadline, fn.__name__, key, run)
 
     async def put(self, key: str, data: bytes | memoryview, *, if_none_match: bool = False,
                   if_match: str | None = None) -> ObjectInfo:
@@ -158,9 +268,10 @@ class S3Store(ObjectStore):
     async def _put(self, key: str, data: bytes | memoryview,
                    conditions: dict[str, str]) -> ObjectInfo:
         crc = crc32c(data)
-        r = await self._call(key, self.client.put_object, Bucket=self.bucket, Key=self._k(key),
-                             Body=bytes(data), ChecksumCRC32C=crc32c_b64(crc),
-                             Metadata={META_CRC: str(crc)}, **conditions)
+        r = await self._call(key, self.deadlines.data(len(data)), self.client.put_object,
+                             Bucket=self.bucket, Key=self._k(key), Body=bytes(data),
+                             ChecksumCRC32C=crc32c_b64(crc), Metadata={META_CRC: str(crc)},
+                             **conditions)
         return ObjectInfo(key, len(data), r["ETag"], crc)
 
     # -- the conditional-write probe ------------------------------------------------------------
@@ -238,55 +349,64 @@ class S3Store(ObjectStore):
             except (botocore.exceptions.ConnectionError, botocore.exceptions.HTTPClientError,
                     botocore.exceptions.ReadTimeoutError, ConnectionError) as e:
                 raise TransientStoreError(f"get {key}: {e}", key=key) from None
-        return await trio.to_thread.run_sync(fetch, limiter=self._limiter)
+        data: bytes = await self._thread(self.deadlines.data(length), "get_object", key, fetch)
+        return data
 
     async def head(self, key: str) -> ObjectInfo:
-        r = await self._call(key, self.client.head_object, Bucket=self.bucket, Key=self._k(key))
+        r = await self._call(key, self.deadlines.control, self.client.head_object,
+                             Bucket=self.bucket, Key=self._k(key))
         crc = _crc_meta(r.get("Metadata", {}).get(META_CRC))
         return ObjectInfo(key, r["ContentLength"], r["ETag"], crc,
                           r["LastModified"].timestamp())
 
     async def list(self, prefix: str = "") -> builtins.list[ObjectInfo]:
-        def run() -> builtins.list[ObjectInfo]:
-            out = []
-            pages = self.client.get_paginator("list_objects_v2").paginate(
-                Bucket=self.bucket, Prefix=self.prefix + prefix)
+        """Every page in its own thread, each within `deadlines.list_page`: a long listing is
+        never cut short for being long, a page that does not come is."""
+        pages: Iterator[dict[str, Any]] = iter(self.client.get_paginator(
+            "list_objects_v2").paginate(Bucket=self.bucket, Prefix=self.prefix + prefix))
+
+        def page() -> dict[str, Any] | None:
             try:
-                for page in pages:
-                    for o in page.get("Contents", []):
-                        out.append(ObjectInfo(o["Key"][len(self.prefix):], o["Size"], o["ETag"],
-                                              None, o["LastModified"].timestamp()))
+                return next(pages, None)
             except botocore.exceptions.ClientError as e:
                 raise _translate(e, prefix) from None
-            except (botocore.exceptions.ConnectionError,
-                    botocore.exceptions.HTTPClientError) as e:
+            except (botocore.exceptions.ConnectionError, botocore.exceptions.HTTPClientError,
+                    botocore.exceptions.ReadTimeoutError,
+                    botocore.exceptions.ConnectTimeoutError) as e:
                 raise TransientStoreError(f"list {prefix}: {e}") from None
-            return out
-        return sorted(await trio.to_thread.run_sync(run, limiter=self._limiter),
-                      key=lambda i: i.key)
+
+        out = []
+        while (got := await self._thread(self.deadlines.list_page, "list_objects_v2", prefix,
+                                         page)) is not None:
+            for o in got.get("Contents", []):
+                out.append(ObjectInfo(o["Key"][len(self.prefix):], o["Size"], o["ETag"],
+                                      None, o["LastModified"].timestamp()))
+        return sorted(out, key=lambda i: i.key)
 
     async def delete(self, key: str) -> None:
-        await self._call(key, self.client.delete_object, Bucket=self.bucket, Key=self._k(key))
+        await self._call(key, self.deadlines.control, self.client.delete_object,
+                         Bucket=self.bucket, Key=self._k(key))
 
     async def create_multipart(self, key: str) -> str:
-        r = await self._call(key, self.client.create_multipart_upload, Bucket=self.bucket,
-                             Key=self._k(key), ChecksumAlgorithm="CRC32C")
+        r = await self._call(key, self.deadlines.control, self.client.create_multipart_upload,
+                             Bucket=self.bucket, Key=self._k(key), ChecksumAlgorithm="CRC32C")
         upload_id: str = r["UploadId"]
         return upload_id
 
     async def upload_part(self, key: str, upload_id: str, number: int,
                           data: bytes | memoryview) -> Part:
         crc = crc32c(data)
-        r = await self._call(key, self.client.upload_part, Bucket=self.bucket, Key=self._k(key),
-                             UploadId=upload_id, PartNumber=number, Body=bytes(data),
-                             ChecksumCRC32C=crc32c_b64(crc))
+        r = await self._call(key, self.deadlines.data(len(data)), self.client.upload_part,
+                             Bucket=self.bucket, Key=self._k(key), UploadId=upload_id,
+                             PartNumber=number, Body=bytes(data), ChecksumCRC32C=crc32c_b64(crc))
         return Part(number, r["ETag"], crc, len(data))
 
     async def complete_multipart(self, key: str, upload_id: str, parts: builtins.list[Part],
                                  crc32c: int) -> ObjectInfo:
         ordered = sorted(parts, key=lambda p: p.number)
         r = await self._call(
-            key, self.client.complete_multipart_upload, Bucket=self.bucket, Key=self._k(key),
+            key, self.deadlines.complete + self.deadlines.complete_per_part * len(ordered),
+            self.client.complete_multipart_upload, Bucket=self.bucket, Key=self._k(key),
             UploadId=upload_id,
             MultipartUpload={"Parts": [{"PartNumber": p.number, "ETag": p.etag,
                                         "ChecksumCRC32C": crc32c_b64(p.crc32c)}
@@ -300,8 +420,8 @@ class S3Store(ObjectStore):
 
     async def abort_multipart(self, key: str, upload_id: str) -> None:
         try:
-            await self._call(key, self.client.abort_multipart_upload, Bucket=self.bucket,
-                             Key=self._k(key), UploadId=upload_id)
+            await self._call(key, self.deadlines.control, self.client.abort_multipart_upload,
+                             Bucket=self.bucket, Key=self._k(key), UploadId=upload_id)
         except NotFound:
             pass
 

@@ -2,7 +2,11 @@
 
 `RetryingStore` retries transient failures (throttling, 5xx, timeouts, resets, read-back
 integrity mismatches) with exponential backoff and full jitter, up to `RetryPolicy.attempts`
-tries per call (8 by default: at most 6.35 s of backoff); it counts every retry in
+tries per call (8 by default: at most 6.35 s of backoff), of which at most
+`RetryPolicy.deadline_attempts` (2) may end at their deadline (`DeadlineExceeded`: the store did
+not answer; asking a black hole eight times would only make the caller wait eight deadlines);
+so a call's worst case is known per class of request (docs/ARCHITECTURE.md "Store deadlines").
+It counts every retry in
 `statistics()`, which only the trio tasks calling it touch (one loop, no lock). `FaultyStore`
 injects failures deterministically (every Nth call of an operation, or the next K calls) so
 tests can provoke them on purpose; it is a real store in between, never a mock.
@@ -24,6 +28,7 @@ import trio
 
 from cachemgr.store.base import (
     ConditionalWrites,
+    DeadlineExceeded,
     ObjectInfo,
     ObjectStore,
     Part,
@@ -38,6 +43,10 @@ log = logging.getLogger(__name__)
 @dataclass
 class RetryPolicy:
     attempts: int = 8          # total tries per call
+    # tries of one call that may end at their deadline (DeadlineExceeded): a store that did not
+    # answer twice in a row is not asked again by this call; its caller (an upload worker, the
+    # namespace worker, a listing) retries the work later and says so in status
+    deadline_attempts: int = 2
     base_delay: float = 0.05   # first backoff ceiling, seconds
     max_delay: float = 5.0     # backoff ceiling cap
     # Full jitter (sleep uniform(0, ceiling)): AWS's recommendation for throttled clients, it
@@ -152,11 +161,14 @@ class RetryingStore(_Wrapper):
         st = self.stats
         st.calls += 1
         st.by_op[op] = st.by_op.get(op, 0) + 1
+        unanswered = 0
         for attempt in range(1, p.attempts + 1):
             try:
                 return await getattr(self.inner, op)(*args, **kw)
             except Exception as e:
-                if not getattr(e, "transient", False) or attempt == p.attempts:
+                unanswered += isinstance(e, DeadlineExceeded)
+                if not getattr(e, "transient", False) or attempt == p.attempts or \
+                        unanswered >= p.deadline_attempts:
                     if getattr(e, "transient", False):
                         self.stats.failures += 1
                         log.warning("%s failed after %d attempts: %s", op, attempt, e)

@@ -121,7 +121,14 @@ class PeerNamespace:
         out: dict[tuple[str, int], PeerEndpoint] = {}
         for host, port in self.cfg.seeds:
             try:
-                infos = await trio.socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+                # getaddrinfo runs in a thread trio abandons when cancelled: a resolver that
+                # does not answer holds a pass no longer than header_timeout
+                with trio.fail_after(self.cfg.header_timeout):
+                    infos = await trio.socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+            except trio.TooSlowError:
+                self._warn(f"{host}:{port}", "peers: --peer-seeds %s:%d: no answer from the "
+                           "resolver within %.0f s", host, port, self.cfg.header_timeout)
+                continue
             except OSError as e:
                 self._warn(f"{host}:{port}", "peers: --peer-seeds %s:%d does not resolve (%s)",
                            host, port, e)

@@ -52,7 +52,7 @@ from cachemgr.host import background
 from cachemgr.host.foreground import Foreground
 from cachemgr.restore.fetch import Fetcher
 from cachemgr.restore.peerproto import PeerConfig, PeerEndpoint
-from cachemgr.store import ObjectStore, StoreError
+from cachemgr.store import DeadlineExceeded, ObjectStore, StoreError
 from cachemgr.tiering.commit import Committer
 from cachemgr.tiering.gather import Gatherer
 from cachemgr.tiering.history import History
@@ -75,6 +75,12 @@ log = logging.getLogger(__name__)
 
 # status lists at most this many failed sets (it counts them all: failed_sets, failed_bytes)
 FAILED_SHOWN = 20
+# The peer client's listing of the live members (one LIST of members/ and a GET of each new
+# member's record) is given up after this: a restore then asks the peers the namespace answers
+# named, or the store (cachemgr.restore.peers holds no fetch behind it once it has a list).
+# One store LIST page's deadline (s3.Deadlines.list_page, 15 s) less a margin: a listing that
+# took longer than one page's worth on one try is an outage, not a slow page.
+PEER_LISTING_DEADLINE_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -209,10 +215,17 @@ class Tiering:
             self.remote.keys_named_elsewhere(path, keys)
 
     async def _live_peers(self, stale: frozenset[str]) -> list[PeerEndpoint]:
-        """The live peers for restores: the members listing (Members.peers); while the store
-        cannot be listed, the peers the namespace answers named (PeerNamespace)."""
+        """The live peers for restores: the members listing (Members.peers), within
+        PEER_LISTING_DEADLINE_S; while the store cannot be listed or does not answer, the peers
+        the namespace answers named (PeerNamespace), at once while the store's last listing
+        failed (a fresh node during an outage must not wait a listing deadline per restore)."""
+        if self.peerspace is not None and self.peerspace.known and self.remote.failed_listings:
+            return self.peerspace.known_peers(stale)
         try:
-            return await self.members.peers(stale)
+            with trio.move_on_after(PEER_LISTING_DEADLINE_S):
+                return await self.members.peers(stale)
+            raise DeadlineExceeded(f"the members listing: no answer within "
+                                   f"{PEER_LISTING_DEADLINE_S:.0f}s")
         except StoreError:
             if self.peerspace is None or not self.peerspace.known:
                 raise
@@ -293,16 +306,19 @@ class Tiering:
         if self.cfg.read_only:
             await self._run_read_only(task_status)
             return
-        await self.members.register()  # before the first request is served (tiering.members)
-        self.running = True
         try:
             async with trio.open_nursery() as nursery:
+                # The first listing runs while the node registers: both wait on the store, and
+                # a store that does not answer must cost a mount one of their deadlines, not
+                # both in a row (issue 36: a fresh node mounts within 60 s of a black hole).
+                await nursery.start(self.restorer.run)  # what the listing may prefetch with
+                nursery.start_soon(self._supervised, self.remote.run)
+                await self.members.register()  # before the first request is served
+                self.running = True
                 for _ in range(max(1, self.cfg.file_concurrency)):
                     nursery.start_soon(self._supervised, self.uploads.worker)
                 nursery.start_soon(self._supervised, self.publisher.worker)
                 nursery.start_soon(self._supervised, self.history.run)
-                await nursery.start(self.restorer.run)
-                nursery.start_soon(self._supervised, self.remote.run)
                 nursery.start_soon(self._supervised, self.parts.run)
                 nursery.start_soon(self._supervised, self.members.run)
                 if self.peer_server is not None:
