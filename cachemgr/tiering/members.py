@@ -73,6 +73,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import random
 import stat
 import time
 from dataclasses import asdict, dataclass
@@ -438,7 +439,8 @@ class Members:
                         await self._poll(nursery)
                 except StoreError as e:
                     log.warning("members: %s; retrying", e)
-                await trio.sleep(min(self.poll, self.lease.lease / 4))
+                # +-10 %, as the store's listings (cachemgr.tiering.remote): no fleet in lockstep
+                await trio.sleep(min(self.poll, self.lease.lease / 4) * random.uniform(0.9, 1.1))
 
     async def _renew_loop(self) -> None:
         """Renew every lease/4 (sooner while not registered or lapsed); its own task, so a slow

@@ -45,6 +45,7 @@ is in memory is rebuilt by the first listing after a restart.
 from __future__ import annotations
 
 import logging
+import random
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -174,7 +175,10 @@ class RemoteSync:
             self.first_listing.set()
             if self.interval <= 0 and self.syncs:
                 return
-            await trio.sleep(self.interval if self.interval > 0 else 1.0)
+            # +-10 %: nodes mounted in the same second drift apart instead of listing the
+            # store in lockstep (a fleet's LISTs of `manifests/` arrive spread over the interval)
+            await trio.sleep((self.interval if self.interval > 0 else 1.0) *
+                             random.uniform(0.9, 1.1))
 
     async def sync_once(self) -> None:
         """One listing of the store, applied as one step: every manifest that changed is read
