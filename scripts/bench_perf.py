@@ -169,6 +169,10 @@ def main(argv: list[str] | None = None) -> int:
     ov = REPO / "docs" / "bench" / "overhead.json"
     if not a.no_docs and ov.exists():
         perf.res["overhead"] = json.loads(ov.read_text())
+    # History and directory size (scripts/bench_scale.py --docs): its "Scale" section.
+    sc = REPO / "docs" / "bench" / "scale.json"
+    if not a.no_docs and sc.exists():
+        perf.res["scale"] = json.loads(sc.read_text())
     bench_report.write_all(perf.res, perf.out, None if a.no_docs else REPO / "docs")
     perf.progress(f"done: {perf.out / 'results.md'}"
                   + ("" if a.no_docs else ", docs/PERFORMANCE.md, docs/bench/perf.json"))

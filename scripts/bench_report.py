@@ -147,6 +147,16 @@ OVERHEAD_GOALS = [
 OVERHEAD_CPU_GOALS = (0.02, 0.3)  # daemon s/GiB: request path, including the upload (file://)
 
 
+def scale_section(sc: Json) -> list[str]:
+    """docs/PERFORMANCE.md's "Scale" section: scripts/bench_scale.py's report
+    (`res["scale"]`, from docs/bench/scale.json)."""
+    from bench_scale import markdown as scale_markdown
+    from bench_scale import summary as scale_summary
+
+    text = scale_markdown(sc, scale_summary(sc), "### Scale: history and directory size")
+    return ["## Scale", "", *text.rstrip("\n").split("\n"), ""]
+
+
 def overhead_section(ov: Json) -> list[str]:
     """docs/PERFORMANCE.md's section for bench_overhead's report (`res["overhead"]`)."""
     meta, a, rows = ov.get("meta", {}), ov.get("args", {}), ov.get("rows", [])
@@ -686,6 +696,8 @@ def markdown(res: Json, s: Json, pngs: list[str], docs: bool) -> str:
     L += issue_targets_section(res, s)
     if res.get("overhead"):
         L += overhead_section(res["overhead"])
+    if res.get("scale"):
+        L += scale_section(res["scale"])
     L += targets_section(res, s)
     for p in pngs:
         if p.endswith(".png"):
