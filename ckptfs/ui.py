@@ -229,10 +229,12 @@ def unsaved_words(t: dict) -> str:
     """What status and umount say of the closed files in no committed set."""
     handed = t.get("handed_files", 0)
     return (f"{human(t.get('unsaved_bytes', 0))} in {_plural(t['unsaved_files'], 'file')} in no "
-            "committed set, " + (f"{handed} of them uploaded for a commit of their directory on "
-                                 "another node, the rest " if handed else "") +
-            "only in this cache (nothing uploads them as they are: `ckptfs commit` them, or "
-            "remove them)")
+            "committed set" + (
+                ", uploaded for a commit of their directory on another node, in no manifest yet"
+                if handed == t["unsaved_files"] else
+                f", {handed} of them uploaded for a commit of their directory on another node,"
+                " the rest only in this cache" if handed else ", only in this cache") +
+            " (nothing uploads them as they are: `ckptfs commit` them, or remove them)")
 
 
 def _stuck(t: dict) -> Text | None:

@@ -169,10 +169,14 @@ def main(argv: list[str] | None = None) -> int:
     ov = REPO / "docs" / "bench" / "overhead.json"
     if not a.no_docs and ov.exists():
         perf.res["overhead"] = json.loads(ov.read_text())
-    # History and directory size (scripts/bench_scale.py --docs): its "Scale" section.
-    sc = REPO / "docs" / "bench" / "scale.json"
+    # One big set and many sets (scripts/bench_scale_sets.py --docs, run on its own: ~15 min).
+    sc = REPO / "docs" / "bench" / "scale-sets.json"
     if not a.no_docs and sc.exists():
         perf.res["scale"] = json.loads(sc.read_text())
+    # History and directory size (scripts/bench_scale.py --docs, run on its own: ~10 min).
+    sh = REPO / "docs" / "bench" / "scale.json"
+    if not a.no_docs and sh.exists():
+        perf.res["scale_history"] = json.loads(sh.read_text())
     bench_report.write_all(perf.res, perf.out, None if a.no_docs else REPO / "docs")
     perf.progress(f"done: {perf.out / 'results.md'}"
                   + ("" if a.no_docs else ", docs/PERFORMANCE.md, docs/bench/perf.json"))

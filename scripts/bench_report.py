@@ -148,13 +148,35 @@ OVERHEAD_CPU_GOALS = (0.02, 0.3)  # daemon s/GiB: request path, including the up
 
 
 def scale_section(sc: Json) -> list[str]:
-    """docs/PERFORMANCE.md's "Scale" section: scripts/bench_scale.py's report
-    (`res["scale"]`, from docs/bench/scale.json)."""
+    """docs/PERFORMANCE.md's "Scale" section: scripts/bench_scale_sets.py's report
+    (`res["scale"]`, from docs/bench/scale-sets.json)."""
+    import bench_scale_sets
+
+    c = sc.get("config", {})
+    cmd = (f"python scripts/bench_scale_sets.py --rounds {c.get('rounds')} --shards "
+           f"{c.get('shards')} --sets {','.join(str(n) for n in c.get('sets') or [])} --docs")
+    return ["## Scale: one big set, many sets", "",
+            (f"_From `{cmd}` ({sc.get('started')}, commit {sc.get('machine', {}).get('git')}, "
+             f"{sc.get('machine', {}).get('cpus')} CPUs; store, cache and mount point in "
+             f"{c.get('workdir')}): a fresh `file://` store and mount per run, the cases of a "
+             "table interleaved and their order reversed every other round; median "
+             "[min–max] over the rounds. What each column measures: the script's docstring; "
+             "the costs behind them: docs/ARCHITECTURE.md \"Scale\"._"), "",
+            *([f"_{sc['note']}._", ""] if sc.get("note") else []),
+            bench_scale_sets.report(sc, title=False), "",
+            *[line for before in sc.get("compare", []) for line in (
+                f"#### {before['what']}", "", f"_{before['how']}._", "",
+                bench_scale_sets.report(before, title=False).replace("### ", "##### "), "")]]
+
+
+def scale_history_section(sc: Json) -> list[str]:
+    """docs/PERFORMANCE.md's "Scale: history and directory size": scripts/bench_scale.py's
+    report (`res["scale_history"]`, from docs/bench/scale.json)."""
     from bench_scale import markdown as scale_markdown
     from bench_scale import summary as scale_summary
 
-    text = scale_markdown(sc, scale_summary(sc), "### Scale: history and directory size")
-    return ["## Scale", "", *text.rstrip("\n").split("\n"), ""]
+    text = scale_markdown(sc, scale_summary(sc), "## Scale: history and directory size")
+    return [*text.rstrip("\n").split("\n"), ""]
 
 
 def overhead_section(ov: Json) -> list[str]:
@@ -690,12 +712,34 @@ def method_section(res: Json) -> list[str]:
     return L
 
 
+FLEET_MD = Path(__file__).resolve().parent.parent / "docs" / "bench" / "sim_fleet_mem.md"
+
+
+def fleet_section() -> list[str]:
+    """docs/PERFORMANCE.md's "Scale: a fleet on one bucket": the table of the last
+    `scripts/sim_fleet.py --out docs/bench` run (docs/bench/sim_fleet_mem.md), if there is one;
+    the fleet simulation is not part of bench.sh (it takes ~13 minutes at 1,000 nodes)."""
+    if not FLEET_MD.exists():
+        return []
+    rows = [ln for ln in FLEET_MD.read_text().splitlines() if ln.startswith("|")]
+    return ["## Scale: a fleet on one bucket", "",
+            ("_From `PYTHONPATH=$PWD python scripts/sim_fleet.py --sizes 10,100,1000 --interval 3"
+             " --idle 9 --out docs/bench` (in-process nodes on one counted in-memory store; the"
+             " whole report, per operation and per prefix: "
+             "[docs/bench/sim_fleet_mem.md](bench/sim_fleet_mem.md)). Request counts are exact;"
+             " seconds are the simulation's, every node sharing one CPU of this machine, and"
+             " per-second peaks are in those seconds. docs/ARCHITECTURE.md \"Scale on paper\""
+             " reads the numbers._"), "", *rows, ""]
+
+
 def markdown(res: Json, s: Json, pngs: list[str], docs: bool) -> str:
     L = header(res, docs)
     L += data_paths_section(res, s)
     L += issue_targets_section(res, s)
     if res.get("overhead"):
         L += overhead_section(res["overhead"])
+    if res.get("scale_history"):
+        L += scale_history_section(res["scale_history"])
     if res.get("scale"):
         L += scale_section(res["scale"])
     L += targets_section(res, s)
@@ -709,6 +753,8 @@ def markdown(res: Json, s: Json, pngs: list[str], docs: bool) -> str:
     L += rss_section(s)
     L += profiles_section(res)
     L += peers_section(res)
+    if docs:
+        L += fleet_section()
     L += method_section(res)
     return "\n".join(L)
 

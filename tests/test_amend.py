@@ -13,6 +13,7 @@ saves): its `.metadata` rename commits it. A closed file in no set is counted an
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -172,3 +173,45 @@ def test_closed_files_in_no_set_are_counted_and_named(tmp_path, store):
     node.core.unlink(ROOT_INO, b"open.pt.tmp")
     assert node.t.status()["unsaved_files"] == 0
     node.core.close()
+
+
+def test_an_amend_of_a_set_other_nodes_wrote_into_keeps_their_files(tmp_path, store):
+    """A directory renamed into place on A holds B's file; A's late files amend it, before its
+    first manifest is in (the amend gathers B's file again) and after (B's file is in A's tree
+    by then): every manifest the store ever holds for it has B's file, and the last has the
+    late files too."""
+    a = Node(tmp_path / "a", store)
+    b = Node(tmp_path / "b", store)
+    x, y = os.urandom(2 * CHUNK + 1), os.urandom(CHUNK + 3)
+    for n in (a, b):
+        n.mkdir("step.tmp")
+    a.write("step.tmp/x", x)
+    b.write("step.tmp/y", y)
+    seen: list[list[str]] = []  # every manifest of `step` PUT, as it was PUT
+    real_put = store.put
+
+    async def put(key, data, **kw):
+        if key == manifest_key("step"):
+            seen.append(rel_paths(json.loads(bytes(data))))
+        return await real_put(key, data, **kw)
+    store.put = put
+
+    async def body():
+        a.core.rename(ROOT_INO, b"step.tmp", ROOT_INO, b"step", 0)
+        a.write("step/metadata.json", b"{}")     # at once: the rename's set is not durable yet
+        amend = a.sets.newest_at("step")
+        assert amend.reason == "amend"
+        await until(lambda: a.sets.get(amend.seq).state == "durable", "the amend to publish")
+        a.write("step/integrity.json", b"{}")    # after: B's file is in A's tree now
+        await until(lambda: a.state("step") == "durable" and
+                    a.sets.newest_at("step").seq > amend.seq, "the second amend to publish")
+    try:
+        run_nodes([a, b], body)
+        assert seen and all("y" in m for m in seen), seen
+        assert seen[-1] == ["integrity.json", "metadata.json", "x", "y"], seen
+        m = read_manifest(store, "step")
+        assert {f["path"]: f["size"] for f in m["files"]}["y"] == len(y)
+        assert sorted(m["commit"].get("nodes", [])) == sorted([a.t.node, b.t.node])
+    finally:
+        for n in (a, b):
+            n.core.close()

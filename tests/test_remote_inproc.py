@@ -1143,7 +1143,8 @@ RAW_CREATES_OF_V2 = 5
 
 
 class Fault:
-    """`owner.attr` (the raw tree's raw_create unless told) refuses its `n`th call while armed: a
+    """`owner.attr` (the raw tree's raw_create unless told: raw_create_files makes the files of
+    a set at a new path, a directory at a time) refuses its `n`th call while armed: a
     full disk half-way through an apply, once every entry of the replaced set is removed."""
 
     def __init__(self, core: CacheFs, n: int, exc: Exception, *, owner=None,
@@ -1277,13 +1278,15 @@ def test_failed_apply_over_a_new_path_leaves_nothing(h):
     m = h.manifest("new/deep/step", V2, dirs=["sub2"], links={"ln": "d.bin"})
     h.publish(m)
     inodes_before = h.core.index.all_inos()
-    Fault(h.core, 6, FsError(errno.ENOSPC))  # new, deep, step, sub2, a.bin, then d.bin
+    # new, deep, step, sub2 one by one; then the files a directory at a time
+    # (RawTree.raw_create_files): a.bin and d.bin made, then sub2/e.bin refused
+    Fault(h.core, 2, FsError(errno.ENOSPC), attr="raw_create_files")
     h.sync()
     assert h.core.index.all_inos() == inodes_before
     assert resolve(h.core, "new") is None and h.sets.newest_at("new/deep/step") is None
     assert memory_problems(h.core) == [] and h.core.check_consistency() == []
     assert h.core.cache.table.get(ROOT_INO).nlink == 2
-    h.core.cache.tree.raw_create.armed = False
+    h.core.cache.tree.raw_create_files.armed = False
     h.sync()
     assert_set_restored(h, _normalised(m))
 

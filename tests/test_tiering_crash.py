@@ -858,7 +858,7 @@ def test_delete_then_recommit_same_path_with_slow_store(mount_factory, monkeypat
     manifests: dict = {}
     assert read_store(reader, manifests) == {"ckpt/step_1": old}
     old_keys = {f["object"]["key"] for f in manifests["ckpt/step_1"]["files"]}
-    m.stop()
+    m.stop("--allow-unsaved")  # scratch.tmp/g.bin is in no set, on purpose
 
     # The namespace worker is kept busy >= 1 s by a failing DELETE (collecting g.bin) while
     # the set is deleted and saved again; PUTs always fail, so the new set stays pending.

@@ -619,12 +619,7 @@ class Index(TreeQueries, ContentQueries):
         # rowid alone would hand the newest deleted inode's number out again, and its upload
         # would overwrite an object a published manifest still names.
         if self._next_ino is None:
-            row = self.conn.execute(
-                "SELECT MAX(n) FROM (SELECT MAX(ino) AS n FROM inodes UNION ALL"
-                " SELECT MAX(ino) FROM set_files UNION ALL SELECT MAX(ino) FROM objects UNION ALL"
-                " SELECT CAST(value AS INTEGER) FROM meta WHERE key='ino_high_water')"
-            ).fetchone()
-            self._next_ino = int(row[0] or ROOT_INO) + 1
+            self._next_ino = self._high_water() + 1
         ino = self._next_ino
         self.conn.execute(
             "INSERT INTO inodes (ino, mode, uid, gid, size, atime_ns, mtime_ns, ctime_ns, nlink,"
@@ -634,6 +629,39 @@ class Index(TreeQueries, ContentQueries):
         self.conn.execute("INSERT OR REPLACE INTO meta VALUES ('ino_high_water', ?)", (str(ino),))
         self._next_ino = ino + 1  # a rolled-back insert only leaves a gap
         return ino
+
+    def insert_restored_files(self, parent: int, rows: list[tuple[bytes, int, int, int, str]],
+                              *, uid: int, gid: int, now: int) -> list[int]:
+        """New evicted regular files in directory `parent`, as many `insert_inode` +
+        `set_restored_object` + `add_dentry` would make them: rows (name, mode, size,
+        mtime_ns, obj). Names must be free and distinct. Their inode numbers, in order. Two
+        statements for all of them (a restored set of F files: cachemgr.core.rawtree)."""
+        if not rows:
+            return []
+        if self._next_ino is None:
+            self._next_ino = self._high_water() + 1
+        first = self._next_ino
+        inos = list(range(first, first + len(rows)))
+        self.conn.executemany(
+            "INSERT INTO inodes (ino, mode, uid, gid, size, atime_ns, mtime_ns, ctime_ns, nlink,"
+            " obj, obj_version, cached) VALUES (?, ?, ?, ?, ?, ?, ?, ?, 1, ?, 0, 0)",
+            [(ino, mode, uid, gid, size, now, mtime, now, obj)
+             for ino, (_n, mode, size, mtime, obj) in zip(inos, rows, strict=True)])
+        self.conn.execute("INSERT OR REPLACE INTO meta VALUES ('ino_high_water', ?)",
+                          (str(inos[-1]),))
+        self._next_ino = inos[-1] + 1
+        self.conn.executemany("INSERT INTO dentries (parent, name, ino) VALUES (?, ?, ?)",
+                              [(parent, r[0], ino) for ino, r in zip(inos, rows, strict=True)])
+        return inos
+
+    def _high_water(self) -> int:
+        """The highest inode number ever handed out (see insert_inode)."""
+        row = self.conn.execute(
+            "SELECT MAX(n) FROM (SELECT MAX(ino) AS n FROM inodes UNION ALL"
+            " SELECT MAX(ino) FROM set_files UNION ALL SELECT MAX(ino) FROM objects UNION ALL"
+            " SELECT CAST(value AS INTEGER) FROM meta WHERE key='ino_high_water')"
+        ).fetchone()
+        return int(row[0] or ROOT_INO)
 
     def update_inode(self, ino: int, **fields: int) -> None:
         cols = ", ".join(f"{k}=?" for k in fields)

@@ -89,6 +89,37 @@ class RawTree:
             self.table.unload_on_rollback(ino)
         return ino
 
+    def raw_create_files(self, parent: int, rows: list[tuple[bytes, int, int, int | None, str]]
+                         ) -> list[int]:
+        """`raw_create` of many regular files in one directory: rows (name, mode, size,
+        mtime_ns or None for now, obj), names distinct and free in `parent` (the caller
+        knows: a directory it has just created). Their inode numbers, in order. One step for
+        all of them: two statements and one touch of the directory, where `raw_create` is ~7
+        statements a file (a fresh node's first listing of 100,000 files, docs/ARCHITECTURE.md
+        "Scale")."""
+        for name, *_ in rows:
+            check_name(name)
+        d = self.table.get(parent)
+        now = now_ns()
+        with self.table.tx(d):
+            inos = self.index.insert_restored_files(
+                parent, [(n, stat.S_IFREG | stat.S_IMODE(m), size, now if mt is None else mt, o)
+                         for n, m, size, mt, o in rows],
+                uid=os.getuid(), gid=os.getgid(), now=now)
+            created: list[int] = []
+
+            def unlink_created() -> None:  # as Namespace.new_inode
+                for i in created:
+                    self.files.unlink(i)
+
+            self.index.on_rollback(unlink_created)
+            for ino in inos:
+                self.files.create(ino)
+                created.append(ino)
+                self.table.unload_on_rollback(ino)
+            self.table.touch_dir(d, now)
+        return inos
+
     def raw_set_mtime(self, ino: int, mtime_ns: int) -> None:
         """Set an inode's mtime without tiering hooks (a restored set's directories)."""
         node = self.table.get(ino)

@@ -300,11 +300,9 @@ class SetRegistry:
              json.dumps(layout),
              m["commit"].get("node", "?"), etag))
         seq = _rowid(cur)
-        for rel, ino, version, size, mode, mtime_ns, obj_json in files:
-            self.conn.execute(
-                "INSERT INTO set_files (seq, rel, ino, version, size, mode, mtime_ns, obj)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                (seq, rel, ino, version, size, mode, mtime_ns, obj_json))
+        self.conn.executemany(
+            "INSERT INTO set_files (seq, rel, ino, version, size, mode, mtime_ns, obj)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?, ?)", [(seq, *f) for f in files])
         return seq
 
     def add_file(self, seq: int, row: tuple[Any, ...]) -> None:

@@ -27,6 +27,7 @@ are queued; garbage is collected.
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import stat
 from collections.abc import Callable
@@ -206,7 +207,11 @@ class Committer:
         target = self.sets.amend_target(dir_ino)
         if target is None or self.sets.dcp_save_under_way(target):
             return False
-        self.commit(target.path, target.root_ino, "amend", absorb_paths=[target.path])
+        # where the amended set was renamed from: other nodes' files of it are announced
+        # under that path (their own directories keep it), and the amend gathers them again
+        came_from = json.loads(target.layout).get("from")
+        self.commit(target.path, target.root_ino, "amend", absorb_paths=[target.path],
+                    from_path=came_from if isinstance(came_from, str) else None)
         return True
 
     def on_purge(self, ino: int) -> None:

@@ -268,6 +268,40 @@ class Materialiser:
             # later manifest naming it again moves the row to its file (INSERT OR REPLACE).
             self.sets.add_object(obj.key, ino, 0, obj.stored_size)
 
+    def _place_new(self, b: _Build, root: int, files: list[dict[str, Any]]) -> None:
+        """The manifest's files under `root`, a directory this apply has just created (so no
+        name is taken: a manifest names each path once, cachemgr.format.validate): this
+        node's own copies moved in one by one (`_place`), every other file created with its
+        directory's siblings in one step (`RawTree.raw_create_files`: two statements per
+        directory instead of ~7 per file). The objects were validated with the manifest
+        (validate.stored_object: the same checks and the same fields as StoredObject), so
+        their JSON is written as it is."""
+        by_dir: dict[int, list[tuple[int, bytes, dict[str, Any], str]]] = {}
+        dirs: dict[str, int] = {"": root}
+        for i, f in enumerate(files):
+            rel = f["path"]
+            head, _sep, last = rel.rpartition("/")
+            d = dirs.get(head)
+            if d is None:
+                d = dirs[head] = self._under(root, rel)[0]
+            if rel in b.own:
+                self._place(b, d, _b(last), f, rel)
+            else:
+                by_dir.setdefault(d, []).append((i, _b(last), f, json.dumps(f["object"])))
+        placed: list[tuple[int, SetFile]] = []
+        for d, entries in by_dir.items():
+            inos = self.tree.raw_create_files(d, [
+                (fname, f.get("mode", 0o644), f["size"], f.get("mtime_ns"), obj_json)
+                for _i, fname, f, obj_json in entries])
+            for ino, (i, _fname, f, obj_json) in zip(inos, entries, strict=True):
+                mode = stat.S_IMODE(f.get("mode", 0o644))
+                placed.append((i, (f["path"], ino, 0, f["size"], mode, f.get("mtime_ns", 0),
+                                   obj_json)))
+                if validate.is_takeover_object(f["object"]["key"], self.node):
+                    # as in _place
+                    self.sets.add_object(f["object"]["key"], ino, 0, f["object"]["stored_size"])
+        b.files.extend(row for _i, row in sorted(placed, key=lambda x: x[0]))
+
     def _under(self, root: int, rel: str) -> tuple[int, bytes]:
         """(directory, name) of `rel` under `root`, creating missing directories."""
         parts = rel.split("/")
@@ -296,11 +330,14 @@ class Materialiser:
             if self.index.lookup(pd, dn) is None:
                 raw(pd, dn, stat.S_IFDIR | stat.S_IMODE(d.get("mode", 0o755)),
                     mtime_ns=d.get("mtime_ns"))
-        for f in m["files"]:
-            pd, fn = self._under(root, f["path"])
-            if f["path"] not in b.keep and self.index.lookup(pd, fn) is not None:
-                raise InTheWay(f"{m['path']}/{f['path']} exists here")
-            self._place(b, pd, fn, f, f["path"])
+        if existing is None:
+            self._place_new(b, root, m["files"])
+        else:
+            for f in m["files"]:
+                pd, fn = self._under(root, f["path"])
+                if f["path"] not in b.keep and self.index.lookup(pd, fn) is not None:
+                    raise InTheWay(f"{m['path']}/{f['path']} exists here")
+                self._place(b, pd, fn, f, f["path"])
         for s in m.get("symlinks", []):
             if s["path"] in b.keep:
                 continue

@@ -330,6 +330,11 @@ class Members:
         # node -> its peer endpoint (None: it serves none), read once per record (`peers`);
         # at most one entry per member
         self._endpoints: dict[str, PeerEndpoint | None] = {}
+        # member key -> (etag, lease_s) of the records `live` found past this node's lease and
+        # read: each version is read once, not at every call (dead nodes' records stay until
+        # fsck; reading them all at every call cost a GET per dead node per call). At most one
+        # entry per record of the last listing.
+        self._leases: dict[str, tuple[str, float]] = {}
 
     @property
     def registered(self) -> bool:
@@ -364,21 +369,30 @@ class Members:
         """{node: mtime of its member record} of every other node whose lease runs."""
         now = time.time()
         out: dict[str, float] = {}
-        for info in await self.store.list(MEMBERS):
+        listed = await self.store.list(MEMBERS)
+        for info in listed:
             node = parse_member_key(info.key)
             if node is None or node == self.node:
                 continue
             if info.mtime + self.lease.lease + LEASE_SKEW_S >= now:
                 out[node] = info.mtime
                 continue
-            # Expired by this node's lease: its own may be longer.
-            try:
-                doc = _load(await self.store.get(info.key), "member")
-            except NotFound:
-                continue
-            lease = doc["lease_s"] if doc else 0.0
+            # Expired by this node's lease: its own may be longer (read once per version).
+            hit = self._leases.get(info.key)
+            if hit is not None and hit[0] == info.etag:
+                lease = hit[1]
+            else:
+                try:
+                    doc = _load(await self.store.get(info.key), "member")
+                except NotFound:
+                    continue
+                lease = doc["lease_s"] if doc else 0.0
+                self._leases[info.key] = (info.etag, lease)
             if info.mtime + lease + LEASE_SKEW_S >= now:
                 out[node] = info.mtime
+        keys = {info.key for info in listed}
+        for key in [k for k in self._leases if k not in keys]:
+            del self._leases[key]
         return out
 
     async def peers(self, stale: frozenset[str] = frozenset()) -> list[PeerEndpoint]:

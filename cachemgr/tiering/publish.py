@@ -392,7 +392,12 @@ class Publisher:
             return
         m = mf.build(path=s.path, kind=s.kind, seq=seq, node=self.node, reason=s.reason,
                      committed_ns=s.committed_ns, layout=json.loads(s.layout), files=files)
-        nodes = sorted({self.node} | {f["node"] for f in foreign if "node" in f})
+        # every node whose objects it names (docs/FORMAT.md `commit.nodes`): the gathered
+        # files' and those of other nodes' files already in this tree (an amend after they
+        # were shown here, a set adopted from another node's manifest)
+        nodes = sorted({self.node} | {f["node"] for f in foreign if "node" in f} |
+                       {k.split("/")[1] for f in files
+                        if (k := f["object"]["key"]).startswith("data/") and k.count("/") > 1})
         if len(nodes) > 1:
             m["commit"]["nodes"] = nodes
         for f in m["files"]:

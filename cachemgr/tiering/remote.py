@@ -111,10 +111,11 @@ class RemoteSync:
 
     def __init__(self, *, table: InodeTable, tree: RawTree, index: Index, sets: SetRegistry,
                  store: ObjectStore, kernel: KernelNotifier, node: str, interval: float,
-                 mark_parts: Callable[[], None], changed: Callable[[], None]) -> None:
+                 mark_parts: Callable[[], None], changed: Callable[[], None],
+                 hold_bytes: int = _HOLD_BYTES) -> None:
         """`mark_parts`: every part record must be looked at again (PartPublisher.mark_all: a
         subtree moved or went). `changed`: the namespace changed (wakes waiters on sets and
-        space: Tiering's `_changed_now`)."""
+        space: Tiering's `_changed_now`). `hold_bytes`: the JSON read per listing step."""
         self.table = table
         self.tree = tree
         self.index = index
@@ -126,6 +127,7 @@ class RemoteSync:
         self.mat = Materialiser(table=table, tree=tree, index=index, sets=sets, kernel=kernel,
                                 node=node)
         self.interval = interval
+        self.hold_bytes = hold_bytes
         self.syncs = 0
         self.last_sync: float | None = None
         self.applied = 0
@@ -185,7 +187,7 @@ class RemoteSync:
         Every manifest is validated (cachemgr.format.validate) before use; one that fails is skipped
         and reported once (`invalid`, until its etag changes), and the rest apply. Memory is
         bounded: a manifest over MAX_DOCUMENT_BYTES is not read, and the changed manifests of
-        one listing are read and applied in steps of at most _HOLD_BYTES of JSON (a listing
+        one listing are read and applied in steps of at most `hold_bytes` of JSON (a listing
         of more than that applies in several steps, each in commit order)."""
         listed: dict[str, ObjectInfo] = {}  # manifest key -> ObjectInfo
         for info in await self.store.list(mf.MANIFEST_PREFIX):
@@ -206,13 +208,14 @@ class RemoteSync:
             path = mf.path_of_manifest_key(key) or self._long.get(key)
             if path is None or self._wanted(path, info.etag):
                 todo.append((key, info))
-        while todo:
+        at = 0
+        while at < len(todo):
             batch: list[tuple[str, ObjectInfo]] = []
             size = 0
-            while todo and (not batch or size + todo[0][1].size <= _HOLD_BYTES):
-                key, info = todo.pop(0)
-                batch.append((key, info))
-                size += info.size
+            while at < len(todo) and (not batch or size + todo[at][1].size <= self.hold_bytes):
+                batch.append(todo[at])
+                size += todo[at][1].size
+                at += 1
             await self._sync_batch(batch)
         for s in self.sets.by_states(("durable",)):
             if s.origin != "local" and mf.manifest_key(s.path) not in listed:
