@@ -90,7 +90,7 @@ def parse_size(s: str) -> int:
 class RamDisk:
     """ext4 on a loop device over a file in /dev/shm, mounted at `path`."""
 
-    def __init__(self, size: int, where: Path) -> None:
+    def __init__(self, size: int, where: Path, mkfs_args: tuple[str, ...] = ()) -> None:
         self.img = Path(tempfile.mktemp(prefix="ckptfs-bench-", suffix=".img", dir="/dev/shm"))
         self.path = where
         # Every page of the image allocated up front, and no discard (mkfs's, or the loop
@@ -100,7 +100,7 @@ class RamDisk:
         with open(self.img, "wb") as f:
             os.posix_fallocate(f.fileno(), 0, size)
         sh("mkfs.ext4", "-q", "-F", "-E", "lazy_itable_init=0,lazy_journal_init=0,nodiscard",
-           str(self.img))
+           *mkfs_args, str(self.img))
         self.dev = sh("losetup", "--find", "--show", str(self.img)).stdout.strip()
         where.mkdir(parents=True, exist_ok=True)
         sh("mount", self.dev, str(where))

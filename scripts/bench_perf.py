@@ -173,6 +173,10 @@ def main(argv: list[str] | None = None) -> int:
     sc = REPO / "docs" / "bench" / "scale-sets.json"
     if not a.no_docs and sc.exists():
         perf.res["scale"] = json.loads(sc.read_text())
+    # History and directory size (scripts/bench_scale.py --docs, run on its own: ~10 min).
+    sh = REPO / "docs" / "bench" / "scale.json"
+    if not a.no_docs and sh.exists():
+        perf.res["scale_history"] = json.loads(sh.read_text())
     bench_report.write_all(perf.res, perf.out, None if a.no_docs else REPO / "docs")
     perf.progress(f"done: {perf.out / 'results.md'}"
                   + ("" if a.no_docs else ", docs/PERFORMANCE.md, docs/bench/perf.json"))

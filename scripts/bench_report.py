@@ -169,6 +169,16 @@ def scale_section(sc: Json) -> list[str]:
                 bench_scale_sets.report(before, title=False).replace("### ", "##### "), "")]]
 
 
+def scale_history_section(sc: Json) -> list[str]:
+    """docs/PERFORMANCE.md's "Scale: history and directory size": scripts/bench_scale.py's
+    report (`res["scale_history"]`, from docs/bench/scale.json)."""
+    from bench_scale import markdown as scale_markdown
+    from bench_scale import summary as scale_summary
+
+    text = scale_markdown(sc, scale_summary(sc), "## Scale: history and directory size")
+    return [*text.rstrip("\n").split("\n"), ""]
+
+
 def overhead_section(ov: Json) -> list[str]:
     """docs/PERFORMANCE.md's section for bench_overhead's report (`res["overhead"]`)."""
     meta, a, rows = ov.get("meta", {}), ov.get("args", {}), ov.get("rows", [])
@@ -728,6 +738,8 @@ def markdown(res: Json, s: Json, pngs: list[str], docs: bool) -> str:
     L += issue_targets_section(res, s)
     if res.get("overhead"):
         L += overhead_section(res["overhead"])
+    if res.get("scale_history"):
+        L += scale_history_section(res["scale_history"])
     if res.get("scale"):
         L += scale_section(res["scale"])
     L += targets_section(res, s)

@@ -122,3 +122,38 @@ def plots(res: Json, s: Json, outdir: Path) -> list[str]:
         made.append("perf-targets.png")
     return made
 
+
+
+def scale_plot(res: Json, outdir: Path) -> list[str]:
+    """scripts/bench_scale.py: commits/s and creates/s against N (log x), median with min/max
+    bars, and the commit rename's p99 latency."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        return [f"not available: matplotlib ({e})"]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, key, rows, what in ((axes[0], "n", res["commits"], "sets in the index"),
+                                (axes[1], "entries", res["creates"], "entries in the directory")):
+        xs = sorted({r[key] for r in rows})
+        if not xs:
+            continue
+        for metric, col, lab in (("rate", "#1f77b4", "per second"),
+                                 ("p99_ms", "#d62728", "p99 ms")):
+            vals = [sorted(r[metric] for r in rows if r[key] == x) for x in xs]
+            med = [v[len(v) // 2] for v in vals]
+            err = [[m - v[0] for m, v in zip(med, vals)], [v[-1] - m for m, v in zip(med, vals)]]
+            a = ax if metric == "rate" else ax.twinx()
+            a.errorbar(xs, med, yerr=err, color=col, marker="o", capsize=3, label=lab)
+            a.set_ylabel(lab, color=col)
+            a.set_ylim(bottom=0)
+        ax.set_xscale("log")
+        ax.set_xlabel(what)
+        ax.set_title("commits" if key == "n" else "creates")
+    fig.suptitle("ckptfs: cost against history and directory size (median, min/max bars)")
+    fig.tight_layout()
+    outdir.mkdir(parents=True, exist_ok=True)
+    fig.savefig(outdir / "scale.png", dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return ["scale.png"]

@@ -8,7 +8,8 @@ The workload is the one measured in the issue: each set a 4 KiB file renamed int
 tiering services running (uploads, publication, GC) on a file:// store.
 
   * a round of commits costs as many steps (within a small slack) after 1,500 sets as after 50,
-    in the foreground (the FUSE operations) and in the background (uploads, publication, GC);
+    in the foreground (the FUSE operations) and in the background (uploads, publication, GC),
+    and with --keep-local after 800 durable sets as after 50 (retention);
   * creating a file in a directory of 3,000 entries costs what it does in one of 30;
   * the statements of the write path use an index (EXPLAIN QUERY PLAN has no SCAN of a table
     that grows with history);
@@ -96,7 +97,10 @@ def store(tmp_path):
     return LocalStore(tmp_path / "store")
 
 
-def test_commit_costs_do_not_grow_with_history(node):
+def round_costs(node: Node, sizes: tuple[int, int]) -> tuple[dict[str, tuple[int, int]],
+                                                              dict[str, str]]:
+    """Steps of a round of 20 commits (foreground; background until it settled) once the
+    index holds each of `sizes` sets, and the statements they ran."""
     conn = node.core.index.conn
     out: dict[str, tuple[int, int]] = {}
     statements: dict[str, str] = {}
@@ -104,7 +108,7 @@ def test_commit_costs_do_not_grow_with_history(node):
     async def body():
         nonlocal statements
         built = 0
-        for target, label in ((50, "small"), (1500, "large")):
+        for target, label in zip(sizes, ("small", "large")):
             while built < target:
                 for i in range(built, min(target, built + 100)):
                     one_set(node, i)
@@ -118,6 +122,12 @@ def test_commit_costs_do_not_grow_with_history(node):
             out[label] = (fg.n, bg.n)
             statements |= fg.statements | bg.statements
     run_nodes([node], body)
+    return out, statements
+
+
+def test_commit_costs_do_not_grow_with_history(node):
+    conn = node.core.index.conn
+    out, statements = round_costs(node, (50, 1500))
     (fg_small, bg_small), (fg_large, bg_large) = out["small"], out["large"]
     assert node.sets.row_counts()["sets"] > 1500
     assert fg_large <= fg_small * SLACK + 20, out
@@ -131,6 +141,23 @@ def test_commit_costs_do_not_grow_with_history(node):
         scans = [p for p in plan if any(re.match(rf"SCAN ({t}|\w)\b(?! VIRTUAL)", p)
                                         for t in grows)]
         assert not scans, (sql, plan)
+
+
+def test_keep_local_retention_does_not_walk_durable_sets(tmp_path, store, quiet_logs):
+    """--keep-local 2: the retention after each publication costs as much after 800 durable
+    sets as after 50 (cachemgr.tiering.space: a watermark, not a walk of every durable set),
+    and it still evicts each file of every durable set but the newest 2, once."""
+    node = Node(tmp_path / "a", store, refresh_interval=3600.0, keep_local=2)
+    out, _ = round_costs(node, (50, 800))
+    (fg_small, bg_small), (fg_large, bg_large) = out["small"], out["large"]
+    assert fg_large <= fg_small * SLACK + 20, out
+    assert bg_large <= bg_small * SLACK + 20, out
+    durable = node.sets.by_states(("durable",))
+    assert len(durable) > 800
+    files = sum(len(node.sets.files(s.seq)) for s in durable[:-2])
+    assert node.t.space.statistics().evicted == files
+    assert node.core.check_consistency() == []
+    node.core.close()
 
 
 def test_create_cost_does_not_grow_with_directory_size(node):

@@ -513,6 +513,25 @@ class SetRegistry:
             (seq,)).fetchone()
         return r[0] if r else None
 
+    # -- retention (cachemgr.tiering.space) -----------------------------------------------------
+
+    def newest_durable(self, skip: int = 0, symlinks: bool = True) -> int | None:
+        """The seq of the newest durable set after skipping the `skip` newest (symlink sets
+        left out unless `symlinks`), or None. A backward walk of `sets_by_state` (state, seq)
+        over `skip` + 1 rows (and the symlink sets among them): O(log N + skip)."""
+        kinds = "" if symlinks else " AND kind != 'symlink'"
+        r = self.conn.execute(
+            "SELECT seq FROM sets INDEXED BY sets_by_state WHERE state = 'durable'"
+            f"{kinds} ORDER BY seq DESC LIMIT 1 OFFSET ?", (skip,)).fetchone()
+        return r[0] if r else None
+
+    def durable_between(self, lo: int, hi: int) -> list[int]:
+        """Seqs of the durable sets, symlinks aside, with lo <= seq <= hi, in seq order: a
+        range of `sets_by_state` (state, seq), O(log N + the sets in it)."""
+        return [r[0] for r in self.conn.execute(
+            "SELECT seq FROM sets INDEXED BY sets_by_state WHERE state = 'durable' AND"
+            " seq BETWEEN ? AND ? AND kind != 'symlink' ORDER BY seq", (lo, hi))]
+
     def live_commit_seq(self, ino: int, version: int) -> int | None:
         r = self.conn.execute(
             f"SELECT MIN(s.seq) FROM set_files f JOIN sets s ON s.seq=f.seq WHERE f.ino=? AND"

@@ -87,7 +87,7 @@ class Publisher:
                  signals: Signals, health: StoreHealth, gatherer: Gatherer,
                  complete_local: Callable[[int, int, list[dict[str, Any]]], object],
                  keys_named_elsewhere: Callable[[str, set[str]], set[str]],
-                 retention: Callable[[], None], retry_pause: float,
+                 retention: Callable[[int], None], retry_pause: float,
                  fence: Callable[[], Awaitable[None]]) -> None:
         """`fence`: awaited before every manifest PUT (cachemgr.tiering.members.Lease.ensure: no set
         is published on a lease this node no longer holds)."""
@@ -424,7 +424,7 @@ class Publisher:
                  m["total_bytes"])
         self.signals.changed_now()
         self._events.append(("gc",))
-        self._retention()
+        self._retention(seq)
 
     def _record_published(self, s: SetRow, etag: str, foreign: list[dict[str, Any]]) -> bool:
         """Set `s`'s manifest is in the store (etag `etag`): record it durable, and what it

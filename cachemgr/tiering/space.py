@@ -14,12 +14,20 @@ restored files (`drop_partials`). Policy:
     partly restored files nobody has open;
   * `wait_for_room(need)`: backpressure for writers, woken by `Signals.changed` (an upload
     done, a set durable, space freed);
-  * `retention()`: after each publication, the data of all but the newest --keep-local
-    durable sets (symlinks aside) is evicted.
+  * `retention(seq)`: after each publication (set `seq` durable), the data of all but the newest
+    --keep-local durable sets (symlinks aside) is evicted. Each set is evicted once, when it
+    falls out of the newest N: a watermark (`_retained`) remembers up to which seq that was
+    done, so a publication walks only the sets that fell out since the last one (O(log N)
+    plus those sets' files: O(1) amortised per publication, not a walk of every durable set).
+    A set that falls out is evicted then (a file open at that moment stays); data read back
+    into the cache later (a restore of an older checkpoint) stays until --cache-size needs its
+    room, instead of being evicted again at the next publication.
 
 Invariants: data not yet uploaded (`obj_version != version`) is never evicted (the core's
 `evict` refuses it); files in `protect` are never evicted (a prefetch does not evict its own
-set). No state of its own: everything is read from the core and the set registry, on the trio
+set). State: `_retained` (every durable set below it was evicted when it fell out of the newest
+--keep-local; in memory, trio thread; a restart starts it at 0, so the first publication walks
+the durable sets once); the rest is read from the core and the set registry, on the trio
 thread. Crash states: none here (eviction's are the core's: a cache file is removed only after
 the index records it evicted).
 """
@@ -82,6 +90,7 @@ class Space:
         self.keep_local = keep_local
         self.evicted = 0
         self.waits = 0
+        self._retained = 0  # retention: durable sets below this seq were evicted (docstring)
 
     @property
     def limit(self) -> int | None:
@@ -108,15 +117,25 @@ class Space:
             self.evicted += 1
             self._forget(ino)
 
-    def retention(self) -> None:
-        """--keep-local N: evict the data of all but the newest N durable sets."""
+    def retention(self, seq: int) -> None:
+        """--keep-local N, after set `seq` was published: evict the data of the durable sets
+        that are no longer among the newest N."""
         n = self.keep_local
         if n is None:
             return
-        durable = [s for s in self.sets.by_states(("durable",)) if s.kind != "symlink"]
-        for s in durable[:max(0, len(durable) - n)]:
-            for _rel, ino, version, *_ in self.sets.files(s.seq):
+        cutoff = self.sets.newest_durable(skip=n, symlinks=False)  # newest one beyond N
+        if cutoff is None:
+            return
+        # The sets that fell out since the last publication; and `seq` itself when it became
+        # durable after newer ones (publication follows commit order, but a set superseded
+        # while its manifest was in flight stays durable: cachemgr.tiering.publish).
+        seqs = self.sets.durable_between(self._retained, cutoff)
+        if seq < self._retained and seq <= cutoff and seq in self.sets.durable_between(seq, seq):
+            seqs.append(seq)
+        for s in seqs:
+            for _rel, ino, version, *_ in self.sets.files(s):
                 self._evict(ino, version)
+        self._retained = max(self._retained, cutoff + 1)
 
     def make_room(self, need: int, protect: set[int] | frozenset[int] = frozenset()) -> bool:
         """Evict durable data, least recently used first, until `need` more bytes fit under
@@ -129,8 +148,8 @@ class Space:
         if self.replicas is not None and \
                 self.replicas.drop_for_room(lambda: self._fits(need, limit)):
             return True
-        newest = self.sets.by_states(("durable",))
-        keep = {r[1] for r in self.sets.files(newest[-1].seq)} if newest else set()
+        newest = self.sets.newest_durable()
+        keep = {r[1] for r in self.sets.files(newest)} if newest is not None else set()
         cands = [c for c in self.residency.eviction_candidates() if c[0] not in protect]
         # The newest durable set goes last, not never: when it is all that can make room (a
         # file being written plus the last checkpoint exceed the limit), skipping it would
