@@ -135,10 +135,17 @@ def _brief(args: tuple) -> tuple:
 
 class KernelInvalidator:
     """`cachemgr.core.hooks.KernelNotifier`: the composition root gives `KERNEL` to the core
-    and to tiering."""
+    and to tiering. Before the kernel's INIT has been answered (`FuseOps.init` sets
+    `session_ready`) the kernel caches no entry, so there is nothing to invalidate, and a
+    notification sent then fails (ENOSYS, logged by pyfuse3 with a traceback): the store's first
+    listing runs while the session starts, and its changes are dropped here. Loop thread only."""
 
-    @staticmethod
-    def invalidate_entry(parent: int, name: bytes) -> None:
+    session_ready = False
+
+    @classmethod
+    def invalidate_entry(cls, parent: int, name: bytes) -> None:
+        if not cls.session_ready:
+            return
         # Asynchronous: a synchronous invalidation from the loop thread could deadlock on a
         # request the kernel is waiting for.
         pyfuse3.invalidate_entry_async(parent, name, ignore_enoent=True)
@@ -230,6 +237,7 @@ class FuseOps(pyfuse3.Operations):
     # -- lifecycle ---------------------------------------------------------------------------
 
     def init(self) -> None:
+        KernelInvalidator.session_ready = True
         killpriv = getattr(pyfuse3, "killpriv_v2_active", lambda: False)()
         log.info("FUSE_HANDLE_KILLPRIV_V2 %s", "granted: no security.capability lookup per"
                  " write" if killpriv else "not granted (an unpatched pyfuse3 or an old"

@@ -122,8 +122,11 @@ class Node:
         return took
 
     def stop(self, timeout: float = 120) -> None:
+        # --allow-unsaved: a killed trainer leaves what it was writing in no set (a DCP
+        # directory without its .metadata, a torch.save temporary); the loop judges the sets
+        # (torn, lost, stuck), not the leftovers of an interrupted save
         res = cli("umount", str(self.mountpoint), "--timeout", str(int(timeout)),
-                  timeout=timeout + 60)
+                  "--allow-unsaved", timeout=timeout + 60)
         if res.returncode != 0:
             raise Violation(f"node {self.name}: ckptfs umount failed ({res.returncode}): "
                             f"{res.stderr.strip()}")

@@ -50,10 +50,13 @@ def test_requests_per_node_do_not_grow_with_the_fleet(tmp_path):
         assert max(lists) <= 2 * passes + 4, (lists, passes)  # manifests/ + intents/
     # the committer's own requests are O(N) (a GET per record, a HEAD per object), no more;
     # its LISTs of the records are one per poll, and how many polls the gathering takes
-    # depends on how fast the other nodes' uploads land (the machine's load), not on N
+    # depends on how fast the other nodes' uploads land (the machine's load), not on N. Per
+    # other node: a GET of each version of its record it sees (a writer PUTs it at most twice:
+    # after the close, and with the object) and a HEAD of its object; the committer's own
+    # requests (its record's PUTs, its object's) vary by a few with the same timing
     c_small, c_big = (sum(n for op, n in r.log.per_node("commit", r.nodes[:1], exclude=PERIODIC)
                           [r.nodes[0]].items() if op != "list") for r in (small, big))
-    assert c_big <= c_small + 3 * (24 - 4), (c_small, c_big)
+    assert c_big <= c_small + 3 * (24 - 4) + 4, (c_small, c_big)
 
 
 def _dead_members(store: MemStore, k: int) -> None:
