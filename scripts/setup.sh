@@ -7,7 +7,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${CKPTFS_VENV:-$ROOT/.venv}"
 
 need_pkgs=()
-for p in fuse3 libfuse3-dev pkg-config fio python3-venv gcc python3-dev patch debian-archive-keyring; do
+for p in fuse3 libfuse3-dev pkg-config fio python3-venv gcc python3-dev patch debian-archive-keyring logrotate; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || need_pkgs+=("$p")
 done
 # python3-venv / python3-dev are only needed when the python3 on PATH is Debian's own.
