@@ -296,7 +296,8 @@ def _add_umount(sub: argparse._SubParsersAction) -> None:
                    "anyway and exit 7")
     u.add_argument("--allow-unsaved", action="store_true",
                    help="exit 0 even if closed files in no committed set are left, only in "
-                   "this cache dir (default: unmount, name them and exit 12)")
+                   "this cache dir (default: unmount, name them and exit 12; files uploaded "
+                   "for another node's commit of their directory are named, exit 0)")
 
 
 def _add_commit(sub: argparse._SubParsersAction) -> None:
@@ -430,7 +431,7 @@ def cmd_umount(a: argparse.Namespace) -> int:
                 drained = ui.drain(mp, a.timeout)
             except api.CkptfsError as e:
                 ui.note(f"not waiting for uploads: {e}")
-    unsaved = _unsaved(mp)  # what the daemon says before it goes: nothing asks it after
+    unsaved, only_here = _unsaved(mp)  # asked before the daemon goes: nothing asks it after
     code, msg = umount(mp)
     if code != EXIT_OK:
         return ui.fail(code, msg)
@@ -438,27 +439,33 @@ def cmd_umount(a: argparse.Namespace) -> int:
         return ui.fail(EXIT_STORE, f"{msg}, but uploads were still pending after {a.timeout}s; "
                      "they resume at the next mount of this cache dir" +
                      (f"; and {unsaved}" if unsaved else ""))
-    if unsaved and not a.allow_unsaved:
+    if only_here and not a.allow_unsaved:
         return ui.fail(EXIT_UNSAVED, f"{msg}, but {unsaved}")
+    if unsaved and not a.allow_unsaved:
+        # every one of them is in the store, named in a part record for another node's commit
+        # of its directory (a rank's shards of a set another node publishes): said, not failed
+        ui.note(unsaved)
     ui.result(f"ckptfs: {msg}")
     return EXIT_OK
 
 
-def _unsaved(mp: Path) -> str | None:
-    """`umount`: the mount's closed files in no committed set, said in one line (None: none,
-    or the daemon did not answer: it is unmounted all the same)."""
+def _unsaved(mp: Path) -> tuple[str | None, int]:
+    """`umount`: the mount's closed files in no committed set, said in one line, and how many
+    of them are only in this cache (not uploaded for another node's commit). (None, 0): none,
+    or the daemon did not answer (it is unmounted all the same)."""
     from . import ui
 
     try:
         t = api.status(mp).get("tiering", {})
     except api.CkptfsError:
-        return None
+        return None, 0
     if not t.get("unsaved_files"):
-        return None
+        return None, 0
     paths = [ui.safe(p) for p in t.get("unsaved", [])[:5]]
     more = t["unsaved_files"] - len(paths)
     return (ui.unsaved_words(t) + ": " + ", ".join(paths) + (f" and {more} more" if more > 0
-                                                              else ""))
+                                                              else "")), \
+        t["unsaved_files"] - t.get("handed_files", 0)
 
 
 def cmd_commit(a: argparse.Namespace) -> int:

@@ -64,7 +64,8 @@ EXIT_NO_SET = 8         # `wait`: the path is in no committed set (a directory: 
                         # or a closed file in none)
 EXIT_ACCESS = 9         # control request refused: the caller may not read/write the path
 EXIT_UNSAVED = 12       # `umount`: unmounted, but files in no committed set stay only in the
-                        # cache dir (named; --allow-unsaved: exit 0)
+                        # cache dir (named; --allow-unsaved: exit 0; files uploaded for another
+                        # node's commit are named, not counted)
 
 READY_TIMEOUT_S = 90.0  # generous: recovery of a large cache index runs before readiness
 # The first listing of the store's sets runs before readiness too: RetryingStore gives a

@@ -12,6 +12,12 @@ the code the loop was in:
     `threshold`, logs one warning with the loop thread's stack; when the loop runs again it
     logs how long the stall lasted.
 
+A stall that lasts `dump_after` seconds (10 s) also dumps the stack of every thread into the log
+file, from `faulthandler`'s C thread, which needs no GIL: the watchdog thread above cannot log
+while another thread holds the GIL (a daemon frozen for 130-140 s in the fault loop, issue 36,
+logged only when it ended), and the dump names that thread too. `beat` re-arms the dump at
+every stamp, so it fires only when the loop has made no turn for `dump_after` seconds.
+
 State: `_beat` is written by the loop task only and read by the watchdog thread (one float
 store: atomic under the GIL); the counters (`stalls`, `longest_s`, `stalled_since`) are written
 by the watchdog thread only, under `_lock`, and read through `statistics()` from any thread.
@@ -19,6 +25,7 @@ by the watchdog thread only, under `_lock`, and read through `statistics()` from
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import sys
 import threading
@@ -29,6 +36,8 @@ from dataclasses import dataclass
 log = logging.getLogger(__name__)
 
 DEFAULT_THRESHOLD_S = 2.0
+# A stall this long dumps every thread's stack into the log (faulthandler, no GIL needed).
+DUMP_AFTER_S = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,8 +51,9 @@ class LoopStats:
 
 class StallWatch:
     def __init__(self, threshold: float = DEFAULT_THRESHOLD_S, period: float | None = None,
-                 clock=time.monotonic) -> None:
+                 clock=time.monotonic, dump_after: float | None = DUMP_AFTER_S) -> None:
         self.threshold = threshold
+        self.dump_after = dump_after
         self.period = period if period is not None else threshold / 4
         self._clock = clock
         self._beat = clock()
@@ -66,9 +76,25 @@ class StallWatch:
         self._beat = self._clock()
         if task_status is not None:
             task_status.started()
-        while True:
-            await trio.sleep(self.period)
-            self._beat = self._clock()
+        try:
+            while True:
+                self._arm_dump()
+                await trio.sleep(self.period)
+                self._beat = self._clock()
+        finally:
+            faulthandler.cancel_dump_traceback_later()
+
+    def _arm_dump(self) -> None:
+        """(Re-)arm faulthandler's dump of every thread's stack into the log file, due
+        `dump_after` s from now; no log file (stderr: /dev/null in a daemon): nothing."""
+        if not self.dump_after:
+            return
+        for h in logging.getLogger().handlers:
+            stream = getattr(h, "stream", None)
+            if isinstance(h, logging.FileHandler) and stream is not None and \
+                    not stream.closed:
+                faulthandler.dump_traceback_later(self.dump_after, repeat=False, file=stream)
+                return
 
     # -- the watchdog thread ------------------------------------------------------------------
 

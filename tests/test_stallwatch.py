@@ -73,3 +73,40 @@ def test_a_loop_that_turns_is_never_reported():
     assert sw.statistics().stalls == 1 and sw.statistics().stalled_now_s == 3.0
     sw.check()               # still the same stall
     assert sw.statistics().stalls == 1
+
+
+def test_a_long_stall_dumps_every_thread_s_stack_into_the_log_file(tmp_path):
+    """A loop that makes no turn for `dump_after` s gets every thread's stack dumped into the
+    log file by faulthandler's C thread (no GIL needed: the watchdog thread cannot log while
+    another thread holds the GIL), naming the code the loop was in; a loop that turns never
+    dumps (the dump is re-armed at every stamp)."""
+    import subprocess
+    import sys
+
+    log_file = tmp_path / "daemon.log"
+    prog = f"""
+import logging, time, trio
+from ckptfs.stallwatch import StallWatch
+logging.getLogger().addHandler(logging.FileHandler({str(log_file)!r}))
+sw = StallWatch(threshold=5.0, period=0.05, dump_after=0.5)
+
+def blocking_call_holding_the_loop():
+    time.sleep(1.5)
+
+async def main():
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sw.beat)
+        await trio.sleep(1.0)               # turning: no dump
+        logging.getLogger().warning("turned")
+        blocking_call_holding_the_loop()    # no turn for 1.5 s: a dump after 0.5 s
+        nursery.cancel_scope.cancel()
+trio.run(main)
+"""
+    res = subprocess.run([sys.executable, "-c", prog], capture_output=True, text=True,
+                         timeout=60)
+    assert res.returncode == 0, res.stderr
+    text = log_file.read_text()
+    before, _, after = text.partition("turned")
+    assert "most recent call first" not in before, text
+    assert "most recent call first" in after, text
+    assert "blocking_call_holding_the_loop" in after, text
