@@ -331,6 +331,10 @@ class Members:
         # node -> its peer endpoint (None: it serves none), read once per record (`peers`);
         # at most one entry per member
         self._endpoints: dict[str, PeerEndpoint | None] = {}
+        # (node, why) of member records found invalid and said so: said once, also when two
+        # `peers()` calls (the peer client's background refresh and a restore's) read the
+        # record concurrently
+        self._said_invalid: set[tuple[str, str]] = set()
         # member key -> (etag, lease_s) of the records `live` found past this node's lease and
         # read: each version is read once, not at every call (dead nodes' records stay until
         # fsck; reading them all at every call cost a GET per dead node per call). At most one
@@ -422,7 +426,9 @@ class Members:
         try:
             doc = validate.protocol_doc(data, "member")
         except validate.DocumentError as e:
-            log.warning("peers: member record of node %s ignored: %s", node, e)
+            if (node, str(e)) not in self._said_invalid:
+                self._said_invalid.add((node, str(e)))
+                log.warning("peers: member record of node %s ignored: %s", node, e)
             return None
         if doc["peer"] is None or doc["node"] != node:
             return None
