@@ -458,10 +458,12 @@ class ReplicaHolder:
             return 400, b"an offer from this node", []
         if key in self.held:
             return 200, b"held", []
-        if key in self.pulling:
-            return 202, b"pulling", []
+        # failed before pulling: a pull that failed is still in `pulling` while its partial
+        # files are removed (a thread), and an offer meanwhile is refused, not told "pulling"
         if self._failed.get(key, 0.0) > time.monotonic():
             return 409, b"its last pull failed", []
+        if key in self.pulling:
+            return 202, b"pulling", []
         if self._bytes(desc) > self._room():
             self.offers_refused += 1
             return 507, b"no room for this replica", []
