@@ -34,9 +34,10 @@ from pathlib import Path
 import pytest
 
 torch = pytest.importorskip("torch")
-from ckpt_restore import S3StoreView, manifests
+import test_frameworks
+from ckpt_restore import manifests
 from conftest import IN_CI, run_cli, run_processes, wait_for
-from test_frameworks import NODE_ARGS, assert_same, sets_of, wait_published
+from test_frameworks import assert_same, sets_of, wait_published
 from torch import nn
 
 pytestmark = [
@@ -48,26 +49,8 @@ pytestmark = [
 WORLD = 2
 
 
-@pytest.fixture
-def nodes(mount_factory, s3_bucket):
-    """nodes(name, mountpoint=None) -> a started node (its own, empty cache) on one bucket;
-    nodes.view reads that bucket as ckpt_restore does (tests/test_frameworks.py's fixture)."""
-    endpoint, bucket = s3_bucket
-    made = []
-
-    def node(name: str, mountpoint: Path | None = None):
-        m = mount_factory(name, mountpoint=mountpoint)
-        m.start("--store", f"s3://{bucket}/p", "--s3-endpoint", endpoint, "--s3-path-style",
-                *NODE_ARGS)
-        made.append(m)
-        return m
-
-    node.view = S3StoreView(endpoint, bucket, "p")
-    yield node
-    for m in made:
-        errors = m.unexpected_errors()
-        assert not errors, f"daemon {m.mountpoint.name} logged unexpected errors:\n" + \
-            "\n".join(errors)
+# nodes(name, mountpoint=None): a started node on one bucket; nodes.view reads that bucket
+nodes = test_frameworks.nodes
 
 
 def _require(module: str) -> None:
