@@ -8,7 +8,8 @@ fault each, every check after each iteration; the seed is printed and replayable
     python scripts/fault_loop.py --store rgw --iterations 100 --seed 20   # on a real S3 server
 
 Two "nodes" (ckptfs mounts A and B, their own cache dirs; A's on a small tmpfs) share one S3
-bucket on a moto_server (or, with `--store rgw`, a one-node Ceph RGW: scripts/rgw.sh), reached
+bucket on a moto_server (or, with `--store rgw`, a one-node Ceph RGW: scripts/rgw.sh; with
+`--store seaweedfs`, a one-node SeaweedFS: scripts/seaweedfs.sh), reached
 through tests/faultproxy.py. A trainer (2 gloo ranks: rank 0
 writes through A, rank 1 through B) runs one workload per iteration (torch.save + `latest`
 symlink, DCP with 1 rank, DCP with 2 ranks, rotation) while one fault hits (kill -9 of the
@@ -602,9 +603,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--iterations", type=int, default=10)
-    p.add_argument("--store", choices=("moto", "rgw"), default="moto",
+    p.add_argument("--store", choices=("moto", "rgw", "seaweedfs"), default="moto",
                    help="the S3 server behind the fault proxy: moto, or a one-node Ceph RGW "
-                   "(scripts/rgw.sh; docs/STORES.md)")
+                   "(scripts/rgw.sh) or SeaweedFS (scripts/seaweedfs.sh; docs/STORES.md)")
     p.add_argument("--seed", type=int, default=None, help="default: random (printed)")
     p.add_argument("--workloads", dest="workloads_arg",
                    help=f"comma list of {', '.join(WORKLOADS)} (default: all)")

@@ -1,5 +1,5 @@
-"""The rig of scripts/fault_loop.py: the store (moto or a one-node Ceph RGW) behind the fault
-proxy (tests/faultproxy.py), two ckptfs nodes on it, the trainer's two ranks
+"""The rig of scripts/fault_loop.py: the store (moto, or a one-node Ceph RGW or SeaweedFS) behind
+the fault proxy (tests/faultproxy.py), two ckptfs nodes on it, the trainer's two ranks
 (scripts/fault_trainer.py), the reference of what the trainer did, and a poller of the store's
 `latest`. Everything here is started by Rig.setup() and stopped by Rig.teardown().
 """
@@ -472,18 +472,22 @@ class Rig:
         wait_for(up, 60, "moto_server", exc=RuntimeError)
         return url
 
-    def _start_rgw(self) -> str:
-        """A one-node Ceph RGW (scripts/rgw.sh), stopped by the cleanups."""
-        where = self.work / "rgw"
-        script = str(REPO / "scripts" / "rgw.sh")
-        env = dict(os.environ, RGW_ACCESS_KEY=os.environ["AWS_ACCESS_KEY_ID"],
-                   RGW_SECRET_KEY=os.environ["AWS_SECRET_ACCESS_KEY"])
+    def _start_scripted(self, name: str) -> str:
+        """A one-node store that scripts/<name>.sh runs (Ceph RGW, SeaweedFS: tests/stores.py),
+        stopped by the cleanups."""
+        where = self.work / name
+        script = str(REPO / "scripts" / f"{name}.sh")
+        # the script's credentials are ours; `weed` comes with this Python's environment
+        env = dict(os.environ, PATH=os.pathsep.join((os.path.dirname(sys.executable),
+                                                     os.environ["PATH"])))
+        env[f"{name.upper()}_ACCESS_KEY"] = os.environ["AWS_ACCESS_KEY_ID"]
+        env[f"{name.upper()}_SECRET_KEY"] = os.environ["AWS_SECRET_ACCESS_KEY"]
         self.cleanups.append(lambda: subprocess.run(["bash", script, "stop", str(where)],
                                                     capture_output=True, timeout=120))
         r = subprocess.run(["bash", script, "start", str(where)], capture_output=True,
                            text=True, env=env, timeout=900)
         if r.returncode != 0:
-            raise RuntimeError(f"cannot start Ceph RGW: {r.stderr.strip()[-300:]}")
+            raise RuntimeError(f"cannot start {name}: {r.stderr.strip()[-300:]}")
         return r.stdout.strip().splitlines()[-1]
 
     def _start_store(self) -> None:
@@ -492,7 +496,8 @@ class Rig:
 
         from tests.faultproxy import FaultProxy
 
-        self.moto_url = self._start_rgw() if self.args.store == "rgw" else self._start_moto()
+        self.moto_url = self._start_moto() if self.args.store == "moto" \
+            else self._start_scripted(self.args.store)
         boto3.client("s3", endpoint_url=self.moto_url,
                      config=botocore.config.Config(s3={"addressing_style": "path"})
                      ).create_bucket(Bucket=BUCKET)

@@ -1,6 +1,6 @@
 """The CSI node plugin (`ckptfs csi`, ckptfs/csi/) driven as kubelet drives it: gRPC calls on its
-unix socket, real mounts through /dev/fuse, a real S3 endpoint (moto, or RGW with
-CKPTFS_TEST_S3=rgw), checkpoints written and read by separate processes, as a pod would. And the
+unix socket, real mounts through /dev/fuse, a real S3 endpoint (moto, or RGW or SeaweedFS with
+CKPTFS_TEST_S3), checkpoints written and read by separate processes, as a pod would. And the
 deployment files in deploy/ checked against the Kubernetes schemas and against the code.
 """
 

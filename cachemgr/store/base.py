@@ -77,12 +77,12 @@ class ConditionalWrites:
     """What a store was found to do with conditional PUTs: probed on a scratch key at mount
     (`ObjectStore.probe_conditional`), never assumed. S3-compatible stores differ here
     (docs/STORES.md): Ceph RGW 16.2 refuses If-Match with the quoted ETag that HeadObject
-    returns and takes it bare; AWS S3 and moto take both."""
+    returns and takes it bare; AWS S3, moto and SeaweedFS take both."""
 
     if_none_match: bool       # PUT If-None-Match: * on an existing key answers 412
     if_match: bool            # PUT If-Match: a wrong ETag 412, the current one replaces
     etag_form: str = "quoted"  # the ETag form If-Match needs: "quoted" ("..."), or "bare"
-    missing_if_match: str = ""  # If-Match on a missing key: "404" (AWS), "412" (RGW)
+    missing_if_match: str = ""  # If-Match on a missing key: "404" (AWS), "412" (RGW, SeaweedFS)
 
     @property
     def honoured(self) -> bool:

@@ -39,10 +39,10 @@ only ever single PUTs (manifests); the ETag of a completed multipart upload come
 the answer has none.
 
 Checksums: every PUT and part upload sends its CRC32C (`x-amz-checksum-crc32c`), which AWS S3
-verifies on receipt (Ceph RGW 16.2 and moto ignore it: the conformance suite says so); the whole
-object's CRC32C is also stored as user metadata (`x-amz-meta-ckptfs-crc32c`), because a
-multipart object's S3 checksum is a checksum of part checksums, not of the content. Readers
-check every chunk against the manifest's CRC32Cs whatever the store did on receipt.
+and SeaweedFS verify on receipt (Ceph RGW 16.2 and moto ignore it: the conformance suite says
+so); the whole object's CRC32C is also stored as user metadata (`x-amz-meta-ckptfs-crc32c`),
+because a multipart object's S3 checksum is a checksum of part checksums, not of the content.
+Readers check every chunk against the manifest's CRC32Cs whatever the store did on receipt.
 """
 
 from __future__ import annotations
