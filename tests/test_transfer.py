@@ -1016,9 +1016,9 @@ def test_the_crc_pass_over_a_staged_copy_gives_way_between_its_steps(tmp_path, m
     waits = [0]
 
     class Counting(Foreground):
-        async def yield_to(self) -> None:
+        async def yield_to(self, nbytes: int | None = None) -> None:
             waits[0] += 1
-            await super().yield_to()
+            await super().yield_to(nbytes)
 
     data = mixed((5 << 20) + 123)
     src = write(tmp_path, "in", data)

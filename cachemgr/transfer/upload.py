@@ -450,7 +450,9 @@ class Uploader:
         st.uploads += 1
         # The first read of the file (the compressibility sample) waits for the trainer too:
         # a file reopened for writing right after its close (a layout) is dropped before it.
-        await self._foreground.yield_to()
+        # The wait is scaled to the bytes to move (cachemgr.host.foreground): a small file
+        # waits milliseconds, a file of a part or more the whole MAX_DEFER_S.
+        await self._foreground.yield_to(size)
         compressed = await self._decide(fd, size)
         if not compressed and cfg.stage_files and self.store.stages_files:
             return await self._upload_staged(fd, key, size, still_valid, progress)
@@ -477,7 +479,7 @@ class Uploader:
         copy, and the copy is published only if the source did not change meanwhile (the check
         follows the copy, as it follows each part's read on the other path)."""
         cfg = self.cfg
-        await self._foreground.yield_to()
+        await self._foreground.yield_to(size)
         self._check(still_valid, key)
         prod = _Producer(fd, size, False, cfg.frame_size, math.inf)
 
@@ -521,7 +523,8 @@ class Uploader:
         """Once the trainer pauses (or waited long enough) and a part token is free, read the
         next part in a worker thread and ask `still_valid`. The token is the caller's to give
         back, after the part's buffer is dropped."""
-        await self._foreground.yield_to()
+        prod = job.prod
+        await self._foreground.yield_to(int(min(prod.target, prod.size - prod.raw_off)))
         token = await self._acquire(job.sem)
         try:
             while True:
