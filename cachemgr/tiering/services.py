@@ -277,7 +277,8 @@ class Tiering:
             uploader=self.uploader, node=self.node, signals=self.signals,
             health=self.store_health, mark_dir=parts.mark,
             dir_published=lambda ino: ino in parts.published, ready=self.publisher.publish,
-            gc=self.publisher.gc, spawn=self.publisher.spawn, retry_pause=cfg.retry_pause)
+            verified=self.publisher.verified, gc=self.publisher.gc, spawn=self.publisher.spawn,
+            retry_pause=cfg.retry_pause)
         self.commits = Committer(
             table=cache.table, index=self.index, sets=self.sets, uploads=self.uploads,
             publisher=self.publisher, signals=self.signals, forget=restorer.forget,
