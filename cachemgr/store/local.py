@@ -378,8 +378,10 @@ class LocalStore(ObjectStore):
     async def stage_path(self, key: str, path: str, size: int,
                          inspect: Callable[[memoryview], int],
                          skip: Callable[[int], bool]) -> Staged | None:
+        from cachemgr.host.background import run_idle  # all of it is background work
+
         try:
-            return await self._run(self._stage_path, key, path, size, inspect, skip)
+            return await self._run(run_idle, self._stage_path, key, path, size, inspect, skip)
         except _SourceError as e:
             # The source (a cache file) failed to open or to read for `skip`: its OSError, as
             # the caller's own open would have raised it (ENOENT: deleted meanwhile), not a
