@@ -300,6 +300,33 @@ def test_a_set_of_fresh_uploads_is_published_without_a_head_per_object(tmp_path)
     node.core.close()
 
 
+def test_objects_uploaded_before_a_lease_lapse_are_headed_at_publication(tmp_path):
+    """`ckptfs fsck --repair` may delete the unnamed objects of a node whose lease ran out
+    (docs/FORMAT.md "Garbage"), so an upload verified under an earlier lease generation
+    proves nothing at publication: x and y land, the lease lapses and is taken again (a new
+    generation) while z's upload is held, and the publication HEADs x and y, not z."""
+    store = HeadCounter(tmp_path / "store")
+    node = Node(tmp_path / "a", store)
+    node.mkdir("ck")
+    for name in ("x", "y", "z"):
+        node.write(f"ck/{name}", os.urandom(CHUNK))
+    z = node.core.index.resolve("ck/z")
+    gate = store.gate(f"data/{node.t.node}/{z}/")
+
+    async def body():
+        seq = node.t.commit_path("ck")
+        await until(lambda: store.held and len(node.sets.missing_uploads(seq)) == 1,
+                    "x and y uploaded, z held")
+        node.t.lease.generation += 1  # the lease ran out and was taken again
+        gate.set()
+        await until(node.quiet, "the set to settle")
+    run_nodes([node], body)
+    assert node.sets.newest_at("ck").state == "durable"
+    assert node.t.publisher.heads == 2
+    assert node.core.check_consistency() == []
+    node.core.close()
+
+
 def test_an_object_gone_from_the_store_before_a_later_set_names_it_fails_that_set(node, store):
     """The check before publication still catches an object that is not in the store: x's
     object is removed behind ckptfs's back after the first set; the next commit of the

@@ -12,7 +12,7 @@ workers and recovery, synchronously, and consumed only by the worker — no lock
   * a manifest is PUT only after every object it names has been uploaded and its size checked
     in the store (`_check_objects`): by a HEAD, or, for an object in `_verified`, by the HEAD
     this daemon's uploader made right after its PUT (see `verified`);
-  * `_verified` (key -> stored size) holds only objects of this node that this process
+  * `_verified` (key -> stored size, lease generation) holds only objects of this node that this process
     uploaded and verified, that no manifest it published since names and that its GC has not
     deleted: entries are added by the upload workers (`verified`) and removed by the
     publication naming them and by the GC pass deleting them, so it never holds more than the
@@ -94,9 +94,11 @@ class Publisher:
                  complete_local: Callable[[int, int, list[dict[str, Any]]], object],
                  keys_named_elsewhere: Callable[[str, set[str]], set[str]],
                  retention: Callable[[int], None], retry_pause: float,
-                 fence: Callable[[], Awaitable[None]]) -> None:
+                 fence: Callable[[], Awaitable[None]],
+                 lease_epoch: Callable[[], int | None]) -> None:
         """`fence`: awaited before every manifest PUT (cachemgr.tiering.members.Lease.ensure: no set
-        is published on a lease this node no longer holds)."""
+        is published on a lease this node no longer holds). `lease_epoch`: the generation of
+        the lease this node holds now, None while it holds none (`verified`)."""
         self.index = index
         self.sets = sets
         self.store = store
@@ -109,12 +111,14 @@ class Publisher:
         self._retention = retention            # cachemgr.tiering.space: --keep-local
         self.retry_pause = retry_pause
         self._fence = fence
+        self._lease_epoch = lease_epoch
         self._events: deque[Event] = deque()
         self._spawn: list[Callable[[], Awaitable[None]]] = []
         self._absorb: dict[int, set[tuple[int, str]]] = {}
         self._blocked: dict[int, int] = {}
         self._blocked_unpublish: list[Event] = []
-        self._verified: dict[str, int] = {}  # see the invariants; trio thread only
+        # key -> (stored size, lease generation): see the invariants; trio thread only
+        self._verified: dict[str, tuple[int, int]] = {}
         self._collector = Collector(index=index, sets=sets, store=store, node=node,
                                     health=health, forget=self._forget_verified)
         self._guarded: int | None = None  # the index transaction whose undo is registered
@@ -223,19 +227,25 @@ class Publisher:
         PUT and then read back at `stored_size` bytes (cachemgr.transfer.upload `_finish`: a
         HEAD, or the store's own read-back of a staged file), and recorded in the index.
 
-        Its publication need not HEAD it again. That HEAD guards the time between the upload
-        and the manifest PUT (seconds, or a few minutes behind a big upload queue), and in it
-        only three things could delete an object under this node's `data/<node>/` prefix:
-        this node's GC, which never deletes the current content of a linked file nor an object
-        a kept set names (`SetRegistry.garbage`), and a live set holds only current contents
-        (a change supersedes it); another node, which deletes only objects of its own or, as a
+        Its publication need not HEAD it again while this node holds, without a lapse, the
+        lease it held then. That HEAD guards the time between the upload and the manifest PUT
+        (seconds, or minutes behind a big upload queue), and in it only these delete an object
+        under this node's `data/<node>/` prefix: this node's GC, which never deletes the
+        current content of a linked file nor an object a kept set names
+        (`SetRegistry.garbage`), and a live set holds only current contents (a change
+        supersedes it); another node, which deletes only objects of its own or, as a
         committer, of the nodes whose files it gathered (`_delete_foreign_objects`:
-        `validate.is_own_object` keeps this node's out of that); and someone outside ckptfs, or
-        a store that loses data, which no check at publication can rule out for the moment
-        after it either. So the skip is for this process's own fresh uploads only: a restart
-        forgets them, an object named again by a later set (an unchanged file in the next
-        save) is HEADed then, as are other nodes' objects."""
-        self._verified[key] = stored_size
+        `validate.is_own_object` keeps this node's out); `ckptfs fsck --repair`, which deletes
+        unnamed objects only of nodes whose lease ran out (docs/FORMAT.md "Garbage"): a lapse
+        starts a new lease generation (cachemgr.tiering.members.Lease), so an object verified
+        under an earlier generation is HEADed; and someone outside ckptfs, or a store that
+        loses data, which no check at publication rules out for the moment after it either.
+        So the skip is for this process's own fresh uploads only: a restart forgets them, an
+        object named again by a later set (an unchanged file in the next save) is HEADed then,
+        as are other nodes' objects."""
+        epoch = self._lease_epoch()
+        if epoch is not None:
+            self._verified[key] = (stored_size, epoch)
 
     def _forget_verified(self, key: str) -> None:
         self._verified.pop(key, None)
@@ -504,9 +514,9 @@ class Publisher:
         """HEAD every object a manifest will name, 16 at a time, but those this process just
         uploaded and verified at the size the manifest names (`verified`); the key of one that
         is missing, else None. A size mismatch is a StoreError (retried)."""
-        verified = self._verified
-        files = [f for f in files
-                 if verified.get(f["object"]["key"]) != f["object"]["stored_size"]]
+        verified, epoch = self._verified, self._lease_epoch()
+        files = [f for f in files if epoch is None or
+                 verified.get(f["object"]["key"]) != (f["object"]["stored_size"], epoch)]
         self.heads += len(files)
         missing: list[str] = []
         errors: list[StoreError] = []

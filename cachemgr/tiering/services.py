@@ -271,7 +271,8 @@ class Tiering:
             complete_local=self.remote.complete_local,
             keys_named_elsewhere=self.remote.keys_named_elsewhere,
             retention=self.space.retention, retry_pause=cfg.retry_pause,
-            fence=self.lease.ensure)
+            fence=self.lease.ensure,
+            lease_epoch=lambda: self.lease.generation if self.lease.holds() else None)
         self.uploads = UploadQueue(
             table=cache.table, files=cache.files, index=self.index, sets=self.sets,
             uploader=self.uploader, node=self.node, signals=self.signals,
