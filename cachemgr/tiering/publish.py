@@ -10,13 +10,14 @@ re-queued after a pause, cachemgr.tiering.uploads) run in the worker's own nurse
 Invariants (all on the trio thread; the FIFO is appended to by the commit hooks, the upload
 workers and recovery, synchronously, and consumed only by the worker — no locks):
   * a manifest is PUT only after every object it names has been uploaded and its size checked
-    in the store (`_check_objects`): by a HEAD, or, for an object in `_verified`, by the HEAD
-    this daemon's uploader made right after its PUT (see `verified`);
-  * `_verified` (key -> stored size, lease generation) holds only objects of this node that this process
-    uploaded and verified, that no manifest it published since names and that its GC has not
-    deleted: entries are added by the upload workers (`verified`) and removed by the
-    publication naming them and by the GC pass deleting them, so it never holds more than the
-    `objects` rows of this node;
+    in the store (`_check_objects`): by a HEAD, or, for an object in `_verified`, by the
+    uploader's read-back right after its PUT (see `verified`);
+  * `_verified` (key -> stored size, lease generation) holds only objects of this node that
+    this process uploaded and read back, that no manifest it published since names and that
+    its GC has not deleted: entries are added by the upload workers (`verified`) and removed
+    by the publication naming them and by the GC pass deleting them, so it never holds more
+    than the `objects` rows of this node; one is used only under the lease generation it was
+    added in;
   * publication follows commit order: a set is held back (`_blocked`: seq -> the earlier live
     seq) while a set this node committed before it is still live, and released by
     `_release_blocked` when a "release" event comes (queued by `_on_set_changed`, a listener of
