@@ -45,3 +45,19 @@ def test_a_reused_trio_worker_thread_is_back_to_normal_priority():
     idle, after = trio.run(main)
     assert idle[0] == os.SCHED_IDLE and idle[1] == IDLE_IO
     assert after[0] == os.SCHED_OTHER and after[1] != IDLE_IO
+
+
+def test_a_nested_run_idle_switches_nothing_and_the_outer_one_restores():
+    """A small file's whole staging runs in one run_idle (cachemgr.store.local `stage_path`),
+    and the copy, CRC and sample inside it call run_idle again: those find the thread idle
+    already, switch nothing, and leave the restore to the outer call."""
+    if not background.enabled():
+        pytest.skip("idle priority needs root")
+    before = background.current()
+
+    def inner() -> tuple:
+        return background.run_idle(background.current), background.current()
+
+    inside, after_inner = background.run_idle(inner)
+    assert inside == after_inner == (os.SCHED_IDLE, IDLE_IO)
+    assert background.current() == before

@@ -254,6 +254,102 @@ def test_manifest_is_put_after_every_object_it_names(node, store):
         assert trio.run(store.head, f["object"]["key"]).size == f["object"]["stored_size"]
 
 
+class HeadCounter(Recorder):
+    """A Recorder that also counts the HEADs of each key."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.heads: dict[str, int] = {}
+
+    async def head(self, key):
+        self.heads[key] = self.heads.get(key, 0) + 1
+        return await super().head(key)
+
+
+def test_a_set_of_fresh_uploads_is_published_without_a_head_per_object(tmp_path):
+    """Issue 35: publication HEADed every object a manifest names (8,192 HEADs for a DCP save
+    of 8,192 shards, most of its commit -> durable time) right after the uploader had HEADed
+    each one after its PUT. An object this process uploaded and read back is not HEADed again
+    by the first publication naming it; an object named again by a later set (an unchanged
+    file) is, as is one another node or an earlier process uploaded."""
+    store = HeadCounter(tmp_path / "store")
+    node = Node(tmp_path / "a", store)
+    node.mkdir("ck")
+    for name in ("x", "y", "z"):
+        node.write(f"ck/{name}", os.urandom(3 * CHUNK + 7))
+    first = node.t.commit_path("ck")
+
+    async def settle():
+        await until(node.quiet, "the set to settle")
+    run_nodes([node], settle)
+    assert node.sets.get(first).state == "durable"
+    old = {f["object"]["key"] for f in read_manifest(store, "ck")["files"]}
+    assert node.t.publisher.heads == 0
+    # every object was read back once, by its upload (the staged copy's rename on file://:
+    # the store's own stat; a HEAD elsewhere), never by the publication
+    assert all(store.heads.get(k, 0) <= 1 for k in old), store.heads
+
+    node.write("ck/w", os.urandom(CHUNK))
+    second = node.t.commit_path("ck")
+    run_nodes([node], settle)
+    assert node.sets.get(second).state == "durable"
+    files = read_manifest(store, "ck")["files"]
+    assert sorted(f["path"] for f in files) == ["w", "x", "y", "z"]
+    assert node.t.publisher.heads == 3  # x, y, z again; w is fresh
+    assert node.core.check_consistency() == []
+    node.core.close()
+
+
+def test_objects_uploaded_before_a_lease_lapse_are_headed_at_publication(tmp_path):
+    """`ckptfs fsck --repair` may delete the unnamed objects of a node whose lease ran out
+    (docs/FORMAT.md "Garbage"), so an upload verified under an earlier lease generation
+    proves nothing at publication: x and y land, the lease lapses and is taken again (a new
+    generation) while z's upload is held, and the publication HEADs x and y, not z."""
+    store = HeadCounter(tmp_path / "store")
+    node = Node(tmp_path / "a", store)
+    node.mkdir("ck")
+    for name in ("x", "y", "z"):
+        node.write(f"ck/{name}", os.urandom(CHUNK))
+    z = node.core.index.resolve("ck/z")
+    gate = store.gate(f"data/{node.t.node}/{z}/")
+
+    async def body():
+        seq = node.t.commit_path("ck")
+        await until(lambda: store.held and len(node.sets.missing_uploads(seq)) == 1,
+                    "x and y uploaded, z held")
+        node.t.lease.generation += 1  # the lease ran out and was taken again
+        gate.set()
+        await until(node.quiet, "the set to settle")
+    run_nodes([node], body)
+    assert node.sets.newest_at("ck").state == "durable"
+    assert node.t.publisher.heads == 2
+    assert node.core.check_consistency() == []
+    node.core.close()
+
+
+def test_an_object_gone_from_the_store_before_a_later_set_names_it_fails_that_set(node, store):
+    """The check before publication still catches an object that is not in the store: x's
+    object is removed behind ckptfs's back after the first set; the next commit of the
+    directory names it again (x unchanged) and fails, naming it, instead of publishing a
+    manifest that points at nothing."""
+    node.mkdir("ck")
+    node.write("ck/x", os.urandom(CHUNK))
+    first = node.t.commit_path("ck")
+
+    async def settle():
+        await until(node.quiet, "the set to settle")
+    run_nodes([node], settle)
+    assert node.sets.get(first).state == "durable"
+    (gone,) = [f["object"]["key"] for f in read_manifest(store, "ck")["files"]]
+    trio.run(LocalStore.delete, store, gone)
+    node.write("ck/y", os.urandom(CHUNK))
+    second = node.t.commit_path("ck")
+    run_nodes([node], settle)
+    s = node.sets.get(second)
+    assert s.state == "failed" and gone in s.error, s
+    assert [f["path"] for f in read_manifest(store, "ck")["files"]] == ["x"]  # the first set
+
+
 def test_store_health_recovers_with_a_publish_alone(node, store):
     """Manifest PUTs that fail make the store `down`; the first one that succeeds makes it
     `normal` again, with no upload in between (it stayed `down` until an upload succeeded)."""

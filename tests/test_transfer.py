@@ -1016,9 +1016,9 @@ def test_the_crc_pass_over_a_staged_copy_gives_way_between_its_steps(tmp_path, m
     waits = [0]
 
     class Counting(Foreground):
-        async def yield_to(self) -> None:
+        async def yield_to(self, nbytes: int | None = None) -> None:
             waits[0] += 1
-            await super().yield_to()
+            await super().yield_to(nbytes)
 
     data = mixed((5 << 20) + 123)
     src = write(tmp_path, "in", data)
@@ -1089,3 +1089,69 @@ def test_staging_is_off_for_compression_and_for_fault_injection(tmp_path):
         await up.upload_file(src, "k2", size=PART)
         assert up.statistics().staged == 0 and up.statistics().single_puts == 1
     trio.run(go)
+
+
+@pytest.mark.parametrize("compress", ["off", "auto"])
+def test_a_small_file_is_staged_in_two_worker_thread_hops(tmp_path, monkeypatch, compress):
+    """Issue 35: a small file's upload to a file:// store took five worker-thread hops (open,
+    compressibility sample, copy and CRCs, rename, HEAD), most of a 64 KiB DCP shard's upload
+    cost. Now two: open + sample + copy + CRCs in one, the rename and its read-back in the
+    other; the same object as the part path. A compressible small file takes the part path
+    (lz4), after the one hop that sampled it."""
+    store = LocalStore(tmp_path / "store")
+    hops: list[str] = []
+    real = trio.to_thread.run_sync
+
+    async def counting(fn, *args, **kw):
+        hops.append(getattr(fn, "__name__", repr(fn)))
+        return await real(fn, *args, **kw)
+
+    monkeypatch.setattr(trio.to_thread, "run_sync", counting)
+    data = random.Random(1).randbytes(64 << 10)
+    src = write(tmp_path, "in", data)
+    zeros = write(tmp_path, "zeros", bytes(64 << 10))
+
+    async def go():
+        up = Uploader(store, cfg(stage_files=True, compress=compress))
+        obj = await up.upload_file(src, "k", size=len(data), still_valid=lambda: True)
+        assert len(hops) == 2, hops
+        hops.clear()
+        want = await Uploader(LocalStore(tmp_path / "ref"), cfg()).upload_file(src, "k",
+                                                                               size=len(data))
+        assert obj == want
+        assert await store.get("k") == data
+        assert up.statistics().staged == 1 and up.statistics().uploads == 1
+        hops.clear()
+        z = await up.upload_file(zeros, "z", size=64 << 10, still_valid=lambda: True)
+        assert z.compression == ("lz4" if compress == "auto" else "none")
+        assert await read_range(store, z, 0, 64 << 10) == bytes(64 << 10)
+        assert up.statistics().uploads == 2
+    trio.run(go)
+
+
+def test_a_small_file_changed_during_its_copy_is_not_published(tmp_path):
+    """The two-hop path keeps the staged path's check: the source is asked after the copy and
+    before the rename; a change in between discards the copy (nothing in the store)."""
+    store = LocalStore(tmp_path / "store")
+    src = write(tmp_path, "in", mixed(64 << 10))
+    valid = [True]
+
+    class Changing(_Wrapper):
+        async def stage_path(self, key, path, size, inspect, skip):
+            staged = await self.inner.stage_path(key, path, size, inspect, skip)
+            valid[0] = False                        # a writer opened the file meanwhile
+            return staged
+
+    async def go():
+        up = Uploader(Changing(store), cfg(stage_files=True))
+        with pytest.raises(Superseded):
+            await up.upload_file(src, "k", size=64 << 10, still_valid=lambda: valid[0])
+        assert await store.list() == []
+        # a file gone before its upload: the OSError of its open, not a store error
+        with pytest.raises(FileNotFoundError):
+            await Uploader(store, cfg(stage_files=True)).upload_file(tmp_path / "gone", "k2",
+                                                                     size=10)
+    trio.run(go)
+    leftovers = [n for _d, _s, files in os.walk(tmp_path / "store") for n in files
+                 if n.startswith(".tmp-")]
+    assert leftovers == []

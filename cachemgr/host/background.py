@@ -61,6 +61,11 @@ def run_idle(fn: Callable[..., _T], *args: object) -> _T:
     if not _ENABLED:
         return fn(*args)
     policy = os.sched_getscheduler(0)
+    if policy == os.SCHED_IDLE:
+        # Already idle (a call inside another run_idle: a small file's whole staging,
+        # cachemgr.store.local `stage_path`): nothing to switch, and nothing to restore; each
+        # switch is a chance for the kernel to park the thread behind every runnable one.
+        return fn(*args)
     param = os.sched_getparam(0)
     io = _ioprio_get()
     try:

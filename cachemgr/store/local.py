@@ -102,6 +102,14 @@ _T = TypeVar("_T")
 _Stack = list[tuple[int, str, list[str]]]
 
 
+class _SourceError(Exception):
+    """`LocalStore.stage_path`: an OSError of the source file, not of the store."""
+
+    def __init__(self, error: OSError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
 class LocalStore(ObjectStore):
     @property
     def supports_conditional_put(self) -> bool:
@@ -351,9 +359,40 @@ class LocalStore(ObjectStore):
                          pause: Callable[[], None] | None = None) -> Staged:
         return await self._run(self._stage, key, fd, size, inspect, pause)
 
+    def _stage_path(self, key: str, path: str, size: int, inspect: Callable[[memoryview], int],
+                    skip: Callable[[int], bool]) -> Staged | None:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as e:
+            raise _SourceError(e) from None
+        try:
+            try:
+                if skip(fd):
+                    return None
+            except OSError as e:
+                raise _SourceError(e) from None
+            return self._stage(key, fd, size, inspect, None)
+        finally:
+            os.close(fd)
+
+    async def stage_path(self, key: str, path: str, size: int,
+                         inspect: Callable[[memoryview], int],
+                         skip: Callable[[int], bool]) -> Staged | None:
+        from cachemgr.host.background import run_idle  # all of it is background work
+
+        try:
+            return await self._run(run_idle, self._stage_path, key, path, size, inspect, skip)
+        except _SourceError as e:
+            # The source (a cache file) failed to open or to read for `skip`: its OSError, as
+            # the caller's own open would have raised it (ENOENT: deleted meanwhile), not a
+            # store error.
+            raise e.error from None
+
     def _publish_staged(self, staged: Staged) -> ObjectInfo:
         tmp, st = staged.handle
-        return self._store(staged.key, lambda _dfd: (tmp, st), staged.crc32c, False, None)
+        self._store(staged.key, lambda _dfd: (tmp, st), staged.crc32c, False, None)
+        # read back, as `head` would (ObjectStore.publish_staged): the uploader does not HEAD
+        return self._info(staged.key)
 
     async def publish_staged(self, staged: Staged) -> ObjectInfo:
         return await self._run(self._publish_staged, staged)

@@ -134,6 +134,12 @@ class _Wrapper(ObjectStore):
         staged: Staged = await self._do("stage_file", key, fd, size, inspect, pause)
         return staged
 
+    async def stage_path(self, key: str, path: str, size: int,
+                         inspect: Callable[[memoryview], int],
+                         skip: Callable[[int], bool]) -> Staged | None:
+        staged: Staged | None = await self._do("stage_path", key, path, size, inspect, skip)
+        return staged
+
     async def publish_staged(self, staged: Staged) -> ObjectInfo:
         info: ObjectInfo = await self._do("publish_staged", staged)
         return info
@@ -241,7 +247,8 @@ class ReadOnlyStore(_Wrapper):
     transient: nothing retries it) and is counted in `refused` (trio thread only)."""
 
     WRITES = frozenset({"put", "delete", "create_multipart", "upload_part", "complete_multipart",
-                        "abort_multipart", "stage_file", "publish_staged", "discard_staged",
+                        "abort_multipart", "stage_file", "stage_path", "publish_staged",
+                        "discard_staged",
                         "probe_conditional"})
 
     def __init__(self, inner: ObjectStore) -> None:

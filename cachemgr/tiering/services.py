@@ -271,13 +271,15 @@ class Tiering:
             complete_local=self.remote.complete_local,
             keys_named_elsewhere=self.remote.keys_named_elsewhere,
             retention=self.space.retention, retry_pause=cfg.retry_pause,
-            fence=self.lease.ensure)
+            fence=self.lease.ensure,
+            lease_epoch=lambda: self.lease.generation if self.lease.holds() else None)
         self.uploads = UploadQueue(
             table=cache.table, files=cache.files, index=self.index, sets=self.sets,
             uploader=self.uploader, node=self.node, signals=self.signals,
             health=self.store_health, mark_dir=parts.mark,
             dir_published=lambda ino: ino in parts.published, ready=self.publisher.publish,
-            gc=self.publisher.gc, spawn=self.publisher.spawn, retry_pause=cfg.retry_pause)
+            verified=self.publisher.verified, gc=self.publisher.gc, spawn=self.publisher.spawn,
+            retry_pause=cfg.retry_pause)
         self.commits = Committer(
             table=cache.table, index=self.index, sets=self.sets, uploads=self.uploads,
             publisher=self.publisher, signals=self.signals, forget=restorer.forget,

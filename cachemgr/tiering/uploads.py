@@ -101,8 +101,8 @@ class UploadQueue:
     def __init__(self, *, table: InodeTable, files: FileCache, index: Index, sets: SetRegistry,
                  uploader: Uploader, node: str, signals: Signals, health: StoreHealth,
                  mark_dir: Callable[[int], object], dir_published: Callable[[int], bool],
-                 ready: Callable[[int], None], gc: Callable[[], None], spawn: Spawn,
-                 retry_pause: float) -> None:
+                 ready: Callable[[int], None], verified: Callable[[str, int], None],
+                 gc: Callable[[], None], spawn: Spawn, retry_pause: float) -> None:
         self.table = table
         self.files = files
         self.index = index
@@ -114,6 +114,7 @@ class UploadQueue:
         self._mark_dir = mark_dir            # cachemgr.tiering.parts: a directory's record is stale
         self._dir_published = dir_published  # cachemgr.tiering.parts: it has a record in the store
         self._ready = ready                  # tiering.publish: set `seq` has all its objects
+        self._verified = verified            # tiering.publish: an object read back after its PUT
         self._gc = gc                        # tiering.publish: collect unreferenced objects
         self._spawn = spawn                  # a helper task (the requeue after a pause)
         self.retry_pause = retry_pause
@@ -310,6 +311,8 @@ class UploadQueue:
                 waiting: list[int] = []
             else:
                 waiting = self.sets.record_upload(ino, version, json.dumps(obj.to_json()))
+                # the uploader read it back at this size: its publication need not HEAD it
+                self.index.when_committed(lambda: self._verified(obj.key, obj.stored_size))
         for seq in waiting:
             left = self._left.get(seq)
             if left is None:  # the first upload of this set to land: ask the index once

@@ -90,7 +90,15 @@ from cachemgr.format.decode import crc32c_combine
 from cachemgr.format.objects import StoredObject
 from cachemgr.host.background import run_idle
 from cachemgr.host.foreground import Foreground
-from cachemgr.store.base import IntegrityError, NotFound, ObjectInfo, ObjectStore, Part, crc32c
+from cachemgr.store.base import (
+    IntegrityError,
+    NotFound,
+    ObjectInfo,
+    ObjectStore,
+    Part,
+    Staged,
+    crc32c,
+)
 
 __all__ = ["SourceChanged", "Superseded", "TransferConfig", "UploadStats", "Uploader",
            "unwrap_group"]
@@ -114,6 +122,12 @@ ABORT_TIMEOUT = 30.0
 # headers (64 per frame is generous for 1 MiB blocks in a 4 MiB frame).
 _LZ4_FRAME_SLACK = 64
 
+
+# Files up to this size go to a store that stages files (file://) in two worker-thread hops
+# (`Uploader._upload_small`) instead of five: what each hop costs (a thread handoff, the idle
+# priority set and reset, ~0.1-0.2 ms of the daemon's CPU) was most of the upload of a 64 KiB
+# DCP shard (issue 35). Below COPY_STEP and STAGED_CRC_STEP, so such a copy never pauses.
+SMALL_STAGED = 1 << 20
 
 # The CRC pass over a staged copy (file:// stores) goes in steps of this many bytes with the
 # same wait between them as the copy's (measured: with only the copy in steps, the daemon still
@@ -424,15 +438,23 @@ class Uploader:
             # Checked before a byte is read: a sparse `truncate -s 10T` would otherwise stream
             # terabytes of zeros for an upload the store refuses at its end.
             raise ValueError(f"{size} bytes is more than the store's largest object (5 TiB)")
-        fd = await trio.to_thread.run_sync(os.open, os.fspath(path), os.O_RDONLY | os.O_CLOEXEC)
+        path = os.fspath(path)
         try:
-            return await self._upload(fd, key, size, still_valid, progress)
+            if size <= SMALL_STAGED and self.cfg.stage_files and self.store.stages_files and \
+                    self.cfg.compress != "lz4":
+                obj = await self._upload_small(path, key, size, still_valid, progress)
+                if obj is not None:
+                    return obj
+                # to be compressed: the part path below (the sample is taken again)
+            fd = await trio.to_thread.run_sync(os.open, path, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                return await self._upload(fd, key, size, still_valid, progress)
+            finally:
+                os.close(fd)
         except SourceChanged:
             # A file that shrank under us is a superseded one if the caller says so.
             self._check(still_valid, key)
             raise
-        finally:
-            os.close(fd)
 
     async def _decide(self, fd: int, size: int) -> bool:
         mode = self.cfg.compress
@@ -450,7 +472,9 @@ class Uploader:
         st.uploads += 1
         # The first read of the file (the compressibility sample) waits for the trainer too:
         # a file reopened for writing right after its close (a layout) is dropped before it.
-        await self._foreground.yield_to()
+        # The wait is scaled to the bytes to move (cachemgr.host.foreground): a small file
+        # waits milliseconds, a file of a part or more the whole MAX_DEFER_S.
+        await self._foreground.yield_to(size)
         compressed = await self._decide(fd, size)
         if not compressed and cfg.stage_files and self.store.stages_files:
             return await self._upload_staged(fd, key, size, still_valid, progress)
@@ -469,6 +493,34 @@ class Uploader:
             raise
         return await self._finish(job, size, compressed, info)
 
+    async def _upload_small(self, path: str, key: str, size: int,
+                            still_valid: Callable[[], bool],
+                            progress: Callable[[int], None] | None) -> StoredObject | None:
+        """A file of at most SMALL_STAGED bytes to a store that copies local files in whole
+        (file://): the `_upload_staged` path in two worker-thread hops instead of five (the
+        open, the compressibility sample, the copy and its CRCs in one `stage_path`; the
+        rename and the read-back in one `publish_staged`), with the same checks in the same
+        order. None (nothing staged) if the sample says compress."""
+        cfg = self.cfg
+        await self._foreground.yield_to(size)
+        self._check(still_valid, key)
+        prod = _Producer(-1, size, False, cfg.frame_size, math.inf)
+
+        def skip(fd: int) -> bool:  # in the store's worker thread: compress it instead?
+            if size == 0 or cfg.compress == "off":
+                return False
+            return run_idle(should_compress, lambda off, n: _pread_sample(fd, off, n), size)
+
+        def inspect(mv: memoryview) -> int:  # one step: the copy is below STAGED_CRC_STEP
+            prod._checksum(mv, True)
+            return prod.crc_raw
+
+        staged = await self.store.stage_path(key, path, size, inspect, skip)
+        if staged is None:
+            return None
+        self.stats.uploads += 1
+        return await self._publish_copy(staged, prod, key, size, still_valid, progress)
+
     async def _upload_staged(self, fd: int, key: str, size: int,
                              still_valid: Callable[[], bool],
                              progress: Callable[[int], None] | None) -> StoredObject:
@@ -477,7 +529,7 @@ class Uploader:
         copy, and the copy is published only if the source did not change meanwhile (the check
         follows the copy, as it follows each part's read on the other path)."""
         cfg = self.cfg
-        await self._foreground.yield_to()
+        await self._foreground.yield_to(size)
         self._check(still_valid, key)
         prod = _Producer(fd, size, False, cfg.frame_size, math.inf)
 
@@ -496,6 +548,13 @@ class Uploader:
             return prod.crc_raw
 
         staged = await self.store.stage_file(key, fd, size, inspect, pause)
+        return await self._publish_copy(staged, prod, key, size, still_valid, progress)
+
+    async def _publish_copy(self, staged: Staged, prod: _Producer, key: str, size: int,
+                            still_valid: Callable[[], bool],
+                            progress: Callable[[int], None] | None) -> StoredObject:
+        """Publish a staged copy whose CRCs `prod` holds, if the source did not change (else
+        discard it); the store's read-back after the rename stands for the HEAD."""
         try:
             if staged.size != size:
                 raise SourceChanged(f"cache file for {key} is {staged.size} bytes, not {size}")
@@ -515,13 +574,14 @@ class Uploader:
         if progress is not None:
             progress(size)
         job = _Job(key, prod, trio.Semaphore(1), still_valid, progress)
-        return await self._finish(job, size, False, info)
+        return await self._finish(job, size, False, info, read_back=info)
 
     async def _next_chunk(self, job: _Job) -> tuple[_Chunk, object]:
         """Once the trainer pauses (or waited long enough) and a part token is free, read the
         next part in a worker thread and ask `still_valid`. The token is the caller's to give
         back, after the part's buffer is dropped."""
-        await self._foreground.yield_to()
+        prod = job.prod
+        await self._foreground.yield_to(int(min(prod.target, prod.size - prod.raw_off)))
         token = await self._acquire(job.sem)
         try:
             while True:
@@ -602,11 +662,13 @@ class Uploader:
         job.upload_id = None  # published: nothing to abort any more
         return info
 
-    async def _finish(self, job: _Job, size: int, compressed: bool,
-                      info: ObjectInfo) -> StoredObject:
-        """Check what the store says it holds, count the upload, describe the object."""
+    async def _finish(self, job: _Job, size: int, compressed: bool, info: ObjectInfo,
+                      read_back: ObjectInfo | None = None) -> StoredObject:
+        """Check what the store says it holds (`read_back`: what it read back when it
+        published, ObjectStore.publish_staged; else a HEAD), count the upload, describe the
+        object."""
         key, prod, st, cfg = job.key, job.prod, self.stats, self.cfg
-        head = await self.store.head(key)
+        head = read_back if read_back is not None else await self.store.head(key)
         self._verify(key, head, prod)
         st.raw_bytes += size
         st.stored_bytes += prod.stored
