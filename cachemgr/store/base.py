@@ -239,6 +239,34 @@ class ObjectStore(abc.ABC):
         """Drop a staged copy (idempotent)."""
         raise NotImplementedError
 
+    # -- whole local files through a native client (s3:// with awscrt: cachemgr.store.crt) ----
+
+    @property
+    def data_path(self) -> str:
+        """What moves data bytes between cache files and this store, for status: "crt" (the
+        AWS Common Runtime, in native code), "boto3", "local" (file://)."""
+        return "local"
+
+    @property
+    def sends_files(self) -> bool:
+        """True if `put_file` and `get_file` work: an uncompressed cache file goes up, and an
+        uncompressed object comes down, whole, read and written by the store's native client
+        (no part buffers in the interpreter)."""
+        return False
+
+    async def put_file(self, key: str, fd: int, size: int, crc32c: int) -> ObjectInfo:
+        """Store the first `size` bytes of the open local file `fd` as `key` (unconditionally,
+        atomically; multipart inside the client as it sees fit); `crc32c` is the caller's
+        CRC32C of those bytes, recorded with the object. The caller checks afterwards that the
+        file did not change meanwhile, and HEADs the object."""
+        raise NotImplementedError
+
+    async def get_file(self, key: str, fd: int, size: int) -> None:
+        """Write the whole object `key` (`size` bytes expected) into the open local file `fd`,
+        from offset 0 (truncating it). Nothing is checked here: the caller checks every chunk
+        before the file is used."""
+        raise NotImplementedError
+
     async def aclose(self) -> None:
         return None
 

@@ -218,14 +218,78 @@ def _write_range(fd: int, obj: StoredObject, r: _Range, blob: bytes) -> int:
     return crc
 
 
-def _open_dest(path: str | os.PathLike[str], size: int) -> int:
-    fd = open_private(path, os.O_WRONLY | os.O_TRUNC)  # a cache file: 0600 (host.nodefiles)
+def _open_dest(path: str | os.PathLike[str], size: int, readback: bool = False) -> int:
+    # readback: the native path reads what its client wrote to check it
+    fd = open_private(path, (os.O_RDWR if readback else os.O_WRONLY) | os.O_TRUNC)  # 0600
     try:
         os.ftruncate(fd, size)  # sparse: ranges land in any order
     except BaseException:
         os.close(fd)
         raise
     return fd
+
+
+def _check_range(fd: int, obj: StoredObject, r: _Range, buf: bytearray) -> int:
+    """Read back one range of a file the store's native client wrote and pass it through the
+    decoder's gate (every chunk's length and CRC32C); its raw CRC32C."""
+    mv = memoryview(buf)[:r.stored_len]
+    got = 0
+    while got < r.stored_len:
+        k = os.preadv(fd, [mv[got:]], r.stored_off + got)
+        if not k:
+            raise IntegrityError(f"{obj.key}: the downloaded file ends at byte "
+                                 f"{r.stored_off + got}, expected {obj.size}", key=obj.key)
+        got += k
+    chunks = [chunk_at(obj, i) for i in range(r.first, r.last + 1)]
+    crc = 0
+    try:
+        for c, _, ccrc in iter_chunks(obj.key, mv, chunks, lz4=False):
+            crc = crc32c_combine(crc, ccrc, c.raw_len)
+    except DecodeError as e:
+        raise _integrity(obj, e) from None
+    return crc
+
+
+async def _download_native(store: ObjectStore, obj: StoredObject,
+                           dest_path: str | os.PathLike[str], ranges: list[_Range],
+                           limiter: trio.CapacityLimiter | None,
+                           progress: Callable[[int], None] | None) -> None:
+    """An uncompressed object through the store's native client (s3:// with awscrt,
+    cachemgr.store.crt): it GETs the object in parallel ranges straight into the destination
+    file, then every range is read back and checked (each chunk's CRC32C, the object's, the
+    size) before this returns: the caller marks the file cached only then, so no byte is served
+    unchecked; a file that fails is truncated to 0. One token of `limiter` is held for the
+    download (the client bounds its own connections and buffers)."""
+    token = object()
+    if limiter is not None:
+        await limiter.acquire_on_behalf_of(token)
+    try:
+        fd = await trio.to_thread.run_sync(_open_dest, dest_path, obj.size, True)
+        try:
+            await store.get_file(obj.key, fd, obj.size)
+            size = os.fstat(fd).st_size
+            if size != obj.size:
+                raise IntegrityError(f"{obj.key}: downloaded {size} bytes, the manifest says "
+                                     f"{obj.size}", key=obj.key)
+            check = ObjectCheck(obj.key, obj.size, obj.crc32c)
+            buf = bytearray(max(r.stored_len for r in ranges))
+            for r in ranges:
+                check.add(await trio.to_thread.run_sync(_check_range, fd, obj, r, buf), r.raw_len)
+                if progress is not None:
+                    progress(r.raw_len)
+            del buf
+            try:
+                check.finish()
+            except DecodeError as e:
+                raise _integrity(obj, e) from None
+        except BaseException:
+            os.ftruncate(fd, 0)  # nothing unchecked stays behind
+            raise
+        finally:
+            os.close(fd)
+    finally:
+        if limiter is not None:
+            limiter.release_on_behalf_of(token)
 
 
 async def download_file(store: ObjectStore, obj: StoredObject, dest_path: str | os.PathLike[str], *,
@@ -244,6 +308,9 @@ async def download_file(store: ObjectStore, obj: StoredObject, dest_path: str | 
         raise ValueError(f"range_size and concurrency must be positive "
                          f"({range_size}, {concurrency})")
     ranges = _plan_ranges(obj, range_size)
+    if obj.compression == "none" and obj.size and store.sends_files:
+        await _download_native(store, obj, dest_path, ranges, limiter, progress)
+        return
     crcs: list[int | None] = [None] * len(ranges)
     fd = await trio.to_thread.run_sync(_open_dest, dest_path, obj.size)
     try:
