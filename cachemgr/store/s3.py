@@ -209,7 +209,7 @@ class S3Store(ObjectStore):
         if not crt.HAVE_CRT:
             self.crt_off_reason = "awscrt is not installed"
         elif not want:
-            self.crt_off_reason = "turned off (CKPTFS_CRT=0)"
+            self.crt_off_reason = "turned off" + (" (CKPTFS_CRT=0)" if opts.native is None else "")
         else:
             self.crt = self._make_crt(session, opts)
 
