@@ -1,9 +1,12 @@
 """The data path of `s3.S3Store` in native code: whole cache files PUT and GET by the AWS Common
 Runtime's S3 client (`awscrt.s3.S3Client`), the bytes never entering the interpreter.
 
-What it owns: two `S3Client`s and their event-loop threads (one for uploads, at idle CPU and I/O
-priority like every other upload thread, `cachemgr.host.background`; one for restores, at normal
-priority: a restore is what a trainer waits for), and the translation of their answers into the
+What it owns: two `S3Client`s and their event-loop threads (one for uploads, whose reads of the
+cache disk are at idle I/O priority as the buffered path's preads are, `cachemgr.host.background`;
+its CPU priority stays normal, as boto3's sending threads' does: the CPU work of an upload that
+waits for the trainer is the CRC pass before the PUT, which runs at idle priority between
+`Foreground.yield_to` checks; one for restores, at normal priority: a restore is what a trainer
+waits for), and the translation of their answers into the
 store seam's errors. It does not own the object layout, the retries (`RetryingStore`: the CRT's
 own retries are off, `S3RetryMode.NONE`, so every retry is counted where the others are), nor the
 integrity checks (the uploader computes the chunk CRC32Cs, the downloader checks them before the
@@ -280,12 +283,14 @@ def _is_ip_or_local(host: str) -> bool:
 
 
 def _idle_threads_since(before: set[str]) -> None:
-    """Put the threads started since `before` (the upload client's event loop) at idle CPU and
-    I/O priority for good (cachemgr.host.background: root only)."""
+    """Put the threads started since `before` (the upload client's event loop) at idle I/O
+    priority for good (cachemgr.host.background: root only). Not idle CPU: measured on this
+    2-core VM under a load of 8-12, a SCHED_IDLE event loop made an upload 0.5x as fast as the
+    same client at normal priority, for CPU the buffered path's sends take at normal priority."""
     if not background.enabled():
         return
     for tid in set(os.listdir("/proc/self/task")) - before:
-        background.idle_thread(int(tid))
+        background.idle_thread(int(tid), cpu=False)
 
 
 def _translate(err: BaseException, what: str, key: str) -> StoreError:

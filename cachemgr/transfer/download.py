@@ -31,6 +31,7 @@ Integrity
 """
 from __future__ import annotations
 
+import mmap
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -229,24 +230,24 @@ def _open_dest(path: str | os.PathLike[str], size: int, readback: bool = False) 
     return fd
 
 
-def _check_range(fd: int, obj: StoredObject, r: _Range, buf: bytearray) -> int:
-    """Read back one range of a file the store's native client wrote and pass it through the
-    decoder's gate (every chunk's length and CRC32C); its raw CRC32C."""
-    mv = memoryview(buf)[:r.stored_len]
-    got = 0
-    while got < r.stored_len:
-        k = os.preadv(fd, [mv[got:]], r.stored_off + got)
-        if not k:
-            raise IntegrityError(f"{obj.key}: the downloaded file ends at byte "
-                                 f"{r.stored_off + got}, expected {obj.size}", key=obj.key)
-        got += k
+def _check_range(mm: mmap.mmap, obj: StoredObject, r: _Range) -> int:
+    """Pass one range of a file the store's native client wrote through the decoder's gate
+    (every chunk's length and CRC32C), read through a read-only mapping (no copy: a pread
+    into a buffer cost 0.3 CPU-s per GiB here, the CRC32C itself under 0.1); its raw CRC32C."""
     chunks = [chunk_at(obj, i) for i in range(r.first, r.last + 1)]
     crc = 0
-    try:
-        for c, _, ccrc in iter_chunks(obj.key, mv, chunks, lz4=False):
-            crc = crc32c_combine(crc, ccrc, c.raw_len)
-    except DecodeError as e:
-        raise _integrity(obj, e) from None
+    err = None
+    with memoryview(mm) as whole, whole[r.stored_off:r.stored_off + r.stored_len] as mv:
+        try:
+            for item in iter_chunks(obj.key, mv, chunks, lz4=False):
+                crc = crc32c_combine(crc, item[2], item[0].raw_len)
+                del item  # a view into the mapping: none may outlive this call
+        except DecodeError as e:
+            # raised after the views are released: the error's traceback holds this frame,
+            # and a view in it would keep the mapping from closing
+            err = _integrity(obj, e)
+    if err is not None:
+        raise err
     return crc
 
 
@@ -272,12 +273,15 @@ async def _download_native(store: ObjectStore, obj: StoredObject,
                 raise IntegrityError(f"{obj.key}: downloaded {size} bytes, the manifest says "
                                      f"{obj.size}", key=obj.key)
             check = ObjectCheck(obj.key, obj.size, obj.crc32c)
-            buf = bytearray(max(r.stored_len for r in ranges))
-            for r in ranges:
-                check.add(await trio.to_thread.run_sync(_check_range, fd, obj, r, buf), r.raw_len)
-                if progress is not None:
-                    progress(r.raw_len)
-            del buf
+            # Mapped, not read: the file is this download's alone (its caller holds the file's
+            # lock, cachemgr.core.filecache; nothing truncates it under the mapping) and its
+            # size was just checked.
+            with mmap.mmap(fd, obj.size, access=mmap.ACCESS_READ) as mm:
+                for r in ranges:
+                    check.add(await trio.to_thread.run_sync(_check_range, mm, obj, r),
+                              r.raw_len)
+                    if progress is not None:
+                        progress(r.raw_len)
             try:
                 check.finish()
             except DecodeError as e:
