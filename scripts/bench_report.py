@@ -732,6 +732,61 @@ def fleet_section() -> list[str]:
              " reads the numbers._"), "", *rows, ""]
 
 
+STORE_PATH_JSON = FLEET_MD.parent / "store_path.json"
+
+
+def store_path_section() -> list[str]:
+    """docs/PERFORMANCE.md's "Store data path": the last `scripts/bench_store_path.py --out
+    docs/bench/store_path` run (docs/bench/store_path.json), if there is one, with issue 37's
+    bars judged from its medians; not part of bench.sh (it starts its own RGW and moto)."""
+    if not STORE_PATH_JSON.exists():
+        return []
+    sp = json.loads(STORE_PATH_JSON.read_text())
+    summ = sp.get("summary", {})
+    md = STORE_PATH_JSON.with_suffix(".md")
+    rows = [ln for ln in md.read_text().splitlines() if ln.startswith("|")] if md.exists() else []
+    L = ["## Store data path: ckptfs vs boto3 vs the CRT alone (issue 37)", "",
+         (f"_From `{sp.get('command', 'python scripts/bench_store_path.py')}` "
+          f"({sp.get('files')} files x {(sp.get('size') or 0) >> 20} MiB per method and round, "
+          f"{sp.get('rounds')} interleaved rounds, {sp.get('cpus')} CPUs; files in /dev/shm; "
+          "whole report: [docs/bench/store_path.md](bench/store_path.md)). Each method runs in "
+          "its own process; CPU-s/GiB are that process's user+system time over the upload or "
+          "the download of every file (every thread, read from the kernel: less sensitive to "
+          "this shared machine than wall time, but not immune: cache misses under a load of "
+          "8-12 inflate them), the server's (radosgw + ceph-osd + ceph-mon; moto_server) "
+          "apart, per GiB moved up and down. MB/s and \"x crt\" are wall time, the ratio to "
+          "the CRT alone in the same round._"), "",
+         *rows, ""]
+    rgw = {m: summ.get(f"rgw/{m}") for m in ("crt", "ckptfs-crt", "ckptfs-boto3", "boto3")}
+    ours, b3 = rgw["ckptfs-crt"], rgw["boto3"]
+    if ours and b3:
+        def med(x: Json, k: str) -> float:
+            return float(x[k]["median"])
+        bars = []
+        for d, what in (("up", "uploaded"), ("down", "restored")):
+            c, cb = med(ours, f"{d}_cpu_s_per_GiB"), med(b3, f"{d}_cpu_s_per_GiB")
+            ok = c <= 0.3 and c < cb
+            bars.append(f"- daemon CPU per GiB {what} to RGW <= 0.3 s and below boto3's: "
+                        f"{c:.2f} s vs boto3 {cb:.2f} s: **{'met' if ok else 'not met'}**")
+            if f"{d}_vs_crt" in ours:
+                r = med(ours, f"{d}_vs_crt")
+                bars.append(f"- {'commit -> durable' if d == 'up' else 'cold restore'} >= "
+                            f"0.95x of the CRT alone (RGW): {r:.2f}x: "
+                            f"**{'met' if r >= 0.95 else 'not met'}**")
+        L += ["Issue 37's bars, from these medians:", "", *bars, ""]
+    L += [("What the rows are: `crt` is awscrt's S3Client alone (PUT from the file, CRC32C "
+           "in the header; GET into the file), the ceiling; `ckptfs-crt` is the daemon's "
+           "upload (`Uploader.upload_file`: compressibility sample, a CRC32C pass over the "
+           "file for the manifest's chunk CRCs, the CRT PUT, HEAD) and whole-file fetch "
+           "(`download_file`: the CRT GET, then every chunk checked through a read-only "
+           "mapping) on the native path; `ckptfs-boto3` the same code with the native path "
+           "off (parts read into buffers, boto3 threads); `boto3` is boto3's own "
+           "`upload_file` / `download_file` (64 MiB parts, 8 threads). Not through a mount: "
+           "commit bookkeeping, FUSE and the restore's scheduling are not in these figures "
+           "(docs/ARCHITECTURE.md \"Store data path\" says what is and why)."), ""]
+    return L
+
+
 def markdown(res: Json, s: Json, pngs: list[str], docs: bool) -> str:
     L = header(res, docs)
     L += data_paths_section(res, s)
@@ -755,6 +810,7 @@ def markdown(res: Json, s: Json, pngs: list[str], docs: bool) -> str:
     L += peers_section(res)
     if docs:
         L += fleet_section()
+        L += store_path_section()
     L += method_section(res)
     return "\n".join(L)
 

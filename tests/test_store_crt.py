@@ -194,6 +194,16 @@ def test_a_black_hole_ends_a_native_put_and_get_at_their_deadline(s3_bucket, tmp
             finally:
                 os.close(fd)
                 os.close(out)
+            # the caller cancelled (an unmount): the request is cancelled too, at once
+            t0 = time.monotonic()
+            with trio.move_on_after(0.3) as scope:
+                fd1 = os.open(src, os.O_RDONLY)
+                try:
+                    await s3.put_file("data/z", fd1, size, 0)
+                finally:
+                    os.close(fd1)
+            assert scope.cancelled_caught
+            took["cancelled"] = time.monotonic() - t0
             # RetryingStore asks a black hole at most deadline_attempts (2) times
             rs = RetryingStore(s3, RetryPolicy(base_delay=0.001))
             with pytest.raises(DeadlineExceeded):
@@ -208,7 +218,7 @@ def test_a_black_hole_ends_a_native_put_and_get_at_their_deadline(s3_bucket, tmp
         assert proxy.hung() >= 1
     # the deadline (1 s + 2 MiB at 64 MiB/s) plus the cancel's answer; slack for a loaded VM
     assert all(t < 6 for t in took.values()), took
-    assert s3.data_statistics()["cancelled"] == 4
+    assert s3.data_statistics()["cancelled"] == 5
 
 
 def test_boto3_moves_the_bytes_when_the_native_path_is_off(s3_bucket, tmp_path, monkeypatch):

@@ -65,7 +65,6 @@ from cachemgr.store.base import (
 
 try:  # optional: without it S3Store moves every byte through boto3
     import awscrt.auth
-    import awscrt.checksums
     import awscrt.exceptions
     import awscrt.http
     import awscrt.io
@@ -92,12 +91,6 @@ def enabled_by_env() -> bool:
     return HAVE_CRT and os.environ.get("CKPTFS_CRT", "1") != "0"
 
 
-def crc32c(data: bytes | memoryview, value: int = 0) -> int:
-    """CRC32C in C with the GIL released (awscrt: 14-30 GB/s measured here, vs 6-17 GB/s for
-    the `crc32c` package on the same buffer)."""
-    return int(awscrt.checksums.crc32c(data, value))
-
-
 @dataclass
 class CrtStats:
     """Counters of the native data path (trio thread only)."""
@@ -119,12 +112,13 @@ class CrtOptions:
     path_style: bool
     credentials: Callable[[], tuple[str, str, str | None]]   # (key, secret, token), per request
     max_connections: int = 16
-    # 64 MiB: the boto3 path's part size (cachemgr.transfer.upload "Defaults and why"); measured
-    # on RGW here, 8 MiB parts cost 1.4x the CPU per GiB of 64 MiB ones.
+    # 64 MiB: the buffered path's part and range size (cachemgr.transfer.upload "Defaults and
+    # why": per-request costs amortised over big requests); not measured apart for the CRT
     part_size: int = 64 * MiB
     connect_timeout: float = 5.0
-    # the CRT's buffer pool; 1 GiB is the least aws-c-s3 takes. What it holds is bounded by it,
-    # not by our part tokens (docs/ARCHITECTURE.md "Memory bound").
+    # the CRT's buffer pool, per client (its default is 2 GiB or more): what a client holds is
+    # bounded by this, not by the buffered path's part tokens (docs/ARCHITECTURE.md "Store data
+    # path")
     memory_limit: int = 1 << 30
 
 
@@ -245,20 +239,24 @@ class CrtData:
                 pass
 
         request = client.make_request(on_headers=on_headers, on_done=on_done, **kw)
-        with trio.move_on_after(deadline) as scope:
-            await done.wait()
-        if not done.is_set():
-            request.cancel()
-            self.stats.cancelled += 1
-            with trio.CancelScope(shield=True), trio.move_on_after(CANCEL_WAIT):
+        timed_out = False
+        try:
+            with trio.move_on_after(deadline):
                 await done.wait()
+            timed_out = not done.is_set()
+        finally:
+            # at the deadline, or the caller cancelled (an unmount, a superseded upload): the
+            # CRT stops, and is no longer reading or writing the file once this returns
             if not done.is_set():
-                log.warning("CRT %s %s: no answer %.0fs after cancel", what, key, CANCEL_WAIT)
-            if scope.cancelled_caught:
-                raise DeadlineExceeded(f"{what} {key}: no answer within {deadline:.0f}s",
-                                       key=key)
-            # cancelled from outside: let trio deliver it
-            await trio.lowlevel.checkpoint()
+                request.cancel()
+                self.stats.cancelled += 1
+                with trio.CancelScope(shield=True), trio.move_on_after(CANCEL_WAIT):
+                    await done.wait()
+                if not done.is_set():
+                    log.warning("CRT %s %s: no answer %.0fs after cancel", what, key,
+                                CANCEL_WAIT)
+        if timed_out:
+            raise DeadlineExceeded(f"{what} {key}: no answer within {deadline:.0f}s", key=key)
         err = answer.get("error")
         if err is not None:
             e = _translate(err, what, key)
