@@ -3,8 +3,9 @@ path"): uncompressed cache files PUT and objects GET whole by the AWS Common Run
 session's S3 endpoint (moto, or RGW with CKPTFS_TEST_S3=rgw).
 
   * it is the path used (counters of the client, RetryingStore's ops) and what it stores reads
-    back bit-exact, with the whole file's CRC32C in the object's metadata (multipart too);
-  * a corrupt object is refused by the read-back check, the file left empty;
+    back bit-exact, whole and as a restore's runs of chunks, with the whole file's CRC32C in the
+    object's metadata (multipart too);
+  * a corrupt object is refused by the read-back check, the file left empty, and as chunks;
   * faults injected on put / get (FaultyStore below RetryingStore, as CKPTFS_FAULTS does) reach
     it and are retried and counted;
   * a file written under its PUT makes the upload Superseded and leaves no object;
@@ -31,7 +32,7 @@ from cachemgr.store import (
     RetryPolicy,
 )
 from cachemgr.store.s3 import Deadlines, S3Options, S3Store
-from cachemgr.transfer.download import download_file
+from cachemgr.transfer.download import download_file, fetch_chunks
 from cachemgr.transfer.upload import Superseded, TransferConfig, Uploader
 from tests.faultproxy import FaultProxy, Rule
 
@@ -77,13 +78,23 @@ def test_native_round_trip(s3_bucket, tmp_path, size):
         await download_file(store, obj, dest, progress=got.append)
         assert dest.read_bytes() == data and sum(got) == size
         assert oct(dest.stat().st_mode & 0o777) == "0o600"  # a cache file (host.nodefiles)
+        # a restore's run of chunks (chunkfetch): one ranged GET into a memory file, mapped
+        cs = obj.chunk_size
+        last = (size - 1) // cs
+        raws = await fetch_chunks(store, obj, 0, last)
+        assert b"".join(bytes(r) for r in raws) == data
+        if last >= 2:
+            raws = await fetch_chunks(store, obj, 1, 2)
+            assert [bytes(r) for r in raws] == [data[cs:2 * cs], data[2 * cs:3 * cs]]
+        del raws
 
     trio.run(go)
     assert up.stats.native == 1 and up.stats.parts == 0 and up.stats.multipart == 0
-    assert store.stats.by_op.get("put_file") == 1 and store.stats.by_op.get("get_file") == 1
+    assert store.stats.by_op.get("put_file") == 1
+    assert store.stats.by_op.get("get_file") == (3 if size > 8 * MiB else 2)
     assert "put" not in store.stats.by_op and "get" not in store.stats.by_op
     d = s3.data_statistics()
-    assert d["client"] == "crt" and d["put_bytes"] == size and d["get_bytes"] == size
+    assert d["client"] == "crt" and d["put_bytes"] == size and d["get_bytes"] >= 2 * size
     if size > 64 * MiB:  # the CRT split it: S3's multipart ETag ends in -<parts>
         etag = _client(endpoint).head_object(Bucket=bucket, Key="p/data/f")["ETag"]
         assert etag.strip('"').endswith("-2"), etag
@@ -105,6 +116,9 @@ def test_a_corrupt_object_is_refused_and_the_file_left_empty(s3_bucket, tmp_path
         with pytest.raises(IntegrityError, match="CRC32C"):
             await download_file(store, obj, dest)
         assert dest.stat().st_size == 0  # nothing unchecked stays behind
+        with pytest.raises(IntegrityError, match="chunk 1 CRC32C"):
+            await fetch_chunks(store, obj, 0, 2)  # a restore's run: refused too
+        assert [bytes(r) for r in await fetch_chunks(store, obj, 2, 2)] == [data[8 * MiB:]]
         _client(endpoint).put_object(Bucket=bucket, Key="p/data/f", Body=data[:-1])
         with pytest.raises(IntegrityError, match="bytes"):  # short: refused on its size
             await download_file(store, obj, dest)
@@ -186,7 +200,7 @@ def test_a_black_hole_ends_a_native_put_and_get_at_their_deadline(s3_bucket, tmp
             out = os.open(tmp_path / "out", os.O_RDWR | os.O_CREAT, 0o600)
             try:
                 for name, call in (("put", lambda: s3.put_file("data/y", fd, size, 0)),
-                                   ("get", lambda: s3.get_file("data/x", out, size))):
+                                   ("get", lambda: s3.get_file("data/x", out, 0, size))):
                     t0 = time.monotonic()
                     with pytest.raises(DeadlineExceeded, match="no answer within"):
                         await call()

@@ -261,10 +261,10 @@ class ObjectStore(abc.ABC):
         file did not change meanwhile, and HEADs the object."""
         raise NotImplementedError
 
-    async def get_file(self, key: str, fd: int, size: int) -> None:
-        """Write the whole object `key` (`size` bytes expected) into the open local file `fd`,
-        from offset 0 (truncating it). Nothing is checked here: the caller checks every chunk
-        before the file is used."""
+    async def get_file(self, key: str, fd: int, start: int, length: int) -> None:
+        """Write bytes [start, start+length) of the object `key` into the open local file `fd`
+        (a cache file, or a memfd), from its offset 0 (truncating it). Nothing is checked here:
+        the caller checks every chunk before a byte is used."""
         raise NotImplementedError
 
     async def aclose(self) -> None:

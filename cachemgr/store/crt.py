@@ -26,8 +26,9 @@ Requests
     (verified on receipt by AWS S3; ignored by RGW 16.2 and moto); the whole file's CRC32C,
     computed by the caller, goes in `x-amz-meta-ckptfs-crc32c` as on the boto3 path, so a HEAD
     can check it (for multipart objects too, unlike the boto3 path).
-    `get_file`: GET_OBJECT of a whole object with `recv_filepath` (parallel ranged GETs of
-    `part_size`, written at their offsets by the CRT).
+    `get_file`: GET_OBJECT of a byte range (a whole object, or a restore's run of chunks) with
+    `recv_filepath` (the CRT splits it into parallel ranged GETs of `part_size` and writes each
+    at its offset).
 
 Deadlines (docs/ARCHITECTURE.md "Store deadlines"): each request is awaited within the deadline
 its bytes give (`Deadlines.data`: 10 s + bytes at 4 MiB/s); past it, or when the caller is
@@ -202,16 +203,18 @@ class CrtData:
         self.stats.put_bytes += size
         return got.get("etag", "")
 
-    async def get_file(self, key: str, path: str, size: int, deadline: float) -> None:
-        """GET the whole object `key` into the file at `path` (created or truncated by the CRT;
-        the caller gives a /proc/self/fd path of a file it created). The caller checks what
-        landed there."""
-        headers = awscrt.http.HttpHeaders([("Host", self._host)])
+    async def get_file(self, key: str, path: str, start: int, length: int,
+                       deadline: float) -> None:
+        """GET bytes [start, start+length) of the object `key` into the file at `path`, from
+        its offset 0 (created or truncated by the CRT; the caller gives a /proc/self/fd path of
+        a file it holds: a cache file, or a memfd). The caller checks what landed there."""
+        headers = awscrt.http.HttpHeaders([
+            ("Host", self._host), ("Range", f"bytes={start}-{start + length - 1}")])
         req = awscrt.http.HttpRequest("GET", self._path(key), headers)
         await self._run(key, deadline, "get", self.down, {
             "type": awscrt.s3.S3RequestType.GET_OBJECT, "request": req, "recv_filepath": path})
         self.stats.gets += 1
-        self.stats.get_bytes += size
+        self.stats.get_bytes += length
 
     async def _run(self, key: str, deadline: float, what: str, client: awscrt.s3.S3Client,
                    kw: dict[str, Any]) -> dict[str, str]:

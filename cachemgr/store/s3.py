@@ -252,9 +252,10 @@ class S3Store(ObjectStore):
                                        self.deadlines.data(size))
         return ObjectInfo(key, size, etag, crc32c)
 
-    async def get_file(self, key: str, fd: int, size: int) -> None:
+    async def get_file(self, key: str, fd: int, start: int, length: int) -> None:
         assert self.crt is not None, "get_file without a native data path (sends_files)"
-        await self.crt.get_file(key, self._fd_path(fd), size, self.deadlines.data(size))
+        await self.crt.get_file(key, self._fd_path(fd), start, length,
+                                self.deadlines.data(length))
 
     def data_statistics(self) -> dict[str, Any]:
         """For status: which client moves data bytes, and its counters."""

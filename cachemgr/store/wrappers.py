@@ -153,8 +153,8 @@ class _Wrapper(ObjectStore):
         info: ObjectInfo = await self._do("put_file", key, fd, size, crc32c)
         return info
 
-    async def get_file(self, key: str, fd: int, size: int) -> None:
-        await self._do("get_file", key, fd, size)
+    async def get_file(self, key: str, fd: int, start: int, length: int) -> None:
+        await self._do("get_file", key, fd, start, length)
 
     async def aclose(self) -> None:
         await self.inner.aclose()
