@@ -9,11 +9,13 @@ S3 client alone (the ceiling), on Ceph RGW and moto in one run.
 
 Methods, each in its own process (so its CPU time is its own, read from /proc/<pid>/stat):
 
-  ckptfs-crt    cachemgr.transfer.upload.Uploader.upload_file and download.download_file through
-                RetryingStore(S3Store) with the native data path (cachemgr.store.crt): the code
-                the daemon runs for a file's upload (commit -> durable) and for a cold restore's
-                whole-file fetch, CRC32C per chunk computed before the PUT and checked after the
-                GET, HEAD after each PUT, `auto` compression sampling; no FUSE, no index
+  ckptfs-crt    cachemgr.transfer.upload.Uploader.upload_file, and download.fetch_chunks in runs
+                of 64 MiB, 8 in flight, each run written at its offset by a worker thread,
+                through RetryingStore(S3Store) with the native data path (cachemgr.store.crt):
+                the code the daemon runs for a file's upload (commit -> durable) and for a cold
+                restore's prefetch (chunkfetch), CRC32C per chunk computed before the PUT and
+                checked before a chunk is written, HEAD after each PUT, `auto` compression
+                sampling; no FUSE, no index
   ckptfs-boto3  the same with S3Options(native=False): the buffered boto3 path
   boto3         boto3's S3Transfer upload_file / download_file (64 MiB parts, 8 threads)
   crt           awscrt.s3.S3Client alone: PUT send_filepath (CRC32C in the header, as ckptfs
@@ -96,7 +98,7 @@ def worker(a: argparse.Namespace) -> None:
 
         from cachemgr.store import RetryingStore
         from cachemgr.store.s3 import S3Options, S3Store
-        from cachemgr.transfer.download import download_file
+        from cachemgr.transfer.download import fetch_chunks
         from cachemgr.transfer.upload import Uploader
 
         s3 = S3Store(f"s3://{a.bucket}", S3Options(endpoint_url=a.endpoint, region="us-east-1",
@@ -115,9 +117,35 @@ def worker(a: argparse.Namespace) -> None:
                     n.start_soon(one)
 
         async def download() -> None:
-            async with trio.open_nursery() as n:
-                for i in range(a.files):
-                    n.start_soon(download_file, store, objs[i], dests[i])
+            # a cold restore's prefetch (cachemgr.restore.prefetch, chunkfetch): runs of
+            # adjacent chunks of up to 64 MiB (`prefetch_range`), 8 GETs in flight
+            # (`prefetch_concurrency`), each run verified (fetch_chunks) and written at its
+            # offset in a worker thread, as FileCache.fill does
+            lim = trio.CapacityLimiter(8)
+            fds = [os.open(d, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600) for d in dests]
+
+            async def run(i: int, first: int, last: int) -> None:
+                async with lim:
+                    raws = await fetch_chunks(store, objs[i], first, last)
+
+                    def fill() -> None:
+                        off = first * objs[i].chunk_size
+                        for r in raws:
+                            os.pwrite(fds[i], r, off)
+                            off += len(r)
+                    await trio.to_thread.run_sync(fill)
+                    del raws
+
+            try:
+                async with trio.open_nursery() as n:
+                    for i in range(a.files):
+                        per = (64 * MiB) // objs[i].chunk_size
+                        count = -(-size // objs[i].chunk_size)
+                        for first in range(0, count, per):
+                            n.start_soon(run, i, first, min(first + per, count) - 1)
+            finally:
+                for fd in fds:
+                    os.close(fd)
 
         for name, fn in (("up", upload), ("down", download)):
             c0, w0 = self_cpu(), time.perf_counter()
