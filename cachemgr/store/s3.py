@@ -227,9 +227,13 @@ class S3Store(ObjectStore):
             return f.access_key, f.secret_key, f.token
 
         region = opts.region or session.region_name or "us-east-1"
+        # the addressing boto3 uses: the option, or the profile's `s3 = addressing_style = path`
+        # (botocore merges it into the client's config)
+        s3cfg = self.client.meta.config.s3 or {}
+        path_style = opts.path_style or s3cfg.get("addressing_style") == "path"
         return CrtData(CrtOptions(
             bucket=self.bucket, prefix=self.prefix, endpoint_url=opts.endpoint_url,
-            region=region, path_style=opts.path_style, credentials=credentials,
+            region=region, path_style=path_style, credentials=credentials,
             max_connections=opts.max_connections, connect_timeout=opts.connect_timeout))
 
     @property
