@@ -304,7 +304,9 @@ def _summary(st: dict, now: float) -> Table:
         dpath = store.get("data_path")
         if dpath:
             line.append("; data bytes by " + {
-                "crt": "the AWS Common Runtime (native)", "boto3": "boto3 (Python)",
+                "crt": "the AWS Common Runtime (native)",
+                "crt-up": "the AWS Common Runtime (native) up, boto3 down",
+                "boto3": "boto3 (Python)",
                 "local": "the kernel (file://)"}.get(dpath, safe(dpath)))
         if store.get("last_error"):
             line.append(f"; last error: {safe(store['last_error'])}")

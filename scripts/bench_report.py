@@ -757,7 +757,8 @@ def store_path_section() -> list[str]:
           "apart, per GiB moved up and down. MB/s and \"x crt\" are wall time, the ratio to "
           "the CRT alone in the same round._"), "",
          *rows, ""]
-    rgw = {m: summ.get(f"rgw/{m}") for m in ("crt", "ckptfs-crt", "ckptfs-boto3", "boto3")}
+    rgw = {m: summ.get(f"rgw/{m}") for m in ("crt", "ckptfs-crt", "ckptfs-crt-gets",
+                                              "ckptfs-boto3", "boto3")}
     ours, b3 = rgw["ckptfs-crt"], rgw["boto3"]
     if ours and b3:
         def med(x: Json, k: str) -> float:
@@ -780,8 +781,10 @@ def store_path_section() -> list[str]:
            "file for the manifest's chunk CRCs, the CRT PUT, HEAD) and a cold restore's "
            "prefetch (`fetch_chunks` in runs of 64 MiB, 8 in flight: the CRT GET into a "
            "memory file, every chunk checked, then written at its offset as the fill does) "
-           "on the native path; `ckptfs-boto3` the same code with the native path "
-           "off (parts read into buffers, boto3 threads); `boto3` is boto3's own "
+           "with the default data path (uploads native, the restore's GETs by boto3); "
+           "`ckptfs-crt-gets` the same with the restore's GETs native too (`CKPTFS_CRT_GETS=1`:"
+           " one ranged GET per run into a memory file, mapped); `ckptfs-boto3` the same "
+           "code with the native path off (parts read into buffers, boto3 threads); `boto3` is boto3's own "
            "`upload_file` / `download_file` (64 MiB parts, 8 threads). Not through a mount: "
            "commit bookkeeping, FUSE and the restore's scheduling are not in these figures "
            "(docs/ARCHITECTURE.md \"Store data path\" says what is and why)."), ""]

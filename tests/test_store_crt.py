@@ -10,7 +10,8 @@ session's S3 endpoint (moto, or RGW with CKPTFS_TEST_S3=rgw).
     it and are retried and counted;
   * a file written under its PUT makes the upload Superseded and leaves no object;
   * a black hole ends a PUT and a GET at their deadline (S3Request.cancel());
-  * with the native path off (S3Options(native=False), CKPTFS_CRT=0) boto3 moves the bytes.
+  * with the native path off (S3Options(native=False), CKPTFS_CRT=0) boto3 moves the bytes;
+    by default restores (GETs) stay on boto3 and uploads go native (`crt-up`).
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ def _client(endpoint: str):
 
 
 def _store(endpoint: str, bucket: str, **kw) -> S3Store:
+    """Native both ways (GETs are off by default: `native_gets`)."""
+    kw.setdefault("native_gets", True)
     return S3Store(f"s3://{bucket}/p", S3Options(endpoint_url=endpoint, region="us-east-1",
                                                  path_style=True, **kw))
 
@@ -63,7 +66,7 @@ def _file(tmp_path, name: str, size: int, seed: int = 0) -> tuple[str, bytes]:
 def test_native_round_trip(s3_bucket, tmp_path, size):
     endpoint, bucket = s3_bucket
     s3 = _store(endpoint, bucket)
-    assert s3.data_path == "crt" and s3.sends_files
+    assert s3.data_path == "crt" and s3.sends_files and s3.gets_files
     store = RetryingStore(s3)
     src, data = _file(tmp_path, "src", size)
     up = Uploader(store, TransferConfig(compress="off"))
@@ -257,3 +260,29 @@ def test_boto3_moves_the_bytes_when_the_native_path_is_off(s3_bucket, tmp_path, 
     assert up.stats.native == 0 and up.stats.single_puts == 1
     assert "put_file" not in store.stats.by_op and store.stats.by_op["put"] == 1
     assert "get_file" not in store.stats.by_op and store.stats.by_op["get"] == 1
+
+
+def test_by_default_uploads_go_native_and_restores_stay_on_boto3(s3_bucket, tmp_path,
+                                                                 monkeypatch):
+    """Native GETs were measured dearer in CPU than boto3's on this machine (docs/PERFORMANCE.md
+    "Store data path"): off unless asked (S3Options(native_gets=True), CKPTFS_CRT_GETS=1)."""
+    endpoint, bucket = s3_bucket
+    monkeypatch.delenv("CKPTFS_CRT_GETS", raising=False)
+    s3 = _store(endpoint, bucket, native_gets=None)
+    assert s3.data_path == "crt-up" and s3.sends_files and not s3.gets_files
+    assert s3.data_statistics()["restores_by"] == "boto3"
+    store = RetryingStore(s3)
+    size = 9 * MiB
+    src, data = _file(tmp_path, "src", size)
+    up = Uploader(store, TransferConfig(compress="off"))
+
+    async def go():
+        obj = await up.upload_file(src, "data/f", size=size)
+        await download_file(store, obj, tmp_path / "dest")
+        assert (tmp_path / "dest").read_bytes() == data
+        assert b"".join(bytes(r) for r in await fetch_chunks(store, obj, 0, 2)) == data
+
+    trio.run(go)
+    assert store.stats.by_op["put_file"] == 1 and "get_file" not in store.stats.by_op
+    monkeypatch.setenv("CKPTFS_CRT_GETS", "1")
+    assert _store(endpoint, bucket, native_gets=None).data_path == "crt"

@@ -244,14 +244,21 @@ class ObjectStore(abc.ABC):
     @property
     def data_path(self) -> str:
         """What moves data bytes between cache files and this store, for status: "crt" (the
-        AWS Common Runtime, in native code), "boto3", "local" (file://)."""
+        AWS Common Runtime, in native code, both ways), "crt-up" (uploads by the CRT, restores
+        by boto3), "boto3", "local" (file://)."""
         return "local"
 
     @property
     def sends_files(self) -> bool:
-        """True if `put_file` and `get_file` work: an uncompressed cache file goes up, and an
-        uncompressed object comes down, whole, read and written by the store's native client
-        (no part buffers in the interpreter)."""
+        """True if `put_file` works: an uncompressed cache file goes up whole, read by the
+        store's native client (no part buffers in the interpreter)."""
+        return False
+
+    @property
+    def gets_files(self) -> bool:
+        """True if `get_file` works and is to be used: uncompressed bytes come down written by
+        the store's native client (s3:// with awscrt, when turned on: docs/ARCHITECTURE.md
+        "Store data path" says why it is off by default)."""
         return False
 
     async def put_file(self, key: str, fd: int, size: int, crc32c: int) -> ObjectInfo:

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import builtins
 import logging
+import os
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -167,6 +168,9 @@ class S3Options:
     # PUT and GET by the AWS Common Runtime (cachemgr.store.crt) where awscrt is installed;
     # False: every byte through boto3. None: `CKPTFS_CRT` decides (default on).
     native: bool | None = None
+    # GETs too (restores): None: `CKPTFS_CRT_GETS=1` turns them on; off by default, measured
+    # dearer in CPU than boto3's here (docs/ARCHITECTURE.md "Store data path")
+    native_gets: bool | None = None
 
 
 def parse_s3_url(url: str) -> tuple[str, str]:
@@ -212,6 +216,9 @@ class S3Store(ObjectStore):
             self.crt_off_reason = "turned off" + (" (CKPTFS_CRT=0)" if opts.native is None else "")
         else:
             self.crt = self._make_crt(session, opts)
+        self._native_gets = self.crt is not None and (
+            os.environ.get("CKPTFS_CRT_GETS") == "1" if opts.native_gets is None
+            else opts.native_gets)
 
     def _make_crt(self, session: boto3.session.Session, opts: S3Options) -> CrtData | None:
         if session.get_credentials() is None:
@@ -238,11 +245,17 @@ class S3Store(ObjectStore):
 
     @property
     def data_path(self) -> str:
-        return "crt" if self.crt is not None else "boto3"
+        if self.crt is None:
+            return "boto3"
+        return "crt" if self._native_gets else "crt-up"
 
     @property
     def sends_files(self) -> bool:
         return self.crt is not None
+
+    @property
+    def gets_files(self) -> bool:
+        return self._native_gets
 
     @staticmethod
     def _fd_path(fd: int) -> str:
@@ -257,7 +270,7 @@ class S3Store(ObjectStore):
         return ObjectInfo(key, size, etag, crc32c)
 
     async def get_file(self, key: str, fd: int, start: int, length: int) -> None:
-        assert self.crt is not None, "get_file without a native data path (sends_files)"
+        assert self.crt is not None, "get_file without a native data path (gets_files)"
         await self.crt.get_file(key, self._fd_path(fd), start, length,
                                 self.deadlines.data(length))
 
@@ -266,7 +279,8 @@ class S3Store(ObjectStore):
         if self.crt is None:
             return {"client": "boto3", "why": self.crt_off_reason}
         st = self.crt.stats
-        return {"client": "crt", "puts": st.puts, "put_bytes": st.put_bytes, "gets": st.gets,
+        return {"client": "crt", "restores_by": "crt" if self._native_gets else "boto3",
+                "puts": st.puts, "put_bytes": st.put_bytes, "gets": st.gets,
                 "get_bytes": st.get_bytes, "cancelled": st.cancelled, "errors": dict(st.errors)}
 
     @property

@@ -149,6 +149,10 @@ class _Wrapper(ObjectStore):
     def sends_files(self) -> bool:
         return self.inner.sends_files
 
+    @property
+    def gets_files(self) -> bool:
+        return self.inner.gets_files
+
     async def put_file(self, key: str, fd: int, size: int, crc32c: int) -> ObjectInfo:
         info: ObjectInfo = await self._do("put_file", key, fd, size, crc32c)
         return info

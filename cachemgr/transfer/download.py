@@ -131,7 +131,7 @@ async def fetch_chunks(store: ObjectStore, obj: StoredObject, first: int,
     chunk_span(obj, last)
     s, n = stored_span(obj, first, last)
     blob: bytes | mmap.mmap
-    if obj.compression == "none" and store.sends_files:
+    if obj.compression == "none" and store.gets_files:
         blob = await _get_mapped(store, obj, s, n)
     else:
         blob = await store.get(obj.key, s, n)
@@ -336,7 +336,7 @@ async def download_file(store: ObjectStore, obj: StoredObject, dest_path: str | 
         raise ValueError(f"range_size and concurrency must be positive "
                          f"({range_size}, {concurrency})")
     ranges = _plan_ranges(obj, range_size)
-    if obj.compression == "none" and obj.size and store.sends_files:
+    if obj.compression == "none" and obj.size and store.gets_files:
         await _download_native(store, obj, dest_path, ranges, limiter, progress)
         return
     crcs: list[int | None] = [None] * len(ranges)
