@@ -784,8 +784,9 @@ def store_path_section() -> list[str]:
            "with the default data path (uploads native, the restore's GETs by boto3); "
            "`ckptfs-crt-gets` the same with the restore's GETs native too (`CKPTFS_CRT_GETS=1`:"
            " one ranged GET per run into a memory file, mapped); `ckptfs-boto3` the same "
-           "code with the native path off (parts read into buffers, boto3 threads); `boto3` is boto3's own "
-           "`upload_file` / `download_file` (64 MiB parts, 8 threads). Not through a mount: "
+           "code with the native path off (parts read into buffers, boto3 threads); `boto3` "
+           "is boto3's own `upload_file` / `download_file` (64 MiB parts, 8 threads). Not "
+           "through a mount: "
            "commit bookkeeping, FUSE and the restore's scheduling are not in these figures "
            "(docs/ARCHITECTURE.md \"Store data path\" says what is and why)."), ""]
     return L
