@@ -5,9 +5,9 @@ What it owns: two `S3Client`s and their event-loop threads (one for uploads, who
 cache disk are at idle I/O priority as the buffered path's preads are, `cachemgr.host.background`;
 its CPU priority stays normal, as boto3's sending threads' does: the CPU work of an upload that
 waits for the trainer is the CRC pass before the PUT, which runs at idle priority between
-`Foreground.yield_to` checks; one for restores when they are turned on (`S3Options.native_gets`),
-at normal priority: a restore is what a trainer waits for), and the translation of their answers into the
-store seam's errors. It does not own the object layout, the retries (`RetryingStore`: the CRT's
+`Foreground.yield_to` checks; one for restores when they are turned on
+(`S3Options.native_gets`), at normal priority: a restore is what a trainer waits for), and the
+translation of their answers into the store seam's errors. It does not own the object layout, the retries (`RetryingStore`: the CRT's
 own retries are off, `S3RetryMode.NONE`, so every retry is counted where the others are), nor the
 integrity checks (the uploader computes the chunk CRC32Cs, the downloader checks them before the
 file is marked cached: cachemgr.transfer). Control requests (HEAD, LIST, DELETE, conditional
