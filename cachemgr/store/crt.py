@@ -2,16 +2,17 @@
 Runtime's S3 client (`awscrt.s3.S3Client`), the bytes never entering the interpreter.
 
 What it owns: two `S3Client`s and their event-loop threads (one for uploads, whose reads of the
-cache disk are at idle I/O priority as the buffered path's preads are, `cachemgr.host.background`;
-its CPU priority stays normal, as boto3's sending threads' does: the CPU work of an upload that
-waits for the trainer is the CRC pass before the PUT, which runs at idle priority between
-`Foreground.yield_to` checks; one for restores when they are turned on
+cache disk are at idle I/O priority as the buffered path's preads are,
+`cachemgr.host.background`; its CPU priority stays normal, as boto3's sending threads' does: the
+CPU work of an upload that waits for the trainer is the CRC pass before the PUT, which runs at
+idle priority between `Foreground.yield_to` checks; one for restores when they are turned on
 (`S3Options.native_gets`), at normal priority: a restore is what a trainer waits for), and the
-translation of their answers into the store seam's errors. It does not own the object layout, the retries (`RetryingStore`: the CRT's
-own retries are off, `S3RetryMode.NONE`, so every retry is counted where the others are), nor the
-integrity checks (the uploader computes the chunk CRC32Cs, the downloader checks them before the
-file is marked cached: cachemgr.transfer). Control requests (HEAD, LIST, DELETE, conditional
-manifest PUTs, the multipart calls of compressed uploads) stay on boto3 (`s3.S3Store`).
+translation of their answers into the store seam's errors. It does not own the object layout,
+the retries (`RetryingStore`: the CRT's own retries are off, `S3RetryMode.NONE`, so every retry
+is counted where the others are), nor the integrity checks (the uploader computes the chunk
+CRC32Cs, the downloader checks them before the file is marked cached: cachemgr.transfer).
+Control requests (HEAD, LIST, DELETE, conditional manifest PUTs, the multipart calls of
+compressed uploads) stay on boto3 (`s3.S3Store`).
 
 Why awscrt directly and not boto3's CRT transfer manager (docs/ARCHITECTURE.md "Store data
 path"): the transfer manager hides the `S3Request` whose `cancel()` is what makes a deadline
@@ -285,9 +286,10 @@ def _is_ip_or_local(host: str) -> bool:
 
 def _idle_threads_since(before: set[str]) -> None:
     """Put the threads started since `before` (the upload client's event loop) at idle I/O
-    priority for good (cachemgr.host.background: root only). Not idle CPU: measured on this
-    2-core VM under a load of 8-12, a SCHED_IDLE event loop made an upload 0.5x as fast as the
-    same client at normal priority, for CPU the buffered path's sends take at normal priority."""
+    priority for good (cachemgr.host.background: root only). Not idle CPU: the buffered path's
+    sends run at normal CPU priority too, and in a first smoke round on this 2-core VM (a load
+    of 8-12 from other work) the upload with a SCHED_IDLE event loop reached 0.57x of the CRT
+    alone (one noisy round, not an A/B: a starved sender is what SCHED_IDLE means there)."""
     if not background.enabled():
         return
     for tid in set(os.listdir("/proc/self/task")) - before:
