@@ -301,6 +301,13 @@ def _summary(st: dict, now: float) -> Table:
         line.append("; conditional writes " + ("not probed yet (the first commit probes)"
                                                if cw is None else safe(cw["summary"])),
                     style="" if cw is None or cw["honoured"] else "bold red")
+        dpath = store.get("data_path")
+        if dpath:
+            line.append("; data bytes by " + {
+                "crt": "the AWS Common Runtime (native)",
+                "crt-up": "the AWS Common Runtime (native) up, boto3 down",
+                "boto3": "boto3 (Python)",
+                "local": "the kernel (file://)"}.get(dpath, safe(dpath)))
         if store.get("last_error"):
             line.append(f"; last error: {safe(store['last_error'])}")
         mem = t.get("members") or {}

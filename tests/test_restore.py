@@ -31,6 +31,7 @@ from ckpt_restore import FileStoreView, S3StoreView, manifests
 from conftest import run_cli, start_ranks, wait_for
 
 import ckptfs
+from cachemgr.store.crt import HAVE_CRT
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning"),
@@ -300,6 +301,10 @@ def test_cold_restore_bit_exact(nodes, store):
     st = rstat(b)
     assert st["bytes_fetched"] > 0 and st["integrity_errors"] == 0
     assert remote_stat(b)["restored_sets"] >= 4
+    if store is not None:  # S3: uploads through awscrt where it is installed, restores boto3
+        for m in (a, b):
+            assert ckptfs.status(m.path)["tiering"]["store"]["data_path"] == \
+                ("crt-up" if HAVE_CRT else "boto3")
 
 
 # ----------------------------------------------------------------------------------------------

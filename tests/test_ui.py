@@ -251,6 +251,10 @@ def test_status_shows_sets_and_the_data_at_risk(mount_factory, tmp_path, monkeyp
     assert f"file://{m.store_dir}: normal" in line_of(text, "store ")
     assert "; conditional writes honoured (If-None-Match, If-Match" in line_of(text, "store ")
     assert tiering(m)["store"]["conditional_writes"]["honoured"] is True
+    # which client moves the bytes (docs/ARCHITECTURE.md "Store data path"): file:// is the
+    # kernel's copy
+    assert "; data bytes by the kernel (file://)" in line_of(text, "store ")
+    assert tiering(m)["store"]["data_path"] == "local"
     # Nothing is durable: both sets, all their bytes, are at risk.
     risk = line_of(text, "at risk ")
     assert f"{ui.human(total + 2 * MiB)} in 2 sets committed but not yet durable" in risk, risk

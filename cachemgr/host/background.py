@@ -84,3 +84,19 @@ def run_idle(fn: Callable[..., _T], *args: object) -> _T:
 def current() -> tuple[int, int | None]:
     """(scheduling policy, I/O priority) of the calling thread: for tests."""
     return os.sched_getscheduler(0), _ioprio_get()
+
+
+def idle_thread(tid: int, cpu: bool = True) -> None:
+    """Thread `tid` of this process at idle I/O priority (and, with `cpu`, idle CPU priority)
+    for good: for a native library's worker threads that do only upload work
+    (cachemgr.store.crt's upload client), which no `run_idle` call wraps. Root only, like
+    `run_idle`; failures are logged at debug."""
+    if not _ENABLED:
+        return
+    try:
+        if cpu:
+            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+        if _ioprio is not None:
+            _libc.syscall(_ioprio[0], _IOPRIO_WHO_PROCESS, tid, _IDLE_IOPRIO)
+    except OSError as e:
+        log.debug("cannot lower thread %d's priority: %s", tid, e)

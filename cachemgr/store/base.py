@@ -250,6 +250,41 @@ class ObjectStore(abc.ABC):
         """Drop a staged copy (idempotent)."""
         raise NotImplementedError
 
+    # -- whole local files through a native client (s3:// with awscrt: cachemgr.store.crt) ----
+
+    @property
+    def data_path(self) -> str:
+        """What moves data bytes between cache files and this store, for status: "crt" (the
+        AWS Common Runtime, in native code, both ways), "crt-up" (uploads by the CRT, restores
+        by boto3), "boto3", "local" (file://)."""
+        return "local"
+
+    @property
+    def sends_files(self) -> bool:
+        """True if `put_file` works: an uncompressed cache file goes up whole, read by the
+        store's native client (no part buffers in the interpreter)."""
+        return False
+
+    @property
+    def gets_files(self) -> bool:
+        """True if `get_file` works and is to be used: uncompressed bytes come down written by
+        the store's native client (s3:// with awscrt, when turned on: docs/ARCHITECTURE.md
+        "Store data path" says why it is off by default)."""
+        return False
+
+    async def put_file(self, key: str, fd: int, size: int, crc32c: int) -> ObjectInfo:
+        """Store the first `size` bytes of the open local file `fd` as `key` (unconditionally,
+        atomically; multipart inside the client as it sees fit); `crc32c` is the caller's
+        CRC32C of those bytes, recorded with the object. The caller checks afterwards that the
+        file did not change meanwhile, and HEADs the object."""
+        raise NotImplementedError
+
+    async def get_file(self, key: str, fd: int, start: int, length: int) -> None:
+        """Write bytes [start, start+length) of the object `key` into the open local file `fd`
+        (a cache file, or a memfd), from its offset 0 (truncating it). Nothing is checked here:
+        the caller checks every chunk before a byte is used."""
+        raise NotImplementedError
+
     async def aclose(self) -> None:
         return None
 

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import builtins
 import logging
+import os
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -59,6 +60,7 @@ import botocore.config
 import botocore.exceptions
 import trio
 
+from cachemgr.store import crt
 from cachemgr.store.base import (
     PROBE_PREFIX,
     ConditionalWrites,
@@ -76,6 +78,7 @@ from cachemgr.store.base import (
     crc32c_b64,
     quoted_etag,
 )
+from cachemgr.store.crt import CrtData, CrtOptions
 
 log = logging.getLogger(__name__)
 
@@ -161,6 +164,13 @@ class S3Options:
     # last writer of a path wins): `ckptfs mount --store-ignores-conditions`. Without it such a
     # store fails the conditional PUT (and the mount refuses it).
     allow_unconditional: bool = False
+    # The data path (docs/ARCHITECTURE.md "Store data path"): whole uncompressed cache files
+    # PUT and GET by the AWS Common Runtime (cachemgr.store.crt) where awscrt is installed;
+    # False: every byte through boto3. None: `CKPTFS_CRT` decides (default on).
+    native: bool | None = None
+    # GETs too (restores): None: `CKPTFS_CRT_GETS=1` turns them on; off by default, measured
+    # dearer in CPU than boto3's here (docs/ARCHITECTURE.md "Store data path")
+    native_gets: bool | None = None
 
 
 def parse_s3_url(url: str) -> tuple[str, str]:
@@ -197,6 +207,81 @@ class S3Store(ObjectStore):
         # thread only), read by put() and by callers through `supports_conditional_put`.
         self._conditional: ConditionalWrites | None = None
         self._probe_lock = trio.Lock()
+        self.crt: CrtData | None = None
+        self.crt_off_reason = ""
+        want = crt.enabled_by_env() if opts.native is None else opts.native
+        if not crt.HAVE_CRT:
+            self.crt_off_reason = "awscrt is not installed"
+        elif not want:
+            self.crt_off_reason = "turned off" + (" (CKPTFS_CRT=0)" if opts.native is None else "")
+        else:
+            self.crt = self._make_crt(session, opts)
+        self._native_gets = self.crt is not None and (
+            os.environ.get("CKPTFS_CRT_GETS") == "1" if opts.native_gets is None
+            else opts.native_gets)
+
+    def _make_crt(self, session: boto3.session.Session, opts: S3Options) -> CrtData | None:
+        if session.get_credentials() is None:
+            self.crt_off_reason = "no credentials in the AWS chain when mounted"
+            return None
+
+        def credentials() -> tuple[str, str, str | None]:
+            # boto3's chain, refreshed as boto3 refreshes it (one source of credentials)
+            got = session.get_credentials()
+            if got is None:
+                raise StoreError("the AWS credential chain has no credentials any more")
+            f = got.get_frozen_credentials()
+            return f.access_key, f.secret_key, f.token
+
+        region = opts.region or session.region_name or "us-east-1"
+        # the addressing boto3 uses: the option, or the profile's `s3 = addressing_style = path`
+        # (botocore merges it into the client's config)
+        s3cfg = self.client.meta.config.s3 or {}
+        path_style = opts.path_style or s3cfg.get("addressing_style") == "path"
+        return CrtData(CrtOptions(
+            bucket=self.bucket, prefix=self.prefix, endpoint_url=opts.endpoint_url,
+            region=region, path_style=path_style, credentials=credentials,
+            max_connections=opts.max_connections, connect_timeout=opts.connect_timeout))
+
+    @property
+    def data_path(self) -> str:
+        if self.crt is None:
+            return "boto3"
+        return "crt" if self._native_gets else "crt-up"
+
+    @property
+    def sends_files(self) -> bool:
+        return self.crt is not None
+
+    @property
+    def gets_files(self) -> bool:
+        return self._native_gets
+
+    @staticmethod
+    def _fd_path(fd: int) -> str:
+        # the CRT opens a path: this one is the very file the caller holds open, whatever
+        # renames its name meanwhile
+        return f"/proc/self/fd/{fd}"
+
+    async def put_file(self, key: str, fd: int, size: int, crc32c: int) -> ObjectInfo:
+        assert self.crt is not None, "put_file without a native data path (sends_files)"
+        etag = await self.crt.put_file(key, self._fd_path(fd), size, crc32c,
+                                       self.deadlines.data(size))
+        return ObjectInfo(key, size, etag, crc32c)
+
+    async def get_file(self, key: str, fd: int, start: int, length: int) -> None:
+        assert self.crt is not None, "get_file without a native data path (gets_files)"
+        await self.crt.get_file(key, self._fd_path(fd), start, length,
+                                self.deadlines.data(length))
+
+    def data_statistics(self) -> dict[str, Any]:
+        """For status: which client moves data bytes, and its counters."""
+        if self.crt is None:
+            return {"client": "boto3", "why": self.crt_off_reason}
+        st = self.crt.stats
+        return {"client": "crt", "restores_by": "crt" if self._native_gets else "boto3",
+                "puts": st.puts, "put_bytes": st.put_bytes, "gets": st.gets,
+                "get_bytes": st.get_bytes, "cancelled": st.cancelled, "errors": dict(st.errors)}
 
     @property
     def conditional(self) -> ConditionalWrites | None:
@@ -417,6 +502,11 @@ class S3Store(ObjectStore):
         # multipart object reports crc32c=None. RGW 16.2 answers with an empty ETag: HEAD has it.
         etag = r.get("ETag") or (await self.head(key)).etag
         return ObjectInfo(key, sum(p.size for p in ordered), etag, crc32c)
+
+    async def aclose(self) -> None:
+        if self.crt is not None:
+            self.crt.close()
+            self.crt = None
 
     async def abort_multipart(self, key: str, upload_id: str) -> None:
         try:

@@ -22,7 +22,7 @@ import os
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import trio
 
@@ -147,6 +147,25 @@ class _Wrapper(ObjectStore):
     async def discard_staged(self, staged: Staged) -> None:
         await self._do("discard_staged", staged)
 
+    @property
+    def data_path(self) -> str:
+        return self.inner.data_path
+
+    @property
+    def sends_files(self) -> bool:
+        return self.inner.sends_files
+
+    @property
+    def gets_files(self) -> bool:
+        return self.inner.gets_files
+
+    async def put_file(self, key: str, fd: int, size: int, crc32c: int) -> ObjectInfo:
+        info: ObjectInfo = await self._do("put_file", key, fd, size, crc32c)
+        return info
+
+    async def get_file(self, key: str, fd: int, start: int, length: int) -> None:
+        await self._do("get_file", key, fd, start, length)
+
     async def aclose(self) -> None:
         await self.inner.aclose()
 
@@ -217,25 +236,36 @@ class FaultyStore(_Wrapper):
     def fail_every(self, op: str, k: int, exc: Exception | None = None) -> None:
         self._every[op] = (k, exc or TransientStoreError("injected 500 InternalError"))
 
+    # A whole-file PUT or GET of the native data path (cachemgr.store.crt) is the data PUT /
+    # part upload, or the data GET, that a rule names: its rules apply to it too, so a test's
+    # faults reach the store whichever client moves the bytes.
+    ALIASES: ClassVar[dict[str, tuple[str, ...]]] = {
+        "put_file": ("put", "upload_part"), "get_file": ("get",)}
+
     def hold(self, op: str, gate: str, prefix: str = "") -> None:
         """Calls of `op` on keys starting with `prefix` wait while the file `gate` exists (a
         test opens the gate by deleting it): a store that is slow for one node, on demand."""
         self._holds.setdefault(op, []).append((prefix, gate))
 
     async def _do(self, op: str, *args: Any, **kw: Any) -> Any:
-        for prefix, gate in self._holds.get(op, ()):
-            key = args[0] if args else ""
-            if isinstance(key, str) and key.startswith(prefix) and os.path.exists(gate):
-                log.info("holding %s %s until %s is removed", op, key, gate)
-                while os.path.exists(gate):
-                    await trio.sleep(0.05)
-        n = self.calls[op] = self.calls.get(op, 0) + 1
-        pending = self._next.get(op)
+        names = (op, *self.ALIASES.get(op, ()))
+        for name in names:
+            for prefix, gate in self._holds.get(name, ()):
+                key = args[0] if args else ""
+                if isinstance(key, str) and key.startswith(prefix) and os.path.exists(gate):
+                    log.info("holding %s %s until %s is removed", op, key, gate)
+                    while os.path.exists(gate):
+                        await trio.sleep(0.05)
         exc = None
-        if pending:
-            exc = pending.pop(0)
-        elif op in self._every and n % self._every[op][0] == 0:
-            exc = self._every[op][1]
+        for name in names:
+            n = self.calls[name] = self.calls.get(name, 0) + 1
+            pending = self._next.get(name)
+            if exc is not None:
+                continue
+            if pending:
+                exc = pending.pop(0)
+            elif name in self._every and n % self._every[name][0] == 0:
+                exc = self._every[name][1]
         if exc is not None:
             self.injected[op] = self.injected.get(op, 0) + 1
             raise exc
@@ -246,10 +276,10 @@ class ReadOnlyStore(_Wrapper):
     """Reads pass; every call that writes, deletes or probes by writing raises StoreError (not
     transient: nothing retries it) and is counted in `refused` (trio thread only)."""
 
-    WRITES = frozenset({"put", "delete", "create_multipart", "upload_part", "complete_multipart",
-                        "abort_multipart", "stage_file", "stage_path", "publish_staged",
-                        "discard_staged",
-                        "probe_conditional"})
+    # put_file is refused too (WRITES); get_file passes, as get does
+    WRITES = frozenset({"put", "put_file", "delete", "create_multipart", "upload_part",
+                        "complete_multipart", "abort_multipart", "stage_file", "stage_path",
+                        "publish_staged", "discard_staged", "probe_conditional"})
 
     def __init__(self, inner: ObjectStore) -> None:
         super().__init__(inner)

@@ -434,7 +434,9 @@ class Tiering:
                           "summary": found.describe()},
                       "last_error": h.last_error, "consecutive_failures": h.consecutive_failures,
                       "retries": getattr(retry, "retries", 0),
-                      "retry_failures": getattr(retry, "failures", 0)},
+                      "retry_failures": getattr(retry, "failures", 0),
+                      # which client moves data bytes (cachemgr.store.crt): crt, boto3, local
+                      "data_path": self.store.data_path},
             # upload threads at idle CPU and I/O priority (cachemgr.host.background; root only)
             "uploads": {**self.uploads.status(), "idle_priority": background.enabled()},
             "restore": self.restorer.status(),

@@ -97,6 +97,7 @@ from cachemgr.store.base import (
     ObjectStore,
     Part,
     Staged,
+    StoreError,
     crc32c,
 )
 
@@ -133,6 +134,10 @@ SMALL_STAGED = 1 << 20
 # same wait between them as the copy's (measured: with only the copy in steps, the daemon still
 # used 0.1-0.5 s of CPU during a 0.6 s read of 1 GiB right after its write, 4 readers).
 STAGED_CRC_STEP = 16 << 20
+# The CRC pass before a native PUT (`Uploader._upload_native`) reads this much per worker-thread
+# call: 16 calls per GiB, each ~10 ms of work here, so a superseding write or the trainer is
+# seen within that (the same order as a part's read on the buffered path).
+NATIVE_CRC_STEP = 64 << 20
 
 
 class Superseded(Exception):
@@ -195,6 +200,18 @@ def _pread_exact(fd: int, n: int, off: int) -> bytes:
         chunks.append(more)
         got += len(more)
     return b"".join(chunks)
+
+
+def _crc_step(prod: _Producer, fd: int, buf: bytearray, off: int, n: int, size: int) -> None:
+    """The chunk CRCs of bytes [off, off+n) of the file (a worker thread; one buffer reused)."""
+    mv = memoryview(buf)[:n]
+    got = 0
+    while got < n:
+        k = os.preadv(fd, [mv[got:]], off + got)
+        if not k:
+            raise SourceChanged(f"cache file ends at byte {off + got}, expected {size}")
+        got += k
+    prod._checksum(mv, off + n >= size)
 
 
 def _pread_sample(fd: int, off: int, n: int) -> bytes:
@@ -324,6 +341,7 @@ class UploadStats:
     stored_bytes: int = 0
     superseded: int = 0
     staged: int = 0      # whole files copied in by the store (file://: copy_file_range)
+    native: int = 0      # whole files PUT by the store's native client (s3:// with awscrt)
     aborted: int = 0
     abort_failures: int = 0
     parts_in_flight: int = 0
@@ -478,6 +496,8 @@ class Uploader:
         compressed = await self._decide(fd, size)
         if not compressed and cfg.stage_files and self.store.stages_files:
             return await self._upload_staged(fd, key, size, still_valid, progress)
+        if not compressed and size and self.store.sends_files:
+            return await self._upload_native(fd, key, size, still_valid, progress)
         put_max = cfg.single_put_max
         assert put_max is not None  # TransferConfig.__post_init__ sets it
         target = math.inf if size <= put_max else self.part_size_for(size, compressed)
@@ -575,6 +595,50 @@ class Uploader:
             progress(size)
         job = _Job(key, prod, trio.Semaphore(1), still_valid, progress)
         return await self._finish(job, size, False, info, read_back=info)
+
+    async def _upload_native(self, fd: int, key: str, size: int,
+                             still_valid: Callable[[], bool],
+                             progress: Callable[[int], None] | None) -> StoredObject:
+        """An uncompressed file to a store whose native client reads local files itself (s3://
+        with awscrt: cachemgr.store.crt): the chunk CRCs are computed first, in steps of
+        NATIVE_CRC_STEP read into one reused buffer (idle priority, `still_valid` and the
+        trainer between steps), then the client PUTs the file (multipart and parallel parts
+        inside it), then `still_valid` is asked again: a file written meanwhile makes the upload
+        Superseded (the object, under this version's key that no manifest will name, is
+        deleted). The checks bracket the PUT as they bracket each part's read on the other
+        path, so the CRC32Cs recorded are those of the bytes sent."""
+        self._check(still_valid, key)
+        prod = _Producer(fd, size, False, self.cfg.frame_size, math.inf)
+        buf = bytearray(min(size, NATIVE_CRC_STEP))
+        off = 0
+        while off < size:
+            n = min(NATIVE_CRC_STEP, size - off)
+            await self._foreground.yield_to(n)
+            await trio.to_thread.run_sync(run_idle, _crc_step, prod, fd, buf, off, n, size)
+            off += n
+            self._check(still_valid, key)
+        del buf
+        try:
+            info = await self.store.put_file(key, fd, size, prod.crc_raw)
+        except StoreError:
+            self._check(still_valid, key)  # written under the PUT: superseded, not failed
+            raise
+        if not still_valid():
+            self.stats.superseded += 1
+            with trio.CancelScope(shield=True), trio.move_on_after(ABORT_TIMEOUT):
+                try:
+                    await self.store.delete(key)
+                except StoreError as e:
+                    log.warning("superseded upload %s left in the store: %s", key, e)
+            raise Superseded(key)
+        prod.raw_off = prod.stored = size
+        prod.crc_stored = prod.crc_raw
+        self.stats.single_puts += 1
+        self.stats.native += 1
+        if progress is not None:
+            progress(size)
+        job = _Job(key, prod, trio.Semaphore(1), still_valid, progress)
+        return await self._finish(job, size, False, info)
 
     async def _next_chunk(self, job: _Job) -> tuple[_Chunk, object]:
         """Once the trainer pauses (or waited long enough) and a part token is free, read the
