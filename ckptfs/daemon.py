@@ -83,7 +83,7 @@ from .mount import (
     unregister,
 )
 from .sdnotify import Notifier
-from .stallwatch import StallWatch
+from .stallwatch import StallWatch, from_env
 
 if TYPE_CHECKING:
     from cachemgr.host.foreground import Foreground
@@ -297,7 +297,9 @@ class _Daemon:
         self.ops: Any = None
         self.main: Callable[[], Awaitable[None]] | None = None  # the FUSE loop, once mounted
         self.mounted = False
-        self.stallwatch = StallWatch()  # logs a stalled trio loop with its stack
+        threshold, dump_after = from_env()  # CKPTFS_STALL_S, CKPTFS_STALL_DUMP_S
+        # logs a stalled trio loop with its stack
+        self.stallwatch = StallWatch(threshold, dump_after=dump_after)
         self.sd = Notifier()  # systemd's notify socket; a no-op outside a Type=notify unit
         self.serving: Any = None  # trio.Event, set once the mount is ready (serve() makes it)
 
