@@ -468,7 +468,7 @@ class Members:
         intent that names this node acknowledged again (under the new generation)."""
         if self._acked_gen != self.lease.generation:
             if self._acked_gen:
-                self.parts.mark_all()
+                self.parts.mark_all(now=True)
             self._acked = set()
             self._acked_gen = self.lease.generation
 

@@ -29,7 +29,12 @@ to 27 files/s by 2,048). So a directory's record is not written again in the bac
 before `SPACING` times as long as its last write took has passed since that write ended: the
 marks in between are merged into one write, record writing takes at most 1/(SPACING + 1) of
 the daemon's thread whatever D, and the cost per file closed stays flat. A `sync` (another
-node's commit, cachemgr.tiering.members) does not wait for the spacing.
+node's commit, cachemgr.tiering.members) does not wait for the spacing, nor do the records
+written again under a new lease generation (`mark_all(now=True)`; a write that spanned the new
+registration leaves no spacing behind): the spacing measures the write's wall time, a store
+that hung makes it long, and a committer ignores the old generation's records (issue 36: a
+record written in 14 s across a black hole was written again under the new generation 112 s
+later, and the other node's commit waited that long).
 
 Only directories in an open set (see cachemgr.core.sets.in_open_set) get records; single files that
 commit themselves never need one. The committer lists `parts/<set path>/` (and the path the set
@@ -209,9 +214,13 @@ class PartPublisher:
         self._dirty.setdefault(dir_ino, [])
         self._wake.set()
 
-    def mark_all(self) -> None:
+    def mark_all(self, *, now: bool = False) -> None:
         """Every directory with a record (a restart; a listing that moved paths: any may have
-        changed). O(records): not on the write path (`mark_moved` is)."""
+        changed). O(records): not on the write path (`mark_moved` is). `now`: no spacing (a
+        new lease generation: the records in the store are under the old one, which
+        committers ignore, so they are as good as absent)."""
+        if now:
+            self._not_before.clear()
         for ino in list(self.published):
             self.mark(ino)
 
@@ -355,9 +364,18 @@ class PartPublisher:
             for dir_ino, waiters in dirty.items():
                 try:
                     started = trio.current_time()
+                    gen = self.lease.generation
                     await self.sync_dir(dir_ino)
                     ended = trio.current_time()
-                    if dir_ino in self.published:
+                    if self.lease.generation != gen:
+                        # written while the node registered again: under the old generation,
+                        # which committers ignore (and `mark_all(now=True)` missed it if it
+                        # was its first write); the new one is due now, not SPACING x a
+                        # write that waited on the store (a black hole: 14 s, then 112 s
+                        # without this, issue 36)
+                        self._not_before.pop(dir_ino, None)
+                        self._dirty.setdefault(dir_ino, [])
+                    elif dir_ino in self.published:
                         self._not_before[dir_ino] = ended + SPACING * (ended - started)
                     else:
                         self._not_before.pop(dir_ino, None)
