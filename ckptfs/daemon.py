@@ -209,6 +209,14 @@ async def op_wait(svc: Services, req: dict) -> dict:
     return await svc.tiering.wait(str(req["path"]), None if timeout is None else float(timeout))
 
 
+async def op_leave_by(svc: Services, req: dict) -> dict:
+    """`umount --timeout`: the unmount that follows ends within what is left of it (issue 36:
+    a hung store made it end 10 s past it, the member record's bound)."""
+    if svc.tiering is not None:
+        svc.tiering.leave_by(float(req["seconds"]))
+    return {}
+
+
 @dataclass(frozen=True)
 class ControlOp:
     needs: int  # what the caller needs on req["path"] (control.READ / WRITE); root passes
@@ -216,12 +224,14 @@ class ControlOp:
 
 
 # status: read the mount root; wait and prefetch: read the path (opening a file for reading
-# already prefetches its whole set, so prefetch asks no more than that); commit: write it.
+# already prefetches its whole set, so prefetch asks no more than that); commit: write it;
+# leave_by (umount --timeout): write the mount root, as an unmount needs.
 CONTROL_OPS: dict[str, ControlOp] = {
     "status": ControlOp(READ, op_status),
     "prefetch": ControlOp(READ, op_prefetch),
     "commit": ControlOp(WRITE, op_commit),
     "wait": ControlOp(READ, op_wait),
+    "leave_by": ControlOp(WRITE, op_leave_by),
 }
 
 

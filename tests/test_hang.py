@@ -232,11 +232,13 @@ def test_nothing_user_facing_waits_on_a_store_that_does_not_answer(mount_factory
     endpoint, `ls`, a read of the cached file and a new commit (write + close) each answer at
     once (< 5 s asserted; the CLI calls include a Python start); `ckptfs wait --timeout 5` on
     the new set exits 7 in about 5 s; `ckptfs umount --timeout 10` exits 7 (uploads pending)
-    within 30 s. When the store answers again, a remount of the same cache dir makes the
-    pending set durable. Measured on the 2-core dev machine, loaded by other test runs
-    (printed by the test, -s): commit 0.00 s, status 0.59 s (the CLI's Python start included),
-    wait 5.7 s, ls 0.00 s, cached read 0.01 s, metrics 0.00 s, umount 20.8 s (its 10 s for the
-    uploads, then up to 10 s for the member record it cannot drop: Members.leave)."""
+    within 15 s: the daemon's goodbye to the store (Members.leave) gets what is left of the
+    10 s, at least 1 s, not 10 s more. When the store answers again, a remount of the same
+    cache dir makes the pending set durable. Measured on the 2-core dev machine, loaded by other
+    test runs (printed by the test, -s): commit 0.00 s, status 0.59 s (the CLI's Python start
+    included), wait 5.7 s, ls 0.00 s, cached read 0.01 s, metrics 0.00 s, umount 20.8 s
+    before the bound (its 10 s for the uploads, then 10 s for the member record it could not
+    drop), 12.4 s with it."""
     endpoint, bucket = s3_bucket
     port = _free_port()
     took: dict[str, float] = {}
@@ -279,7 +281,7 @@ def test_nothing_user_facing_waits_on_a_store_that_does_not_answer(mount_factory
                                                           "10", timeout=60))
         print("black hole: user-facing calls (s):", took)
         assert res.returncode == EXIT_STORE, (res.returncode, res.stderr)
-        assert took["umount"] < 30, took
+        assert took["umount"] < 10 + 5, took
         m.pid = None
 
         # the store answers again: the remount uploads what was pending
