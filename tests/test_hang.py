@@ -29,8 +29,7 @@ from tests.faultproxy import FaultProxy, Rule
 
 # Short deadlines for the store-layer tests: what is checked is that they hold, not their
 # production values (Deadlines' docstring argues those).
-SHORT = Deadlines(base=1.0, control=1.0, list_page=1.0, complete=1.0, queue=2.0,
-                  document_bytes=1 << 20)
+SHORT = Deadlines(base=1.0, control=1.0, list_page=1.0, complete=1.0, queue=2.0)
 
 
 @pytest.fixture
@@ -95,6 +94,30 @@ def test_every_store_call_ends_at_its_deadline_in_a_black_hole(hole, mode):
         assert (await store.get("data/x", 0, 3)) == b"xxx"
     trio.run(main)
     print(f"{mode}: each call's time to DeadlineExceeded (s):", took)
+
+
+def test_a_read_whole_gets_the_deadline_of_its_body_not_of_the_document_cap(hole):
+    """A read of unknown length (a manifest, a part record) waits `base` for the answer's
+    headers, then its body's size at the floor rate: through a black hole it ends at `base`
+    (here 1 s; the 64 MiB cap at 4 MiB/s would have been 17 s); through a store whose body
+    trickles out over 3 s, past `base`, it grows to its body (1 s + 1,000 bytes at 100 B/s)
+    and returns it (`S3Store._sized`, moved from the request's thread)."""
+    proxy, store, _ = hole
+    slow = S3Store(store.url, S3Options(
+        endpoint_url=proxy.url, region="us-east-1", path_style=True, max_connections=2,
+        connect_timeout=2, read_timeout=3,
+        deadlines=Deadlines(base=1.0, floor_rate=100.0, control=1.0, list_page=1.0,
+                            complete=1.0, queue=2.0)))
+
+    async def main():
+        proxy.set_rules([Rule("slow", delay=3.0)])
+        assert await slow.get("data/x") == b"x" * 1000
+        proxy.set_rules([Rule("blackhole")])
+        with pytest.raises(DeadlineExceeded) as e:
+            await slow.get("data/x")
+        assert "no answer within 1s" in str(e.value), e.value
+        proxy.clear()
+    trio.run(main)
 
 
 def test_retrying_store_asks_a_black_hole_twice(hole):
