@@ -32,8 +32,13 @@ time runnable on a run queue), sampled at every check:
     memory (`/proc/pressure/memory`, PSI 'some': reclaim, refaults of evicted code pages)
     explain all but the threshold of it (a machine out of memory: the 39 s freeze of both
     fault-loop daemons at once, issue 36, ended when the kernel's OOM killer killed another
-    job's 16 GiB process); the line gives the process's own RSS and major faults, so that
-    a daemon that is itself the cause shows it;
+    job's 16 GiB process); or, where the process had major page faults in the window (its
+    code pages, evicted under that pressure, read back from disk while a thread held the
+    GIL: the 3-4 s stalls of the 300-iteration run, the loop thread asleep at the GIL in
+    trio's `run`), that wait and the machine's tasks' wait on memory or I/O (PSI) explain
+    all but the threshold. The line gives the process's own RSS and major faults, so that a
+    daemon that is itself the cause shows it (a file:// store's threads mmap store files,
+    LocalStore: their faults count too);
   - `busy`: otherwise, where it ran on a CPU for most of the rest (code on the loop that
     computes too long, or a C call that holds it);
   - `blocked`: otherwise, it slept (a blocking syscall on the loop, a lock, or the GIL held by
@@ -98,20 +103,36 @@ MACHINE_CAUSES = frozenset({"starved", "memory"})
 
 
 def cause(window_s: float, on_cpu_s: float, waiting_s: float, threshold: float,
-          memory_s: float | None = None) -> str:
+          memory_s: float | None = None, io_s: float | None = None, majflt: int = 0) -> str:
     """What a stall was, from what the loop thread did over a window of `window_s` around it
     (module docstring): `starved` only where the loop would have turned within `threshold`
     had it been given a CPU whenever it was runnable (the window less the run-queue wait;
     the window's slack, normal turns around the stall, counts against this claim); `memory`
     where that wait and the time the machine's tasks were stalled on memory (`memory_s`, PSI
-    'some') together explain all but `threshold` of it; else `busy` where it ran on a CPU for
-    most of the rest, `blocked` where it slept."""
+    'some') together explain all but `threshold` of it, or, where the process itself had
+    major page faults in the window (`majflt`: pages evicted under memory pressure read back
+    from disk, the GIL held meanwhile), the time the machine's tasks waited on memory or on
+    I/O for them (`io_s`, PSI 'some') does; else `busy` where it ran on a CPU for most of the
+    rest, `blocked` where it slept."""
     rest = window_s - waiting_s
     if rest <= threshold:
         return "starved"
     if memory_s is not None and rest - memory_s <= threshold:
         return "memory"
+    if majflt and memory_s is not None and io_s is not None and \
+            rest - max(memory_s, io_s) <= threshold:
+        return "memory"
     return "busy" if on_cpu_s >= rest / 2 else "blocked"
+
+
+def _psi_some(what: str) -> float | None:
+    """The machine's PSI 'some' total of `what` (memory, io), seconds; None without PSI."""
+    try:
+        with open(f"/proc/pressure/{what}", "rb") as f:
+            some = f.readline()
+        return int(some.rsplit(b"total=", 1)[1]) / 1e6
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +145,7 @@ class _Sample:
     majflt: int                        # the process's major page faults
     rss_mib: int
     mem: float | None                  # the machine's PSI memory 'some' total, seconds
+    io: float | None                   # the machine's PSI io 'some' total, seconds
 
     @staticmethod
     def take(now: float, native_id: int | None) -> _Sample:
@@ -136,14 +158,8 @@ class _Sample:
                 rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") >> 20
         except (OSError, ValueError, IndexError):
             pass
-        mem = None
-        try:
-            with open("/proc/pressure/memory", "rb") as f:
-                some = f.readline()
-            mem = int(some.rsplit(b"total=", 1)[1]) / 1e6
-        except (OSError, ValueError, IndexError):
-            pass
-        return _Sample(now, _sched(native_id), time.process_time(), majflt, rss, mem)
+        return _Sample(now, _sched(native_id), time.process_time(), majflt, rss,
+                       _psi_some("memory"), _psi_some("io"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -261,13 +277,15 @@ class StallWatch:
         window = now.t - was.t
         on, waiting = now.sched[0] - was.sched[0], now.sched[1] - was.sched[1]
         mem = None if now.mem is None or was.mem is None else now.mem - was.mem
-        what = cause(window, on, waiting, self.threshold, mem)
+        io = None if now.io is None or was.io is None else now.io - was.io
+        majflt = now.majflt - was.majflt
+        what = cause(window, on, waiting, self.threshold, mem, io, majflt)
         return (f" (cause {what}: over the {window:.1f}s since the last turn seen, the loop "
                 f"thread ran {on:.2f}s on a CPU and waited {waiting:.2f}s runnable for one; "
                 f"the process used {now.cpu - was.cpu:.2f}s of CPU, had "
-                f"{now.majflt - was.majflt} major page faults, RSS {now.rss_mib} MiB; the "
-                f"machine's tasks waited on memory "
-                f"{'?' if mem is None else f'{mem:.2f}'}s)")
+                f"{majflt} major page faults, RSS {now.rss_mib} MiB; the machine's tasks "
+                f"waited on memory {'?' if mem is None else f'{mem:.2f}'}s, on I/O "
+                f"{'?' if io is None else f'{io:.2f}'}s)")
 
     def _loop_stack(self) -> str:
         tid = self._loop_thread
@@ -318,8 +336,9 @@ def parse_log(text: str) -> tuple[list[Stall], list[str]]:
         if m:
             loop_tid = int(m.group(1), 16)
         if ln.startswith("Timeout (") and ln.rstrip().endswith("!"):
-            j = i + 1   # the dump runs until the next log line
-            while j < len(lines) and not _LOG_LINE.match(lines[j]):
+            j = i + 1   # the dump runs until the next log line or the next dump
+            while j < len(lines) and not _LOG_LINE.match(lines[j]) and \
+                    not lines[j].startswith("Timeout ("):
                 j += 1
             pending.append(_loop_thread_stack(lines[i + 1:j], loop_tid))
             i = j

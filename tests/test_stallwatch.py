@@ -187,6 +187,13 @@ def test_cause_calls_starved_only_what_a_cpu_would_have_ended_within_the_thresho
     # 39 s: 10 s runnable, 29 s asleep while the machine's tasks stalled on memory 30 s
     assert cause(39.0, on_cpu_s=0.4, waiting_s=10.0, threshold=1.0, memory_s=30.0) == "memory"
     assert cause(39.0, on_cpu_s=0.4, waiting_s=10.0, threshold=1.0, memory_s=5.0) == "blocked"
+    # the fault loop's 3.4 s: asleep waiting for the GIL while the process had 26 major page
+    # faults (evicted pages read back) and the machine's tasks waited on I/O for most of it
+    assert cause(4.3, on_cpu_s=0.03, waiting_s=0.51, threshold=1.0, memory_s=1.68, io_s=3.2,
+                 majflt=26) == "memory"
+    # the same I/O wait with no fault of its own: a blocking call on the loop, not the machine
+    assert cause(4.3, on_cpu_s=0.03, waiting_s=0.51, threshold=1.0, memory_s=1.68, io_s=3.2,
+                 majflt=0) == "blocked"
     # computing 1.5 s on a loaded machine is busy, whatever it waited besides
     assert cause(3.0, on_cpu_s=1.5, waiting_s=1.4, threshold=1.0) == "busy"
 
