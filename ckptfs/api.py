@@ -118,6 +118,15 @@ def prefetch(path: str | os.PathLike) -> dict:
     return reply
 
 
+def leave_by(mountpoint: str | os.PathLike, seconds: float) -> None:
+    """The unmount that follows ends within `seconds` (at least 1 s): the daemon leaves the
+    store's members by then, written or not (`ckptfs umount --timeout`)."""
+    mp, _ = locate(mountpoint)
+    reply = _request(mp, {"op": "leave_by", "path": "", "seconds": float(seconds)}, timeout=5.0)
+    if "error" in reply:
+        raise _failed(reply)
+
+
 def wait_durable(path: str | os.PathLike, timeout: float | None = None) -> dict:
     """Block until the set holding `path` is durable in the object store. Returns the set's
     {"state": "durable", "seq", "path"}; raises NotDurable otherwise, and CkptfsError with

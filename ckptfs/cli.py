@@ -10,6 +10,7 @@ import argparse
 import json
 import math
 import sys
+import time
 from pathlib import Path
 from typing import NoReturn
 
@@ -292,8 +293,9 @@ def _add_umount(sub: argparse._SubParsersAction) -> None:
     u.add_argument("--no-wait", action="store_true",
                    help="do not wait for uploads; they resume at the next mount of this cache")
     u.add_argument("--timeout", type=_nonneg_float, default=None,
-                   help="seconds to wait for uploads (default: no limit); on timeout unmount "
-                   "anyway and exit 7")
+                   help="seconds for the whole unmount: the wait for uploads, then the "
+                   "daemon's goodbye to the store within what is left (at least 1 s; default: "
+                   "no limit); on timeout unmount anyway and exit 7")
     u.add_argument("--allow-unsaved", action="store_true",
                    help="exit 0 even if closed files in no committed set are left, only in "
                    "this cache dir (default: unmount, name them and exit 12; files uploaded "
@@ -423,14 +425,22 @@ def cmd_umount(a: argparse.Namespace) -> int:
     from . import ui  # rich: imported by the commands that draw, not by mount/commit/wait
 
     mp = a.mountpoint.absolute()
+    started = time.monotonic()
     drained = True
-    if not a.no_wait:
-        entry = find_mount(mp)
-        if entry is not None and entry["fstype"] == "fuse.ckptfs":
-            try:
-                drained = ui.drain(mp, a.timeout)
-            except api.CkptfsError as e:
-                ui.note(f"not waiting for uploads: {e}")
+    entry = find_mount(mp)
+    ours = entry is not None and entry["fstype"] == "fuse.ckptfs"
+    if not a.no_wait and ours:
+        try:
+            drained = ui.drain(mp, a.timeout)
+        except api.CkptfsError as e:
+            ui.note(f"not waiting for uploads: {e}")
+    if a.timeout is not None and ours:
+        # the daemon's own goodbye to the store (Members.leave) within what is left, so that
+        # the whole unmount ends by --timeout (a hung store made it 10 s late, issue 36)
+        try:
+            api.leave_by(mp, a.timeout - (time.monotonic() - started))
+        except api.CkptfsError:
+            pass  # a daemon that does not answer is unmounted all the same
     unsaved, only_here = _unsaved(mp)  # asked before the daemon goes: nothing asks it after
     code, msg = umount(mp)
     if code != EXIT_OK:

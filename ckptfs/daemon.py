@@ -83,7 +83,7 @@ from .mount import (
     unregister,
 )
 from .sdnotify import Notifier
-from .stallwatch import StallWatch
+from .stallwatch import StallWatch, from_env
 
 if TYPE_CHECKING:
     from cachemgr.host.foreground import Foreground
@@ -209,6 +209,14 @@ async def op_wait(svc: Services, req: dict) -> dict:
     return await svc.tiering.wait(str(req["path"]), None if timeout is None else float(timeout))
 
 
+async def op_leave_by(svc: Services, req: dict) -> dict:
+    """`umount --timeout`: the unmount that follows ends within what is left of it (issue 36:
+    a hung store made it end 10 s past it, the member record's bound)."""
+    if svc.tiering is not None:
+        svc.tiering.leave_by(float(req["seconds"]))
+    return {}
+
+
 @dataclass(frozen=True)
 class ControlOp:
     needs: int  # what the caller needs on req["path"] (control.READ / WRITE); root passes
@@ -216,12 +224,14 @@ class ControlOp:
 
 
 # status: read the mount root; wait and prefetch: read the path (opening a file for reading
-# already prefetches its whole set, so prefetch asks no more than that); commit: write it.
+# already prefetches its whole set, so prefetch asks no more than that); commit: write it;
+# leave_by (umount --timeout): write the mount root, as an unmount needs.
 CONTROL_OPS: dict[str, ControlOp] = {
     "status": ControlOp(READ, op_status),
     "prefetch": ControlOp(READ, op_prefetch),
     "commit": ControlOp(WRITE, op_commit),
     "wait": ControlOp(READ, op_wait),
+    "leave_by": ControlOp(WRITE, op_leave_by),
 }
 
 
@@ -297,7 +307,9 @@ class _Daemon:
         self.ops: Any = None
         self.main: Callable[[], Awaitable[None]] | None = None  # the FUSE loop, once mounted
         self.mounted = False
-        self.stallwatch = StallWatch()  # logs a stalled trio loop with its stack
+        threshold, dump_after = from_env()  # CKPTFS_STALL_S, CKPTFS_STALL_DUMP_S
+        # logs a stalled trio loop with its stack
+        self.stallwatch = StallWatch(threshold, dump_after=dump_after)
         self.sd = Notifier()  # systemd's notify socket; a no-op outside a Type=notify unit
         self.serving: Any = None  # trio.Event, set once the mount is ready (serve() makes it)
 

@@ -19,10 +19,23 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
-from fault_rig import Json, Node, Ref, Rig, SetRec, Violation, log_tracebacks, sha256, wait_for
+from fault_rig import (
+    MAX_STALL_S,
+    Json,
+    Node,
+    Ref,
+    Rig,
+    SetRec,
+    Violation,
+    log_stalls,
+    log_tracebacks,
+    sha256,
+    unended_dumps,
+    wait_for,
+)
 from fault_trainer import make_state, short_exc
 
-MAX_STALL_S = 30.0        # a daemon's event loop making no turn longer than this is a violation
+from ckptfs.stallwatch import MACHINE_CAUSES, Stall
 
 # on_event(rank, line) of Loop.run_cmd: "stop" stops the reading
 OnEvent = Callable[[int, str], str | None]
@@ -115,19 +128,18 @@ class Checks:
             raise Violation(f"published set(s) vanished from the store without being deleted: "
                             f"{lost}")
 
-    def check_logs(self) -> None:
+    def check_logs(self, i: int) -> None:
         """No tracebacks in any daemon's log (each reported once); no event-loop stall longer
-        than MAX_STALL_S (shorter ones are recorded in the report)."""
+        than MAX_STALL_S (1 s) in any daemon's log, unless the daemon's own accounting puts it
+        on the machine (ckptfs.stallwatch.MACHINE_CAUSES: the loop thread runnable without a
+        CPU, or the machine's tasks stalled on memory, for all but 1 s of it), which is counted
+        apart in the report (`loop_stalls_by_cause`), never hidden. Every stall over 1 s goes into
+        the report (`loop_stalls`) with its cause and the loop thread's dumped stack."""
+        slow: list[str] = []
         for n in (self.a, self.b):
-            stalls = n.new_stalls()
             if n.lease_lapses:
                 self.report.setdefault("lease_lapses", {})[n.name] = n.lease_lapses
-            if stalls:
-                self.report.setdefault("loop_stalls_s", {}).setdefault(n.name, []).extend(stalls)
-                if max(stalls) > MAX_STALL_S:
-                    raise Violation(f"daemon_responsive: node {n.name}'s event loop made no turn "
-                                    f"for {max(stalls):.0f}s (limit {MAX_STALL_S:.0f}s); its log "
-                                    f"{n.log_file} says where it was")
+            slow += self.judge_stalls(i, n.name, n.log_file, n.new_stalls())
             for tb in n.tracebacks():
                 if tb not in self.seen_tracebacks:
                     self.seen_tracebacks.add(tb)
@@ -137,8 +149,34 @@ class Checks:
             tbs = log_tracebacks(lf)
             if tbs:
                 raise Violation(f"{lf} has a traceback: {tbs[0]}")
+            stalls = log_stalls(lf) + [Stall(s=MAX_STALL_S, cause="unended", line="(dumped; "
+                                             "no end logged)", loop_stacks=[d])
+                                       for d in unended_dumps(lf)]
             if not self.args.keep_workdir:
                 lf.unlink(missing_ok=True)
+            slow += self.judge_stalls(i, lf.name, lf, stalls)
+        if slow:
+            raise Violation(" | ".join(slow))
+
+    def judge_stalls(self, i: int, node: str, log_file: Path, stalls: list[Stall]) -> list[str]:
+        """Record every stall over MAX_STALL_S; a violation for each whose cause is not the
+        machine's, quoting the loop thread's stack."""
+        over = [st for st in stalls if st["s"] > MAX_STALL_S or st["cause"] == "unended"]
+        for st in over:
+            self.report.setdefault("loop_stalls", []).append(
+                {"iteration": i, "node": node, **st})
+            self.report.setdefault("loop_stalls_by_cause", {})
+            by = self.report["loop_stalls_by_cause"]
+            by[st["cause"]] = by.get(st["cause"], 0) + 1
+        out = []
+        for st in over:
+            if st["cause"] in MACHINE_CAUSES:
+                continue
+            stack = st["loop_stacks"][0] if st["loop_stacks"] else "(no dump)"
+            out.append(f"daemon_responsive: {node}'s event loop made no turn for {st['s']:.1f}s "
+                       f"(limit {MAX_STALL_S:.0f}s), cause {st['cause']}; {st['line']}; the "
+                       f"loop thread was in ({log_file}):\n{stack}")
+        return out
 
     def store_problems(self) -> list[str]:
         out: list[str] = []

@@ -43,12 +43,12 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 from fault_checks import Checks, OnEvent, diff_trees, expected_tree, snapshot_tree
-from fault_rig import PREFIX, Json, Node, Ref, Rig, Violation, log, log_tracebacks
+from fault_rig import PREFIX, Json, Node, Ref, Rig, Violation, log, log_tracebacks, unended_dumps
 from fault_trainer import KEEP, short_exc, trainer_main
 
 # re-exported: tests/test_faults.py reads these from here
 __all__ = ["FAULTS", "FAULT_GROUPS", "WORKLOADS", "Loop", "Node", "diff_trees", "expected_tree",
-           "log_tracebacks", "main", "parse_list", "short_exc", "snapshot_tree"]
+           "log_tracebacks", "main", "parse_list", "short_exc", "snapshot_tree", "unended_dumps"]
 
 WORKLOADS = ("torch", "dcp1", "dcp2", "rotate")
 FAULTS = (
@@ -459,7 +459,7 @@ class Loop:
                          ("latest", ck.check_latest_and_lost),
                          ("fresh_mount", fresh_mount),
                          ("committing_node_loads", lambda: ck.committing_node_loads(i)),
-                         ("logs", ck.check_logs)):
+                         ("logs", lambda: ck.check_logs(i))):
             try:
                 fn()
             except Violation as e:

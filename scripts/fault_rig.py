@@ -28,9 +28,14 @@ sys.path.insert(0, str(REPO / "scripts"))
 from procwait import Events
 from procwait import wait_for as _wait_for
 
+from ckptfs.stallwatch import Stall, parse_log
+
 if TYPE_CHECKING:
     from tests.faultproxy import FaultProxy
 
+# a daemon's event loop making no turn longer than this is a violation (issue 36), unless
+# starved of CPU (ckptfs/stallwatch.py); the rig's daemons log and dump stacks at it
+MAX_STALL_S = 1.0
 STATUS_TRIES = 3          # a status request is asked this many times (10 s each) before failing
 BUCKET = "ckpt-faults"
 PREFIX = "p"
@@ -102,6 +107,7 @@ class Node:
         self.slow_answers = 0  # status requests that timed out (asked again)
         self._log_seen = 0     # bytes of log_file read by new_stalls
         self.lease_lapses = 0  # "registered again as generation" lines read by new_stalls
+        self._stalls_seen = 0  # ended stalls of log_file returned by new_stalls
         self.mountpoint.mkdir(parents=True, exist_ok=True)
 
     @property
@@ -179,8 +185,10 @@ class Node:
                         + "\n".join(tail), e.code) from None
         raise AssertionError("unreachable")
 
-    def new_stalls(self) -> list[float]:
-        """Lengths of the loop stalls the daemon logged since the last call."""
+    def new_stalls(self) -> list[Stall]:
+        """The loop stalls the daemon logged since the last call that have ended (a stall
+        whose end is not logged yet comes in a later call), each with its cause and the loop
+        thread's stack from the dump taken during it (`log_stalls`)."""
         if not self.log_file.exists():
             return []
         with open(self.log_file, "rb") as f:
@@ -189,10 +197,30 @@ class Node:
         self._log_seen += len(new)
         # (lease lapses are counted here too: the fence at work, cachemgr.tiering.members.Lease)
         self.lease_lapses += len(re.findall(rb"registered again as generation", new))
-        return [float(m) for m in re.findall(rb"ran again after a stall of ([0-9.]+)s", new)]
+        stalls = log_stalls(self.log_file)
+        fresh = stalls[self._stalls_seen:]
+        self._stalls_seen = len(stalls)
+        return fresh
 
     def tracebacks(self) -> list[str]:
         return log_tracebacks(self.log_file)
+
+
+def log_stalls(path: Path) -> list[Stall]:
+    """Every ended loop stall of a daemon log (ckptfs.stallwatch.parse_log)."""
+    try:
+        return parse_log(path.read_text(errors="replace"))[0]
+    except FileNotFoundError:
+        return []
+
+
+def unended_dumps(path: Path) -> list[str]:
+    """The loop thread's stack of each dump after the log's last stall end (a stall that had
+    not ended when the log was read, or never did: the daemon was killed during it)."""
+    try:
+        return parse_log(path.read_text(errors="replace"))[1]
+    except FileNotFoundError:
+        return []
 
 
 def log_tracebacks(path: Path) -> list[str]:
@@ -520,6 +548,9 @@ class Rig:
         os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
         os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
         os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+        # every daemon's stall watchdog at 1 s: a loop stall over 1 s is logged with its cause
+        # and every thread's stack, and `check_logs` judges it (ckptfs/stallwatch.py)
+        os.environ["CKPTFS_STALL_S"] = os.environ["CKPTFS_STALL_DUMP_S"] = str(MAX_STALL_S)
         base = Path(self.args.workdir) if self.args.workdir else None
         self.work = Path(tempfile.mkdtemp(prefix="ckptfs-faults-", dir=base))
         self.cleanups.append(lambda: shutil.rmtree(self.work, ignore_errors=True)

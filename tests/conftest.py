@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -30,6 +31,11 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
 sys.path.insert(0, str(REPO / "scripts"))
 from procwait import wait_for  # re-exported: tests import it from here
 
+# Every daemon's stall watchdog at 1 s (ckptfs/stallwatch.py): a trio loop that makes no turn
+# for 1 s is logged with its cause and every thread's stack, and the test that mounted it fails
+# (`Mount.stall_problems`), unless the stall was the machine's: no CPU or no memory for it.
+MAX_STALL_S = 1.0
+os.environ["CKPTFS_STALL_S"] = os.environ["CKPTFS_STALL_DUMP_S"] = str(MAX_STALL_S)
 IN_CI = os.environ.get("CI", "").lower() == "true"
 # CKPTFS_TEST_DATA_PATH=fuse: every Mount runs with --no-passthrough, so the daemon's own data
 # path keeps its tests (scripts/test.sh runs the operations, torch and crash tests so too).
@@ -215,6 +221,28 @@ class Mount:
         except FileNotFoundError:
             return ""
 
+    def stall_problems(self) -> list[str]:
+        """The daemon's loop stalls over MAX_STALL_S whose cause is not the machine's (no CPU,
+        no memory: ckptfs.stallwatch.MACHINE_CAUSES), each with its accounting and the loop
+        thread's dumped stack; the machine's are warnings (pytest's summary), not hidden."""
+        from ckptfs.stallwatch import MACHINE_CAUSES, parse_log
+
+        # (a dump whose stall has no logged end is not judged: the daemon exited or was
+        # killed during it, and with it the test's cleanup)
+        stalls, _ = parse_log(self.log_text())
+        out = []
+        for st in stalls:
+            if st["s"] <= MAX_STALL_S:
+                continue
+            stack = st["loop_stacks"][0] if st["loop_stacks"] else "(no dump)"
+            what = f"{self.log_file}: {st['line']}\n{stack}"
+            if st["cause"] in MACHINE_CAUSES:
+                warnings.warn(f"loop stall caused by the machine (not a failure): {what}",
+                              stacklevel=1)
+            else:
+                out.append(what)
+        return out
+
     def unexpected_errors(self) -> list[str]:
         """Log lines of handler failures answered with EIO (bugs, not refusals)."""
         return [ln for ln in self.log_text().splitlines()
@@ -240,6 +268,8 @@ def mount_factory(tmp_path):
     yield make
     for m in mounts:
         m.cleanup()
+    stalls = [p for m in mounts for p in m.stall_problems()]
+    assert not stalls, "a daemon's event loop stalled over 1 s:\n" + "\n".join(stalls)
 
 
 @pytest.fixture

@@ -317,15 +317,30 @@ def test_log_scan_and_exception_lines(tmp_path):
     assert fl.short_exc(e) == "RuntimeError: FileNotFoundError: [Errno 2] gone: 'x'"
 
 
-def test_loop_reads_each_logged_stall_once(tmp_path):
+def test_loop_reads_each_logged_stall_once_with_its_cause_and_the_loop_s_dumped_stack(tmp_path):
     import fault_loop as fl
 
     n = fl.Node("a", tmp_path, tmp_path / "cache", [])
     assert n.new_stalls() == []      # no log yet
-    n.log_file.write_text("x event loop stalled: no turn for 2.1s\n"
-                          "x event loop ran again after a stall of 3.5s\n")
-    assert n.new_stalls() == [3.5]
+    n.log_file.write_text(
+        "2026-01-01 10:00:00,000 42 INFO ckptfs.stallwatch: stall watchdog: loop thread "
+        "0x7f00000000aa, a stall is 1.0s without a turn, every thread's stack dumped after 1.0s\n"
+        "2026-01-01 10:00:01,000 42 WARNING x: event loop stalled: no turn for 1.1s\n"
+        "Timeout (0:00:01)!\n"
+        "Thread 0x00007f00000000bb (most recent call first):\n"
+        "  File \"/x/threading.py\", line 331 in wait\n\n"
+        "Thread 0x00007f00000000aa (most recent call first):\n"
+        "  File \"/x/ckptfs/y.py\", line 7 in checksum_on_the_loop\n\n"
+        "2026-01-01 10:00:03,000 42 WARNING x: event loop ran again after a stall of 3.5s "
+        "(cause busy: over the 3.9s since ...)\n")
+    st = n.new_stalls()
+    assert [(x["s"], x["cause"]) for x in st] == [(3.5, "busy")]
+    assert st[0]["loop_stacks"] == [("Thread 0x00007f00000000aa (most recent call first):\n"
+                                     "  File \"/x/ckptfs/y.py\", line 7 in checksum_on_the_loop")]
     with open(n.log_file, "a") as f:
-        f.write("x event loop ran again after a stall of 31.0s\n")
-    assert n.new_stalls() == [31.0]  # only what was logged since
+        f.write("x event loop ran again after a stall of 31.0s\n"
+                "Timeout (0:00:01)!\nThread 0x00007f00000000aa (most recent call first):\n"
+                "  File \"/x/z.py\", line 1 in killed_during_it\n")
+    assert [(x["s"], x["cause"]) for x in n.new_stalls()] == [(31.0, "?")]  # only the new
     assert n.new_stalls() == []
+    assert "killed_during_it" in fl.unended_dumps(n.log_file)[0]

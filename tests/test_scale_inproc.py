@@ -23,6 +23,7 @@ import itertools
 import os
 import random
 import statistics
+import time
 from pathlib import Path
 
 import trio
@@ -222,6 +223,70 @@ def test_a_big_directorys_part_record_is_spaced_by_its_cost(tmp_path):
     busy = sum(e - s for s, e, _ in puts)
     span = puts[-1][1] - puts[0][0]
     assert busy <= span / (parts_mod.SPACING + 1) + (puts[-1][1] - puts[-1][0]) + 1e-9
+    node.core.close()
+
+
+class HeldParts(LocalStore):
+    """A LocalStore whose first part record PUT says `entered` and waits for `release` (a store
+    that hangs, for as long as the test says); every record PUT is logged as (virtual start
+    time, the generation it carries)."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.entered = trio.Event()
+        self.release = trio.Event()
+        self.record_puts: list[tuple[float, int]] = []
+
+    async def put(self, key, data, **kw):
+        if key.startswith(parts_mod.PREFIX):
+            self.record_puts.append((trio.current_time(),
+                                     parts_mod.loads(data, key)["generation"]))
+            if len(self.record_puts) == 1:
+                self.entered.set()
+                await self.release.wait()
+        return await super().put(key, data, **kw)
+
+
+def test_a_record_written_across_a_new_lease_generation_is_written_again_at_once(tmp_path):
+    """Issue 36 (the fault loop, a black hole): a record write that hung 14 s ended just after
+    the node registered again (its lease ran out meanwhile); spaced by SPACING x 14 s, the
+    record under the new generation came 112 s later, and the committer on the other node,
+    which ignores the old generation's records, waited that long. Gated: the write is held in
+    the store while the lease lapses and the node registers again; 100 s pass (virtual) before
+    the store answers; the record under the new generation follows at once."""
+    clock = MockClock(autojump_threshold=0)
+    store = HeldParts(tmp_path / "store")
+    node = Node(tmp_path / "a", store, lease=0.3)
+    p = node.t.parts
+    lease = node.t.lease
+    node.mkdir("ck")
+    node.mkdir("ck/step")
+
+    async def main():
+        await node.t.members.register()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(p.run)
+            node.write(_shard(0), b"z")
+            await store.entered.wait()           # the record's write is in the store
+            old = store.record_puts[0][1]
+            await trio.sleep(100)                # and hangs there (virtual time)
+            # the lease (real time) runs out meanwhile; the node registers again
+            await trio.to_thread.run_sync(time.sleep, lease.left_s() + 0.01)
+            assert await lease.renew()
+            assert lease.generation != old
+            p.mark_all(now=True)                 # what the members' renewal does next
+            released = trio.current_time()
+            store.release.set()
+            # (virtual time runs on while the LocalStore's threads work and `until` polls: a
+            # few seconds; the spacing would be SPACING x 100 s)
+            await until(lambda: len(store.record_puts) >= 2, "the record's second write",
+                        timeout=50)
+            start, gen = store.record_puts[1]
+            assert gen != old
+            assert start - released < 50, (start - released, parts_mod.SPACING)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main, clock=clock)
     node.core.close()
 
 

@@ -110,3 +110,98 @@ trio.run(main)
     assert "most recent call first" not in before, text
     assert "most recent call first" in after, text
     assert "blocking_call_holding_the_loop" in after, text
+
+
+_CAUSE_PROG = """
+import logging, sys, threading, time, trio
+from ckptfs.stallwatch import StallWatch
+logging.basicConfig(filename={log!r}, level=logging.INFO,
+                    format="%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s")
+sw = StallWatch(threshold=0.2, period=0.02, dump_after=0.3)
+
+def stalled_for(s):
+    return sw.statistics().stalled_now_s >= s
+
+def spinning_on_the_loop():
+    # computes on the loop thread until it has had 0.6 s of CPU and the watchdog saw the stall
+    t0 = time.thread_time()
+    while time.thread_time() - t0 < 0.6 or not stalled_for(0.3):
+        pass
+
+def sleeping_on_the_loop():
+    # a blocking call on the loop thread, until the stall is 0.6 s long (the watchdog's clock)
+    while not stalled_for(0.6):
+        threading.Event().wait(0.01)
+
+async def main():
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sw.beat)
+        sw.start()
+        await trio.sleep(0.2)
+        {call}()
+        while sw.statistics().stalled_now_s:     # until the watchdog logged the stall's end
+            await trio.sleep(0.02)
+        nursery.cancel_scope.cancel()
+trio.run(main)
+sw.stop()
+"""
+
+
+def _run_stall(tmp_path, call: str):
+    import subprocess
+    import sys
+
+    from ckptfs.stallwatch import parse_log
+
+    log_file = tmp_path / f"{call}.log"
+    res = subprocess.run([sys.executable, "-c", _CAUSE_PROG.format(log=str(log_file), call=call)],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    text = log_file.read_text()
+    stalls, unended = parse_log(text)
+    assert len(stalls) == 1 and not unended, text
+    return stalls[0], text
+
+
+def test_a_stall_says_its_cause_and_its_dump_names_the_loop_thread_s_code(tmp_path):
+    """The end of a stall says what the loop thread did (the kernel's counters): computing on
+    the loop is `busy`, a blocking call on it `blocked`; the dump taken during it is parsed
+    back (parse_log) with the loop thread's own stack, the code it was in."""
+    busy, text = _run_stall(tmp_path, "spinning_on_the_loop")
+    assert busy["cause"] == "busy", text
+    assert busy["s"] >= 0.3
+    assert "spinning_on_the_loop" in busy["loop_stacks"][0], text
+    assert "ckptfs-stallwatch" not in busy["loop_stacks"][0]   # the loop thread's block only
+    blocked, text = _run_stall(tmp_path, "sleeping_on_the_loop")
+    assert blocked["cause"] == "blocked", text
+    assert "sleeping_on_the_loop" in blocked["loop_stacks"][0], text
+
+
+def test_cause_calls_starved_only_what_a_cpu_would_have_ended_within_the_threshold():
+    from ckptfs.stallwatch import cause
+
+    # 1.6 s window, 1.2 s of it runnable without a CPU: 0.4 s left, within 1 s
+    assert cause(1.6, on_cpu_s=0.05, waiting_s=1.2, threshold=1.0) == "starved"
+    # the same wait, but the loop also slept 1.1 s: the wait does not explain the stall
+    assert cause(2.7, on_cpu_s=0.05, waiting_s=1.2, threshold=1.0) == "blocked"
+    # 39 s: 10 s runnable, 29 s asleep while the machine's tasks stalled on memory 30 s
+    assert cause(39.0, on_cpu_s=0.4, waiting_s=10.0, threshold=1.0, memory_s=30.0) == "memory"
+    assert cause(39.0, on_cpu_s=0.4, waiting_s=10.0, threshold=1.0, memory_s=5.0) == "blocked"
+    # the fault loop's 3.4 s: asleep waiting for the GIL while the process had 26 major page
+    # faults (evicted pages read back) and the machine's tasks waited on I/O for most of it
+    assert cause(4.3, on_cpu_s=0.03, waiting_s=0.51, threshold=1.0, memory_s=1.68, io_s=3.2,
+                 majflt=26) == "memory"
+    # the same I/O wait with no fault of its own: a blocking call on the loop, not the machine
+    assert cause(4.3, on_cpu_s=0.03, waiting_s=0.51, threshold=1.0, memory_s=1.68, io_s=3.2,
+                 majflt=0) == "blocked"
+    # computing 1.5 s on a loaded machine is busy, whatever it waited besides
+    assert cause(3.0, on_cpu_s=1.5, waiting_s=1.4, threshold=1.0) == "busy"
+
+
+def test_the_thresholds_come_from_the_environment():
+    from ckptfs.stallwatch import DEFAULT_THRESHOLD_S, DUMP_AFTER_S, from_env
+
+    assert from_env({}) == (DEFAULT_THRESHOLD_S, DUMP_AFTER_S)
+    assert from_env({"CKPTFS_STALL_S": "1", "CKPTFS_STALL_DUMP_S": "1.5"}) == (1.0, 1.5)
+    assert from_env({"CKPTFS_STALL_S": "-1", "CKPTFS_STALL_DUMP_S": "x"}) == \
+        (DEFAULT_THRESHOLD_S, DUMP_AFTER_S)

@@ -567,7 +567,7 @@ class ChunkFetcher:
         data = await self.files.read(ino, c_off, c_len)
         if not unchanged():
             return False
-        if not verify_chunk(obj, i, data):
+        if not await trio.to_thread.run_sync(verify_chunk, obj, i, data):
             self.damaged_chunks += 1
             log.error("cache file of inode %d (%s) is damaged in chunk %d: fetching it again",
                       ino, obj.key, i)

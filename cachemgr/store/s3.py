@@ -104,8 +104,9 @@ class Deadlines:
     - `floor_rate` 4 MiB/s per connection: 16 connections at the floor move 64 MiB/s, a tenth of
       a 10 Gbit/s NIC and half of a 1 Gbit/s one; a connection slower than this is treated as
       not answering (a 64 MiB part: 26 s; a 4 MiB chunk: 11 s).
-    - documents read whole (no range: manifests, part records, member records) are sized at
-      their cap, validate.MAX_DOCUMENT_BYTES (64 MiB): 26 s.
+    - a read whole (no range: manifests, part records, member records) gets `base` for its
+      answer's headers, then its body's size from them at `floor_rate` (`S3Store._sized`: a
+      1 KiB part record 10 s, not the 26 s of the 64 MiB cap of a document, issue 36).
     - `control` 10 s: HEAD, DELETE, create and abort of a multipart upload (no body).
     - `list_page` 15 s: one page of ListObjectsV2 (1,000 keys, ~300 KB of XML); a listing
       gets this per page, so a long listing is never cut short for being long.
@@ -117,17 +118,15 @@ class Deadlines:
 
     base: float = 10.0
     floor_rate: float = 4 * MiB
-    document_bytes: int = 64 * MiB
     control: float = 10.0
     list_page: float = 15.0
     complete: float = 30.0
     complete_per_part: float = 0.05
     queue: float = 30.0
 
-    def data(self, nbytes: int | None) -> float:
-        """A request that moves `nbytes` (None: a document read whole)."""
-        n = self.document_bytes if nbytes is None else nbytes
-        return self.base + n / self.floor_rate
+    def data(self, nbytes: int) -> float:
+        """A request that moves `nbytes`."""
+        return self.base + nbytes / self.floor_rate
 
 
 class _Held:
@@ -296,10 +295,11 @@ class S3Store(ObjectStore):
         return self.prefix + check_key(key)
 
     async def _thread(self, deadline: float, what: str, key: str | None,
-                      fn: Callable[[], Any]) -> Any:
+                      fn: Callable[[], Any], scope: list[trio.CancelScope] | None = None) -> Any:
         """`fn()` in a worker thread, its answer awaited at most `deadline` seconds once a
         connection is free (at most `deadlines.queue`): else DeadlineExceeded at once, the
-        thread abandoned (module docstring: what bounds it)."""
+        thread abandoned (module docstring: what bounds it). `scope`: gets the deadline's
+        cancel scope, which the thread may move (`_sized`)."""
         borrower = object()
         with trio.move_on_after(self.deadlines.queue) as queued:
             await self._limiter.acquire_on_behalf_of(borrower)
@@ -308,7 +308,10 @@ class S3Store(ObjectStore):
                                    f"{self.deadlines.queue:.0f}s", key=key)
         held = _Held(self._limiter, borrower)
         try:
-            with trio.move_on_after(deadline):
+            with trio.move_on_after(deadline) as bound:
+                begun = bound.deadline - deadline
+                if scope is not None:
+                    scope.append(bound)
                 # trio takes any "CapacityLimiter-like object" (run_sync's docstring); its
                 # annotation names only CapacityLimiter
                 return await trio.to_thread.run_sync(
@@ -316,7 +319,20 @@ class S3Store(ObjectStore):
         finally:
             if not held.taken:  # cancelled before run_sync took it: no thread will release it
                 self._limiter.release_on_behalf_of(borrower)
+        deadline = bound.deadline - begun  # as `_sized` may have moved it
         raise DeadlineExceeded(f"{what} {key or ''}: no answer within {deadline:.0f}s", key=key)
+
+    def _sized(self, scope: list[trio.CancelScope], nbytes: int) -> None:
+        """From a request's thread, once the answer's headers give its size: its deadline,
+        `deadlines.base` from its start, becomes `deadlines.data(nbytes)` from its start (a
+        document read whole is given what its body needs, not what its 64 MiB cap would:
+        issue 36)."""
+        def move() -> None:
+            scope[0].deadline += self.deadlines.data(nbytes) - self.deadlines.base
+        try:
+            trio.from_thread.run_sync(move)
+        except trio.RunFinishedError:
+            pass  # abandoned, and the run is over: nobody waits for this answer
 
     async def _call(self, key: str | None, deadline: float, fn: Callable[..., Any],
                     **kw: Any) -> Any:
@@ -422,9 +438,15 @@ class S3Store(ObjectStore):
             end = "" if length is None else str(start + length - 1)
             kw["Range"] = f"bytes={start}-{end}"
 
+        # a read of unknown length (a document read whole): `base` for the answer's headers,
+        # then its deadline sized to the body they announce (`_sized`)
+        scope: list[trio.CancelScope] = []
+
         def fetch() -> bytes:
             try:
                 r = self.client.get_object(**kw)
+                if length is None:
+                    self._sized(scope, int(r.get("ContentLength") or 0))
                 body: bytes = r["Body"].read()
                 return body
             except botocore.exceptions.ClientError as e:
@@ -434,7 +456,9 @@ class S3Store(ObjectStore):
             except (botocore.exceptions.ConnectionError, botocore.exceptions.HTTPClientError,
                     botocore.exceptions.ReadTimeoutError, ConnectionError) as e:
                 raise TransientStoreError(f"get {key}: {e}", key=key) from None
-        data: bytes = await self._thread(self.deadlines.data(length), "get_object", key, fetch)
+        data: bytes = await self._thread(
+            self.deadlines.base if length is None else self.deadlines.data(length),
+            "get_object", key, fetch, scope)
         return data
 
     async def head(self, key: str) -> ObjectInfo:

@@ -98,6 +98,12 @@ MEMBERS = "members/"
 INTENTS = "intents/"
 ACKS = "acks/"
 LEASE_SKEW_S = 10.0  # seconds of clock difference (store vs node) a lease check allows for
+# `leave` at unmount: the part records and the member record's DELETE within LEAVE_S (a store
+# that answers takes tens of ms; one that does not is not waited for longer than a mount waits
+# for its registration); at least LEAVE_MIN_S even when an `umount --timeout` is spent: a
+# store that answers still gets the node's records written and its member record dropped
+LEAVE_S = 10.0
+LEAVE_MIN_S = 1.0
 
 
 def member_key(node: str) -> str:
@@ -324,6 +330,9 @@ class Members:
         self._acked_gen = 0               # the generation `_acked` was acknowledged under
         self._acking: set[str] = set()    # intent keys being acknowledged now
         self.mine: set[str] = set()       # ids of this node's intents in use now
+        # trio time by which `leave` must end (`leave_by`: `ckptfs umount --timeout`); None:
+        # LEAVE_S
+        self._leave_by: float | None = None
         # statistics
         self.acks_sent = 0
         self.acks_ignored = 0             # other nodes' acks from a generation not current
@@ -350,13 +359,23 @@ class Members:
     async def register(self) -> None:
         await self.lease.register()
 
+    def leave_by(self, seconds: float) -> None:
+        """`leave` ends within `seconds` from now (at least LEAVE_MIN_S): what is left of an
+        `umount --timeout` when the daemon is told to go (issue 36: the unmount during a hung
+        store ended LEAVE_S past its --timeout)."""
+        self._leave_by = trio.current_time() + max(LEAVE_MIN_S, seconds)
+
     async def leave(self) -> None:
         """At a clean unmount: once every part record is in the store, drop the member record
         (committers stop waiting for this node). If the records cannot be written, the member
-        record stays: committers then wait for this node to come back, or time out."""
+        record stays: committers then wait for this node to come back, or time out. Within
+        LEAVE_S (at most register_timeout), or by `leave_by`'s time if sooner."""
         if not self.registered:
             return
-        with trio.move_on_after(max(1.0, min(10.0, self.lease.register_timeout))) as scope:
+        bound = max(LEAVE_MIN_S, min(LEAVE_S, self.lease.register_timeout))
+        if self._leave_by is not None:
+            bound = min(bound, max(LEAVE_MIN_S, self._leave_by - trio.current_time()))
+        with trio.move_on_after(bound) as scope:
             try:
                 for d in sorted(self.parts.pending()):
                     await self.parts.sync_dir(d)
@@ -468,7 +487,7 @@ class Members:
         intent that names this node acknowledged again (under the new generation)."""
         if self._acked_gen != self.lease.generation:
             if self._acked_gen:
-                self.parts.mark_all()
+                self.parts.mark_all(now=True)
             self._acked = set()
             self._acked_gen = self.lease.generation
 

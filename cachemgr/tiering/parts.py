@@ -29,7 +29,12 @@ to 27 files/s by 2,048). So a directory's record is not written again in the bac
 before `SPACING` times as long as its last write took has passed since that write ended: the
 marks in between are merged into one write, record writing takes at most 1/(SPACING + 1) of
 the daemon's thread whatever D, and the cost per file closed stays flat. A `sync` (another
-node's commit, cachemgr.tiering.members) does not wait for the spacing.
+node's commit, cachemgr.tiering.members) does not wait for the spacing, nor do the records
+written again under a new lease generation (`mark_all(now=True)`; a write that spanned the new
+registration leaves no spacing behind): the spacing measures the write's wall time, a store
+that hung makes it long, and a committer ignores the old generation's records (issue 36: a
+record written in 14 s across a black hole was written again under the new generation 112 s
+later, and the other node's commit waited that long).
 
 Only directories in an open set (see cachemgr.core.sets.in_open_set) get records; single files that
 commit themselves never need one. The committer lists `parts/<set path>/` (and the path the set
@@ -144,6 +149,13 @@ def loads(data: bytes, key: str | None = None) -> dict[str, Any]:
     return validate.part_record(data, key)
 
 
+def _digest(path: str, files: list[dict[str, Any]], gen: int) -> str:
+    """What of a record a committer needs (`PartRecords.sync_dir`), hashed."""
+    return hashlib.sha1(json.dumps(
+        [path, [(f["name"], f["object"] and f["object"]["key"]) for f in files], gen],
+        sort_keys=True).encode()).hexdigest()
+
+
 class _Waiter:
     """Set once a pass over its directory finished; `ok` tells whether the record got to the
     store (a failed pass releases its waiters too, so nobody hangs on an outage)."""
@@ -209,9 +221,13 @@ class PartPublisher:
         self._dirty.setdefault(dir_ino, [])
         self._wake.set()
 
-    def mark_all(self) -> None:
+    def mark_all(self, *, now: bool = False) -> None:
         """Every directory with a record (a restart; a listing that moved paths: any may have
-        changed). O(records): not on the write path (`mark_moved` is)."""
+        changed). O(records): not on the write path (`mark_moved` is). `now`: no spacing (a
+        new lease generation: the records in the store are under the old one, which
+        committers ignore, so they are as good as absent)."""
+        if now:
+            self._not_before.clear()
         for ino in list(self.published):
             self.mark(ino)
 
@@ -303,14 +319,16 @@ class PartPublisher:
             # mtimes of files being written change with every write; the digest leaves them
             # out so a record is rewritten when what a committer needs changes (or the lease
             # generation: after a lapse every record is written again under the new one).
-            digest = hashlib.sha1(json.dumps(
-                [path, [(f["name"], f["object"] and f["object"]["key"]) for f in files], gen],
-                sort_keys=True).encode()).hexdigest()
+            # Computed, like the record's JSON, in a worker thread: `files` is this call's own
+            # list, which nothing else touches; a directory of 8,192 files is 1.3 MiB of JSON,
+            # 0.9 s on this loaded 2-core machine, a loop stall on the trio thread (issue 36)
+            digest = await trio.to_thread.run_sync(_digest, path, files, gen)
             if old is None or old["path"] != path or old["digest"] != digest:
                 await self.lease.ensure()
                 if self.lease.generation != gen:
                     return await self.sync_dir(dir_ino)  # registered again meanwhile
-                body = dumps(build(self.node, path, files, gen))
+                body = await trio.to_thread.run_sync(
+                    lambda: dumps(build(self.node, path, files, gen)))
                 await self.store.put(part_key(path, self.node), body)
                 self.puts += 1
                 if old is not None and old["path"] != path:
@@ -355,9 +373,18 @@ class PartPublisher:
             for dir_ino, waiters in dirty.items():
                 try:
                     started = trio.current_time()
+                    gen = self.lease.generation
                     await self.sync_dir(dir_ino)
                     ended = trio.current_time()
-                    if dir_ino in self.published:
+                    if self.lease.generation != gen:
+                        # written while the node registered again: under the old generation,
+                        # which committers ignore (and `mark_all(now=True)` missed it if it
+                        # was its first write); the new one is due now, not SPACING x a
+                        # write that waited on the store (a black hole: 14 s, then 112 s
+                        # without this, issue 36)
+                        self._not_before.pop(dir_ino, None)
+                        self._dirty.setdefault(dir_ino, [])
+                    elif dir_ino in self.published:
                         self._not_before[dir_ino] = ended + SPACING * (ended - started)
                     else:
                         self._not_before.pop(dir_ino, None)
@@ -418,7 +445,9 @@ async def read_records(store: ObjectStore, path: str, self_node: str,
                 except NotFound:  # deleted between the listing and the get
                     continue
                 try:
-                    rec = loads(data, info.key)
+                    # off the loop: a record of 8,192 files is 1.3 MiB of JSON, 0.5 s to
+                    # parse on this loaded 2-core machine (issue 36, item 3)
+                    rec = await trio.to_thread.run_sync(loads, data, info.key)
                 except PartError as e:
                     why = str(e)
             if why is not None:

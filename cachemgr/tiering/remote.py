@@ -251,7 +251,10 @@ class RemoteSync:
                 except NotFound:
                     return  # deleted between the listing and the GET: a set being deleted
             try:
-                got[key] = mf.loads(data, key)
+                # parsed and validated in a worker thread: a manifest of 10,000 files is MiBs
+                # of JSON, hundreds of ms on the loop (issue 36, item 3); `data` is this
+                # task's own
+                got[key] = await trio.to_thread.run_sync(mf.loads, data, key)
             except mf.ManifestError as e:
                 self._reject(key, info.etag, str(e))
 

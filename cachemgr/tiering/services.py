@@ -367,6 +367,11 @@ class Tiering:
     def commit_path(self, path: str) -> int:
         return self.commits.commit_path(path)
 
+    def leave_by(self, seconds: float) -> None:
+        """The unmount that follows leaves the store's members within `seconds`
+        (Members.leave_by: what an `umount --timeout` has left)."""
+        self.members.leave_by(seconds)
+
     # -- space and read-through: cachemgr.tiering.space, cachemgr.restore.fetch ----------------
 
     def make_room(self, need: int, protect: set[int] | frozenset[int] = frozenset()) -> bool:
