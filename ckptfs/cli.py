@@ -230,6 +230,13 @@ def _add_mount_store(m: argparse.ArgumentParser) -> None:
                    "manifest unconditionally and the last node to commit a path wins; safe "
                    "only with one node writing each path (default: refuse such a store, "
                    "exit 7; docs/STORES.md)")
+    o.add_argument("--s3-transfer", default="auto", type=str.lower,
+                   choices=("auto", "crt", "boto3"),
+                   help="which client moves the data of an s3:// store (docs/ARCHITECTURE.md "
+                   "\"Store data path\"): auto uploads through the AWS Common Runtime (awscrt) "
+                   "and restores through boto3 (measured cheaper here); crt both ways; boto3 "
+                   "every byte through boto3. Without awscrt every choice is boto3, said by "
+                   "`ckptfs status` (default auto)")
     o.add_argument("--compress", default="auto", type=str.lower,
                    choices=("auto", "lz4", "off"),
                    help="lz4 compression: auto samples each file and skips incompressible "
@@ -378,6 +385,7 @@ def cmd_mount(a: argparse.Namespace) -> int:
             lease=a.lease,
             allow_empty_namespace=a.allow_empty_namespace,
             store_ignores_conditions=a.store_ignores_conditions,
+            s3_transfer=a.s3_transfer,
             metrics=a.metrics,
             peers=a.peers, peer_listen=a.peer_listen, peer_address=a.peer_address,
             peer_seeds=a.peer_seeds,

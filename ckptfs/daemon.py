@@ -364,7 +364,10 @@ class _Daemon:
         try:
             inner = open_store(store_url, endpoint_url=cfg.s3_endpoint, region=cfg.s3_region,
                                path_style=cfg.s3_path_style, profile=cfg.s3_profile,
-                               allow_unconditional=cfg.store_ignores_conditions) \
+                               allow_unconditional=cfg.store_ignores_conditions,
+                               native=cfg.s3_transfer != "boto3",
+                               native_gets=cfg.s3_transfer == "crt",
+                               part_size=cfg.part_size) \
                 if store_url.startswith("s3://") else open_store(store_url)
             wrap = INJECTED.wrap_store
             inner = inner if wrap is None else wrap(inner)

@@ -801,7 +801,7 @@ def store_path_section() -> list[str]:
            "prefetch (`fetch_chunks` in runs of 64 MiB, 8 in flight: one ranged GET per run, "
            "every chunk checked, then written at its offset as the fill does) "
            "with the default data path (uploads native, the restore's GETs by boto3); "
-           "`ckptfs-crt-gets` the same with the restore's GETs native too (`CKPTFS_CRT_GETS=1`:"
+           "`ckptfs-crt-gets` the same with the restore's GETs native too (`--s3-transfer crt`:"
            " one ranged GET per run into a memory file, mapped); `ckptfs-boto3` the same "
            "code with the native path off (parts read into buffers, boto3 threads); `boto3` "
            "is boto3's own `upload_file` / `download_file` (64 MiB parts, 8 threads). Not "

@@ -10,7 +10,7 @@ session's S3 endpoint (moto, or RGW with CKPTFS_TEST_S3=rgw).
     it and are retried and counted;
   * a file written under its PUT makes the upload Superseded and leaves no object;
   * a black hole ends a PUT and a GET at their deadline (S3Request.cancel());
-  * with the native path off (S3Options(native=False), CKPTFS_CRT=0) boto3 moves the bytes;
+  * with the native path off (S3Options(native=False), `ckptfs mount --s3-transfer boto3`) boto3 moves the bytes;
     by default restores (GETs) stay on boto3 and uploads go native (`crt-up`).
 """
 
@@ -184,7 +184,7 @@ def test_a_file_written_under_its_put_is_superseded_and_leaves_nothing(s3_bucket
 
 
 SHORT = Deadlines(base=1.0, control=1.0, list_page=1.0, complete=1.0, queue=2.0,
-                  floor_rate=64 * MiB, document_bytes=1 << 20)
+                  floor_rate=64 * MiB)
 
 
 def test_a_black_hole_ends_a_native_put_and_get_at_their_deadline(s3_bucket, tmp_path):
@@ -238,15 +238,13 @@ def test_a_black_hole_ends_a_native_put_and_get_at_their_deadline(s3_bucket, tmp
     assert s3.data_statistics()["cancelled"] == 5
 
 
-def test_boto3_moves_the_bytes_when_the_native_path_is_off(s3_bucket, tmp_path, monkeypatch):
+def test_boto3_moves_the_bytes_when_the_native_path_is_off(s3_bucket, tmp_path):
     endpoint, bucket = s3_bucket
     off = _store(endpoint, bucket, native=False)
     assert off.data_path == "boto3" and not off.sends_files
-    assert off.data_statistics() == {"client": "boto3", "why": "turned off"}
-    monkeypatch.setenv("CKPTFS_CRT", "0")
-    by_env = _store(endpoint, bucket)
-    assert by_env.data_statistics() == {"client": "boto3", "why": "turned off (CKPTFS_CRT=0)"}
-    store = RetryingStore(by_env)
+    assert off.data_statistics() == {"client": "boto3",
+                                     "why": "turned off (--s3-transfer boto3)"}
+    store = RetryingStore(off)
     size = 3 * MiB
     src, data = _file(tmp_path, "src", size)
     up = Uploader(store, TransferConfig(compress="off"))
@@ -262,13 +260,13 @@ def test_boto3_moves_the_bytes_when_the_native_path_is_off(s3_bucket, tmp_path, 
     assert "get_file" not in store.stats.by_op and store.stats.by_op["get"] == 1
 
 
-def test_by_default_uploads_go_native_and_restores_stay_on_boto3(s3_bucket, tmp_path,
-                                                                 monkeypatch):
+def test_by_default_uploads_go_native_and_restores_stay_on_boto3(s3_bucket, tmp_path):
     """Native GETs were measured dearer in CPU than boto3's on this machine (docs/PERFORMANCE.md
-    "Store data path"): off unless asked (S3Options(native_gets=True), CKPTFS_CRT_GETS=1)."""
+    "Store data path"): off unless asked (S3Options(native_gets=True), `ckptfs mount
+    --s3-transfer crt`)."""
     endpoint, bucket = s3_bucket
-    monkeypatch.delenv("CKPTFS_CRT_GETS", raising=False)
-    s3 = _store(endpoint, bucket, native_gets=None)
+    s3 = _store(endpoint, bucket, native_gets=False)
+    assert S3Options() == S3Options(native=True, native_gets=False)
     assert s3.data_path == "crt-up" and s3.sends_files and not s3.gets_files
     assert s3.data_statistics()["restores_by"] == "boto3"
     store = RetryingStore(s3)
@@ -284,5 +282,4 @@ def test_by_default_uploads_go_native_and_restores_stay_on_boto3(s3_bucket, tmp_
 
     trio.run(go)
     assert store.stats.by_op["put_file"] == 1 and "get_file" not in store.stats.by_op
-    monkeypatch.setenv("CKPTFS_CRT_GETS", "1")
-    assert _store(endpoint, bucket, native_gets=None).data_path == "crt"
+    assert _store(endpoint, bucket, native_gets=True).data_path == "crt"

@@ -72,7 +72,7 @@ try:  # optional: without it S3Store moves every byte through boto3
     import awscrt.io
     import awscrt.s3
     HAVE_CRT = True
-except ImportError:  # pragma: no cover - the fallback is tested with CKPTFS_CRT=0
+except ImportError:  # pragma: no cover - the fallback is tested with --s3-transfer boto3
     HAVE_CRT = False
 
 log = logging.getLogger(__name__)
@@ -85,12 +85,6 @@ MiB = 1 << 20
 CANCEL_WAIT = 10.0
 
 META_CRC = "ckptfs-crc32c"
-
-
-def enabled_by_env() -> bool:
-    """`CKPTFS_CRT=0` turns the native data path off (the boto3 one is used); the default is on
-    where awscrt is installed."""
-    return HAVE_CRT and os.environ.get("CKPTFS_CRT", "1") != "0"
 
 
 @dataclass
@@ -114,8 +108,9 @@ class CrtOptions:
     path_style: bool
     credentials: Callable[[], tuple[str, str, str | None]]   # (key, secret, token), per request
     max_connections: int = 16
-    # 64 MiB: the buffered path's part and range size (cachemgr.transfer.upload "Defaults and
-    # why": per-request costs amortised over big requests); not measured apart for the CRT
+    # the mount's --part-size (S3Options.part_size), 64 MiB by default: the buffered path's part
+    # and range size (cachemgr.transfer.upload "Defaults and why": per-request costs amortised
+    # over big requests); not measured apart for the CRT
     part_size: int = 64 * MiB
     connect_timeout: float = 5.0
     # the CRT's buffer pool, per client (its default is 2 GiB or more): what a client holds is

@@ -153,6 +153,8 @@ class S3Options:
     path_style: bool = False
     profile: str | None = None
     max_connections: int = 16
+    # The CRT's part and range size: the mount's --part-size, as the buffered path's parts
+    part_size: int = 64 * MiB
     # botocore's bounds on each blocking socket call of a request's thread: a connect or a send
     # (connect_timeout), a receive (read_timeout). They bound how long an abandoned thread
     # lives (module docstring), not a request: that is `deadlines`.
@@ -165,11 +167,11 @@ class S3Options:
     allow_unconditional: bool = False
     # The data path (docs/ARCHITECTURE.md "Store data path"): whole uncompressed cache files
     # PUT and GET by the AWS Common Runtime (cachemgr.store.crt) where awscrt is installed;
-    # False: every byte through boto3. None: `CKPTFS_CRT` decides (default on).
-    native: bool | None = None
-    # GETs too (restores): None: `CKPTFS_CRT_GETS=1` turns them on; off by default, measured
-    # dearer in CPU than boto3's here (docs/ARCHITECTURE.md "Store data path")
-    native_gets: bool | None = None
+    # False: every byte through boto3 (`ckptfs mount --s3-transfer boto3`).
+    native: bool = True
+    # GETs too (restores, `--s3-transfer crt`); off by default, measured dearer in CPU than
+    # boto3's here (docs/ARCHITECTURE.md "Store data path")
+    native_gets: bool = False
 
 
 def parse_s3_url(url: str) -> tuple[str, str]:
@@ -208,16 +210,13 @@ class S3Store(ObjectStore):
         self._probe_lock = trio.Lock()
         self.crt: CrtData | None = None
         self.crt_off_reason = ""
-        want = crt.enabled_by_env() if opts.native is None else opts.native
         if not crt.HAVE_CRT:
             self.crt_off_reason = "awscrt is not installed"
-        elif not want:
-            self.crt_off_reason = "turned off" + (" (CKPTFS_CRT=0)" if opts.native is None else "")
+        elif not opts.native:
+            self.crt_off_reason = "turned off (--s3-transfer boto3)"
         else:
             self.crt = self._make_crt(session, opts)
-        self._native_gets = self.crt is not None and (
-            os.environ.get("CKPTFS_CRT_GETS") == "1" if opts.native_gets is None
-            else opts.native_gets)
+        self._native_gets = self.crt is not None and opts.native_gets
 
     def _make_crt(self, session: boto3.session.Session, opts: S3Options) -> CrtData | None:
         if session.get_credentials() is None:
@@ -240,7 +239,8 @@ class S3Store(ObjectStore):
         return CrtData(CrtOptions(
             bucket=self.bucket, prefix=self.prefix, endpoint_url=opts.endpoint_url,
             region=region, path_style=path_style, credentials=credentials,
-            max_connections=opts.max_connections, connect_timeout=opts.connect_timeout))
+            max_connections=opts.max_connections, connect_timeout=opts.connect_timeout,
+            part_size=opts.part_size))
 
     @property
     def data_path(self) -> str:
