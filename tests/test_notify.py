@@ -16,6 +16,7 @@ import shutil
 import signal
 import stat
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -249,10 +250,15 @@ def test_shipped_logrotate_config_parses_and_signals_every_registered_daemon(sho
 
     regdir = short_dir / "run"
     regdir.mkdir()
-    # SIGHUP at its default in the child whatever the test runner ignores (nohup)
-    target = subprocess.Popen(["sleep", "60"],
-                              preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))
+    # SIGHUP at its default in the target whatever the test runner ignores (nohup): it puts it
+    # back itself and says so before the script runs
+    target = subprocess.Popen(
+        [sys.executable, "-c", ("import signal, time; "
+                                "signal.signal(signal.SIGHUP, signal.SIG_DFL); "
+                                "print('ready', flush=True); time.sleep(60)")],
+        stdout=subprocess.PIPE, text=True)
     try:
+        assert target.stdout is not None and target.stdout.readline() == "ready\n"
         (regdir / "k.json").write_text(json.dumps({"pid": target.pid, "uid": 0}))
         res = subprocess.run(["sh", "-c", script.replace("/run/ckptfs", str(regdir))],
                              capture_output=True, text=True, timeout=30)

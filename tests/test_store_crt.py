@@ -10,7 +10,8 @@ session's S3 endpoint (moto, or RGW with CKPTFS_TEST_S3=rgw).
     it and are retried and counted;
   * a file written under its PUT makes the upload Superseded and leaves no object;
   * a black hole ends a PUT and a GET at their deadline (S3Request.cancel());
-  * with the native path off (S3Options(native=False), `ckptfs mount --s3-transfer boto3`) boto3 moves the bytes;
+  * with the native path off (S3Options(native=False), `ckptfs mount --s3-transfer boto3`)
+    boto3 moves the bytes;
     by default restores (GETs) stay on boto3 and uploads go native (`crt-up`).
 """
 

@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import builtins
 import logging
-import os
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
