@@ -184,6 +184,11 @@ class StallWatch:
         # the loop thread's scheduler counters and the process's CPU time at the last check
         # that saw no stall (watchdog thread only): the start of a stall's accounting
         self._sample: _Sample | None = None
+        # True while `beat` runs (written by the loop, read by the watchdog thread: a bool)
+        self._beating = False
+        # the stamp after which the dump was last armed (watchdog thread only): the dump is
+        # re-armed by the watchdog thread when it sees a newer stamp, never by the loop
+        self._armed_for: float | None = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -204,15 +209,33 @@ class StallWatch:
         log.info("stall watchdog: loop thread 0x%x, a stall is %.1fs without a turn, every "
                  "thread's stack dumped after %ss", self._loop_thread, self.threshold,
                  self.dump_after)
+        self._beating = True
         if task_status is not None:
             task_status.started()
         try:
             while True:
-                self._arm_dump()
                 await trio.sleep(self.period)
                 self._beat = self._clock()
         finally:
-            faulthandler.cancel_dump_traceback_later()
+            self._beating = False
+
+    def _rearm(self) -> None:
+        """The watchdog thread, every `period` s: while the loop stamps, re-arm the dump after
+        each new stamp, so it fires `dump_after` s (plus at most `period`) after the loop's last
+        turn. Here, not on the loop: re-arming cancels the previous timer, which waits for
+        faulthandler's C thread to end; on the loop that wait was itself a stall (1.3 s once,
+        the loop thread asleep in `dump_traceback_later`, a test run on a loaded machine). A
+        thread holding the GIL stops this thread too: then nothing re-arms, and the C thread
+        dumps with no GIL, as before."""
+        if not self._beating:
+            if self._armed_for is not None:
+                faulthandler.cancel_dump_traceback_later()
+                self._armed_for = None
+            return
+        beat = self._beat
+        if beat != self._armed_for:
+            self._arm_dump()
+            self._armed_for = beat
 
     def _arm_dump(self) -> None:
         """(Re-)arm faulthandler's dump of every thread's stack into the log file, due
@@ -241,6 +264,10 @@ class StallWatch:
     def _watch(self) -> None:
         while not self._stop.wait(self.period):
             self.check()
+            self._rearm()
+        if self._armed_for is not None:
+            faulthandler.cancel_dump_traceback_later()
+            self._armed_for = None
 
     def check(self) -> None:
         """One look at the stamp (the watchdog thread calls it every `period` s)."""

@@ -96,11 +96,13 @@ def blocking_call_holding_the_loop():
 async def main():
     async with trio.open_nursery() as nursery:
         await nursery.start(sw.beat)
+        sw.start()                          # the watchdog thread arms the dump, as the daemon's
         await trio.sleep(1.0)               # turning: no dump
         logging.getLogger().warning("turned")
         blocking_call_holding_the_loop()    # no turn for 1.5 s: a dump after 0.5 s
         nursery.cancel_scope.cancel()
 trio.run(main)
+sw.stop()
 """
     res = subprocess.run([sys.executable, "-c", prog], capture_output=True, text=True,
                          timeout=60)
@@ -205,3 +207,41 @@ def test_the_thresholds_come_from_the_environment():
     assert from_env({"CKPTFS_STALL_S": "1", "CKPTFS_STALL_DUMP_S": "1.5"}) == (1.0, 1.5)
     assert from_env({"CKPTFS_STALL_S": "-1", "CKPTFS_STALL_DUMP_S": "x"}) == \
         (DEFAULT_THRESHOLD_S, DUMP_AFTER_S)
+
+
+def test_the_loop_never_arms_the_dump_itself(monkeypatch):
+    """Re-arming faulthandler's timer waits for its C thread to end: the watchdog thread does
+    it, never the loop (a 1.3 s stall of a loop asleep in `dump_traceback_later` was seen)."""
+    import faulthandler
+    import logging
+    import threading
+
+    import trio
+
+    from ckptfs.stallwatch import StallWatch
+
+    armed_by: list[int] = []
+    monkeypatch.setattr(faulthandler, "dump_traceback_later",
+                        lambda *a, **k: armed_by.append(threading.get_ident()))
+    monkeypatch.setattr(faulthandler, "cancel_dump_traceback_later", lambda: None)
+    handler = logging.FileHandler("/dev/null")
+    logging.getLogger().addHandler(handler)
+    sw = StallWatch(threshold=5.0, period=0.01, dump_after=1.0)
+    loop_thread: list[int] = []
+
+    async def main():
+        loop_thread.append(threading.get_ident())
+        async with trio.open_nursery() as nursery:
+            await nursery.start(sw.beat)
+            sw.start()
+            while len(armed_by) < 3:
+                await trio.sleep(0.01)
+            nursery.cancel_scope.cancel()
+
+    try:
+        trio.run(main)
+    finally:
+        sw.stop()
+        logging.getLogger().removeHandler(handler)
+        handler.close()
+    assert len(armed_by) >= 3 and loop_thread[0] not in armed_by, (armed_by, loop_thread)

@@ -146,6 +146,11 @@ class CrtData:
             algorithm=awscrt.auth.AwsSigningAlgorithm.V4,
             signature_type=awscrt.auth.AwsSignatureType.HTTP_REQUEST_HEADERS,
             credentials_provider=creds, region=opts.region, service="s3",
+            # S3's SigV4: the path signed as sent, encoded once and not normalised (awscrt's
+            # defaults are the other AWS services': a key with '%' or a non-UTF-8 byte, sent as
+            # %25 / %FF, was refused by RGW with SignatureDoesNotMatch; `//` or `/./` in a key
+            # would be too)
+            use_double_uri_encode=False, should_normalize_uri_path=False,
             # Over TLS the body is not hashed for the signature (its CRC32C is sent and checked);
             # over plain HTTP it is, as boto3 does (a local test store only).
             signed_body_value=(awscrt.auth.AwsSignedBodyValue.UNSIGNED_PAYLOAD if self._tls
