@@ -15,8 +15,10 @@ the code the loop was in:
 A stall that lasts `dump_after` seconds (10 s) also dumps the stack of every thread into the log
 file, from `faulthandler`'s C thread, which needs no GIL: the watchdog thread above cannot log
 while another thread holds the GIL (a daemon frozen for 130-140 s in the fault loop, issue 36,
-logged only when it ended), and the dump names that thread too. `beat` re-arms the dump at
-every stamp, so it fires only when the loop has made no turn for `dump_after` seconds.
+logged only when it ended), and the dump names that thread too. The watchdog thread re-arms
+the dump after every new stamp (`_rearm`), so it fires only when the loop has made no turn for
+`dump_after` seconds; not the loop, whose re-arm waited for faulthandler's previous C thread to
+end (a 1.3 s stall of its own on a loaded machine).
 
 Both are set by the environment of the daemon (`CKPTFS_STALL_S`, the threshold, default 2 s;
 `CKPTFS_STALL_DUMP_S`, default 10 s): the test suite and the fault loop run their daemons at
