@@ -37,7 +37,13 @@ export AWS_ACCESS_KEY_ID="${AWS_ACCESS_KEY_ID:-testing}"
 export AWS_SECRET_ACCESS_KEY="${AWS_SECRET_ACCESS_KEY:-testing}"
 export AWS_DEFAULT_REGION="${AWS_DEFAULT_REGION:-us-east-1}"
 stores_dir="$(mktemp -d /tmp/ckptfs-test-stores.XXXXXX)"
+declare -A starting=()
 stop_stores() {
+    # A start still under way (the static checks failed before it ended) is waited for first:
+    # stopped before it is up, a store would come up after this script exits, and stay.
+    for pid in "${starting[@]+"${starting[@]}"}"; do
+        wait "$pid" 2>/dev/null || true
+    done
     for store in "${STORES[@]}"; do
         CKPTFS_VENV="$VENV" bash "$ROOT/scripts/$store.sh" stop "$stores_dir/$store" \
             >/dev/null 2>&1 || true
@@ -49,7 +55,6 @@ trap stop_stores EXIT
 # wait for their daemons); if one cannot start, the tests that need it start their own
 # (tests/conftest.py store_servers) and say why it failed. Each script takes the credentials
 # as <NAME>_ACCESS_KEY / <NAME>_SECRET_KEY.
-declare -A starting
 for store in "${STORES[@]}"; do
     NAME="${store^^}"
     env "${NAME}_ACCESS_KEY=$AWS_ACCESS_KEY_ID" "${NAME}_SECRET_KEY=$AWS_SECRET_ACCESS_KEY" \
