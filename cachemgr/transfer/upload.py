@@ -586,15 +586,9 @@ class Uploader:
             with trio.CancelScope(shield=True):
                 await self.store.discard_staged(staged)
             raise
-        prod.raw_off = size
-        prod.stored = size
-        prod.crc_stored = prod.crc_raw
-        self.stats.single_puts += 1
         self.stats.staged += 1
-        if progress is not None:
-            progress(size)
-        job = _Job(key, prod, trio.Semaphore(1), still_valid, progress)
-        return await self._finish(job, size, False, info, read_back=info)
+        return await self._finish_whole(prod, key, size, still_valid, progress, info,
+                                        read_back=info)
 
     async def _upload_native(self, fd: int, key: str, size: int,
                              still_valid: Callable[[], bool],
@@ -631,14 +625,22 @@ class Uploader:
                 except StoreError as e:
                     log.warning("superseded upload %s left in the store: %s", key, e)
             raise Superseded(key)
+        self.stats.native += 1
+        return await self._finish_whole(prod, key, size, still_valid, progress, info)
+
+    async def _finish_whole(self, prod: _Producer, key: str, size: int,
+                            still_valid: Callable[[], bool],
+                            progress: Callable[[int], None] | None, info: ObjectInfo,
+                            read_back: ObjectInfo | None = None) -> StoredObject:
+        """The end of an upload the store took whole (staged or native): all `size` raw
+        bytes stored as they are, one PUT, then `_finish`."""
         prod.raw_off = prod.stored = size
         prod.crc_stored = prod.crc_raw
         self.stats.single_puts += 1
-        self.stats.native += 1
         if progress is not None:
             progress(size)
         job = _Job(key, prod, trio.Semaphore(1), still_valid, progress)
-        return await self._finish(job, size, False, info)
+        return await self._finish(job, size, False, info, read_back=read_back)
 
     async def _next_chunk(self, job: _Job) -> tuple[_Chunk, object]:
         """Once the trainer pauses (or waited long enough) and a part token is free, read the
