@@ -75,7 +75,7 @@ import stat
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import trio
 
@@ -113,7 +113,10 @@ PartError = validate.PartError
 SPACING = 8.0
 
 
-async def off_loop(fn, *args):
+_T = TypeVar("_T")
+
+
+async def off_loop(fn: Callable[..., _T], *args: object) -> _T:
     """Run `fn(*args)` in a worker thread (the record's digest and JSON: 0.9 s for 8,192
     files on a loaded 2-core machine, a loop stall on the trio thread). Module-level so a test
     on a trio MockClock can run it inline: time a worker thread takes is real, and an
