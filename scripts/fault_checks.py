@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
@@ -271,10 +272,11 @@ class Checks:
                         f"{s['step']}'s: {bad}")]
         return []
 
-    def read_under_fault(self, rec: Json) -> list[str]:
-        """With the store fault still on, node b reads the newest published torch.save
-        checkpoint it has not read yet (fetched from the store through the proxy): the bytes
-        must be exactly the trainer's, or the read must fail (EIO) - never wrong bytes."""
+    def read_under_fault(self, rec: Json, within: float = 90.0) -> list[str]:
+        """With the store fault (or a peer's) still on, node b reads the newest published
+        torch.save checkpoint it has not read yet (fetched from the store through the proxy,
+        or from a peer): the bytes must be exactly the trainer's, or the read must fail (EIO)
+        - never wrong bytes - and it returns within `within` seconds."""
         pts = sorted((s["step"], p) for p, s in self.ref.sets.items()
                      if p.endswith(".pt") and s["committed"] is not None and not s["del_begun"]
                      and p not in self.read_by_b)
@@ -289,17 +291,56 @@ class Checks:
         except Violation:
             rec["read_under_fault"] = f"{path}: not listed on b within 60s (not judged)"
             return []
-        got = read_file_bounded(p, 90)
+        t0 = time.monotonic()
+        got = read_file_bounded(p, within)
+        rec["read_under_fault_s"] = round(time.monotonic() - t0, 2)
         if isinstance(got, str):
             rec["read_under_fault"] = f"{path}: {got}"
             if "timed out" in got:
                 return [(f"read_under_fault: reading {path} through node b did not return "
-                         f"within 90s under {rec['fault']}")]
+                         f"within {within:.0f}s under {rec['fault']} {rec.get('detail', '')}")]
             return []   # an error is allowed; wrong bytes are not
         rec["read_under_fault"] = f"{path}: ok"
         if sha256(got) != self.ref.sets[path]["sha"]:
             return [(f"read_under_fault: node b read {path} under {rec['fault']} and got "
                      f"{len(got)} bytes that differ from what the trainer saved")]
+        return []
+
+    def read_on_fresh_node(self, i: int, rec: Json, within: float) -> list[str]:
+        """With a peer's fault still on (the store healthy): a fresh node (empty cache,
+        --peers) reads every file of every published set, each within `within` seconds and
+        bit-exactly: chunks from the peers first, the hung one given up on at its deadline
+        and cut off, the rest from the store. An error is a violation here (the store
+        answers: it is the fallback), unless the set changed in the store meanwhile."""
+        from ckpt_restore import restore
+
+        ms = self.view.manifests()
+        node = Node(f"peerread{i}", self.rig.work, self.rig.work / f"peerread{i}-cache",
+                    self.rig.store_args)
+        self.rig.other_logs.append(node.log_file)
+        files, slowest, t0 = 0, 0.0, time.monotonic()
+        try:
+            node.start()
+            for path, m in ms.items():
+                for f, data in restore(self.view.v, m).items():
+                    p = node.path / path / f if f else node.path / path
+                    t = time.monotonic()
+                    got = read_file_bounded(p, within)
+                    slowest = max(slowest, time.monotonic() - t)
+                    files += 1
+                    if got == data:
+                        continue
+                    now = self.view.manifests().get(path)
+                    if now is None or now["commit"] != m["commit"]:
+                        continue   # deleted or replaced meanwhile: not judged
+                    why = got if isinstance(got, str) else f"{len(got)} bytes that differ"
+                    return [f"peer_read: a fresh node read {path}/{f} while "
+                            f"{rec.get('detail', 'a peer hung')}: {why}"]
+        finally:
+            node.cleanup()
+            shutil.rmtree(node.cache_dir, ignore_errors=True)
+        rec["peer_read"] = {"files": files, "s": round(time.monotonic() - t0, 2),
+                            "slowest_s": round(slowest, 2)}
         return []
 
     def fresh_mount_check(self, i: int) -> float:

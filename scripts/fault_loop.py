@@ -6,6 +6,7 @@ fault each, every check after each iteration; the seed is printed and replayable
     python scripts/fault_loop.py --iterations 1000 --seed 1 --report long.json   # the long run
     python scripts/fault_loop.py --seed 7 --iterations 4 --faults store --workloads torch,dcp1
     python scripts/fault_loop.py --store rgw --iterations 100 --seed 20   # on a real S3 server
+    python scripts/fault_loop.py --peers --iterations 100 --seed 30   # peers, black holes between
 
 Two "nodes" (ckptfs mounts A and B, their own cache dirs; A's on a small tmpfs) share one S3
 bucket on a moto_server (or, with `--store rgw`, a one-node Ceph RGW: scripts/rgw.sh; with
@@ -17,6 +18,13 @@ trainer or of a daemon at an aimed moment, a store fault at the proxy, a full ca
 After the fault is cleared (and a killed daemon remounted), the checks of docs/RELIABILITY.md
 run; the first violated check stops the run (exit 1) with a one-line reason and the command
 that replays it. Needs root (FUSE, tmpfs).
+
+With `--peers` both nodes run `--peers` (default `--replicas 1`), each node's peer server behind
+a fault proxy of its own (the address in its member record is the proxy's), and the faults
+include `peer_blackhole`: one node's peer server takes every connection and answers nothing
+(blackhole), or applies what it is asked and its answers never come back (oneway), for 12-20 s
+while the workload runs and node b reads; a save must not wait for it, a read must go to the
+store or another peer, and every check holds.
 """
 
 from __future__ import annotations
@@ -51,12 +59,15 @@ __all__ = ["FAULTS", "FAULT_GROUPS", "WORKLOADS", "Loop", "Node", "diff_trees", 
            "log_tracebacks", "main", "parse_list", "short_exc", "snapshot_tree", "unended_dumps"]
 
 WORKLOADS = ("torch", "dcp1", "dcp2", "rotate")
+# a read on node b while a peer hangs returns within this (the bound a hung peer is given before
+# reads go to the store or another peer, docs/SEMANTICS.md "Peers", plus the read itself)
+PEER_READ_S = 60.0
 FAULTS = (
     "kill_trainer_writing", "kill_trainer_committed", "kill_trainer_deleting",
     "kill_daemon_writing", "kill_daemon_committed", "kill_daemon_uploading",
     "kill_daemon_publishing", "kill_daemon_deleting",
     "store_error", "store_reset", "store_truncate", "store_hangup", "store_slow",
-    "store_outage", "store_blackhole", "disk_full",
+    "store_outage", "store_blackhole", "disk_full", "peer_blackhole",
 )
 FAULT_GROUPS = {
     "kill": [f for f in FAULTS if f.startswith("kill_")],
@@ -64,6 +75,7 @@ FAULT_GROUPS = {
     "kill_daemon": [f for f in FAULTS if f.startswith("kill_daemon")],
     "store": [f for f in FAULTS if f.startswith("store_")],
     "disk": ["disk_full"],
+    "peer": ["peer_blackhole"],
     "all": list(FAULTS),
 }
 
@@ -156,6 +168,16 @@ class Aim:
             px.set_rules([Rule(mode)])
             self.until = time.monotonic() + secs
             self.detail = f"{mode} {secs:.1f}s"
+        elif fault == "peer_blackhole":
+            # one node's peer server (behind its proxy) answers nothing, or its answers are
+            # dropped, for longer than a peer request's deadline: the other node's chunk
+            # fetches, listings and replica pushes to it must give up on it and go on
+            which = rng.choice(["a", "b"])
+            mode = rng.choice(["blackhole", "oneway"])
+            secs = rng.uniform(12, 20)
+            self.rig.peer_proxies[which].set_rules([Rule(mode)])
+            self.until = time.monotonic() + secs
+            self.detail = f"{mode} at node {which}'s peer server {secs:.1f}s"
         elif fault == "disk_full":
             self.fill_disk(ballast)
         if moment in ("uploading", "publishing") or fault == "kill_daemon_deleting":
@@ -329,8 +351,8 @@ class Loop:
         rec: Json = {"i": i, "fault": fault, "workload": workload}
         self.cur_rec = rec
         log(f"[{i}] fault={fault} workload={workload}")
-        px = self.rig.proxy
-        stats0 = px.snapshot()["stats"]
+        proxies = self.rig.proxies()
+        stats0 = {name: px.snapshot()["stats"] for name, px in proxies.items()}
         t0 = time.monotonic()
         if not self.rig.trainer.running():
             self.rig.trainer.start()
@@ -348,15 +370,22 @@ class Loop:
             save_times, errs = self.run_workload(i, cmds, aim)
             pre += self.while_fault_on(aim, rec)
         finally:
-            px.clear()
+            for px in proxies.values():
+                px.clear()
             if ballast.exists():
                 ballast.unlink()
-        rec["proxy"] = {k: v - stats0.get(k, 0) for k, v in px.snapshot()["stats"].items()
-                        if v - stats0.get(k, 0)}   # requests seen and faults injected
         injected = self.report.setdefault("injected", {})   # the run's faults, by proxy mode
-        for k, v in rec["proxy"].items():
-            if k != "requests":
-                injected[k] = injected.get(k, 0) + v
+        for name, px in proxies.items():
+            seen = {k: v - stats0[name].get(k, 0) for k, v in px.snapshot()["stats"].items()
+                    if v - stats0[name].get(k, 0)}   # requests seen and faults injected
+            if name == "store":
+                rec["proxy"] = seen
+            elif seen:
+                rec.setdefault("peer_proxy", {})[name] = seen
+            for k, v in seen.items():
+                if k != "requests":   # the store's by mode; a peer's as peer_<mode>
+                    mode = k if name == "store" else f"peer_{k}"
+                    injected[mode] = injected.get(mode, 0) + v
         self.drain_events(i)
         if errs:
             rec["trainer_errors"] = errs[:5]
@@ -364,7 +393,8 @@ class Loop:
         rec["fault_s"] = round(time.monotonic() - t0, 2)
         rec["save_s"] = save_times
         # a save must return at local speed whatever the store does
-        if fault.startswith("store_") and save_times and max(save_times) > self.args.max_save_s:
+        if fault.startswith(("store_", "peer_")) and save_times and \
+                max(save_times) > self.args.max_save_s:
             pre.insert(0, f"save_latency: a checkpoint save ({workload}) took "
                           f"{max(save_times):.1f}s under {fault} {detail} (limit "
                           f"{self.args.max_save_s}s): a save waits for the store")
@@ -408,12 +438,18 @@ class Loop:
         if fault.startswith("store_") and fault not in ("store_outage", "store_blackhole"):
             pre += self.checks.read_under_fault(rec)
             time.sleep(self.args.fault_hold)   # the fault stays on a while for uploads
-        if fault in ("store_outage", "store_blackhole"):
+        if fault == "peer_blackhole":
+            # node b reads a set it has not read while a peer hangs: from the store or its
+            # own replica, within the bound a hung peer is given (docs/SEMANTICS.md)
+            pre += self.checks.read_under_fault(rec, within=PEER_READ_S)
+            # and a fresh node, which asks the peers first, reads every published set
+            pre += self.checks.read_on_fresh_node(rec["i"], rec, within=PEER_READ_S)
+        if fault in ("store_outage", "store_blackhole", "peer_blackhole"):
             until = self.rig.proxy._outage_until if fault == "store_outage" else aim.until
             left = until - time.monotonic()
             if left > 0:
                 time.sleep(left)               # the outage lasts its deliberate time
-            rec["hung_at_end"] = self.rig.proxy.hung()
+            rec["hung_at_end"] = sum(px.hung() for px in self.rig.proxies().values())
         return pre
 
     def restart_after(self, fault: str, errs: list[str], rec: Json) -> list[str]:
@@ -479,6 +515,10 @@ class Loop:
             cmd += ["--workloads", self.args.workloads_arg]
         if self.args.faults_arg:
             cmd += ["--faults", self.args.faults_arg]
+        if self.args.store != "moto":
+            cmd += ["--store", self.args.store]
+        if self.args.peers:
+            cmd.append("--peers")
         return " ".join(cmd)
 
     def write_report(self) -> None:
@@ -559,7 +599,8 @@ class Loop:
 
     def recover(self) -> None:
         """--keep-going: after a violation, leave a clean state for the next iteration."""
-        self.rig.proxy.clear()
+        for px in self.rig.proxies().values():
+            px.clear()
         self.rig.trainer.kill([self.rig.a, self.rig.b])
         self.rig.trainer.stop()
         for n in (self.rig.a, self.rig.b):
@@ -623,6 +664,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fault-hold", type=float, default=3.0,
                    help="seconds a store fault stays on after the saves returned")
     p.add_argument("--durable-timeout", type=float, default=90.0)
+    p.add_argument("--peers", action="store_true",
+                   help="both nodes run --peers, each peer server behind a fault proxy; the "
+                   "faults include peer_blackhole")
     p.add_argument("--lease", type=float, default=10.0,
                    help="the nodes' --lease: short, so that store outages (5-10 s) run some "
                    "past it and the fence (a new generation) is exercised")
@@ -630,6 +674,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         a.workloads = parse_list(a.workloads_arg or ",".join(WORKLOADS), WORKLOADS)
         a.faults = parse_list(a.faults_arg or "all", FAULTS, FAULT_GROUPS)
+        if not a.peers:
+            named = [x.strip() for x in (a.faults_arg or "").split(",")]
+            if any(x == "peer" or x.startswith("peer_") for x in named):
+                raise argparse.ArgumentTypeError("peer faults need --peers")
+            a.faults = [f for f in a.faults if not f.startswith("peer_")]
     except argparse.ArgumentTypeError as e:
         p.error(str(e))
     if a.seed is None:

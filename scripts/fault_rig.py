@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -467,6 +468,9 @@ class Rig:
     b: Node
     trainer: Trainer
     poller: LatestPoller
+    # --peers: each node's peer server behind its own fault proxy, by node name (the address
+    # the other nodes reach it at is the proxy's: see _peer_args)
+    peer_proxies: dict[str, FaultProxy]
 
     def __init__(self, args: argparse.Namespace, seed: int, ref: Ref) -> None:
         self.args, self.seed, self.ref = args, seed, ref
@@ -474,7 +478,6 @@ class Rig:
         self.other_logs: list[Path] = []   # logs of fresh nodes, judged once by check_logs
 
     def _start_moto(self) -> str:
-        import socket
         import urllib.request
 
         with socket.socket() as s:
@@ -560,9 +563,20 @@ class Rig:
         store = ["--store", f"s3://{BUCKET}/{PREFIX}", "--s3-endpoint", self.proxy.url,
                  "--s3-path-style", "--refresh-interval", "1", "--part-size", "5M",
                  "--lease", str(self.args.lease)]
+        self.peer_proxies = {}
+        a_args, b_args = store, store
+        if self.args.peers:
+            secret = self.work / "peer-secret"
+            secret.write_bytes(os.urandom(32).hex().encode())
+            secret.chmod(0o600)
+            peers = store + ["--peers", "--peer-secret-file", str(secret)]
+            a_args = peers + self._peer_args("a", "127.0.0.2")
+            b_args = peers + self._peer_args("b", "127.0.0.3")
+            # a fresh node of the checks serves on a port of the kernel's choice, unproxied
+            store = peers + ["--peer-listen", "127.0.0.1:0", "--peer-address", "127.0.0.1"]
         self.store_args = store
-        self.a = Node("a", self.work, self.tmpfs / "cache", store)
-        self.b = Node("b", self.work, self.work / "b-cache", store)
+        self.a = Node("a", self.work, self.tmpfs / "cache", a_args)
+        self.b = Node("b", self.work, self.work / "b-cache", b_args)
         self.cleanups.append(self.b.cleanup)
         self.cleanups.append(self.a.cleanup)
         self.a.start()
@@ -572,6 +586,28 @@ class Rig:
         self.poller = LatestPoller(self.view, self.ref)
         self.poller.start()
         self.cleanups.append(self.poller.halt)
+
+    def _peer_args(self, name: str, address: str) -> list[str]:
+        """Node `name`'s peer server listens on 127.0.0.1:<port> and advertises `address` (its
+        member record's host; the port is the same): a fault proxy on address:port forwards to
+        it, so every request another node makes to this node's peer server passes the proxy
+        (a black hole, a one-way partition between peers). Loopback answers on all of
+        127/8, so the proxy and the server share the port on two addresses; the port is
+        fixed, so a remounted node is reached at the same place."""
+        from tests.faultproxy import FaultProxy
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        px = FaultProxy(f"http://127.0.0.1:{port}", host=address, port=port,
+                        seed=self.seed).start()
+        self.cleanups.append(px.stop)
+        self.peer_proxies[name] = px
+        return ["--peer-listen", f"127.0.0.1:{port}", "--peer-address", address]
+
+    def proxies(self) -> dict[str, FaultProxy]:
+        """Every fault proxy by what it stands in front of: "store", "peer_a", "peer_b"."""
+        return {"store": self.proxy, **{f"peer_{n}": px for n, px in self.peer_proxies.items()}}
 
     def teardown(self) -> None:
         for fn in reversed(self.cleanups):

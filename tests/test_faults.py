@@ -195,14 +195,15 @@ def test_control_endpoint(proxied):
 # the loop: a short pass with fixed seeds
 
 
-def run_loop(tmp_path, seed: int, iterations: int, faults: str, timeout: float = 600):
+def run_loop(tmp_path, seed: int, iterations: int, faults: str, timeout: float = 600,
+             extra: tuple[str, ...] = ()):
     require_fuse()
     if os.geteuid() != 0:
         pytest.skip("the fault loop needs root (FUSE, tmpfs)")
     report = tmp_path / "report.json"
     cmd = [sys.executable, "scripts/fault_loop.py", "--seed", str(seed), "--iterations",
            str(iterations), "--faults", faults, "--report", str(report),
-           "--workdir", str(tmp_path), "--keep-workdir"]  # logs stay for a post-mortem
+           "--workdir", str(tmp_path), "--keep-workdir", *extra]  # logs stay for a post-mortem
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
     try:
@@ -240,6 +241,21 @@ def test_fault_loop_store_and_disk(tmp_path):
         "store_outage", "store_blackhole", "disk_full"}
     # the report counts the black hole's held requests with the other modes
     assert rep["injected"].get("blackhole", 0) + rep["injected"].get("oneway", 0) >= 1
+
+
+@pytest.mark.slow  # tens of seconds: not in scripts/test.sh --quick
+def test_fault_loop_peers(tmp_path):
+    """Both nodes with --peers, each peer server behind a fault proxy: a peer that hangs
+    (blackhole, oneway) while node b and a fresh node read, a daemon killed after a commit
+    (its buddy holds the replica), the store a black hole with peers to fall back on."""
+    rep = run_loop(tmp_path, seed=3003, iterations=3,
+                   faults="peer,kill_daemon_committed,store_blackhole", extra=("--peers",))
+    its = {r["fault"]: r for r in rep["iterations"]}
+    assert set(its) == {"peer_blackhole", "kill_daemon_committed", "store_blackhole"}
+    # the peer fault hung requests at a peer's proxy, and a fresh node read through it all
+    hung = its["peer_blackhole"]
+    assert rep["injected"].get("peer_blackhole", 0) + rep["injected"].get("peer_oneway", 0) >= 1
+    assert hung["peer_read"]["files"] >= 1, hung
 
 
 # ----------------------------------------------------------------------------------------------
