@@ -334,8 +334,8 @@ class Checks:
                     if now is None or now["commit"] != m["commit"]:
                         continue   # deleted or replaced meanwhile: not judged
                     why = got if isinstance(got, str) else f"{len(got)} bytes that differ"
-                    return [f"peer_read: a fresh node read {path}/{f} while "
-                            f"{rec.get('detail', 'a peer hung')}: {why}"]
+                    return [(f"peer_read: a fresh node read {path}/{f} while "
+                             f"{rec.get('detail', 'a peer hung')}: {why}")]
         finally:
             node.cleanup()
             shutil.rmtree(node.cache_dir, ignore_errors=True)
