@@ -233,10 +233,12 @@ def _add_mount_store(m: argparse.ArgumentParser) -> None:
     o.add_argument("--s3-transfer", default="auto", type=str.lower,
                    choices=("auto", "crt", "boto3"),
                    help="which client moves the data of an s3:// store (docs/ARCHITECTURE.md "
-                   "\"Store data path\"): auto uploads through the AWS Common Runtime (awscrt) "
-                   "and restores through boto3 (measured cheaper here); crt both ways; boto3 "
-                   "every byte through boto3. Without awscrt every choice is boto3, said by "
-                   "`ckptfs status` (default auto)")
+                   "\"Store data path\"): auto uploads by plain HTTP with the body sent by "
+                   "sendfile over an http:// endpoint, through the AWS Common Runtime (awscrt) "
+                   "over https://, and restores through boto3 (each measured cheapest here); "
+                   "crt through the CRT both ways; boto3 every byte through boto3. Without "
+                   "awscrt, crt is boto3 and auto over https:// too, said by `ckptfs status` "
+                   "(default auto)")
     o.add_argument("--compress", default="auto", type=str.lower,
                    choices=("auto", "lz4", "off"),
                    help="lz4 compression: auto samples each file and skips incompressible "

@@ -303,7 +303,8 @@ class MountConfig:
     s3_region: str | None = None
     s3_path_style: bool = False
     s3_profile: str | None = None
-    # --s3-transfer: auto (CRT up, boto3 down), crt (both), boto3 (neither): S3Options.native/_gets
+    # --s3-transfer: auto (sendfile up over http://, else CRT up; boto3 down), crt (both),
+    # boto3 (neither): S3Options.native/native_gets/plain_http
     s3_transfer: str = "auto"
     compress: str = "auto"
     # 64 MiB parts: measured ~120 MB/s to moto with 8 parts in flight, vs ~24 MB/s with 16 MiB

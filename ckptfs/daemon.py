@@ -367,6 +367,7 @@ class _Daemon:
                                allow_unconditional=cfg.store_ignores_conditions,
                                native=cfg.s3_transfer != "boto3",
                                native_gets=cfg.s3_transfer == "crt",
+                               plain_http=cfg.s3_transfer == "auto",
                                part_size=cfg.part_size) \
                 if store_url.startswith("s3://") else open_store(store_url)
             wrap = INJECTED.wrap_store

@@ -9,15 +9,18 @@ S3 client alone (the ceiling), on Ceph RGW and moto in one run.
 
 Methods, each in its own process (so its CPU time is its own, read from /proc/<pid>/stat):
 
-  ckptfs-crt    cachemgr.transfer.upload.Uploader.upload_file, and download.fetch_chunks in runs
+  ckptfs        cachemgr.transfer.upload.Uploader.upload_file, and download.fetch_chunks in runs
                 of 64 MiB, 8 in flight, each run written at its offset by a worker thread,
                 through RetryingStore(S3Store) with the native data path (cachemgr.store.crt):
                 the code the daemon runs for a file's upload (commit -> durable) and for a cold
                 restore's prefetch (chunkfetch), CRC32C per chunk computed before the PUT and
                 checked before a chunk is written, HEAD after each PUT, `auto` compression
-                sampling; no FUSE, no index
-                (the default: uploads native, restores' GETs by boto3)
-  ckptfs-crt-gets  the same with the restore's GETs native too (S3Options(native_gets=True):
+                sampling; no FUSE, no index; the default data path (`--s3-transfer auto`): over
+                http:// uploads by plain HTTP, the body by sendfile (cachemgr.store.plainhttp),
+                restores' GETs by boto3
+  ckptfs-crt    the same with uploads by the CRT (cachemgr.store.crt: S3Options(plain_http=
+                False), the default over https://)
+  ckptfs-crt-gets  the same with the restore's GETs by the CRT too (`--s3-transfer crt`:
                 one ranged GET per run into a memfd, mapped)
   ckptfs-boto3  the same with S3Options(native=False): the buffered boto3 path
   boto3         boto3's S3Transfer upload_file / download_file (64 MiB parts, 8 threads)
@@ -54,7 +57,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 MiB = 1 << 20
 GiB = 1 << 30
-METHODS = ("crt", "ckptfs-crt", "ckptfs-crt-gets", "ckptfs-boto3", "boto3")
+METHODS = ("crt", "ckptfs", "ckptfs-crt", "ckptfs-crt-gets", "ckptfs-boto3", "boto3")
 CLK = os.sysconf("SC_CLK_TCK")
 
 
@@ -96,7 +99,7 @@ def worker(a: argparse.Namespace) -> None:
     keys = [f"{a.tag}/{a.method}/f{i}" for i in range(a.files)]
     size = os.path.getsize(files[0])
     out: dict[str, float] = {}
-    if a.method.startswith("ckptfs-"):
+    if a.method.startswith("ckptfs"):
         import trio
 
         from cachemgr.store import RetryingStore
@@ -106,8 +109,10 @@ def worker(a: argparse.Namespace) -> None:
 
         s3 = S3Store(f"s3://{a.bucket}", S3Options(
             endpoint_url=a.endpoint, region="us-east-1", path_style=True,
-            native=a.method != "ckptfs-boto3", native_gets=a.method == "ckptfs-crt-gets"))
-        want = {"ckptfs-crt": "crt-up", "ckptfs-crt-gets": "crt", "ckptfs-boto3": "boto3"}
+            native=a.method != "ckptfs-boto3", native_gets=a.method == "ckptfs-crt-gets",
+            plain_http=a.method == "ckptfs"))
+        want = {"ckptfs": "sendfile", "ckptfs-crt": "crt-up", "ckptfs-crt-gets": "crt",
+                "ckptfs-boto3": "boto3"}
         assert s3.data_path == want[a.method], s3.data_path
         store = RetryingStore(s3)
         up = Uploader(store)

@@ -50,8 +50,10 @@ def _client(endpoint: str):
 
 
 def _store(endpoint: str, bucket: str, **kw) -> S3Store:
-    """Native both ways (GETs are off by default: `native_gets`)."""
+    """Native both ways (GETs are off by default: `native_gets`), by the CRT (over http://
+    uploads go by sendfile by default: `plain_http`, tests/test_store_plainhttp.py)."""
     kw.setdefault("native_gets", True)
+    kw.setdefault("plain_http", False)
     return S3Store(f"s3://{bucket}/p", S3Options(endpoint_url=endpoint, region="us-east-1",
                                                  path_style=True, **kw))
 
@@ -291,7 +293,7 @@ def test_by_default_uploads_go_native_and_restores_stay_on_boto3(s3_bucket, tmp_
     --s3-transfer crt`)."""
     endpoint, bucket = s3_bucket
     s3 = _store(endpoint, bucket, native_gets=False)
-    assert S3Options() == S3Options(native=True, native_gets=False)
+    assert S3Options() == S3Options(native=True, native_gets=False, plain_http=True)
     assert s3.data_path == "crt-up" and s3.sends_files and not s3.gets_files
     assert s3.data_statistics()["restores_by"] == "boto3"
     store = RetryingStore(s3)

@@ -81,6 +81,22 @@ def run_idle(fn: Callable[..., _T], *args: object) -> _T:
             _ioprio_set(io)
 
 
+def run_idle_io(fn: Callable[..., _T], *args: object) -> _T:
+    """`fn(*args)` on this (worker) thread at idle I/O priority only, restored after: a
+    request thread that reads the cache disk for an upload (sendfile: cachemgr.store.plainhttp)
+    but whose CPU work is the network's, which stays at normal CPU priority as the CRT's and
+    boto3's senders' does (`idle_thread` with cpu=False says why)."""
+    if not _ENABLED or _ioprio is None:
+        return fn(*args)
+    io = _ioprio_get()
+    _ioprio_set(_IDLE_IOPRIO)
+    try:
+        return fn(*args)
+    finally:
+        if io is not None:
+            _ioprio_set(io)
+
+
 def current() -> tuple[int, int | None]:
     """(scheduling policy, I/O priority) of the calling thread: for tests."""
     return os.sched_getscheduler(0), _ioprio_get()

@@ -69,6 +69,7 @@ from cachemgr.store.base import (
     ObjectStore,
     Part,
     PreconditionFailed,
+    RangeCrcs,
     StoreError,
     TransientStoreError,
     bare_etag,
@@ -78,6 +79,7 @@ from cachemgr.store.base import (
     quoted_etag,
 )
 from cachemgr.store.crt import CrtData, CrtOptions
+from cachemgr.store.plainhttp import PlainHttpData, PlainOptions
 
 log = logging.getLogger(__name__)
 
@@ -171,6 +173,11 @@ class S3Options:
     # GETs too (restores, `--s3-transfer crt`); off by default, measured dearer in CPU than
     # boto3's here (docs/ARCHITECTURE.md "Store data path")
     native_gets: bool = False
+    # Over an http:// endpoint, uploads by plain HTTP with the body sent by sendfile
+    # (cachemgr.store.plainhttp: measured far cheaper in CPU than the CRT there) instead of the
+    # CRT; `ckptfs mount --s3-transfer auto` (the default). The CRT stays the data path over
+    # https:// and with --s3-transfer crt.
+    plain_http: bool = True
 
 
 def parse_s3_url(url: str) -> tuple[str, str]:
@@ -208,8 +215,14 @@ class S3Store(ObjectStore):
         self._conditional: ConditionalWrites | None = None
         self._probe_lock = trio.Lock()
         self.crt: CrtData | None = None
+        self.plain: PlainHttpData | None = None
         self.crt_off_reason = ""
-        if not crt.HAVE_CRT:
+        if opts.plain_http and opts.native and \
+                (opts.endpoint_url or "").lower().startswith("http://"):
+            self.plain = self._make_plain(session, opts)
+        if self.plain is not None:
+            pass  # uploads by sendfile, restores by boto3: no CRT needed
+        elif not crt.HAVE_CRT:
             self.crt_off_reason = "awscrt is not installed"
         elif not opts.native:
             self.crt_off_reason = "turned off (--s3-transfer boto3)"
@@ -217,7 +230,10 @@ class S3Store(ObjectStore):
             self.crt = self._make_crt(session, opts)
         self._native_gets = self.crt is not None and opts.native_gets
 
-    def _make_crt(self, session: boto3.session.Session, opts: S3Options) -> CrtData | None:
+    def _native_setup(self, session: boto3.session.Session, opts: S3Options) -> \
+            tuple[Callable[[], tuple[str, str, str | None]], str, bool] | None:
+        """(credentials, region, path style) for a native data client, as boto3 has them; None
+        (and `crt_off_reason` said) without credentials."""
         if session.get_credentials() is None:
             self.crt_off_reason = "no credentials in the AWS chain when mounted"
             return None
@@ -235,21 +251,42 @@ class S3Store(ObjectStore):
         # (botocore merges it into the client's config)
         s3cfg = self.client.meta.config.s3 or {}
         path_style = opts.path_style or s3cfg.get("addressing_style") == "path"
+        return credentials, region, path_style
+
+    def _make_crt(self, session: boto3.session.Session, opts: S3Options) -> CrtData | None:
+        got = self._native_setup(session, opts)
+        if got is None:
+            return None
+        credentials, region, path_style = got
         return CrtData(CrtOptions(
             bucket=self.bucket, prefix=self.prefix, endpoint_url=opts.endpoint_url,
             region=region, path_style=path_style, credentials=credentials,
             max_connections=opts.max_connections, connect_timeout=opts.connect_timeout,
             part_size=opts.part_size))
 
+    def _make_plain(self, session: boto3.session.Session,
+                    opts: S3Options) -> PlainHttpData | None:
+        got = self._native_setup(session, opts)
+        if got is None or not opts.endpoint_url:
+            return None
+        credentials, region, path_style = got
+        return PlainHttpData(PlainOptions(
+            bucket=self.bucket, prefix=self.prefix, endpoint_url=opts.endpoint_url,
+            region=region, path_style=path_style, credentials=credentials,
+            max_connections=opts.max_connections, connect_timeout=opts.connect_timeout,
+            part_size=opts.part_size), opts.deadlines)
+
     @property
     def data_path(self) -> str:
+        if self.plain is not None:
+            return "sendfile"
         if self.crt is None:
             return "boto3"
         return "crt" if self._native_gets else "crt-up"
 
     @property
     def sends_files(self) -> bool:
-        return self.crt is not None
+        return self.crt is not None or self.plain is not None
 
     @property
     def gets_files(self) -> bool:
@@ -261,7 +298,11 @@ class S3Store(ObjectStore):
         # renames its name meanwhile
         return f"/proc/self/fd/{fd}"
 
-    async def put_file(self, key: str, fd: int, size: int, crc32c: int) -> ObjectInfo:
+    async def put_file(self, key: str, fd: int, size: int, crc32c: int,
+                       ranges: RangeCrcs | None = None) -> ObjectInfo:
+        if self.plain is not None:
+            etag = await self.plain.put_file(key, fd, size, crc32c, ranges)
+            return ObjectInfo(key, size, etag, crc32c)
         assert self.crt is not None, "put_file without a native data path (sends_files)"
         etag = await self.crt.put_file(key, self._fd_path(fd), size, crc32c,
                                        self.deadlines.data(size))
@@ -274,6 +315,11 @@ class S3Store(ObjectStore):
 
     def data_statistics(self) -> dict[str, Any]:
         """For status: which client moves data bytes, and its counters."""
+        if self.plain is not None:
+            ps = self.plain.stats
+            return {"client": "sendfile", "restores_by": "boto3", "puts": ps.puts,
+                    "put_bytes": ps.put_bytes, "parts": ps.parts, "cancelled": ps.cancelled,
+                    "reconnects": ps.reconnects, "errors": dict(ps.errors)}
         if self.crt is None:
             return {"client": "boto3", "why": self.crt_off_reason}
         st = self.crt.stats
@@ -530,6 +576,8 @@ class S3Store(ObjectStore):
         if self.crt is not None:
             self.crt.close()
             self.crt = None
+        if self.plain is not None:
+            self.plain.close()
 
     async def abort_multipart(self, key: str, upload_id: str) -> None:
         try:

@@ -32,6 +32,7 @@ from cachemgr.store.base import (
     ObjectInfo,
     ObjectStore,
     Part,
+    RangeCrcs,
     Staged,
     StoreError,
     TransientStoreError,
@@ -159,8 +160,9 @@ class _Wrapper(ObjectStore):
     def gets_files(self) -> bool:
         return self.inner.gets_files
 
-    async def put_file(self, key: str, fd: int, size: int, crc32c: int) -> ObjectInfo:
-        info: ObjectInfo = await self._do("put_file", key, fd, size, crc32c)
+    async def put_file(self, key: str, fd: int, size: int, crc32c: int,
+                       ranges: RangeCrcs | None = None) -> ObjectInfo:
+        info: ObjectInfo = await self._do("put_file", key, fd, size, crc32c, ranges)
         return info
 
     async def get_file(self, key: str, fd: int, start: int, length: int) -> None:

@@ -96,6 +96,7 @@ from cachemgr.store.base import (
     ObjectInfo,
     ObjectStore,
     Part,
+    RangeCrcs,
     Staged,
     StoreError,
     crc32c,
@@ -262,6 +263,22 @@ class _Producer:
         self._part_start: int | None = None
         self._pieces: list[bytes] = []
         self._got = 0
+
+    def range_crcs(self) -> RangeCrcs:
+        """The CRC32C of any range of whole chunks, folded from the chunk CRCs (once the file
+        is checksummed whole: `put_file` sends parts of whole chunks)."""
+        cs, crcs, size = self.frame_size, self.chunk_crcs, self.size
+
+        def crc(off: int, n: int) -> int | None:
+            if off % cs or (n % cs and off + n != size) or off + n > size or \
+                    len(crcs) != -(-size // cs):
+                return None
+            out = 0
+            for i in range(off // cs, -(-(off + n) // cs)):
+                out = crc32c_combine(out, crcs[i], min(cs, size - i * cs))
+            return out
+
+        return RangeCrcs(cs, crc)
 
     def _chunk_done(self, crc: int, n: int) -> None:
         self.chunk_crcs.append(crc)
@@ -613,7 +630,7 @@ class Uploader:
             self._check(still_valid, key)
         del buf
         try:
-            info = await self.store.put_file(key, fd, size, prod.crc_raw)
+            info = await self.store.put_file(key, fd, size, prod.crc_raw, prod.range_crcs())
         except StoreError:
             self._check(still_valid, key)  # written under the PUT: superseded, not failed
             raise

@@ -1,0 +1,269 @@
+"""Uploads over plain HTTP with the body sent by sendfile (cachemgr.store.plainhttp, docs/
+ARCHITECTURE.md "Store data path"): the default data path of an s3:// store on an http://
+endpoint, on the session's S3 endpoint (moto, or RGW / SeaweedFS with CKPTFS_TEST_S3).
+
+  * it is the path used by default over http:// (status, counters, RetryingStore's ops), and
+    what it stores reads back bit-exact, with the file's CRC32C in the metadata; a file over the
+    part size goes as a multipart upload of parallel parts, each with its CRC32C folded from the
+    chunk CRC32Cs (a wrong one is refused by the store where it checks them);
+  * a key with characters to encode is signed as sent (real servers check the signature);
+  * every fault of the fault proxy (errors, resets, truncated and lost answers, a black hole)
+    ends in the store seam's error of the right kind, within the deadline, and nothing is
+    left half-stored; the caller's cancellation ends the request at once;
+  * a pooled connection the store closed meanwhile is replaced, not reported as a failure;
+  * `--s3-transfer crt` and https:// endpoints keep the CRT.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import boto3
+import botocore.config
+import pytest
+import trio
+
+from cachemgr.store import (
+    DeadlineExceeded,
+    NotFound,
+    RetryingStore,
+    RetryPolicy,
+    StoreError,
+    TransientStoreError,
+)
+from cachemgr.store.base import RangeCrcs
+from cachemgr.store.s3 import Deadlines, S3Options, S3Store
+from cachemgr.transfer.download import download_file
+from cachemgr.transfer.upload import TransferConfig, Uploader
+from tests.faultproxy import FaultProxy, Rule
+
+pytestmark = [pytest.mark.unit, pytest.mark.s3]
+
+MiB = 1 << 20
+
+
+def _client(endpoint: str):
+    return boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
+                        config=botocore.config.Config(s3={"addressing_style": "path"}))
+
+
+def _store(endpoint: str, bucket: str, **kw) -> S3Store:
+    return S3Store(f"s3://{bucket}/p", S3Options(endpoint_url=endpoint, region="us-east-1",
+                                                 path_style=True, **kw))
+
+
+def _file(tmp_path, name: str, size: int) -> tuple[str, bytes]:
+    data = os.urandom(size)
+    p = tmp_path / name
+    p.write_bytes(data)
+    return str(p), data
+
+
+@pytest.mark.parametrize("size", [1000, 12 * MiB + 4097])  # one PUT; 3 parts of 5 MiB
+def test_sendfile_round_trip(s3_bucket, tmp_path, size):
+    endpoint, bucket = s3_bucket
+    s3 = _store(endpoint, bucket, part_size=5 * MiB)
+    assert s3.data_path == "sendfile" and s3.sends_files and not s3.gets_files
+    store = RetryingStore(s3)
+    src, data = _file(tmp_path, "src", size)
+    up = Uploader(store, TransferConfig(compress="off", part_size=5 * MiB, frame_size=MiB))
+
+    async def go():
+        obj = await up.upload_file(src, "data/f", size=size)
+        head = await store.head("data/f")
+        assert head.size == size and head.crc32c == obj.crc32c  # metadata, multipart too
+        dest = tmp_path / "dest"
+        await download_file(store, obj, dest)
+        assert dest.read_bytes() == data
+
+    trio.run(go)
+    assert up.stats.native == 1 and up.stats.parts == 0
+    assert store.stats.by_op.get("put_file") == 1 and "put" not in store.stats.by_op
+    d = s3.data_statistics()
+    assert d["client"] == "sendfile" and d["restores_by"] == "boto3"
+    assert d["put_bytes"] == size and d["puts"] == 1 and d["errors"] == {}
+    head = _client(endpoint).head_object(Bucket=bucket, Key="p/data/f")
+    if size > 5 * MiB:
+        assert d["parts"] == 3
+        assert head["ETag"].strip('"').endswith("-3"), head["ETag"]
+    else:
+        assert d["parts"] == 0 and "-" not in head["ETag"]
+    assert _client(endpoint).get_object(Bucket=bucket, Key="p/data/f")["Body"].read() == data
+
+
+def test_a_part_sent_with_a_wrong_crc32c_is_refused_where_the_store_checks(s3_bucket, tmp_path):
+    """The parts' CRC32Cs are the caller's (folded from its chunk CRC32Cs): one that does not
+    match the bytes fails the upload where the store checks them (moto, SeaweedFS; RGW 16.2
+    ignores them) and leaves no object either way it fails; right ones always pass."""
+    endpoint, bucket = s3_bucket
+    s3 = _store(endpoint, bucket, part_size=5 * MiB)
+    size = 7 * MiB
+    src, data = _file(tmp_path, "src", size)
+    wrong = RangeCrcs(MiB, lambda off, n: 12345)
+
+    async def go() -> str:
+        fd = os.open(src, os.O_RDONLY)
+        try:
+            try:
+                await s3.put_file("data/w", fd, size, 0, wrong)
+            except StoreError as e:
+                return f"refused: {e}"
+            return "stored"
+        finally:
+            os.close(fd)
+
+    outcome = trio.run(go)
+    c = _client(endpoint)
+    if outcome.startswith("refused"):
+        with pytest.raises(c.exceptions.ClientError):
+            c.head_object(Bucket=bucket, Key="p/data/w")
+        ups = c.list_multipart_uploads(Bucket=bucket, Prefix="p/data/w").get("Uploads", [])
+        assert ups == [], ups  # aborted
+    else:  # a store that does not check part checksums: what it stored is the file
+        assert c.get_object(Bucket=bucket, Key="p/data/w")["Body"].read() == data
+
+
+@pytest.mark.parametrize("name", ["shard-%FF.distcp", "a b+c=d&e;f.bin", "\u00fcn\u00ef.bin",
+                                  "x%2Fy~z.bin"])
+def test_a_key_with_characters_to_encode_is_signed_as_sent(s3_bucket, tmp_path, name):
+    endpoint, bucket = s3_bucket
+    store = RetryingStore(_store(endpoint, bucket))
+    key = f"data/n1/7/1/{name}"
+    src, data = _file(tmp_path, "src", 3000)
+    up = Uploader(store, TransferConfig(compress="off"))
+
+    async def go():
+        obj = await up.upload_file(src, key, size=3000)
+        assert await store.get(key) == data
+        assert (await store.head(key)).crc32c == obj.crc32c
+
+    trio.run(go)
+    assert store.stats.by_op.get("put_file") == 1
+
+
+SHORT = Deadlines(base=1.0, control=1.0, list_page=1.0, complete=1.0, queue=2.0,
+                  floor_rate=64 * MiB)
+
+# (fault mode, the error the store seam raises). Not here: "slow" and "stall" are answered in
+# time, "truncate" cuts an answer's body and a PUT's answer has none.
+FAULTS = [("error500", TransientStoreError), ("error503", TransientStoreError),
+          ("slowdown", TransientStoreError), ("error403", StoreError),
+          ("reset", TransientStoreError), ("hangup", TransientStoreError),
+          ("lost_reply", (TransientStoreError, DeadlineExceeded)),
+          ("blackhole", DeadlineExceeded), ("oneway", DeadlineExceeded)]
+
+
+@pytest.mark.parametrize("mode,error", FAULTS, ids=[m for m, _ in FAULTS])
+@pytest.mark.parametrize("size", [2 * MiB, 7 * MiB])  # one PUT; a multipart upload
+def test_every_fault_ends_in_the_right_error_within_the_deadline(s3_bucket, tmp_path, mode,
+                                                                  error, size):
+    endpoint, bucket = s3_bucket
+    src, _ = _file(tmp_path, "src", size)
+    with FaultProxy(endpoint, seed=1) as proxy:
+        s3 = _store(proxy.url, bucket, connect_timeout=2, deadlines=SHORT, part_size=5 * MiB)
+        assert s3.data_path == "sendfile"
+        ops = {"put", "upload_part"} if mode != "lost_reply" else {"put", "complete_multipart"}
+        proxy.set_rules([Rule(mode, ops=ops, delay=30)])
+
+        async def go() -> float:
+            fd = os.open(src, os.O_RDONLY)
+            try:
+                t0 = time.monotonic()
+                with pytest.raises(error) as got:
+                    await s3.put_file(f"data/{mode}", fd, size, 0, None)
+                assert not isinstance(got.value, NotFound)
+                return time.monotonic() - t0
+            finally:
+                os.close(fd)
+
+        took = trio.run(go)
+        proxy.set_rules([])
+        # the deadline (1 s + the bytes at 64 MiB/s; a multipart's abort: 1 s more) plus slack
+        assert took < 8, (mode, took)
+        c = _client(endpoint)
+        if mode not in ("lost_reply", "oneway"):  # a lost answer: stored, maybe; that is fine
+            with pytest.raises(c.exceptions.ClientError):
+                c.head_object(Bucket=bucket, Key=f"p/data/{mode}")
+        # and the same store, the fault gone, stores the file (no poisoned connection)
+
+        async def again() -> None:
+            fd = os.open(src, os.O_RDONLY)
+            try:
+                await s3.put_file(f"data/{mode}-2", fd, size, 0, None)
+            finally:
+                os.close(fd)
+
+        trio.run(again)
+        assert c.head_object(Bucket=bucket, Key=f"p/data/{mode}-2")["ContentLength"] == size
+        s3.plain.close()
+
+
+def test_the_callers_cancellation_ends_a_put_at_once(s3_bucket, tmp_path):
+    """An unmount, a superseded upload: the request thread's socket is shut down and the call
+    returns once the thread no longer reads the file; RetryingStore asks a black hole at most
+    twice."""
+    endpoint, bucket = s3_bucket
+    size = 2 * MiB
+    src, _ = _file(tmp_path, "src", size)
+    with FaultProxy(endpoint, seed=1) as proxy:
+        s3 = _store(proxy.url, bucket, connect_timeout=2, deadlines=SHORT)
+        proxy.set_rules([Rule("blackhole")])
+
+        async def go() -> float:
+            fd = os.open(src, os.O_RDONLY)
+            try:
+                t0 = time.monotonic()
+                with trio.move_on_after(0.3) as scope:
+                    await s3.put_file("data/z", fd, size, 0, None)
+                assert scope.cancelled_caught
+                took = time.monotonic() - t0
+                rs = RetryingStore(s3, RetryPolicy(base_delay=0.001))
+                with pytest.raises(DeadlineExceeded):
+                    await rs.put_file("data/y", fd, size, 0)
+                assert rs.stats.retries == 1
+                return took
+            finally:
+                os.close(fd)
+
+        took = trio.run(go)
+        assert proxy.hung() >= 1
+    assert took < 3, took
+    assert s3.data_statistics()["cancelled"] == 3
+
+
+def test_a_pooled_connection_the_store_closed_is_replaced(s3_bucket, tmp_path):
+    """Keep-alive connections wait in a pool; a store (or a proxy) may close one while it
+    waits. The next request on it finds it closed before any answer, and is sent again on a
+    new connection: counted, not an error."""
+    endpoint, bucket = s3_bucket
+    src, data = _file(tmp_path, "src", 5000)
+    with FaultProxy(endpoint, seed=1) as proxy:
+        s3 = _store(proxy.url, bucket)
+
+        async def put(key: str) -> None:
+            fd = os.open(src, os.O_RDONLY)
+            try:
+                await s3.put_file(key, fd, 5000, 0, None)
+            finally:
+                os.close(fd)
+
+        trio.run(put, "data/a")
+        assert s3.plain is not None and len(s3.plain._idle) == 1
+        # the store side closes the idle connection: what a server's keep-alive timeout does
+        s3.plain._idle[0].shutdown(0)  # SHUT_RD: the next recv reads the end at once
+        trio.run(put, "data/b")
+    st = s3.data_statistics()
+    assert st["reconnects"] == 1 and st["errors"] == {}, st
+    assert _client(endpoint).get_object(Bucket=bucket, Key="p/data/b")["Body"].read() == data
+
+
+def test_the_crt_stays_where_sendfile_is_not_used(s3_bucket):
+    pytest.importorskip("awscrt")
+    endpoint, bucket = s3_bucket
+    assert _store(endpoint, bucket, native_gets=True).data_path == "sendfile"  # uploads only
+    assert _store(endpoint, bucket, plain_http=False).data_path == "crt-up"
+    assert _store(endpoint, bucket, native=False).data_path == "boto3"
+    https = S3Store("s3://b/p", S3Options(endpoint_url="https://127.0.0.1:9", region="us-east-1",
+                                          path_style=True))
+    assert https.data_path == "crt-up"
