@@ -306,6 +306,7 @@ def _summary(st: dict, now: float) -> Table:
             line.append("; data bytes by " + {
                 "crt": "the AWS Common Runtime (native)",
                 "crt-up": "the AWS Common Runtime (native) up, boto3 down",
+                "sendfile": "plain HTTP with the body by sendfile (kernel) up, boto3 down",
                 "boto3": "boto3 (Python)",
                 "local": "the kernel (file://)"}.get(dpath, safe(dpath)))
         if store.get("last_error"):

@@ -15,14 +15,27 @@ Methods, each in its own process (CPU: user + system of every thread, os.times):
   sendfile      raw TCP, socket.sendfile of the whole file: the kernel's floor (no HTTP)
   copy          raw TCP, read 8 MiB at a time into one buffer and sendall it
   http-sendfile an HTTP/1.1 PUT: headers, then the body by socket.sendfile
-  crc32c        no network: the file's CRC32C in 4 MiB reads (cachemgr.format.decode.crc32c),
-                what computing a file's checksums before its PUT costs
+  crc32c        no network: the file's CRC32C in 1 MiB reads into one buffer
+                (cachemgr.format.decode.crc32c), the uploader's pass for the chunk CRCs before
+                a PUT (cachemgr.transfer.upload NATIVE_CRC_READ)
+  crc32c-64m    the same in 64 MiB reads (the pass before: the buffer no longer in the cache)
+  plainhttp     cachemgr.store.plainhttp's put_file: the daemon's upload client over http://
+                (SigV4 UNSIGNED-PAYLOAD, body by sendfile), one PUT, no CRC pass
   crt           awscrt.s3.S3Client PUT_OBJECT of the file as one request (part size above the
                 file), send_filepath, CRC32C computed by the CRT into the header, the body not
                 hashed for the signature (UNSIGNED-PAYLOAD)
   crt-nocrc     the same without the CRT's CRC32C
   crt-signed    the same with the body's SHA-256 in the signature (what cachemgr.store.crt
                 sends over plain http://, as boto3 does)
+
+Down (the sink sends the file by sendfile; the client receives it):
+
+  recv          recv_into one 1 MiB buffer, nothing else: the kernel's receive floor
+  recv-crc      the same and the CRC32C of every piece (a chunk checked before it is used)
+  recv-crc-write  the same and each piece written into a fresh file in --dir (the cache
+                file): the least a verified restore into the cache does
+  recv-fresh-write  received into a fresh 64 MiB buffer per range (a GET into memory, then
+                checked and written, as the restore's fetch_chunks + fill do)
 
 Every round runs every method once in a rotated order. On loopback the kernel's receive work
 (TCP receive, the copy into the sink's socket buffer) runs in the sender's context and is
@@ -45,12 +58,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+import trio
+
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 MiB = 1 << 20
 GiB = 1 << 30
-METHODS = ("sendfile", "copy", "http-sendfile", "crc32c", "crt", "crt-nocrc", "crt-signed")
+METHODS = ("sendfile", "copy", "http-sendfile", "crc32c", "crc32c-64m", "plainhttp", "crt",
+           "crt-nocrc", "crt-signed", "recv", "recv-crc", "recv-crc-write", "recv-fresh-write")
 CLK = os.sysconf("SC_CLK_TCK")
 
 
@@ -74,8 +90,9 @@ def pid_cpu(pid: int) -> float:
 # the sink
 
 
-def sink(port_file: str) -> None:
-    """Serve until killed: raw connections (first line `RAW n`) and HTTP/1.1 requests with a
+def sink(port_file: str, path: str) -> None:
+    """Serve until killed: raw connections (first line `RAW n`: n bytes read and dropped;
+    `SEND n`: the first n bytes of `path` sent by sendfile) and HTTP/1.1 requests with a
     Content-Length, every byte read and dropped."""
     srv = socket.socket()
     srv.bind(("127.0.0.1", 0))
@@ -90,6 +107,10 @@ def sink(port_file: str) -> None:
                 line = f.readline()
                 if not line:
                     return
+                if line.startswith(b"SEND "):
+                    with open(path, "rb") as src:
+                        c.sendfile(src, 0, int(line.split()[1]))
+                    continue
                 raw = line.startswith(b"RAW ")
                 n = int(line.split()[1]) if raw else 0
                 while not raw:
@@ -152,11 +173,59 @@ def _crt_put(port: int, path: str, size: int, crc: bool, signed: bool) -> None:
     r.finished_future.result()
 
 
+async def _plain_put(port: int, path: str, size: int) -> None:
+    from cachemgr.store.plainhttp import PlainHttpData, PlainOptions
+    from cachemgr.store.s3 import Deadlines
+
+    client = PlainHttpData(PlainOptions(
+        bucket="bucket", prefix="", endpoint_url=f"http://127.0.0.1:{port}", region="us-east-1",
+        path_style=True, credentials=lambda: ("testing", "testing", None),
+        part_size=size + MiB), Deadlines())
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        await client.put_file("key", fd, size, 0, None)
+    finally:
+        os.close(fd)
+        client.close()
+
+
+def _recv(method: str, port: int, path: str, size: int) -> None:
+    from cachemgr.format.decode import crc32c
+
+    rng = 64 * MiB
+    dest = os.open(path + ".down", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        with socket.create_connection(("127.0.0.1", port)) as c:
+            c.sendall(f"SEND {size}\n".encode())
+            buf = memoryview(bytearray(MiB))
+            off = 0
+            while off < size:
+                if method == "recv-fresh-write":
+                    buf = memoryview(bytearray(min(rng, size - off)))
+                want = min(len(buf), size - off)
+                got = 0
+                while got < want:
+                    k = c.recv_into(buf[got:want])
+                    if not k:
+                        raise SystemExit(f"{method}: the sink closed at {off + got}")
+                    got += k
+                if method != "recv":
+                    crc32c(buf[:want])
+                if method in ("recv-crc-write", "recv-fresh-write"):
+                    os.pwrite(dest, buf[:want], off)
+                off += want
+    finally:
+        os.close(dest)
+        os.unlink(path + ".down")
+
+
 def worker(method: str, port: int, path: str) -> dict[str, float]:
     size = os.path.getsize(path)
     # what a method imports is imported before the clock starts (a daemon has it loaded)
     if method.startswith("crt"):
         import awscrt.s3  # noqa: F401
+    if method == "plainhttp":
+        import cachemgr.store.s3  # noqa: F401
     from cachemgr.format.decode import crc32c
     c0, w0 = self_cpu(), time.perf_counter()
     if method in ("sendfile", "copy", "http-sendfile"):
@@ -175,12 +244,16 @@ def worker(method: str, port: int, path: str) -> dict[str, float]:
             answer = c.recv(4096)
             if not answer.startswith((b"OK", b"HTTP/1.1 200")):
                 raise SystemExit(f"{method}: the sink answered {answer[:40]!r}")
-    elif method == "crc32c":
-        buf = memoryview(bytearray(4 * MiB))
+    elif method in ("crc32c", "crc32c-64m"):
+        buf = memoryview(bytearray(MiB if method == "crc32c" else 64 * MiB))
         value = 0
         with open(path, "rb") as f:
             while k := f.readinto(buf):
                 value = crc32c(buf[:k], value)
+    elif method == "plainhttp":
+        trio.run(_plain_put, port, path, size)
+    elif method.startswith("recv"):
+        _recv(method, port, path, size)
     else:
         _crt_put(port, path, size, crc=method != "crt-nocrc", signed=method == "crt-signed")
     return {"s": time.perf_counter() - w0, "cpu": self_cpu() - c0}
@@ -207,7 +280,7 @@ def main() -> int:
     ap.add_argument("--file", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.sink:
-        sink(a.sink)
+        sink(a.sink, a.file)
         return 0
     if a.method:
         print(json.dumps(worker(a.method, a.port, a.file)), flush=True)
@@ -222,7 +295,8 @@ def main() -> int:
         for _ in range(a.size // MiB):
             f.write(os.urandom(MiB))
     port_file = work / "port"
-    sink_proc = subprocess.Popen([sys.executable, __file__, "--sink", str(port_file)])
+    sink_proc = subprocess.Popen([sys.executable, __file__, "--sink", str(port_file),
+                                  "--file", str(path)])
     res: dict[str, list[dict[str, float]]] = {m: [] for m in methods}
     try:
         for _ in range(200):
@@ -259,7 +333,7 @@ def main() -> int:
     lines = [f"# Store floor: {a.size >> 20} MiB over loopback to a sink, {a.rounds} rounds",
              "", (f"`python scripts/bench_store_floor.py --size {a.size >> 20}M --rounds "
                   f"{a.rounds}` (median [min-max])"), "",
-             "| method | sender CPU-s/GiB | MB/s | sink CPU-s/GiB |", "|---|---|---|---|"]
+             "| method | client CPU-s/GiB | MB/s | server CPU-s/GiB |", "|---|---|---|---|"]
     for m, t in table.items():
         c, w, s = t["cpu_s_per_gib"], t["mb_s"], t["sink_cpu_s_per_gib"]
         lines.append(f"| {m} | {c['median']:.2f} [{c['min']:.2f}-{c['max']:.2f}] | "

@@ -139,6 +139,10 @@ STAGED_CRC_STEP = 16 << 20
 # call: 16 calls per GiB, each ~10 ms of work here, so a superseding write or the trainer is
 # seen within that (the same order as a part's read on the buffered path).
 NATIVE_CRC_STEP = 64 << 20
+# ... read in pieces of this much into one buffer that stays in the CPU's cache: the CRC then
+# reads what the copy just wrote from the cache, not from memory. Measured here (1 GiB in the
+# page cache, pread + CRC32C): 0.20 CPU-s/GiB with 1 MiB pieces, 0.31 with 64 MiB ones.
+NATIVE_CRC_READ = 1 << 20
 
 
 class Superseded(Exception):
@@ -204,15 +208,20 @@ def _pread_exact(fd: int, n: int, off: int) -> bytes:
 
 
 def _crc_step(prod: _Producer, fd: int, buf: bytearray, off: int, n: int, size: int) -> None:
-    """The chunk CRCs of bytes [off, off+n) of the file (a worker thread; one buffer reused)."""
-    mv = memoryview(buf)[:n]
-    got = 0
-    while got < n:
-        k = os.preadv(fd, [mv[got:]], off + got)
-        if not k:
-            raise SourceChanged(f"cache file ends at byte {off + got}, expected {size}")
-        got += k
-    prod._checksum(mv, off + n >= size)
+    """The chunk CRCs of bytes [off, off+n) of the file (a worker thread; one buffer of
+    NATIVE_CRC_READ reused)."""
+    mv = memoryview(buf)
+    end = off + n
+    while off < end:
+        want = min(len(mv), end - off)
+        got = 0
+        while got < want:
+            k = os.preadv(fd, [mv[got:want]], off + got)
+            if not k:
+                raise SourceChanged(f"cache file ends at byte {off + got}, expected {size}")
+            got += k
+        off += want
+        prod._checksum(mv[:want], off >= size)
 
 
 def _pread_sample(fd: int, off: int, n: int) -> bytes:
@@ -610,17 +619,18 @@ class Uploader:
     async def _upload_native(self, fd: int, key: str, size: int,
                              still_valid: Callable[[], bool],
                              progress: Callable[[int], None] | None) -> StoredObject:
-        """An uncompressed file to a store whose native client reads local files itself (s3://
-        with awscrt: cachemgr.store.crt): the chunk CRCs are computed first, in steps of
-        NATIVE_CRC_STEP read into one reused buffer (idle priority, `still_valid` and the
-        trainer between steps), then the client PUTs the file (multipart and parallel parts
-        inside it), then `still_valid` is asked again: a file written meanwhile makes the upload
+        """An uncompressed file to a store whose client reads local files itself (s3:// over
+        http:// by sendfile, cachemgr.store.plainhttp; with awscrt, cachemgr.store.crt): the
+        chunk CRCs are computed first, in steps of NATIVE_CRC_STEP (read in pieces of
+        NATIVE_CRC_READ into one reused buffer; idle priority, `still_valid` and the trainer
+        between steps), then the client PUTs the file (multipart and parallel parts inside
+        it), then `still_valid` is asked again: a file written meanwhile makes the upload
         Superseded (the object, under this version's key that no manifest will name, is
         deleted). The checks bracket the PUT as they bracket each part's read on the other
         path, so the CRC32Cs recorded are those of the bytes sent."""
         self._check(still_valid, key)
         prod = _Producer(fd, size, False, self.cfg.frame_size, math.inf)
-        buf = bytearray(min(size, NATIVE_CRC_STEP))
+        buf = bytearray(min(size, NATIVE_CRC_READ))
         off = 0
         while off < size:
             n = min(NATIVE_CRC_STEP, size - off)
