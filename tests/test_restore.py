@@ -273,7 +273,8 @@ def test_cold_restore_bit_exact(nodes, store):
     expect = file_meta(a.path)
 
     # On S3, B restores through the CRT both ways (`--s3-transfer crt`), A with the default
-    # (uploads by the CRT, restores by boto3): the other restore tests cover the default's GETs.
+    # (uploads by sendfile over http://, restores by boto3): the other restore tests cover the
+    # default's GETs.
     b.start(*bargs, *(("--s3-transfer", "crt") if store is not None else ()))
     assert data_usage(b) == 0  # nothing cached yet
     for rel in ("run/model.pt", "run/latest", "run/step_2/.metadata", "run/plain/first"):
@@ -303,9 +304,8 @@ def test_cold_restore_bit_exact(nodes, store):
     st = rstat(b)
     assert st["bytes_fetched"] > 0 and st["integrity_errors"] == 0
     assert remote_stat(b)["restored_sets"] >= 4
-    if store is not None:  # S3: uploads through awscrt where it is installed, restores boto3
-        assert ckptfs.status(a.path)["tiering"]["store"]["data_path"] == \
-            ("crt-up" if HAVE_CRT else "boto3")
+    if store is not None:  # S3 over http://: uploads by sendfile, restores boto3 (the default)
+        assert ckptfs.status(a.path)["tiering"]["store"]["data_path"] == "sendfile"
         assert ckptfs.status(b.path)["tiering"]["store"]["data_path"] == \
             ("crt" if HAVE_CRT else "boto3")
 

@@ -17,6 +17,7 @@ endpoint, on the session's S3 endpoint (moto, or RGW / SeaweedFS with CKPTFS_TES
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import boto3
@@ -32,10 +33,11 @@ from cachemgr.store import (
     StoreError,
     TransientStoreError,
 )
-from cachemgr.store.base import RangeCrcs
+from cachemgr.store.base import RangeCrcs, crc32c, crc32c_b64
 from cachemgr.store.s3 import Deadlines, S3Options, S3Store
 from cachemgr.transfer.download import download_file
 from cachemgr.transfer.upload import TransferConfig, Uploader
+from tests.fakehttp import FakeHTTPServer, Request, send_response
 from tests.faultproxy import FaultProxy, Rule
 
 pytestmark = [pytest.mark.unit, pytest.mark.s3]
@@ -92,10 +94,121 @@ def test_sendfile_round_trip(s3_bucket, tmp_path, size):
     assert _client(endpoint).get_object(Bucket=bucket, Key="p/data/f")["Body"].read() == data
 
 
+def test_each_part_waits_for_the_trainer_before_it_goes(s3_bucket, tmp_path):
+    """`pause(bytes)` (the uploader's Foreground.yield_to) is awaited before each part: while it
+    holds them, no part's byte goes; released, the upload completes."""
+    endpoint, bucket = s3_bucket
+    s3 = _store(endpoint, bucket, part_size=5 * MiB)
+    size = 12 * MiB + 4097
+    src, data = _file(tmp_path, "src", size)
+    asked: list[int] = []
+    all_held, go_on = trio.Event(), trio.Event()
+
+    async def pause(n: int) -> None:
+        asked.append(n)
+        if len(asked) == 3:
+            all_held.set()
+        await go_on.wait()
+
+    async def main() -> None:
+        fd = os.open(src, os.O_RDONLY)
+        try:
+            async with trio.open_nursery() as n:
+                n.start_soon(s3.put_file, "data/p", fd, size, 0, None, pause)
+                with trio.fail_after(30):
+                    await all_held.wait()
+                st = s3.data_statistics()
+                assert st["parts"] == 0 and st["put_bytes"] == 0, st
+                go_on.set()
+        finally:
+            os.close(fd)
+
+    trio.run(main)
+    assert sorted(asked) == [2 * MiB + 4097, 5 * MiB, 5 * MiB]
+    assert s3.data_statistics()["parts"] == 3
+    assert _client(endpoint).get_object(Bucket=bucket, Key="p/data/p")["Body"].read() == data
+
+
+class _RecordingS3(FakeHTTPServer):
+    """Answers a PUT, a multipart upload's create, part and completion as S3 does, recording
+    every request: what the client sent is checked against the file's bytes."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.lock = threading.Lock()
+        self.requests: list[Request] = []   # guarded by lock
+        super().__init__()
+
+    def answer(self, s, conn, req: Request) -> None:
+        with self.lock:
+            self.requests.append(req)
+        if req.method == "HEAD":  # what was stored: the file's size and its metadata
+            first = self.requests[0]
+            s.sendall(f"HTTP/1.1 200 OK\r\nContent-Length: {self.size}\r\nETag: \"h\"\r\n"
+                      f"x-amz-meta-ckptfs-crc32c: "
+                      f"{first.headers[b'x-amz-meta-ckptfs-crc32c'].decode()}\r\n"
+                      f"Connection: close\r\n\r\n".encode())
+        elif req.method == "POST" and "?uploads" in req.target:
+            body = (b"<InitiateMultipartUploadResult><UploadId>u+1/x</UploadId>"
+                    b"</InitiateMultipartUploadResult>")
+            send_response(s, conn, 200, body=body)
+        elif req.method == "POST":
+            send_response(s, conn, 200, body=b"<CompleteMultipartUploadResult><ETag>"
+                          b"&quot;whole-3&quot;</ETag></CompleteMultipartUploadResult>")
+        else:
+            send_response(s, conn, 200, [("etag", f'"e{len(self.requests)}"')])
+
+
+@pytest.mark.parametrize("size", [3 * MiB + 5, 12 * MiB + 4097])
+def test_what_goes_on_the_wire_carries_the_bytes_crc32cs(tmp_path, monkeypatch, size):
+    """The store checks nothing here (moto and RGW 16.2 do not check `x-amz-checksum-crc32c`;
+    AWS S3 does): so the requests themselves are checked. Through the uploader (its chunk CRCs
+    folded into each part's), every body is the file's bytes, signed UNSIGNED-PAYLOAD, with
+    the CRC32C of exactly those bytes in its header, the parts' listed again at the completion
+    with their ETags, and the whole file's CRC32C in the metadata."""
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "k")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")
+    srv = _RecordingS3(size)
+    try:
+        s3 = _store(f"http://{srv.address}", "bucket", part_size=5 * MiB)
+        src, data = _file(tmp_path, "src", size)
+        up = Uploader(s3, TransferConfig(compress="off", frame_size=MiB))
+
+        obj = trio.run(lambda: up.upload_file(src, "data/f", size=size))
+    finally:
+        srv.close()
+    assert obj.crc32c == crc32c(data) and up.stats.native == 1
+    reqs = [r for r in srv.requests if r.method != "HEAD"]
+    puts = [r for r in reqs if r.method == "PUT"]
+    assert b"".join(r.body for r in sorted(puts, key=lambda r: int(
+        r.query.get("partNumber", ["1"])[0]))) == data
+    for r in puts:
+        assert r.headers[b"x-amz-content-sha256"] == b"UNSIGNED-PAYLOAD"
+        assert r.headers[b"authorization"].startswith(b"AWS4-HMAC-SHA256 Credential=k/")
+        assert r.headers[b"x-amz-checksum-crc32c"] == crc32c_b64(crc32c(r.body)).encode()
+    whole = str(crc32c(data)).encode()
+    if size <= 5 * MiB:
+        assert len(reqs) == 1 and reqs[0].headers[b"x-amz-meta-ckptfs-crc32c"] == whole
+        return
+    create, complete = reqs[0], reqs[-1]
+    assert create.headers[b"x-amz-meta-ckptfs-crc32c"] == whole
+    assert create.headers[b"x-amz-checksum-algorithm"] == b"CRC32C"
+    assert sorted(int(r.query["partNumber"][0]) for r in puts) == [1, 2, 3]
+    assert all(r.query["uploadId"] == ["u+1/x"] for r in puts + [complete])
+    for r in puts:  # each part listed with the ETag its PUT was answered and its CRC32C
+        n = int(r.query["partNumber"][0])
+        etag = f"&quot;e{srv.requests.index(r) + 1}&quot;"
+        crc = crc32c_b64(crc32c(r.body))
+        assert (f"<Part><PartNumber>{n}</PartNumber><ETag>{etag}</ETag><ChecksumCRC32C>{crc}"
+                "</ChecksumCRC32C></Part>").encode() in complete.body
+
+
 def test_a_part_sent_with_a_wrong_crc32c_is_refused_where_the_store_checks(s3_bucket, tmp_path):
     """The parts' CRC32Cs are the caller's (folded from its chunk CRC32Cs): one that does not
-    match the bytes fails the upload where the store checks them (moto, SeaweedFS; RGW 16.2
-    ignores them) and leaves no object either way it fails; right ones always pass."""
+    match the bytes fails the upload where the store checks them (AWS S3, and SeaweedFS if it
+    does), leaving no object and no open upload; where it does not (moto and RGW 16.2, found so
+    here) what is stored is the file, and the HEAD after the PUT is what checks it.
+    test_what_goes_on_the_wire_carries_the_bytes_crc32cs checks the values sent."""
     endpoint, bucket = s3_bucket
     s3 = _store(endpoint, bucket, part_size=5 * MiB)
     size = 7 * MiB

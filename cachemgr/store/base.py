@@ -20,7 +20,7 @@ import abc
 import base64
 import builtins
 import errno
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,6 +48,10 @@ def crc32c(data: bytes | memoryview, value: int = 0) -> int:
 def crc32c_b64(value: int) -> str:
     """S3's encoding of a CRC32C: base64 of the 4 big-endian bytes."""
     return base64.b64encode(value.to_bytes(4, "big")).decode()
+
+# awaited with the bytes about to be sent: returns when they may go (`put_file`)
+Pause = Callable[[int], Awaitable[None]]
+
 
 @dataclass(frozen=True)
 class RangeCrcs:
@@ -291,11 +295,13 @@ class ObjectStore(abc.ABC):
         return False
 
     async def put_file(self, key: str, fd: int, size: int, crc32c: int,
-                       ranges: RangeCrcs | None = None) -> ObjectInfo:
+                       ranges: RangeCrcs | None = None,
+                       pause: Pause | None = None) -> ObjectInfo:
         """Store the first `size` bytes of the open local file `fd` as `key` (unconditionally,
         atomically; multipart inside the client as it sees fit); `crc32c` is the caller's
         CRC32C of those bytes, recorded with the object; `ranges` gives the CRC32C of a part
-        of whole chunks (a client that sends parts sends each one's). The caller checks
+        of whole chunks (a client that sends parts sends each one's); a client that sends parts
+        awaits `pause(bytes)` before each (the uploader's wait for the trainer). The caller checks
         afterwards that the file did not change meanwhile, and HEADs the object."""
         raise NotImplementedError
 

@@ -15,7 +15,7 @@ cachemgr.transfer.upload).
 
 Requests
     `put_file` <= the part size: one PUT, `x-amz-checksum-crc32c` the whole file's CRC32C (AWS
-    checks it on receipt; RGW 16.2 and moto ignore or record it), `x-amz-meta-ckptfs-crc32c` too
+    checks it on receipt; RGW 16.2 and moto do not), `x-amz-meta-ckptfs-crc32c` too
     so a HEAD can check it, as on the other paths.
     Bigger: a multipart upload whose parts go in parallel (at most `max_connections` requests
     of this client at once, every file together), each part's CRC32C folded from the chunk
@@ -64,6 +64,7 @@ from cachemgr.host import background
 from cachemgr.store.base import (
     DeadlineExceeded,
     NotFound,
+    Pause,
     PreconditionFailed,
     RangeCrcs,
     StoreError,
@@ -206,10 +207,11 @@ class PlainHttpData:
     # -- the seam -------------------------------------------------------------------------------
 
     async def put_file(self, key: str, fd: int, size: int, crc: int,
-                       ranges: RangeCrcs | None) -> str:
+                       ranges: RangeCrcs | None, pause: Pause | None = None) -> str:
         """PUT the first `size` bytes of the open file `fd` as `key`, the whole file's CRC32C
-        `crc` in its metadata; `ranges` gives the parts' CRC32Cs. Returns the ETag the store
-        answered ("" when it gave none)."""
+        `crc` in its metadata; `ranges` gives the parts' CRC32Cs; `pause(bytes)` is awaited
+        before each part goes (the trainer first). Returns the ETag the store answered ("" when
+        it gave none)."""
         part = self._part_size(size, ranges.unit if ranges is not None else 0)
         if size <= part:
             headers = {"Content-Type": "application/octet-stream",
@@ -220,7 +222,8 @@ class PlainHttpData:
             self.stats.puts += 1
             self.stats.put_bytes += size
             return ans.headers.get("etag", "")
-        return await self._multipart(key, fd, size, crc, part, part_crcs(size, part, ranges))
+        return await self._multipart(key, fd, size, crc, part, part_crcs(size, part, ranges),
+                                     pause)
 
     def _part_size(self, size: int, chunk_size: int) -> int:
         # parts of whole chunks (their CRCs fold), at least S3's smallest part, at most its
@@ -230,7 +233,7 @@ class PlainHttpData:
         return -(-part // unit) * unit
 
     async def _multipart(self, key: str, fd: int, size: int, crc: int, part: int,
-                         crcs: list[int] | None) -> str:
+                         crcs: list[int] | None, pause: Pause | None) -> str:
         headers = {"Content-Type": "application/octet-stream",
                    f"x-amz-meta-{META_CRC}": str(crc)}
         if crcs is not None:
@@ -245,7 +248,7 @@ class PlainHttpData:
         n = -(-size // part)
         etags: list[str] = [""] * n
         try:
-            await self._send_parts(key, fd, size, part, crcs, qid, etags)
+            await self._send_parts(key, fd, size, part, crcs, qid, etags, pause)
             parts = "".join(
                 f"<Part><PartNumber>{i + 1}</PartNumber><ETag>{_xml(etags[i])}</ETag>"
                 + (f"<ChecksumCRC32C>{_b64crc(crcs[i])}</ChecksumCRC32C>" if crcs else "")
@@ -269,13 +272,16 @@ class PlainHttpData:
         return _unxml(m.group(1).decode("ascii", "replace")) if m else ""
 
     async def _send_parts(self, key: str, fd: int, size: int, part: int,
-                          crcs: list[int] | None, qid: str, etags: list[str]) -> None:
-        """Every part in parallel (the client's limiter bounds them); the first store error
-        is raised as it is, not in a group."""
+                          crcs: list[int] | None, qid: str, etags: list[str],
+                          pause: Pause | None) -> None:
+        """Every part in parallel (the client's limiter bounds them), each once `pause` lets
+        it go; the first store error is raised as it is, not in a group."""
 
         async def one(i: int) -> None:
             off = i * part
             length = min(part, size - off)
+            if pause is not None:
+                await pause(length)
             ph = {"x-amz-checksum-crc32c": _b64crc(crcs[i])} if crcs is not None else {}
             got = await self._request("PUT", key, f"partNumber={i + 1}&{qid}", ph,
                                       (fd, off, length), self.deadlines.data(length),

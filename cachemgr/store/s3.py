@@ -68,6 +68,7 @@ from cachemgr.store.base import (
     ObjectInfo,
     ObjectStore,
     Part,
+    Pause,
     PreconditionFailed,
     RangeCrcs,
     StoreError,
@@ -299,9 +300,10 @@ class S3Store(ObjectStore):
         return f"/proc/self/fd/{fd}"
 
     async def put_file(self, key: str, fd: int, size: int, crc32c: int,
-                       ranges: RangeCrcs | None = None) -> ObjectInfo:
+                       ranges: RangeCrcs | None = None,
+                       pause: Pause | None = None) -> ObjectInfo:
         if self.plain is not None:
-            etag = await self.plain.put_file(key, fd, size, crc32c, ranges)
+            etag = await self.plain.put_file(key, fd, size, crc32c, ranges, pause)
             return ObjectInfo(key, size, etag, crc32c)
         assert self.crt is not None, "put_file without a native data path (sends_files)"
         etag = await self.crt.put_file(key, self._fd_path(fd), size, crc32c,
@@ -510,8 +512,12 @@ class S3Store(ObjectStore):
         r = await self._call(key, self.deadlines.control, self.client.head_object,
                              Bucket=self.bucket, Key=self._k(key))
         crc = _crc_meta(r.get("Metadata", {}).get(META_CRC))
-        return ObjectInfo(key, r["ContentLength"], r["ETag"], crc,
-                          r["LastModified"].timestamp())
+        size, etag, modified = r.get("ContentLength"), r.get("ETag"), r.get("LastModified")
+        if not isinstance(size, int) or not isinstance(etag, str):
+            raise StoreError(f"head {key}: the store's answer has no size or ETag", key=key)
+        # Last-Modified is informational (ObjectInfo.mtime): a store that leaves it out is
+        # not refused for it
+        return ObjectInfo(key, size, etag, crc, modified.timestamp() if modified else 0.0)
 
     async def list(self, prefix: str = "") -> builtins.list[ObjectInfo]:
         """Every page in its own thread, each within `deadlines.list_page`: a long listing is

@@ -32,6 +32,7 @@ from cachemgr.store.base import (
     ObjectInfo,
     ObjectStore,
     Part,
+    Pause,
     RangeCrcs,
     Staged,
     StoreError,
@@ -161,8 +162,9 @@ class _Wrapper(ObjectStore):
         return self.inner.gets_files
 
     async def put_file(self, key: str, fd: int, size: int, crc32c: int,
-                       ranges: RangeCrcs | None = None) -> ObjectInfo:
-        info: ObjectInfo = await self._do("put_file", key, fd, size, crc32c, ranges)
+                       ranges: RangeCrcs | None = None,
+                       pause: Pause | None = None) -> ObjectInfo:
+        info: ObjectInfo = await self._do("put_file", key, fd, size, crc32c, ranges, pause)
         return info
 
     async def get_file(self, key: str, fd: int, start: int, length: int) -> None:

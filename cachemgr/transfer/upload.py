@@ -640,7 +640,8 @@ class Uploader:
             self._check(still_valid, key)
         del buf
         try:
-            info = await self.store.put_file(key, fd, size, prod.crc_raw, prod.range_crcs())
+            info = await self.store.put_file(key, fd, size, prod.crc_raw, prod.range_crcs(),
+                                              self._foreground.yield_to)
         except StoreError:
             self._check(still_valid, key)  # written under the PUT: superseded, not failed
             raise
