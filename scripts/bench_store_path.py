@@ -18,6 +18,14 @@ Methods, each in its own process (so its CPU time is its own, read from /proc/<p
                 sampling; no FUSE, no index; the default data path (`--s3-transfer auto`): over
                 http:// uploads by plain HTTP, the body by sendfile (cachemgr.store.plainhttp),
                 restores' GETs by boto3
+  ckptfs-mount  the same through a real mount (default options, FUSE passthrough): the files
+                copied into `set.tmp/` of a fresh mount and the directory renamed to `set`
+                (a directory commit), `ckptfs wait set` (durable); then a fresh mount on an
+                empty cache dir and `ckptfs prefetch set` (a cold restore into the cache).
+                Times: rename -> durable, and the prefetch command. CPU: the daemon's (from
+                /proc/<pid>/stat), from before the first file is created to durable (the
+                uploads start as each file is closed, before the commit), and over the
+                prefetch; the `ckptfs` commands' own CPU is not in it
   ckptfs-crt    the same with uploads by the CRT (cachemgr.store.crt: S3Options(plain_http=
                 False), the default over https://)
   ckptfs-crt-gets  the same with the restore's GETs by the CRT too (`--s3-transfer crt`:
@@ -39,6 +47,7 @@ local server's cost is not the client's. Writes OUT.json and OUT.md.
 from __future__ import annotations
 
 import argparse
+import filecmp
 import json
 import os
 import shutil
@@ -57,7 +66,8 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 MiB = 1 << 20
 GiB = 1 << 30
-METHODS = ("crt", "ckptfs", "ckptfs-crt", "ckptfs-crt-gets", "ckptfs-boto3", "boto3")
+METHODS = ("crt", "ckptfs", "ckptfs-mount", "ckptfs-crt", "ckptfs-crt-gets", "ckptfs-boto3",
+           "boto3")
 CLK = os.sysconf("SC_CLK_TCK")
 
 
@@ -92,6 +102,52 @@ def _boto3(endpoint: str) -> Any:
                             response_checksum_validation="when_required"))
 
 
+def _through_a_mount(a: argparse.Namespace, files: list[str], size: int) -> dict[str, float]:
+    """ckptfs-mount: commit -> durable and a cold prefetch through real mounts (docstring)."""
+    from bench_restore import Mount
+    from benchlib import find_ckptfs, proc_cpu_s
+
+    ckptfs = find_ckptfs(None)
+    base = Path(a.dir) / ("mount-" + a.tag.replace("/", "-"))
+    args = ["--store", f"s3://{a.bucket}/{a.tag}/mount", "--endpoint-url", a.endpoint,
+            "--force-path-style"]
+    out: dict[str, float] = {}
+    for name in ("up", "down"):
+        m = Mount(ckptfs, base / f"{name}-mnt", base / f"{name}-cache", args, name)
+        try:
+            m.open()
+            c0 = proc_cpu_s(m.pid)
+            assert c0 is not None, "the daemon is gone"
+            if name == "up":
+                tmp = m.mnt / "set.tmp"
+                tmp.mkdir()
+                for i, src in enumerate(files):
+                    shutil.copyfile(src, tmp / f"__{i}_0.distcp")
+                w0 = time.perf_counter()
+                os.rename(tmp, m.mnt / "set")
+                cmd = [ckptfs, "wait", str(m.mnt / "set"), "--timeout", "600"]
+            else:
+                w0 = time.perf_counter()
+                cmd = [ckptfs, "prefetch", str(m.mnt / "set")]
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+            if r.returncode != 0:
+                raise SystemExit(f"{' '.join(cmd[1:2])}: exit {r.returncode}: "
+                                 f"{(r.stdout + r.stderr).strip()[-400:]}")
+            out[name + "_s"] = time.perf_counter() - w0
+            c1 = proc_cpu_s(m.pid)
+            assert c1 is not None, "the daemon is gone"
+            out[name + "_cpu"] = c1 - c0
+            if name == "down":  # read back through the mount (after the clock): the same bytes
+                for i, src in enumerate(files):
+                    shard = m.mnt / "set" / f"__{i}_0.distcp"
+                    if shard.stat().st_size != size or not filecmp.cmp(src, shard, shallow=False):
+                        raise SystemExit(f"{shard} differs from {src} after the restore")
+        finally:
+            m.close(wait_uploads=name == "up")
+    shutil.rmtree(base, ignore_errors=True)
+    return out
+
+
 def worker(a: argparse.Namespace) -> None:
     """Upload the files, then download them; print one JSON line of timings and CPU."""
     files = [str(Path(a.dir) / f"src{i}") for i in range(a.files)]
@@ -99,7 +155,9 @@ def worker(a: argparse.Namespace) -> None:
     keys = [f"{a.tag}/{a.method}/f{i}" for i in range(a.files)]
     size = os.path.getsize(files[0])
     out: dict[str, float] = {}
-    if a.method.startswith("ckptfs"):
+    if a.method == "ckptfs-mount":
+        out = _through_a_mount(a, files, size)
+    elif a.method.startswith("ckptfs"):
         import trio
 
         from cachemgr.store import RetryingStore
@@ -209,7 +267,7 @@ def worker(a: argparse.Namespace) -> None:
                 r.finished_future.result()
             out[name + "_s"] = time.perf_counter() - w0
             out[name + "_cpu"] = self_cpu() - c0
-    for i in range(a.files):
+    for i in range(a.files if a.method != "ckptfs-mount" else 0):  # (checked through the mount)
         if os.path.getsize(dests[i]) != size:
             raise SystemExit(f"{a.method}: {dests[i]} is not {size} bytes")
         os.unlink(dests[i])
