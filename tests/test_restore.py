@@ -305,7 +305,10 @@ def test_cold_restore_bit_exact(nodes, store):
     assert st["bytes_fetched"] > 0 and st["integrity_errors"] == 0
     assert remote_stat(b)["restored_sets"] >= 4
     if store is not None:  # S3 over http://: uploads by sendfile, restores boto3 (the default)
-        assert ckptfs.status(a.path)["tiering"]["store"]["data_path"] == "sendfile"
+        sa = ckptfs.status(a.path)["tiering"]["store"]
+        assert sa["data_path"] == "sendfile"
+        dc = sa["data_client"]
+        assert dc["client"] == "sendfile" and dc["put_bytes"] > 0 and dc["puts"] > 0, dc
         assert ckptfs.status(b.path)["tiering"]["store"]["data_path"] == \
             ("crt" if HAVE_CRT else "boto3")
 

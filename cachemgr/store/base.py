@@ -281,6 +281,10 @@ class ObjectStore(abc.ABC):
         by boto3), "boto3", "local" (file://)."""
         return "local"
 
+    def data_statistics(self) -> dict[str, Any]:
+        """For status: which client moves data bytes (as `data_path`) and its counters."""
+        return {"client": self.data_path}
+
     @property
     def sends_files(self) -> bool:
         """True if `put_file` works: an uncompressed cache file goes up whole, read by the

@@ -153,6 +153,9 @@ class _Wrapper(ObjectStore):
     def data_path(self) -> str:
         return self.inner.data_path
 
+    def data_statistics(self) -> dict[str, Any]:
+        return self.inner.data_statistics()
+
     @property
     def sends_files(self) -> bool:
         return self.inner.sends_files

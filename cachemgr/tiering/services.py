@@ -440,8 +440,10 @@ class Tiering:
                       "last_error": h.last_error, "consecutive_failures": h.consecutive_failures,
                       "retries": getattr(retry, "retries", 0),
                       "retry_failures": getattr(retry, "failures", 0),
-                      # which client moves data bytes (cachemgr.store.crt): crt, boto3, local
-                      "data_path": self.store.data_path},
+                      # which client moves data bytes (docs/ARCHITECTURE.md "Store data
+                      # path"): sendfile, crt-up, crt, boto3, local; and its counters
+                      "data_path": self.store.data_path,
+                      "data_client": self.store.data_statistics()},
             # upload threads at idle CPU and I/O priority (cachemgr.host.background; root only)
             "uploads": {**self.uploads.status(), "idle_priority": background.enabled()},
             "restore": self.restorer.status(),
