@@ -15,8 +15,8 @@ cachemgr.transfer.upload).
 
 Requests
     `put_file` <= the part size: one PUT, `x-amz-checksum-crc32c` the whole file's CRC32C (AWS
-    and SeaweedFS check it on receipt, BadDigest; RGW 16.2 and moto do not), `x-amz-meta-ckptfs-crc32c` too
-    so a HEAD can check it, as on the other paths.
+    and SeaweedFS check it on receipt, BadDigest; RGW 16.2 and moto do not),
+    `x-amz-meta-ckptfs-crc32c` too so a HEAD can check it, as on the other paths.
     Bigger: a multipart upload whose parts go in parallel (at most `max_connections` requests
     of this client at once, every file together), each part's CRC32C folded from the chunk
     CRC32Cs (parts are whole chunks) and sent and listed at the completion; a failure aborts
