@@ -658,6 +658,9 @@ def run_daemon(cfg: MountConfig, notify: Notify) -> int:
     EXIT_OK when the mount is ready, or with the error code before returning it."""
     import trio
 
+    from cachemgr.host import allocator
+
+    allocator.tune()  # before any thread: restore buffers reused, not mapped afresh each time
     d = _Daemon(cfg, notify)
     try:
         d.take_lock()        # 1

@@ -160,6 +160,9 @@ def worker(a: argparse.Namespace) -> None:
     elif a.method.startswith("ckptfs"):
         import trio
 
+        from cachemgr.host import allocator
+        allocator.tune()  # as the daemon does at its start (CKPTFS_MALLOC_DEFAULTS=1: not)
+
         from cachemgr.store import RetryingStore
         from cachemgr.store.s3 import S3Options, S3Store
         from cachemgr.transfer.download import fetch_chunks
