@@ -20,16 +20,21 @@ import abc
 import base64
 import builtins
 import errno
+import ipaddress
+import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 import crc32c as _crc32c
+import trio
 
 try:  # optional: the CRT's CRC32C, faster (cachemgr.format.decode says how much)
     from awscrt.checksums import crc32c as _fast_crc32c
 except ImportError:  # pragma: no cover - boto3-only installs
     _fast_crc32c = None
+
+log = logging.getLogger(__name__)
 
 # Scratch objects of a mount's conditional-write probe (s3.S3Store.probe_conditional,
 # docs/STORES.md): the one prefix the seam itself writes under; the layout (cachemgr.format.keys)
@@ -317,6 +322,52 @@ class ObjectStore(abc.ABC):
 
     async def aclose(self) -> None:
         return None
+
+
+def answer_error(status: int, code: str, msg: str, key: str | None) -> StoreError:
+    """An S3 error answer (HTTP `status`, the XML's `<Code>`) as the seam's error, for the
+    clients that read answers themselves (cachemgr.store.crt, cachemgr.store.plainhttp)."""
+    if status == 404 or code in ("NoSuchKey", "NoSuchUpload"):
+        return NotFound(msg, key=key)
+    if status in (409, 412):
+        return PreconditionFailed(msg, key=key)
+    if status >= 500 or status in (408, 429) or code in ("SlowDown", "RequestTimeout"):
+        return TransientStoreError(msg, key=key)
+    return StoreError(msg, key=key)
+
+
+def is_ip_or_local(host: str) -> bool:
+    """A host that cannot take a bucket in its name (an IP address, localhost: moto, RGW): such
+    an endpoint is addressed path-style."""
+    if host == "localhost" or host.endswith(".localhost"):
+        return True
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+async def await_within(done: trio.Event, deadline: float, stop: Callable[[], None],
+                       grace: float) -> bool:
+    """Wait for `done` (set when a native client's request ends) at most `deadline` seconds.
+    Past it, or when the caller is cancelled, call `stop()` (the client's cancel) and wait for
+    `done` again, shielded, at most `grace` seconds, so the request no longer touches the
+    caller's file when this returns. Returns whether the deadline passed; a request still
+    going after `grace` is logged."""
+    timed_out = False
+    try:
+        with trio.move_on_after(deadline):
+            await done.wait()
+        timed_out = not done.is_set()
+    finally:
+        if not done.is_set():
+            stop()
+            with trio.CancelScope(shield=True), trio.move_on_after(grace):
+                await done.wait()
+            if not done.is_set():
+                log.warning("a store request still going %.0fs after it was stopped", grace)
+    return timed_out
 
 
 def check_key(key: str) -> str:

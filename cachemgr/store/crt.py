@@ -45,7 +45,6 @@ Python on a CRT thread but that. Every other field is the trio thread's.
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import os
 import urllib.parse
@@ -58,11 +57,12 @@ import trio
 from cachemgr.host import background
 from cachemgr.store.base import (
     DeadlineExceeded,
-    NotFound,
-    PreconditionFailed,
     StoreError,
     TransientStoreError,
+    answer_error,
+    await_within,
     check_key,
+    is_ip_or_local,
 )
 
 try:  # optional: without it S3Store moves every byte through boto3
@@ -135,7 +135,7 @@ class CrtData:
             host = netloc = f"s3.{opts.region}.amazonaws.com"
         # Path style when asked, and for endpoints that cannot take a bucket in their name (an
         # IP address, localhost: moto, RGW); virtual-hosted otherwise, as boto3 does.
-        if opts.path_style or _is_ip_or_local(host):
+        if opts.path_style or is_ip_or_local(host):
             self._host = netloc
             self._root = f"/{opts.bucket}/"
         else:
@@ -243,22 +243,14 @@ class CrtData:
                 pass
 
         request = client.make_request(on_headers=on_headers, on_done=on_done, **kw)
-        timed_out = False
-        try:
-            with trio.move_on_after(deadline):
-                await done.wait()
-            timed_out = not done.is_set()
-        finally:
+
+        def cancel() -> None:
             # at the deadline, or the caller cancelled (an unmount, a superseded upload): the
-            # CRT stops, and is no longer reading or writing the file once this returns
-            if not done.is_set():
-                request.cancel()
-                self.stats.cancelled += 1
-                with trio.CancelScope(shield=True), trio.move_on_after(CANCEL_WAIT):
-                    await done.wait()
-                if not done.is_set():
-                    log.warning("CRT %s %s: no answer %.0fs after cancel", what, key,
-                                CANCEL_WAIT)
+            # CRT stops, and is no longer reading or writing the file once it answers
+            request.cancel()
+            self.stats.cancelled += 1
+
+        timed_out = await await_within(done, deadline, cancel, CANCEL_WAIT)
         if timed_out:
             raise DeadlineExceeded(f"{what} {key}: no answer within {deadline:.0f}s", key=key)
         err = answer.get("error")
@@ -272,16 +264,6 @@ class CrtData:
         # The clients shut down when their last reference goes (NativeResource); dropping them
         # here makes that now rather than at interpreter exit.
         del self.up, self.down
-
-
-def _is_ip_or_local(host: str) -> bool:
-    if host == "localhost" or host.endswith(".localhost"):
-        return True
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    return True
 
 
 def _idle_threads_since(before: set[str]) -> None:
@@ -304,13 +286,7 @@ def _translate(err: BaseException, what: str, key: str) -> StoreError:
     if b"<Code>" in body:
         code = body.split(b"<Code>", 1)[1].split(b"</Code>", 1)[0].decode(errors="replace")
     msg = f"{what} {key}: {code or status or name}"
-    if status == 404 or code in ("NoSuchKey", "NoSuchUpload"):
-        return NotFound(msg, key=key)
-    if status in (409, 412):
-        return PreconditionFailed(msg, key=key)
-    if status >= 500 or status == 429 or status == 408 or code in ("SlowDown", "RequestTimeout"):
-        return TransientStoreError(msg, key=key)
     if status:
-        return StoreError(msg, key=key)
+        return answer_error(status, code, msg, key)
     # no HTTP answer: a connection refused, reset or cancelled, a read error: worth retrying
     return TransientStoreError(msg, key=key)

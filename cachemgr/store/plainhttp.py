@@ -43,7 +43,6 @@ State and who guards it
 from __future__ import annotations
 
 import base64
-import ipaddress
 import logging
 import os
 import re
@@ -63,13 +62,14 @@ from botocore.credentials import Credentials
 from cachemgr.host import background
 from cachemgr.store.base import (
     DeadlineExceeded,
-    NotFound,
     Pause,
-    PreconditionFailed,
     RangeCrcs,
     StoreError,
     TransientStoreError,
+    answer_error,
+    await_within,
     check_key,
+    is_ip_or_local,
 )
 
 if TYPE_CHECKING:
@@ -195,7 +195,7 @@ class PlainHttpData:
         self._addr = (u.hostname, u.port or 80)
         host = u.hostname
         netloc = u.netloc
-        if opts.path_style or _is_ip_or_local(host):
+        if opts.path_style or is_ip_or_local(host):
             self._host, self._root = netloc, f"/{opts.bucket}/"
         else:
             self._host, self._root = f"{opts.bucket}.{netloc}", "/"
@@ -334,22 +334,13 @@ class PlainHttpData:
                 except trio.RunFinishedError:
                     pass
 
+        def kill() -> None:  # the deadline, or the caller was cancelled
+            attempt.kill()
+            self.stats.cancelled += 1
+
         async with self._limiter:
             trio.lowlevel.start_thread_soon(run, lambda _: None, name=f"ckptfs {what}")
-            timed_out = False
-            try:
-                with trio.move_on_after(deadline):
-                    await done.wait()
-                timed_out = not done.is_set()
-            finally:
-                if not done.is_set():  # the deadline, or the caller was cancelled
-                    attempt.kill()
-                    self.stats.cancelled += 1
-                    with trio.CancelScope(shield=True), trio.move_on_after(CANCEL_WAIT):
-                        await done.wait()
-                    if not done.is_set():
-                        log.warning("%s %s: request thread still busy %.0fs after the kill",
-                                    what, key, CANCEL_WAIT)
+            timed_out = await await_within(done, deadline, kill, CANCEL_WAIT)
         if reconnected:
             self.stats.reconnects += 1
         if timed_out:
@@ -596,21 +587,4 @@ def _unxml(s: str) -> str:
 def _error(status: int, body: bytes, what: str, key: str) -> StoreError:
     m = re.search(rb"<Code>([^<]{1,128})</Code>", body)
     code = m.group(1).decode("ascii", "replace") if m else ""
-    msg = f"{what} {key}: {code or status}"
-    if status == 404 or code in ("NoSuchKey", "NoSuchUpload"):
-        return NotFound(msg, key=key)
-    if status in (409, 412):
-        return PreconditionFailed(msg, key=key)
-    if status >= 500 or status in (408, 429) or code in ("SlowDown", "RequestTimeout"):
-        return TransientStoreError(msg, key=key)
-    return StoreError(msg, key=key)
-
-
-def _is_ip_or_local(host: str) -> bool:
-    if host == "localhost" or host.endswith(".localhost"):
-        return True
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    return True
+    return answer_error(status, code, f"{what} {key}: {code or status}", key)

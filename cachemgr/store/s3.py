@@ -254,28 +254,28 @@ class S3Store(ObjectStore):
         path_style = opts.path_style or s3cfg.get("addressing_style") == "path"
         return credentials, region, path_style
 
-    def _make_crt(self, session: boto3.session.Session, opts: S3Options) -> CrtData | None:
+    def _native_kw(self, session: boto3.session.Session, opts: S3Options) -> \
+            dict[str, Any] | None:
+        """The options both native data clients take (CrtOptions, PlainOptions)."""
         got = self._native_setup(session, opts)
         if got is None:
             return None
         credentials, region, path_style = got
-        return CrtData(CrtOptions(
-            bucket=self.bucket, prefix=self.prefix, endpoint_url=opts.endpoint_url,
-            region=region, path_style=path_style, credentials=credentials,
-            max_connections=opts.max_connections, connect_timeout=opts.connect_timeout,
-            part_size=opts.part_size))
+        return {"bucket": self.bucket, "prefix": self.prefix, "region": region,
+                "endpoint_url": opts.endpoint_url, "path_style": path_style,
+                "credentials": credentials, "max_connections": opts.max_connections,
+                "connect_timeout": opts.connect_timeout, "part_size": opts.part_size}
+
+    def _make_crt(self, session: boto3.session.Session, opts: S3Options) -> CrtData | None:
+        kw = self._native_kw(session, opts)
+        return None if kw is None else CrtData(CrtOptions(**kw))
 
     def _make_plain(self, session: boto3.session.Session,
                     opts: S3Options) -> PlainHttpData | None:
-        got = self._native_setup(session, opts)
-        if got is None or not opts.endpoint_url:
+        kw = self._native_kw(session, opts)
+        if kw is None or not opts.endpoint_url:
             return None
-        credentials, region, path_style = got
-        return PlainHttpData(PlainOptions(
-            bucket=self.bucket, prefix=self.prefix, endpoint_url=opts.endpoint_url,
-            region=region, path_style=path_style, credentials=credentials,
-            max_connections=opts.max_connections, connect_timeout=opts.connect_timeout,
-            part_size=opts.part_size), opts.deadlines)
+        return PlainHttpData(PlainOptions(**kw), opts.deadlines)
 
     @property
     def data_path(self) -> str:
