@@ -37,7 +37,8 @@ State and who guards it
     `_idle` (the pool): `_pool_lock` (a threading.Lock: request threads take and give back
     connections). `_Attempt.sock`/`killed`: the attempt's own lock (the request thread
     swaps in a fresh connection when a pooled one turned out closed; the trio task kills).
-    `stats`: the trio thread only.
+    `stats`: the trio thread only. The credentials callable is called in the request
+    thread (signing), never on the trio thread.
 """
 
 from __future__ import annotations
@@ -315,7 +316,6 @@ class PlainHttpData:
                                                  safe="/-_.~")
         if query:
             target += "?" + query
-        head = self._head(method, target, headers, body)
         attempt = _Attempt()
         token = trio.lowlevel.current_trio_token()
         done = trio.Event()
@@ -324,6 +324,9 @@ class PlainHttpData:
 
         def run() -> None:
             try:
+                # signed here, not on the loop: the credential chain may refresh itself over
+                # the network (STS, IMDS) when its credentials near their expiry
+                head = self._head(method, target, headers, body)
                 box["answer"] = background.run_idle_io(self._exchange, attempt, head, body,
                                                        reconnected)
             except BaseException as e:  # noqa: BLE001 - handed to the trio task
