@@ -56,8 +56,11 @@ def _ioprio_set(value: int) -> None:
         _libc.syscall(_ioprio[0], _IOPRIO_WHO_PROCESS, 0, value)
 
 
-def run_idle(fn: Callable[..., _T], *args: object) -> _T:
-    """`fn(*args)` on this (worker) thread at idle CPU and I/O priority, restored after."""
+def run_idle(fn: Callable[..., _T], *args: object, cpu: bool = True) -> _T:
+    """`fn(*args)` on this (worker) thread at idle CPU and I/O priority, restored after.
+    `cpu=False`: idle I/O priority only, for a thread that reads the cache disk for an upload
+    but whose CPU work is the network's (sendfile: cachemgr.store.plainhttp), which stays at
+    normal CPU priority as the CRT's and boto3's senders' does (`idle_thread` says why)."""
     if not _ENABLED:
         return fn(*args)
     policy = os.sched_getscheduler(0)
@@ -69,30 +72,16 @@ def run_idle(fn: Callable[..., _T], *args: object) -> _T:
     param = os.sched_getparam(0)
     io = _ioprio_get()
     try:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        if cpu:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
         _ioprio_set(_IDLE_IOPRIO)
     except OSError as e:  # a seccomp profile, a container without the syscall
         log.debug("cannot lower this upload thread's priority: %s", e)
     try:
         return fn(*args)
     finally:
-        os.sched_setscheduler(0, policy, param)
-        if io is not None:
-            _ioprio_set(io)
-
-
-def run_idle_io(fn: Callable[..., _T], *args: object) -> _T:
-    """`fn(*args)` on this (worker) thread at idle I/O priority only, restored after: a
-    request thread that reads the cache disk for an upload (sendfile: cachemgr.store.plainhttp)
-    but whose CPU work is the network's, which stays at normal CPU priority as the CRT's and
-    boto3's senders' does (`idle_thread` with cpu=False says why)."""
-    if not _ENABLED or _ioprio is None:
-        return fn(*args)
-    io = _ioprio_get()
-    _ioprio_set(_IDLE_IOPRIO)
-    try:
-        return fn(*args)
-    finally:
+        if cpu:
+            os.sched_setscheduler(0, policy, param)
         if io is not None:
             _ioprio_set(io)
 

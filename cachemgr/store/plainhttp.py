@@ -327,8 +327,8 @@ class PlainHttpData:
                 # signed here, not on the loop: the credential chain may refresh itself over
                 # the network (STS, IMDS) when its credentials near their expiry
                 head = self._head(method, target, headers, body)
-                box["answer"] = background.run_idle_io(self._exchange, attempt, head, body,
-                                                       reconnected)
+                box["answer"] = background.run_idle(self._exchange, attempt, head, body,
+                                                    reconnected, cpu=False)
             except BaseException as e:  # noqa: BLE001 - handed to the trio task
                 box["error"] = e
             finally:

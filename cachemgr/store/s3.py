@@ -220,21 +220,22 @@ class S3Store(ObjectStore):
         self.crt_off_reason = ""
         if opts.plain_http and opts.native and \
                 (opts.endpoint_url or "").lower().startswith("http://"):
+            # uploads by sendfile, restores by boto3: no CRT needed
             self.plain = self._make_plain(session, opts)
-        if self.plain is not None:
-            pass  # uploads by sendfile, restores by boto3: no CRT needed
-        elif not crt.HAVE_CRT:
-            self.crt_off_reason = "awscrt is not installed"
-        elif not opts.native:
-            self.crt_off_reason = "turned off (--s3-transfer boto3)"
-        else:
-            self.crt = self._make_crt(session, opts)
+        if self.plain is None:
+            if not crt.HAVE_CRT:
+                self.crt_off_reason = "awscrt is not installed"
+            elif not opts.native:
+                self.crt_off_reason = "turned off (--s3-transfer boto3)"
+            else:
+                self.crt = self._make_crt(session, opts)
         self._native_gets = self.crt is not None and opts.native_gets
 
-    def _native_setup(self, session: boto3.session.Session, opts: S3Options) -> \
-            tuple[Callable[[], tuple[str, str, str | None]], str, bool] | None:
-        """(credentials, region, path style) for a native data client, as boto3 has them; None
-        (and `crt_off_reason` said) without credentials."""
+    def _native_kw(self, session: boto3.session.Session, opts: S3Options) -> \
+            dict[str, Any] | None:
+        """The options both native data clients take (CrtOptions, PlainOptions), credentials,
+        region and addressing as boto3 has them; None (and `crt_off_reason` said) without
+        credentials."""
         if session.get_credentials() is None:
             self.crt_off_reason = "no credentials in the AWS chain when mounted"
             return None
@@ -247,22 +248,13 @@ class S3Store(ObjectStore):
             f = got.get_frozen_credentials()
             return f.access_key, f.secret_key, f.token
 
-        region = opts.region or session.region_name or "us-east-1"
         # the addressing boto3 uses: the option, or the profile's `s3 = addressing_style = path`
         # (botocore merges it into the client's config)
         s3cfg = self.client.meta.config.s3 or {}
-        path_style = opts.path_style or s3cfg.get("addressing_style") == "path"
-        return credentials, region, path_style
-
-    def _native_kw(self, session: boto3.session.Session, opts: S3Options) -> \
-            dict[str, Any] | None:
-        """The options both native data clients take (CrtOptions, PlainOptions)."""
-        got = self._native_setup(session, opts)
-        if got is None:
-            return None
-        credentials, region, path_style = got
-        return {"bucket": self.bucket, "prefix": self.prefix, "region": region,
-                "endpoint_url": opts.endpoint_url, "path_style": path_style,
+        return {"bucket": self.bucket, "prefix": self.prefix,
+                "region": opts.region or session.region_name or "us-east-1",
+                "endpoint_url": opts.endpoint_url,
+                "path_style": opts.path_style or s3cfg.get("addressing_style") == "path",
                 "credentials": credentials, "max_connections": opts.max_connections,
                 "connect_timeout": opts.connect_timeout, "part_size": opts.part_size}
 

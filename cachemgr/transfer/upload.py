@@ -260,7 +260,6 @@ class _Producer:
         self.frame_size = frame_size  # also the chunk size
         self.target = target        # stored bytes per part (math.inf: one part)
         self.raw_off = 0
-        self.crc_raw = 0
         self.crc_stored = 0
         self.stored = 0
         self.frames: list[int] = []
@@ -272,6 +271,12 @@ class _Producer:
         self._part_start: int | None = None
         self._pieces: list[bytes] = []
         self._got = 0
+
+    @property
+    def crc_raw(self) -> int:
+        """CRC32C of the raw bytes checksummed so far (the whole file's once they all are),
+        folded from the completed chunks and the one being filled."""
+        return crc32c_combine(self._done_crc, self._cur_crc, self._cur_len)
 
     def range_crcs(self) -> RangeCrcs:
         """The CRC32C of any range of whole chunks, folded from the chunk CRCs (once the file
@@ -308,7 +313,6 @@ class _Producer:
         if last and self._cur_len:
             self._chunk_done(self._cur_crc, self._cur_len)
             self._cur_crc = self._cur_len = 0
-        self.crc_raw = crc32c_combine(self._done_crc, self._cur_crc, self._cur_len)
 
     # Raw bytes one call of `next_part` works through at most when compressing: a part of very
     # compressible data covers far more raw bytes than its stored target (a file of zeros, such
@@ -338,7 +342,6 @@ class _Producer:
                 n = min(self.frame_size, self.size - self.raw_off)
                 raw = _pread_exact(self.fd, n, self.raw_off)
                 self._chunk_done(crc32c(raw), n)
-                self.crc_raw = self._done_crc
                 c = compress_frame(raw)
                 del raw  # one raw frame alive at a time
                 self._pieces.append(c)
