@@ -269,8 +269,9 @@ class ObjectStore(abc.ABC):
 
     async def publish_staged(self, staged: Staged) -> ObjectInfo:
         """Make a staged copy the object at its key (unconditionally, atomically). The info
-        returned is the object as the store reads it back after publication (what `head`
-        would answer), so the caller need not HEAD it again."""
+        returned is the object this publication made (what a `head` right after would answer,
+        were nothing else to write or delete the key meanwhile), so the caller need not HEAD
+        it again."""
         raise NotImplementedError
 
     async def discard_staged(self, staged: Staged) -> None:

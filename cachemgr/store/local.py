@@ -390,9 +390,11 @@ class LocalStore(ObjectStore):
 
     def _publish_staged(self, staged: Staged) -> ObjectInfo:
         tmp, st = staged.handle
-        self._store(staged.key, lambda _dfd: (tmp, st), staged.crc32c, False, None)
-        # read back, as `head` would (ObjectStore.publish_staged): the uploader does not HEAD
-        return self._info(staged.key)
+        # The object as this publication made it (ObjectStore.publish_staged), from the inode
+        # it renamed into place: the uploader does not HEAD. Not read back by key: a deletion
+        # right after the rename (a GC pass collecting the object of a file deleted meanwhile)
+        # would turn a publication that happened into NotFound, which an S3 PUT never does.
+        return self._store(staged.key, lambda _dfd: (tmp, st), staged.crc32c, False, None)
 
     async def publish_staged(self, staged: Staged) -> ObjectInfo:
         return await self._run(self._publish_staged, staged)

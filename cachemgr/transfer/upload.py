@@ -548,7 +548,7 @@ class Uploader:
         """A file of at most SMALL_STAGED bytes to a store that copies local files in whole
         (file://): the `_upload_staged` path in two worker-thread hops instead of five (the
         open, the compressibility sample, the copy and its CRCs in one `stage_path`; the
-        rename and the read-back in one `publish_staged`), with the same checks in the same
+        rename and the object's info in one `publish_staged`), with the same checks in the same
         order. None (nothing staged) if the sample says compress."""
         cfg = self.cfg
         await self._foreground.yield_to(size)
