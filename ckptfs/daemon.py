@@ -87,7 +87,7 @@ from .stallwatch import StallWatch, from_env
 
 if TYPE_CHECKING:
     from cachemgr.host.foreground import Foreground
-    from cachemgr.restore.peerproto import PeerConfig
+    from cachemgr.peer.proto import PeerConfig
     from cachemgr.tiering.services import Tiering
 
 log = logging.getLogger(__name__)
@@ -97,7 +97,7 @@ def peer_config(cfg: MountConfig) -> PeerConfig | None:
     """--peers as the restore layer takes it (the secret read from its file again); None: off."""
     if not cfg.peers or cfg.peer_secret_file is None:
         return None
-    from cachemgr.restore.peerproto import PeerConfig
+    from cachemgr.peer.proto import PeerConfig
 
     host, port, advertise = cfg.peer_endpoint
     return PeerConfig(secret=load_peer_secret(cfg.peer_secret_file), listen_host=host,

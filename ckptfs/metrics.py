@@ -320,7 +320,7 @@ PEER_ERROR_KINDS = ("auth", "corrupt", "size", "stall", "unreachable", "protocol
 
 
 def _peer_families(p: dict | None) -> Iterator[Metric]:
-    """--peers (cachemgr.restore.peers, peerserve): always present, 0 on a mount without it, so
+    """--peers (cachemgr.peer): always present, 0 on a mount without it, so
     a dashboard over many nodes sums them alike."""
     client = (p or {}).get("client") or {}
     server = (p or {}).get("server") or {}

@@ -175,8 +175,8 @@ def test_the_proxy_s_held_threads_end_at_stop(s3_endpoint):
 def test_peer_client_neither_a_black_hole_peer_nor_a_hung_listing_holds_a_fetch():
     from test_peers_unit import CS, _obj, _server
 
-    from cachemgr.restore.peerproto import PeerConfig, PeerEndpoint
-    from cachemgr.restore.peers import PeerClient
+    from cachemgr.peer.client import PeerClient
+    from cachemgr.peer.proto import PeerConfig, PeerEndpoint
 
     data = bytes(range(256)) * (CS * 2 // 256)
     obj = _obj(data)

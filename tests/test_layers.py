@@ -42,6 +42,16 @@ def copy(tmp_path: Path) -> Path:
      "cachemgr.core is not allowed to import cachemgr.transfer"),
     ("cachemgr/host/foreground.py", "import ckptfs.fuse",
      "cachemgr.host is not allowed to import ckptfs"),
+    # restore never imports tiering (its own contract, beside the layers)
+    ("cachemgr/restore/fetch.py", "from cachemgr.tiering import space",
+     "cachemgr.restore is not allowed to import cachemgr.tiering"),
+    # peer knows no replicas: the transport imports none of the services above it
+    ("cachemgr/peer/server.py", "from cachemgr.tiering import replicaproto",
+     "cachemgr.peer is not allowed to import cachemgr.tiering"),
+    ("cachemgr/peer/client.py", "from cachemgr.restore import chunkfetch",
+     "cachemgr.peer is not allowed to import cachemgr.restore"),
+    ("cachemgr/peer/proto.py", "from cachemgr.core import sets",
+     "cachemgr.peer is not allowed to import cachemgr.core"),
 ])
 def test_an_import_against_the_layers_fails_the_contract(copy, module, bad, message):
     assert lint_imports(copy).returncode == 0  # the copy as it is keeps the contract
@@ -50,3 +60,12 @@ def test_an_import_against_the_layers_fails_the_contract(copy, module, bad, mess
     res = lint_imports(copy)
     assert res.returncode != 0
     assert message in res.stdout, res.stdout[-2000:]
+
+
+def test_the_peer_transport_names_no_replica():
+    """"peer knows no replicas" beyond its imports: no module of cachemgr/peer names them (a
+    route that means a replica is tiering's, cachemgr.tiering.replicaproto, handed to the
+    server by the engine)."""
+    hits = [f"{p.name}:{i}" for p in sorted((REPO / "cachemgr" / "peer").glob("*.py"))
+            for i, line in enumerate(p.read_text().splitlines(), 1) if "replica" in line.lower()]
+    assert hits == []

@@ -285,7 +285,7 @@ def _raw_get(port: int, target: str, headers: list[tuple[bytes, bytes]],
 
 
 def test_server_refuses_bad_auth_and_keeps_serving(cluster):
-    from cachemgr.restore.peerproto import chunk_target, sign
+    from cachemgr.peer.proto import chunk_target, sign
 
     a = cluster("a")
     data = write_checkpoint(a)

@@ -1,4 +1,4 @@
-"""The peer protocol in process, no mount (cachemgr.restore.peerproto, peers, peerserve): HMAC,
+"""The peer protocol in process, no mount (cachemgr.peer: proto, client, server): HMAC,
 replay and clock checks, request bounds, rendezvous order, the member record's `peer` field,
 --peer-secret-file checks; a real PeerServer on 127.0.0.1 against the real PeerClient."""
 
@@ -16,8 +16,9 @@ import trio
 from cachemgr.format import validate
 from cachemgr.format.decode import crc32c
 from cachemgr.format.objects import StoredObject
-from cachemgr.restore import peerserve
-from cachemgr.restore.peerproto import (
+from cachemgr.peer import server as peerserve
+from cachemgr.peer.client import PeerClient
+from cachemgr.peer.proto import (
     CLOCK_WINDOW_S,
     PeerConfig,
     PeerEndpoint,
@@ -29,7 +30,6 @@ from cachemgr.restore.peerproto import (
     sign,
     writer_of,
 )
-from cachemgr.restore.peers import PeerClient
 from ckptfs.config import ConfigError, load_peer_secret
 
 SECRET = b"s3cret"

@@ -2,7 +2,7 @@
 docs/SEMANTICS.md "Replicated"): what a fresh node does with a peer's namespace answer.
 
 First the documents on their own (no mount): the namespace answer (validate.peer_namespace),
-its signature (peerproto.check_response), a held replica's chunk CRCs (validate.replica_offer)
+its signature (peer.proto.check_response), a held replica's chunk CRCs (validate.replica_offer)
 and the objects and manifest a buddy serves a replica as (replicate.virtual_objects,
 replica_manifest). Then real mounts: a fresh node whose store is down (a FaultProxy outage in
 front of moto) mounted with --allow-empty-namespace and, as its only seed, a fake peer (an h11
@@ -33,15 +33,8 @@ from cachemgr.format import manifest as mf
 from cachemgr.format import validate
 from cachemgr.format.decode import crc32c
 from cachemgr.format.objects import verify_chunk
-from cachemgr.restore.peerproto import (
-    H_SIG,
-    NAMESPACE_ROUTE,
-    ReplayCache,
-    check_auth,
-    check_response,
-    namespace_target,
-    sign_response,
-)
+from cachemgr.peer.proto import H_SIG, ReplayCache, check_auth, check_response, sign_response
+from cachemgr.tiering.replicaproto import NAMESPACE_ROUTE, namespace_target
 from cachemgr.tiering.replicate import replica_manifest, virtual_objects
 
 SECRET = b"peerspace-secret-for-tests-01234"

@@ -192,7 +192,7 @@ def test_replicas_need_peers(mount_factory, tmp_path):
 
 def _request(port: int, method: str, target: str, body: bytes = b"",
              secret: bytes = SECRET) -> int:
-    from cachemgr.restore.peerproto import sign
+    from cachemgr.peer.proto import sign
 
     conn = h11.Connection(h11.CLIENT)
     with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
@@ -527,7 +527,8 @@ def test_an_origin_back_after_its_takeover_leaves_one_whole_set(cluster):
 
 
 def test_buddies_are_stable_as_others_come_and_go():
-    from cachemgr.restore.peerproto import PeerEndpoint, buddies
+    from cachemgr.peer.proto import PeerEndpoint
+    from cachemgr.tiering.replicaproto import buddies
 
     peers = [PeerEndpoint(f"n{i:03d}", "127.0.0.1", 1000 + i) for i in range(50)]
     first = [p.node for p in buddies("origin", peers)[:2]]

@@ -483,7 +483,7 @@ def is_host(s: object) -> bool:
 
 def peer_endpoint(v: object, error: type[DocumentError] = DocumentError) -> tuple[str, int]:
     """A member record's `peer` ({"host": name or IP address, "port": 1..65535}: where the
-    node serves chunks to peers, cachemgr.restore.peerserve) as (host, port)."""
+    node serves chunks to peers, cachemgr.peer.server) as (host, port)."""
     if not isinstance(v, dict) or set(v) != {"host", "port"}:
         raise error("member peer is not {host, port}")
     host, port = v["host"], v["port"]

@@ -25,10 +25,10 @@ State, its owner and its guards (all on the daemon's trio thread, no lock needed
     All are dropped with the file's cache state (`forget`): evicted, rewritten, fetched whole,
     deleted.
 
-Peers (--peers): `fetch` and `_fetch_run` ask `peers` (cachemgr.restore.peers.PeerClient, which
+Peers (--peers): `fetch` and `_fetch_run` ask `peers` (cachemgr.peer.client.PeerClient, which
 verifies every chunk against its CRC32C) before the store; what they return goes through the same
 `_store_chunks` fill as store bytes. `serve_chunk` is the peer server's source
-(cachemgr.restore.peerserve): it reads a chunk of a file held verified (cached whole with its
+(cachemgr.peer.server): it reads a chunk of a file held verified (cached whole with its
 current content's object, or its bit in `present`), checks it, and hands it out; `_by_key` (object
 key -> ino, re-checked on each use) and `_not_here` (keys no file has, for NOT_HERE_S) spare it a
 scan of the inode table per request; both bounded, trio thread only.
@@ -58,7 +58,7 @@ import trio
 
 from cachemgr.core.errors import FsError
 from cachemgr.format.objects import StoredObject, chunk_count, chunk_span, verify_chunk
-from cachemgr.restore.peers import PeerClient
+from cachemgr.peer.client import PeerClient
 from cachemgr.store import IntegrityError, ObjectStore, StoreError
 from cachemgr.transfer.download import fetch_chunk, fetch_chunks
 
@@ -89,7 +89,7 @@ class ChunkStats:
 
     bytes_fetched: int            # from the store
     chunks_fetched: int
-    peer_bytes: int               # from peers (cachemgr.restore.peers), verified alike
+    peer_bytes: int               # from peers (cachemgr.peer.client), verified alike
     peer_chunks: int
     gets: int
     in_flight_chunks: int
@@ -403,7 +403,7 @@ class ChunkFetcher:
             self.peer_bytes += len(raw)
         return raw
 
-    # -- serving peers (cachemgr.restore.peerserve) ----------------------------------------------
+    # -- serving peers (cachemgr.peer.server) ----------------------------------------------
 
     def _ino_serving(self, key: str, crc: int) -> tuple[int, StoredObject] | None:
         """The file whose current content is the object `key` (with whole-content CRC `crc`)

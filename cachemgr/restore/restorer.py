@@ -41,8 +41,8 @@ import trio
 
 from cachemgr.core.errors import FsError
 from cachemgr.format.objects import StoredObject, chunk_span
+from cachemgr.peer.client import PeerClient
 from cachemgr.restore.chunkfetch import ChunkFetcher, ChunkStats, MakeRoom
-from cachemgr.restore.peers import PeerClient
 from cachemgr.restore.prefetch import FetchWhole, Job, LiveMembers, Prefetcher, PrefetchStats
 from cachemgr.store import ObjectStore
 

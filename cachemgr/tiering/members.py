@@ -84,7 +84,7 @@ import trio
 from cachemgr.core.errors import IndexFull
 from cachemgr.core.sets import LIVE_STATES
 from cachemgr.format import validate
-from cachemgr.restore.peerproto import PeerEndpoint
+from cachemgr.peer.proto import PeerEndpoint
 from cachemgr.store import NotFound, ObjectStore, StoreError
 
 if TYPE_CHECKING:
@@ -421,7 +421,7 @@ class Members:
 
     async def peers(self, stale: frozenset[str] = frozenset()) -> list[PeerEndpoint]:
         """The other live members that serve peers (--peers), for restores from peers
-        (cachemgr.restore.peers): one LIST of `members/`, and one GET of a member's record the
+        (cachemgr.peer.client): one LIST of `members/`, and one GET of a member's record the
         first time it is seen (and again when the caller names it `stale`: its endpoint did not
         answer). A record whose `peer` field is invalid is ignored, with one log line."""
         live = await self.live()

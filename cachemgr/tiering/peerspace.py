@@ -7,7 +7,7 @@ Who is asked: this node itself (the replicas it holds, in process: a buddy resum
 the node it holds a replica of sees that set), the `--peer-seeds` (host:port; a name is resolved
 at every pass and each of its addresses asked, e.g. a Kubernetes headless service or a Slurm
 node list), and every peer the answers named (a buddy names the live peers it knows, so one seed
-finds the others). Each answer (GET /v1/replica/namespace, cachemgr.restore.peerproto) must
+finds the others). Each answer (GET /v1/replica/namespace, cachemgr.peer.proto) must
 carry the HMAC of the request's random target and of its body (`check_response`): the manifests
 in it have no store document to be checked against, so they are trusted only as far as a node
 holding the shared secret is. Each manifest is then validated like a store's
@@ -46,15 +46,9 @@ import trio
 from cachemgr.core.sets import SetRegistry
 from cachemgr.format import manifest as mf
 from cachemgr.format import validate
-from cachemgr.restore.peerproto import (
-    H_SIG,
-    MAX_NAMESPACE_BYTES,
-    PeerConfig,
-    PeerEndpoint,
-    check_response,
-    namespace_target,
-)
-from cachemgr.restore.peers import PeerFault, request
+from cachemgr.peer.client import PeerFault, request
+from cachemgr.peer.proto import H_SIG, PeerConfig, PeerEndpoint, check_response
+from cachemgr.tiering.replicaproto import MAX_NAMESPACE_BYTES, namespace_target
 
 if TYPE_CHECKING:
     from cachemgr.tiering.remote import RemoteSync
@@ -114,7 +108,7 @@ class PeerNamespace:
 
     def known_peers(self, stale: frozenset[str] = frozenset()) -> list[PeerEndpoint]:
         """The peers the last answers named (for restores while the members cannot be
-        listed: cachemgr.restore.peers)."""
+        listed: cachemgr.peer.client)."""
         return [p for n, p in sorted(self.known.items()) if n not in stale]
 
     async def _targets(self) -> list[PeerEndpoint]:

@@ -1,10 +1,10 @@
 """Replicated before durable (--replicas K, docs/ARCHITECTURE.md "Peers", docs/SEMANTICS.md
 "Replicated"): every set this node commits is copied, in the background and in commit order,
-to K buddies (cachemgr.restore.peerproto.buddies: the peers of highest rendezvous weight for
+to K buddies (cachemgr.tiering.replicaproto.buddies: the peers of highest rendezvous weight for
 this node's id), before the store has it. Never on the trainer's path: the hooks that commit a
 set do nothing here; this service reads the committed sets from the index and offers them.
 
-Protocol (the peer port of --peers, cachemgr.restore.peerserve; routes in peerproto):
+Protocol (the peer port of --peers, cachemgr.peer.server; routes in cachemgr.tiering.replicaproto):
 
   * the origin POSTs an offer (`/v1/replica/offer`): the set's descriptor, the entries its
     manifest would hold (files with rel/size/mode/mtime, dirs, symlinks), its seq, commit time,
@@ -67,7 +67,10 @@ from cachemgr.format.decode import crc32c, crc32c_combine
 from cachemgr.format.keys import manifest_key
 from cachemgr.format.objects import StoredObject, chunk_count, chunk_span, verify_chunk
 from cachemgr.host.nodefiles import fsync_dir
-from cachemgr.restore.peerproto import (
+from cachemgr.peer.client import PeerFault, request
+from cachemgr.peer.proto import PeerConfig, PeerEndpoint, sign_response
+from cachemgr.store import NotFound, ObjectStore, StoreError
+from cachemgr.tiering.replicaproto import (
     DROPPED_ROUTE,
     FILE_ROUTE,
     H_CRC,
@@ -75,15 +78,10 @@ from cachemgr.restore.peerproto import (
     MAX_RANGE,
     NAMESPACE_ROUTE,
     OFFER_ROUTE,
-    PeerConfig,
-    PeerEndpoint,
     buddies,
     file_target,
     parse_file_target,
-    sign_response,
 )
-from cachemgr.restore.peers import PeerFault, request
-from cachemgr.store import NotFound, ObjectStore, StoreError
 from cachemgr.tiering.takeover import Owned, Takeover, replica_manifest, sweep
 
 if TYPE_CHECKING:
@@ -129,7 +127,7 @@ class ReplicaStats:
 class ReplicaOrigin:
     """This node's side as an origin: offers its committed sets, serves their bytes, and
     confirms the buddies it counts (`_confirm`). Cost of the confirmations: one offer POST
-    (the set's descriptor: ~100 bytes a file, at most peerproto.MAX_OFFER_BYTES) per set per
+    (the set's descriptor: ~100 bytes a file, at most replicaproto.MAX_OFFER_BYTES) per set per
     counted buddy per CONFIRM_S while the set is not durable; a buddy that does not answer is
     asked once per pass, not once per set."""
 
@@ -777,7 +775,7 @@ def virtual_objects(desc: dict[str, Any]) -> list[StoredObject] | None:
 
 
 class Replication:
-    """Both sides, and the routes the peer server hands them (cachemgr.restore.peerserve)."""
+    """Both sides, and the routes the peer server hands them (cachemgr.peer.server)."""
 
     def __init__(self, origin: ReplicaOrigin, holder: ReplicaHolder) -> None:
         self.origin, self.holder = origin, holder

@@ -50,8 +50,8 @@ from cachemgr.core.hooks import KernelNotifier
 from cachemgr.core.sets import LIVE_STATES, SetRegistry
 from cachemgr.host import background
 from cachemgr.host.foreground import Foreground
+from cachemgr.peer.proto import PeerConfig, PeerEndpoint
 from cachemgr.restore.fetch import Fetcher
-from cachemgr.restore.peerproto import PeerConfig, PeerEndpoint
 from cachemgr.store import DeadlineExceeded, ObjectStore, StoreError
 from cachemgr.tiering.commit import Committer
 from cachemgr.tiering.gather import Gatherer
@@ -77,7 +77,7 @@ log = logging.getLogger(__name__)
 FAILED_SHOWN = 20
 # The peer client's listing of the live members (one LIST of members/ and a GET of each new
 # member's record) is given up after this: a restore then asks the peers the namespace answers
-# named, or the store (cachemgr.restore.peers holds no fetch behind it once it has a list).
+# named, or the store (cachemgr.peer.client holds no fetch behind it once it has a list).
 # One store LIST page's deadline (s3.Deadlines.list_page, 15 s) less a margin: a listing that
 # took longer than one page's worth on one try is an outage, not a slow page.
 PEER_LISTING_DEADLINE_S = 10.0
@@ -107,7 +107,7 @@ class TieringConfig:
     # `history_keep` sets and those committed in the last `history_age` seconds always stay.
     history_keep: int = 200
     history_age: float = 300.0
-    # --peers: restore from and serve to other nodes (cachemgr.restore.peers, peerserve)
+    # --peers: restore from and serve to other nodes (cachemgr.peer)
     peers: PeerConfig | None = None
     # --replicas K: buddies every committed set is copied to before the store has it
     # (cachemgr.tiering.replicate); 0: off. Only with `peers`.
@@ -127,10 +127,11 @@ class Tiering:
         self.store_health = StoreHealth()
         self._parts = trio.CapacityLimiter(max(1, cfg.transfer.max_parts_in_flight))
         self.uploader = Uploader(store, cfg.transfer, self._parts, foreground=foreground)
-        from cachemgr.restore import peerserve
-        from cachemgr.restore.peers import PeerClient
+        from cachemgr.peer import server as peerserve
+        from cachemgr.peer.client import PeerClient
         from cachemgr.restore.restorer import Restorer
         from cachemgr.tiering.remote import RemoteSync
+        from cachemgr.tiering.replicaproto import REPLICA_PREFIX
 
         # The services tiering's own services are given as collaborators. The room and fetch
         # calls go through this object's delegations because Space and Fetcher are built after
@@ -173,8 +174,8 @@ class Tiering:
         self.peer_server = None if peer_sock is None or cfg.peers is None else \
             peerserve.PeerServer(cfg=cfg.peers, sock=peer_sock,
                                  serve_chunk=self._serve_chunk,
-                                 replica=None if self.replication is None else
-                                 self.replication.route)
+                                 routes={} if self.replication is None else
+                                 {REPLICA_PREFIX: self.replication.route})
         self._build_services()
         self.running = False
 

@@ -1,6 +1,6 @@
 """Restore from peers, the client side (docs/ARCHITECTURE.md "Peers"): before a chunk comes
 from the store, the live peers that may hold it are asked, in rendezvous order
-(cachemgr.restore.peerproto), over HTTP/1.1 (h11 on trio streams).
+(cachemgr.peer.proto), over HTTP/1.1 (h11 on trio streams).
 
 Nothing a peer sends is trusted: a 200's Content-Length must be the chunk's size, no more than
 that many body bytes are read (h11 frames the body by Content-Length; the stream is read one
@@ -35,7 +35,7 @@ import h11
 import trio
 
 from cachemgr.format.objects import StoredObject, chunk_span, verify_chunk
-from cachemgr.restore.peerproto import (
+from cachemgr.peer.proto import (
     PeerConfig,
     PeerEndpoint,
     chunk_target,
@@ -50,8 +50,8 @@ log = logging.getLogger(__name__)
 # live_peers(stale): the other live members with a peer endpoint; the records of the nodes in
 # `stale` are read again (Members.peers)
 LivePeers = Callable[[frozenset[str]], Awaitable[list[PeerEndpoint]]]
-# local(key, crc, index): a chunk this node holds outside its cache files (a replica it holds
-# for another node, cachemgr.tiering.replicate), or None
+# local(key, crc, index): a chunk this node holds outside its cache files (another service's,
+# given by the engine), or None
 LocalChunk = Callable[[str, int, int], Awaitable[bytes | None]]
 
 PEER_LIST_TTL_S = 10.0   # one LIST of members/ per this while restoring (1 page per 1,000 nodes)
@@ -83,7 +83,7 @@ class PeerClient:
     def __init__(self, *, cfg: PeerConfig, node: str, live_peers: LivePeers,
                  local: LocalChunk | None = None) -> None:
         """`local`: asked first, for chunks this node holds itself outside its cache files
-        (the replicas it holds: a buddy resuming from the set it holds a replica of)."""
+        (another service's: a node resuming from a set it holds for another node)."""
         self.cfg = cfg
         self.node = node
         self._live_peers = live_peers
@@ -99,7 +99,7 @@ class PeerClient:
         # statistics
         self.asked = 0
         self.hits = 0
-        self.local_hits = 0  # chunks of the replicas this node holds (`local`)
+        self.local_hits = 0  # chunks this node held itself outside its cache (`local`)
         self.misses = 0
         self.errors: dict[str, int] = {}
 
@@ -260,7 +260,7 @@ class PeerClient:
 
 async def request(cfg: PeerConfig, p: PeerEndpoint, method: str, target: str, *,
                   body: bytes = b"", limit: int) -> tuple[int, dict[bytes, bytes], bytes]:
-    """One authenticated request to peer `p` (the replica routes, cachemgr.tiering.replicate):
+    """One authenticated request to peer `p` (a route another service owns, given by its path):
     (status, headers, body), the body at most `limit` bytes and framed by Content-Length, with
     the bounds of a chunk request (`header_timeout`, `min_rate`). PeerFault for anything that
     is not an HTTP answer within them; the caller judges the status and checks the bytes."""

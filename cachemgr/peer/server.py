@@ -1,10 +1,12 @@
 """The peer server (--peers, docs/ARCHITECTURE.md "Peers"): other nodes' restores ask it for
-the chunks this node's cache holds verified (cachemgr.restore.peerproto: routes, auth).
+the chunks this node holds verified (cachemgr.peer.proto: routes, auth), and the services that
+own other routes get their authenticated requests.
 
-Why here: it serves what the restore layer owns (ChunkFetcher.serve_chunk: which chunks of which
-cache file hold verified data), as the reverse of restore's fetch path; it imports nothing above
-cachemgr.restore. Tiering composes it (cachemgr.tiering.services) and advertises its endpoint in
-this node's member record.
+Why here: it is transport. What it serves comes from the services above, given to it by the
+engine (cachemgr.engine): `serve_chunk` (restore's ChunkFetcher.serve_chunk: which chunks of
+which cache file hold verified data, and the chunks other services hold) and `routes` (a handler
+per target prefix). It imports nothing above cachemgr.format; its endpoint is advertised in this
+node's member record.
 
 Bounds: at most `max_connections` connections at once (the next is answered 503 and closed);
 the request line and headers at most MAX_HEAD bytes buffered (h11's max_incomplete_event_size:
@@ -16,7 +18,7 @@ chunk, and the loop never reads the disk. It never asks the store: a chunk it do
 verified is a 404.
 
 State, its owner and its guards: the listening socket (bound at construction, so its port is
-known before the member record is written); `_replay` (nonces seen, peerproto.ReplayCache) and
+known before the member record is written); `_replay` (nonces seen, proto.ReplayCache) and
 the counters, touched only by connection tasks on the daemon's trio thread, with no await
 between a read and its update.
 """
@@ -26,14 +28,16 @@ from __future__ import annotations
 import logging
 import socket
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 import h11
 import trio
 
-from cachemgr.restore.peerproto import (
-    MAX_OFFER_BYTES,
+from cachemgr.peer.proto import (
+    CHUNK_ROUTE,
+    MAX_BODY,
     MAX_TARGET,
     PeerConfig,
     ReplayCache,
@@ -45,12 +49,10 @@ log = logging.getLogger(__name__)
 
 # serve_chunk(key, crc, index): the chunk's raw bytes when held verified, else None
 ServeChunk = Callable[[str, int, int], Awaitable[bytes | None]]
-# replica(method, target, body, peer): (status, body, extra headers) of a /v1/replica/ request
-# (cachemgr.tiering.replicate), called only once the request is authenticated
-ReplicaRoute = Callable[[str, str, bytes, str], Awaitable[tuple[int, bytes,
-                                                                list[tuple[bytes, bytes]]]]]
+# route(method, target, body, peer): (status, body, extra headers) of a request under the
+# route's prefix, called only once the request is authenticated and its body read (<= MAX_BODY)
+Route = Callable[[str, str, bytes, str], Awaitable[tuple[int, bytes, list[tuple[bytes, bytes]]]]]
 
-REPLICA_PREFIX = "/v1/replica/"
 MAX_HEAD = 8192          # bytes of request line + headers (a signed request is ~600)
 IDLE_S = 10.0            # a keep-alive connection with no request for this long is closed
 SEND_SLICE = 256 << 10   # bytes per send of a body
@@ -78,12 +80,13 @@ class PeerServer:
     """Serves verified chunks to peers (see the module docstring)."""
 
     def __init__(self, *, cfg: PeerConfig, sock: socket.socket, serve_chunk: ServeChunk,
-                 replica: ReplicaRoute | None = None) -> None:
+                 routes: Mapping[str, Route] | None = None) -> None:
         """`sock`: the listening socket (`bind`), bound before the services that advertise
-        its port are built. `replica`: the /v1/replica/ routes (None: --replicas 0, 404)."""
+        its port are built. `routes`: target prefix -> its handler (a prefix under /v1/ that
+        no route has, and is not the chunk route, is a 404)."""
         self.cfg = cfg
         self._serve_chunk = serve_chunk
-        self.replica = replica
+        self._routes = dict(routes or {})
         self._sock = sock
         self.port: int = sock.getsockname()[1]
         self._replay = ReplayCache()
@@ -150,7 +153,7 @@ class PeerServer:
     async def _read(self, stream: trio.SocketStream, conn: h11.Connection,
                     kind: type, body: bytearray | None = None) -> object:
         """The next event of `kind` (a Request; its EndOfMessage), body data kept in `body`
-        (at most MAX_OFFER_BYTES: beyond it, 413 and the connection ends) or skipped; None
+        (at most MAX_BODY: beyond it, 413 and the connection ends) or skipped; None
         when the peer closed the connection. A malformed or oversized request is answered
         (400, 431) and ends the connection."""
         try:
@@ -160,7 +163,7 @@ class PeerServer:
                     return ev
                 if isinstance(ev, h11.Data) and body is not None:
                     body += ev.data
-                    if len(body) > MAX_OFFER_BYTES:
+                    if len(body) > MAX_BODY:
                         self.bad_requests += 1
                         with _quiet():
                             await self._respond(stream, conn, 413, b"body too large")
@@ -192,11 +195,15 @@ class PeerServer:
             self._warn("peers: refused a request from %s:%s: %s", peer[0], peer[1], why)
             await self._respond(stream, conn, 401, b"unauthorized")
             return
-        if target.startswith(REPLICA_PREFIX):
-            status, out, extra = (404, b"no replicas here", []) if self.replica is None else \
-                await self.replica(req.method.decode("ascii", "replace"), target, bytes(body),
-                                   f"{peer[0]}:{peer[1]}")
+        route = next((r for prefix, r in self._routes.items() if target.startswith(prefix)),
+                     None)
+        if route is not None:
+            status, out, extra = await route(req.method.decode("ascii", "replace"), target,
+                                             bytes(body), f"{peer[0]}:{peer[1]}")
             await self._respond(stream, conn, status, out, extra)
+            return
+        if urlsplit(target).path != CHUNK_ROUTE:  # a route no service of this node has
+            await self._respond(stream, conn, 404, b"no such route here")
             return
         if req.method != b"GET":
             self.bad_requests += 1

@@ -1,32 +1,18 @@
 """The peer protocol (docs/ARCHITECTURE.md "Peers"): what a request for a chunk looks like on
 the wire, how it is authenticated, and in which order a node asks its peers. No I/O: the
-server is cachemgr.restore.peerserve, the client cachemgr.restore.peers.
+server is cachemgr.peer.server, the client cachemgr.peer.client.
 
-Routes (HTTP/1.1, h11 on both sides; all under `/v1/` so later routes, e.g. replicas, come
-beside it without touching these):
+Routes (HTTP/1.1, h11 on both sides; all under `/v1/`):
 
     GET /v1/chunk?key=<object key>&crc=<object CRC32C>&i=<chunk index>
         200 with exactly the chunk's raw bytes (Content-Length = the chunk's size), 404 when
         this node does not hold that chunk verified, 401 when authentication fails, 400 for a
         malformed request, 503 when the server is at its connection limit.
 
-    POST /v1/replica/offer      (body: a replica offer, JSON, at most MAX_OFFER_BYTES)
-        a node offers a set it committed to a buddy (cachemgr.tiering.replicate): 200 the
-        buddy holds it (fsynced), 202 it is pulling it (offer again later), 507 it has no room,
-        400 a malformed or invalid offer, 503 its queue of offers is full.
-    GET /v1/replica/file?seq=<set seq>&i=<file index>&off=<offset>&len=<length>
-        the buddy pulls the offered bytes from the set's origin: 200 with exactly those bytes
-        of the committed content and `X-Ckptfs-Crc32c` (their CRC32C, decimal), 410 when the
-        file changed since its commit (the origin offers the newer commit), 404 no such set or
-        file here, 400 malformed.
-    GET /v1/replica/namespace?n=<32 hex digits, random>
-        the replicas this node holds, as the manifests a restoring node shows while the store
-        cannot be listed (cachemgr.tiering.peerspace): 200 with a JSON document (at most
-        MAX_NAMESPACE_BYTES) and `X-Ckptfs-Signature`, the HMAC of the target and the body
-        (`sign_response`): unlike a chunk, these bytes have no store document to be checked
-        against, so the answer is authenticated as the request is. Their files' objects are
-        `data/<origin>/replica/<seq>/<i>`, served by GET /v1/chunk from the replica (each chunk
-        checked against the CRC32C the buddy checked when it pulled it).
+    Other routes are given to the server by prefix (`PeerServer(routes=...)`): the transport
+    authenticates them, bounds their bodies (MAX_BODY) and hands them on; what they mean is the
+    service's that owns them (cachemgr.tiering's, given by the engine). A prefix no service
+    owns on this node is answered 404.
 
 Authentication: every request carries `X-Ckptfs-Time` (unix seconds), `X-Ckptfs-Nonce` (32 hex
 digits, random) and `X-Ckptfs-Auth`, the hex HMAC-SHA256 with the shared secret of
@@ -34,7 +20,10 @@ digits, random) and `X-Ckptfs-Auth`, the hex HMAC-SHA256 with the shared secret 
 server refuses a time more than `CLOCK_WINDOW_S` away from its own and a nonce it saw within
 that window (`ReplayCache`, bounded): a captured request cannot be replayed later. Responses are
 not signed: the client trusts no byte a peer sends until it matched the manifest's per-chunk
-CRC32C, which a peer cannot change (the manifest comes from the store).
+CRC32C, which a peer cannot change (the manifest comes from the store). An answer whose bytes no
+store document can check is signed by its server (`sign_response`, `X-Ckptfs-Signature`: the
+HMAC of the target and the body's SHA-256), and its target carries a fresh random value, so an
+answer recorded earlier does not pass for the answer to a later request.
 
 Order (`rendezvous`): highest-random-weight hashing of (object key, node id), so every node
 asks the peers holding a file in the same order and a node's place does not move when others
@@ -52,23 +41,14 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from urllib.parse import parse_qs, quote, urlsplit
 
-from cachemgr.format.validate import REPLICA_CHUNK
-
 PROTOCOL = "ckptfs-peer-v1"
 CHUNK_ROUTE = "/v1/chunk"
 CLOCK_WINDOW_S = 60.0         # a request's time may differ from the server's by this much
 REPLAY_CACHE_MAX = 100_000    # nonces remembered: ~8 MB; beyond it, requests are refused (401)
 MAX_TARGET = 4096             # bytes of path+query a server accepts (object keys <= 1,024)
 H_TIME, H_NONCE, H_AUTH = b"x-ckptfs-time", b"x-ckptfs-nonce", b"x-ckptfs-auth"
-H_CRC = b"x-ckptfs-crc32c"    # the CRC32C of a replica range's bytes
-OFFER_ROUTE = "/v1/replica/offer"
-FILE_ROUTE = "/v1/replica/file"
-DROPPED_ROUTE = "/v1/replica/dropped"   # a buddy tells an origin it dropped a replica (room)
-MAX_OFFER_BYTES = 1 << 20     # a replica offer's body (validate.MAX_PROTOCOL_BYTES)
-MAX_RANGE = REPLICA_CHUNK     # bytes per replica file range (4 MiB: a replica's chunks)
-NAMESPACE_ROUTE = "/v1/replica/namespace"  # the replicas a node holds, as manifests
-H_SIG = b"x-ckptfs-signature"  # a namespace answer's HMAC (`sign_response`)
-MAX_NAMESPACE_BYTES = 64 << 20  # a namespace answer's body (validate.MAX_DOCUMENT_BYTES)
+H_SIG = b"x-ckptfs-signature"  # a signed answer's HMAC (`sign_response`)
+MAX_BODY = 1 << 20            # a request's body (validate.MAX_PROTOCOL_BYTES): beyond it, 413
 
 
 @dataclass(frozen=True)
@@ -89,8 +69,8 @@ class PeerConfig:
     max_asked: int = 3            # peers asked per chunk before the store
     max_connections: int = 32     # the server's concurrent connections (memory: x 4 MiB)
     request_timeout: float = 30.0  # the server's bound on one request, headers to last byte
-    # --peer-seeds: (host, port) of peers to ask for the replicas they hold when the store
-    # cannot be listed (a fresh node has no member records to find them by)
+    # --peer-seeds: (host, port) of peers to ask when the store cannot be listed (a fresh
+    # node has no member records to find them by)
     seeds: tuple[tuple[str, int], ...] = ()
 
 
@@ -136,39 +116,6 @@ def parse_chunk_target(target: str) -> ChunkRequest | None:
     return ChunkRequest(key, int(crc), int(i))
 
 
-def file_target(seq: int, index: int, off: int, length: int) -> str:
-    return f"{FILE_ROUTE}?seq={seq}&i={index}&off={off}&len={length}"
-
-
-@dataclass(frozen=True, slots=True)
-class FileRequest:
-    seq: int
-    index: int
-    off: int
-    length: int
-
-
-def parse_file_target(target: str) -> FileRequest | None:
-    """The replica range a request target names, or None when it is not well-formed."""
-    if len(target) > MAX_TARGET:
-        return None
-    parts = urlsplit(target)
-    if parts.path != FILE_ROUTE:
-        return None
-    q = parse_qs(parts.query, strict_parsing=False, max_num_fields=8)
-    try:
-        vals = [q[k] for k in ("seq", "i", "off", "len")]
-    except KeyError:
-        return None
-    if any(len(v) != 1 or not (v[0].isascii() and v[0].isdigit()) or len(v[0]) > 19
-           for v in vals):
-        return None
-    seq, i, off, length = (int(v[0]) for v in vals)
-    if not 0 < length <= MAX_RANGE:
-        return None
-    return FileRequest(seq, i, off, length)
-
-
 def _mac(secret: bytes, method: str, target: str, ts: str, nonce: str) -> str:
     msg = f"{PROTOCOL}\n{method}\n{target}\n{ts}\n{nonce}".encode()
     return hmac.new(secret, msg, hashlib.sha256).hexdigest()
@@ -183,12 +130,6 @@ def sign(secret: bytes, method: str, target: str, now: float | None = None) -> l
             (H_AUTH, _mac(secret, method, target, ts, nonce).encode())]
 
 
-def namespace_target() -> str:
-    """A namespace request's target: a fresh random `n`, which its answer's signature covers
-    (so an answer recorded earlier does not pass for the answer to this request)."""
-    return f"{NAMESPACE_ROUTE}?n={os.urandom(16).hex()}"
-
-
 def _response_mac(secret: bytes, target: str, body: bytes) -> str:
     digest = hashlib.sha256(body).hexdigest()
     return hmac.new(secret, f"{PROTOCOL}-response\n{target}\n{digest}".encode(),
@@ -198,7 +139,7 @@ def _response_mac(secret: bytes, target: str, body: bytes) -> str:
 def sign_response(secret: bytes, target: str, body: bytes) -> tuple[bytes, bytes]:
     """The H_SIG header of an answer to `target`: the HMAC of the target and the body's
     SHA-256. Only answers whose bytes cannot be checked against a store document are signed
-    (a namespace answer: the manifests a node builds from the replicas it holds)."""
+    (the target should carry a fresh random value, which the signature then covers)."""
     return H_SIG, _response_mac(secret, target, body).encode()
 
 
@@ -268,17 +209,6 @@ def rendezvous(key: str, peers: list[PeerEndpoint], writer: str | None) -> list[
 
     ranked = sorted(peers, key=weight, reverse=True)
     return sorted(ranked, key=lambda p: p.node != writer)  # stable: the writer moves to front
-
-
-def buddies(node: str, peers: list[PeerEndpoint]) -> list[PeerEndpoint]:
-    """Every peer but `node`, in the order `node` offers its sets to them (the first K are its
-    buddies; the next ones are asked when one refuses): highest-random-weight of (node id,
-    peer id), so a node's buddies move only when one of them comes or goes."""
-    def weight(p: PeerEndpoint) -> bytes:
-        return hashlib.sha256(f"replica\0{node}\0{p.node}".encode("utf-8",
-                                                                  "surrogatepass")).digest()
-
-    return sorted((p for p in peers if p.node != node), key=weight, reverse=True)
 
 
 def writer_of(key: str) -> str | None:
