@@ -15,12 +15,12 @@ documented exit code before the next one starts):
                 (fails: EXIT_STORE), bind the cache dir to the store URL (another URL:
                 EXIT_CACHE_DIR).
   5. services   bottom-up, each whole when its constructor returns: the foreground signal,
-                `Tiering` from the cache (it builds its services, each from the cache's owners
+                `Engine` from the cache (it builds its services, each from the cache's owners
                 it uses), the core `CacheFs` from the cache and those services, `Filesystem`,
                 then `FuseOps`.
   6. mount      open the FUSE session (`fuse.mount_and_serve`; fails: EXIT_NOT_READY).
   7. serve      `trio.run`: one nursery holds, started in this order, the control socket, the
-                tiering services, the metrics scrape hook (the loop's token), readiness (stat
+                engine's services, the metrics scrape hook (the loop's token), readiness (stat
                 through the kernel, readahead, first store listing, registration, systemd's
                 READY=1, notify), the STATUS= reporter and the signal handler; then the FUSE
                 main loop runs until unmounted or signalled (STOPPING=1), and the nursery is
@@ -86,9 +86,9 @@ from .sdnotify import Notifier
 from .stallwatch import StallWatch, from_env
 
 if TYPE_CHECKING:
+    from cachemgr.engine import Engine
     from cachemgr.host.foreground import Foreground
     from cachemgr.peer.proto import PeerConfig
-    from cachemgr.tiering.services import Tiering
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +104,7 @@ def peer_config(cfg: MountConfig) -> PeerConfig | None:
                       listen_port=port, advertise=advertise,
                       seeds=parse_peer_seeds(cfg.peer_seeds) if cfg.peer_seeds else ())
 
-# STATUS= for `systemctl status`: recomputed this often (one `Tiering.statistics()`, what a
+# STATUS= for `systemctl status`: recomputed this often (one `Engine.statistics()`, what a
 # metrics scrape costs: about a millisecond of the loop) and sent when its text changed.
 STATUS_INTERVAL_S = 5.0
 
@@ -175,7 +175,7 @@ class Services:
 
     cfg: MountConfig
     core: Any     # cachemgr.core.fs.CacheFs
-    tiering: Any  # cachemgr.tiering.services.Tiering
+    engine: Engine
     started: float  # time.time() when the services started (status: uptime_s)
     stallwatch: Any = None  # ckptfs.stallwatch.StallWatch (status: loop)
 
@@ -188,32 +188,32 @@ async def op_status(svc: Services, req: dict) -> dict:
             "owner": {"uid": cfg.uid, "gid": cfg.gid},
             "s3": {"endpoint_url": cfg.s3_endpoint, "region": cfg.s3_region,
                    "profile": cfg.s3_profile, "force_path_style": cfg.s3_path_style},
-            **svc.core.status(), "tiering": svc.tiering.status(),
+            **svc.core.status(), "tiering": svc.engine.status(),
             **({"loop": asdict(svc.stallwatch.statistics())} if svc.stallwatch is not None
                else {})}
 
 
 async def op_prefetch(svc: Services, req: dict) -> dict:
-    return svc.tiering.restorer.prefetch_path(str(req["path"]))
+    return svc.engine.restorer.prefetch_path(str(req["path"]))
 
 
 async def op_commit(svc: Services, req: dict) -> dict:
-    return {"seq": svc.tiering.commit_path(str(req["path"]))}
+    return {"seq": svc.engine.commit_path(str(req["path"]))}
 
 
 async def op_wait(svc: Services, req: dict) -> dict:
     timeout = req.get("timeout")
     if req.get("replicated"):
-        return await svc.tiering.wait_replicated(
+        return await svc.engine.wait_replicated(
             str(req["path"]), None if timeout is None else float(timeout))
-    return await svc.tiering.wait(str(req["path"]), None if timeout is None else float(timeout))
+    return await svc.engine.wait(str(req["path"]), None if timeout is None else float(timeout))
 
 
 async def op_leave_by(svc: Services, req: dict) -> dict:
     """`umount --timeout`: the unmount that follows ends within what is left of it (issue 36:
     a hung store made it end 10 s past it, the member record's bound)."""
-    if svc.tiering is not None:
-        svc.tiering.leave_by(float(req["seconds"]))
+    if svc.engine is not None:
+        svc.engine.leave_by(float(req["seconds"]))
     return {}
 
 
@@ -303,7 +303,7 @@ class _Daemon:
         self.cache: Any = None
         self.core: Any = None
         self.store: Any = None
-        self.tiering: Any = None
+        self.engine: Any = None  # cachemgr.engine.Engine, from step 5
         self.ops: Any = None
         self.main: Callable[[], Awaitable[None]] | None = None  # the FUSE loop, once mounted
         self.mounted = False
@@ -414,27 +414,27 @@ class _Daemon:
         except ConfigError as e:  # the secret file changed since the CLI checked it
             raise _StartFailed(EXIT_USAGE, str(e)) from e
         try:
-            tiering = self._tiering(foreground, peers)
+            engine = self._engine(foreground, peers)
         except OSError as e:  # --peer-listen: the port is taken
             raise _StartFailed(EXIT_NOT_READY, f"--peers: cannot listen at "
                                f"{cfg.peer_listen or '0.0.0.0:0'}: {e.strerror or e}") from e
-        core = CacheFs(cache, hooks=tiering.commits, reads=tiering.restorer, room=tiering.space,
+        core = CacheFs(cache, hooks=engine.commits, reads=engine.restorer, room=engine.space,
                        direct_io_writes=cfg.direct_io_writes and not cfg.writeback_cache)
         ops = fuse.FuseOps(Filesystem(core, foreground, io_threads=cfg.io_threads),
                            attr_timeout=cfg.attr_timeout, writeback_cache=cfg.writeback_cache,
                            passthrough=cache.backings.on,  # the kernel's answer: FuseOps.init
                            read_only=cfg.read_only, uid=cfg.uid, gid=cfg.gid)
         self.core = core
-        self.tiering, self.ops = tiering, ops
+        self.engine, self.ops = engine, ops
 
-    def _tiering(self, foreground: Foreground, peers: PeerConfig | None) -> Tiering:
-        from cachemgr.tiering.services import Tiering, TieringConfig
+    def _engine(self, foreground: Foreground, peers: PeerConfig | None) -> Engine:
+        from cachemgr.engine import Engine, EngineConfig
         from cachemgr.transfer.upload import TransferConfig
 
         from . import fuse
 
         cfg = self.cfg
-        return Tiering(self.cache, self.store, TieringConfig(
+        return Engine(self.cache, self.store, EngineConfig(
             transfer=TransferConfig(part_size=cfg.part_size, compress=cfg.compress,
                                     max_parts_in_flight=cfg.parts_in_flight),
             file_concurrency=cfg.upload_files, cache_size=cfg.cache_size,
@@ -465,7 +465,7 @@ class _Daemon:
 
         from . import control
 
-        svc = Services(self.cfg, self.core, self.tiering, started=time.time(),
+        svc = Services(self.cfg, self.core, self.engine, started=time.time(),
                        stallwatch=self.stallwatch)
         self.serving = trio.Event()
         assert self.main is not None
@@ -474,13 +474,13 @@ class _Daemon:
             self.stallwatch.start()
             await nursery.start(partial(control.serve, mode=control_mode()),
                                 control_path(self.cfg.mountpoint), partial(dispatch, svc))
-            await nursery.start(self.tiering.run)
+            await nursery.start(self.engine.run)
             if self.metrics_server is not None:
                 from . import metrics
 
                 self.metrics_server.start(trio.lowlevel.current_trio_token(),
                                           partial(metrics.snapshot, self.core, self.ops,
-                                                  self.tiering.statistics))
+                                                  self.engine.statistics))
             nursery.start_soon(self._ready)
             nursery.start_soon(self._on_signals)
             if self.sd.enabled:
@@ -505,7 +505,7 @@ class _Daemon:
         # The namespace is complete as of one listing of the store before the mount reports
         # ready: a job resuming right after `ckptfs mount` must never see an older checkpoint,
         # or none, because the listing was still being applied.
-        remote = self.tiering.remote
+        remote = self.engine.remote
         with trio.move_on_after(FIRST_LISTING_TIMEOUT_S):
             await remote.first_listing.wait()
         why = remote.first_error if remote.first_listing.is_set() else \
@@ -538,7 +538,7 @@ class _Daemon:
         (cachemgr.tiering.peerspace), bounded; what it showed, for the log line."""
         import trio
 
-        space = self.tiering.peerspace
+        space = self.engine.peerspace
         if space is None:
             return ""
         with trio.move_on_after(FIRST_LISTING_TIMEOUT_S):
@@ -555,9 +555,9 @@ class _Daemon:
         """STATUS= for `systemctl status`: what is served and what a lost cache disk would
         take with it (README "Status")."""
         try:
-            st = self.tiering.statistics()
+            st = self.engine.statistics()
         except Exception:  # a status line must never take the mount down
-            log.exception("STATUS= line: the tiering statistics failed")
+            log.exception("STATUS= line: the engine statistics failed")
             return f"serving {self.cfg.mountpoint}"
         sets, store = st["sets"], st["store"]
         by_state = sets["by_state"]
@@ -628,7 +628,7 @@ class _Daemon:
                 fuse.close_session(unmount=True)
             except Exception:
                 log.exception("closing the FUSE session failed")
-        if self.tiering is not None:
+        if self.engine is not None:
             try:
                 self._warn_unsaved()
             except Exception:
@@ -646,7 +646,7 @@ class _Daemon:
     def _warn_unsaved(self) -> None:
         """One log line at the end when closed files in no committed set stay behind: nothing
         uploads them, and a lost cache dir takes them (docs/SEMANTICS.md "Files in no set")."""
-        u = self.tiering.sets.unsaved(5)
+        u = self.engine.sets.unsaved(5)
         if u.files:
             more = f" and {u.files - len(u.paths)} more" if u.files > len(u.paths) else ""
             log.warning("%d file(s) (%d bytes) in no committed set stay only in this cache "

@@ -3,7 +3,7 @@
 Who owns what:
   * The numbers belong to the services that count them, all on the trio loop thread:
     `CacheFs.stats` and `cached_bytes` (data path, evictions), `FuseOps.statistics()` (requests
-    by handler), `Backings.statistics()` (data path mode), `Tiering.statistics()` (sets, uploads,
+    by handler), `Backings.statistics()` (data path mode), `Engine.statistics()` (sets, uploads,
     restores, the store's requests, retries and errors).
   * This module owns the HTTP server (`MetricsServer`: a `ThreadingHTTPServer` in a thread of
     its own) and the collector that turns a snapshot into metric families.
@@ -78,7 +78,7 @@ class ScrapeError(Exception):
 
 def snapshot(core, ops, tiering: Callable[[], dict]) -> dict:
     """Plain copies of every counter the metrics show. Runs on the trio loop thread only.
-    `tiering` is `Tiering.statistics` (given by the composition root, ckptfs.daemon)."""
+    `tiering` is `Engine.statistics` (given by the composition root, ckptfs.daemon)."""
     t0 = time.perf_counter()
     st = core.stats
     out = {
@@ -349,7 +349,7 @@ def _peer_families(p: dict | None) -> Iterator[Metric]:
 def _stuck_families(sets: dict, now_ns: int) -> Iterator[Metric]:
     """The sets pending longer than the stuck threshold (cachemgr.tiering.progress.stuck_sets): how
     many, the oldest one's age, and each of the oldest 20 by name with what it waits for."""
-    stuck = sets.get("stuck", [])  # absent from a snapshot of an older Tiering: none
+    stuck = sets.get("stuck", [])  # absent from a snapshot of an older daemon: none
     yield GaugeMetricFamily("ckptfs_stuck_sets", "Committed sets pending (not durable yet) "
                             "longer than ckptfs_stuck_threshold_seconds, over every set; 0 when "
                             "none. `ckptfs status` names each with what it waits for",

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""A fleet on one bucket (issue 35): N in-process nodes (real CacheFs + Tiering, no FUSE, one
+"""A fleet on one bucket (issue 35): N in-process nodes (real CacheFs + Engine, no FUSE, one
 trio loop; tests/fleet.py) share one store, in memory (every request counted) or moto. Each
 node writes its rank's DCP shard into `ck/step1`, node 0 renames `.metadata` into place (the
 DCP commit) and publishes; then a steady window; then M fresh nodes list the store and read

@@ -6,9 +6,9 @@ simulation tool, not product code (scripts/sim_fleet.py, tests/test_fleet.py).
     optionally with a fixed latency per request (a trio sleep: thousands of requests in flight
     cost nothing).
   * `RequestLog`: counts requests by node, operation and key prefix, and by second for rates.
-  * `NodeView`: what one node's `Tiering` is given: any store (a `MemStore`, an `S3Store` on
+  * `NodeView`: what one node's `Engine` is given: any store (a `MemStore`, an `S3Store` on
     moto) whose every call is counted in the log under that node's name.
-  * `FleetNode`: a real `CacheFs` + `Tiering` over a cache directory (tests/test_services_inproc
+  * `FleetNode`: a real `CacheFs` + `Engine` over a cache directory (tests/test_services_inproc
     `Node`, without the asserts), on its own `NodeView`.
   * `dcp_metadata(files)`: bytes a DCP `.metadata` reader (cachemgr.format.dcp) takes for a
     checkpoint of these storage files, without torch.
@@ -40,6 +40,7 @@ from cachemgr.core.fs import CacheFs
 from cachemgr.core.hooks import NO_KERNEL
 from cachemgr.core.index import ROOT_INO
 from cachemgr.core.sets import SetRegistry
+from cachemgr.engine import Engine, EngineConfig
 from cachemgr.host.foreground import Foreground
 from cachemgr.store.base import (
     NotFound,
@@ -49,7 +50,6 @@ from cachemgr.store.base import (
     PreconditionFailed,
     crc32c,
 )
-from cachemgr.tiering.services import Tiering, TieringConfig
 
 LIST_PAGE = 1000  # keys per LIST response (S3 ListObjectsV2's MaxKeys)
 # S3's published request rates per partitioned prefix (docs.aws.amazon.com, "Best practices
@@ -297,14 +297,14 @@ class NodeView(ObjectStore):
 
 
 class FleetNode:
-    """A real CacheFs + Tiering over `cache_dir` on its own counted view of `base`."""
+    """A real CacheFs + Engine over `cache_dir` on its own counted view of `base`."""
 
     def __init__(self, cache_dir: Path, base: ObjectStore, log: RequestLog,
-                 cfg: TieringConfig) -> None:
+                 cfg: EngineConfig) -> None:
         cache = Cache.open(cache_dir)
         self.id = cache.index.meta("node_id") or "node"
         self.store = NodeView(base, log, self.id)
-        self.t = Tiering(cache, self.store, cfg, foreground=Foreground(), kernel=NO_KERNEL)
+        self.t = Engine(cache, self.store, cfg, foreground=Foreground(), kernel=NO_KERNEL)
         self.core = CacheFs(cache, hooks=self.t.commits, reads=self.t.restorer,
                             room=self.t.space)
         self.sets = SetRegistry(self.core.index)
@@ -370,7 +370,7 @@ def dcp_metadata(files: builtins.list[str]) -> bytes:
 # -- the scenario: a multi-node DCP commit, a steady pass, a restore ------------------------------
 
 
-def sim_config(interval: float, lease: float, **kw: Any) -> TieringConfig:
+def sim_config(interval: float, lease: float, **kw: Any) -> EngineConfig:
     """Small chunks, every listing and poll every `interval` seconds (a pass is short)."""
     from cachemgr.transfer.upload import TransferConfig
 
@@ -379,7 +379,7 @@ def sim_config(interval: float, lease: float, **kw: Any) -> TieringConfig:
         "retry_pause": 0.05, "refresh_interval": interval, "gather_poll": interval,
         "register_timeout": 30.0, "lease": lease, "commit_timeout": 600.0}
     base.update(kw)
-    return TieringConfig(**base)
+    return EngineConfig(**base)
 
 
 @dataclasses.dataclass

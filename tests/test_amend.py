@@ -1,5 +1,5 @@
 """Files written into a directory after it was committed (issue 39; docs/SEMANTICS.md "Files
-written into a committed directory"), in process: real `CacheFs` + `Tiering` on a file://
+written into a committed directory"), in process: real `CacheFs` + `Engine` on a file://
 store (tests/test_services_inproc.py's `Node`), no FUSE.
 
 Megatron-core's `dist_checkpointing` commits `iter_N/` with DCP's `.metadata` rename and only

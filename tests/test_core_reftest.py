@@ -1,6 +1,6 @@
 """A reference test of the core and tiering without FUSE (issue 11; Mountpoint-S3's reftests
 are the model): a hypothesis state machine drives a real `CacheFs` (cachemgr.core.fs) with a real
-`Tiering` (cachemgr.tiering.services) and a file:// `LocalStore`, in-process, against a plain model.
+`Engine` (cachemgr.engine) and a file:// `LocalStore`, in-process, against a plain model.
 
 What the machine does (rules), on a small name space so that sequences collide often:
 top-level files `a`, `b` (their last close commits them) and `t.tmp` (a temporary name: no
@@ -11,14 +11,14 @@ only; a directory rename commits the directory at its new path).
     fsync, close (the last close of `a`/`b` commits it);
   * rename of files and of directories, over existing targets (an empty directory, a file), and
     onto a non-empty directory (ENOTEMPTY, nothing changes);
-  * unlink, rm -r, mkdir, `Tiering.commit_path` (EBUSY for a file open for writing);
+  * unlink, rm -r, mkdir, `Engine.commit_path` (EBUSY for a file open for writing);
   * settle: the tiering service runs (trio, in-process) until nothing is left to upload, publish
     or delete: every set the model says is committed and still current is then in the store;
   * evict (`CacheFs.evict` of uploaded data) and read (through `Restorer.ensure_range`, a chunk
     fill, as FuseOps.read does);
   * crash: every in-memory object is dropped without a close or release (kill -9 with the page
     cache intact), and the cache directory is opened again with `CacheFs.load` and a new
-    `Tiering` (cachemgr/core/fs.py and cachemgr/core/fsck.py crash contract, docs/SEMANTICS.md);
+    `Engine` (cachemgr/core/fs.py and cachemgr/core/fsck.py crash contract, docs/SEMANTICS.md);
   * restore: a second node (a new cache directory on the same store) lists the store once
     (`RemoteSync.sync_once`): what it sees must be exactly the model's sets in the store, each
     whole, with the content it had at its commit, never torn.
@@ -88,9 +88,9 @@ from cachemgr.core.fs import CacheFs
 from cachemgr.core.hooks import NO_KERNEL
 from cachemgr.core.index import ROOT_INO
 from cachemgr.core.sets import SetRegistry, is_temp_name
+from cachemgr.engine import Engine, EngineConfig
 from cachemgr.host.foreground import Foreground
 from cachemgr.store import LocalStore
-from cachemgr.tiering.services import Tiering, TieringConfig
 from cachemgr.transfer.upload import TransferConfig
 
 TOP_FILES = ("a", "b", "t.tmp")
@@ -104,10 +104,10 @@ O_W = os.O_WRONLY | os.O_CREAT
 SEEN: Counter[str] = Counter()
 
 
-def config() -> TieringConfig:
+def config() -> EngineConfig:
     # 4 KiB chunks (frame size), so a file of a few KiB is several chunks: a read fills some
     # of them. One listing of the store per run of the service (refresh_interval 0).
-    return TieringConfig(transfer=TransferConfig(frame_size=4096, compress="off"),
+    return EngineConfig(transfer=TransferConfig(frame_size=4096, compress="off"),
                          file_concurrency=2, retry_pause=0.01, prefetch="none",
                          refresh_interval=0, gather_poll=0.05, register_timeout=5.0)
 
@@ -144,12 +144,12 @@ class BudgetStore(LocalStore):
 
 
 class Node:
-    """A cache directory opened as the daemon opens it: CacheFs + Tiering on a LocalStore."""
+    """A cache directory opened as the daemon opens it: CacheFs + Engine on a LocalStore."""
 
     def __init__(self, cache_dir: Path, store_dir: Path) -> None:
         self.store = BudgetStore(store_dir)
         cache = Cache.open(cache_dir)
-        self.t = Tiering(cache, self.store, config(), foreground=Foreground(),
+        self.t = Engine(cache, self.store, config(), foreground=Foreground(),
                          kernel=NO_KERNEL)
         self.core = CacheFs(cache, hooks=self.t.commits, reads=self.t.restorer,
                             room=self.t.space)

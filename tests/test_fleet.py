@@ -1,5 +1,5 @@
 """A fleet on one bucket, in process (issue 35; tests/fleet.py): what one node asks the store
-must not grow with the number of nodes. Real CacheFs + Tiering nodes on one counted in-memory
+must not grow with the number of nodes. Real CacheFs + Engine nodes on one counted in-memory
 store, at two fleet sizes; the committer's own requests (one GET per other node's record, one
 HEAD per object) are O(N) by design and are left out. scripts/sim_fleet.py runs the same
 scenario at 10 to 1,000 nodes and reports it."""

@@ -151,7 +151,7 @@ def test_every_metric_the_dashboard_uses_is_exported(mount_factory, s3_bucket):
     assert sums["ckptfs_upload_bytes_total"] >= len(data)
     assert sums["ckptfs_restore_bytes_total"] >= len(data)
     assert sums["ckptfs_fuse_errors_total"] >= 1
-    # this node's lease in the store (README "Metrics"; Tiering.statistics carries it)
+    # this node's lease in the store (README "Metrics"; Engine.statistics carries it)
     assert sums["ckptfs_lease_held"] == 1 and sums["ckptfs_lease_lapses_total"] == 0
 
     used: dict[str, list[str]] = {}

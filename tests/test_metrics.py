@@ -415,7 +415,7 @@ def test_a_failing_collector_fails_the_scrape_once_logged(tmp_path, caplog):
 
 def test_failed_sets_are_gauges_of_their_own(tmp_path):
     """ckptfs_failed_sets / ckptfs_failed_bytes carry the unresolved failed sets of the
-    snapshot (Tiering.statistics: those no later commit replaced), apart from
+    snapshot (Engine.statistics: those no later commit replaced), apart from
     ckptfs_sets{state="failed"}, which counts every set that ever failed. (A set the store
     refuses on a real mount: tests/test_status.py.)"""
     import ckptfs.metrics as metrics

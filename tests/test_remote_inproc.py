@@ -4,8 +4,8 @@ store").
 
 `Harness` is a real `CacheFs` (built as tests/test_core.py builds it), a real `SetRegistry` on
 its index and a real `LocalStore` in a temporary directory, and a RemoteSync built on them as
-`cachemgr.tiering.services.Tiering` builds it, with `StandIn` giving the interfaces Tiering gives
-(`mark_parts`: PartPublisher.mark_all, `changed`: Tiering._changed_now); the stand-in is also
+`cachemgr.engine.Engine` builds it, with `StandIn` giving the interfaces the Engine gives
+(`mark_parts`: PartPublisher.mark_all, `changed`: Engine._changed_now); the stand-in is also
 connected to the core (`CacheFs.connect`) as its hooks, for what the core calls while
 RemoteSync changes the tree (a purge, freed space), with a real `cachemgr.restore.restorer.Restorer`
 behind them as its read-through. Sets are published as another node would publish them:
@@ -95,7 +95,7 @@ class _Parts:
 
 
 class StandIn:
-    """The interfaces cachemgr.tiering.services.Tiering gives RemoteSync and the Restorer, and the
+    """The interfaces cachemgr.engine.Engine gives RemoteSync and the Restorer, and the
     core's hooks that the changes RemoteSync makes call (a purge, freed space), with a real Restorer
     behind them."""
 
@@ -113,7 +113,7 @@ class StandIn:
                                  cache_size=None, make_room=self._make_room,
                                  fetch_whole=self._fetch,
                                  live_members=self._live, mode="none")
-        # what the cache's owners tell, subscribed as Tiering subscribes its services
+        # what the cache's owners tell, subscribed as the Engine subscribes its services
         cache.table.on_purged(self.on_purge)
         cache.files.on_space_freed(self.on_space_freed)
 
@@ -1324,7 +1324,7 @@ def test_restorer_state_does_not_shadow_its_whole_object_fetch(h):
 
 
 def test_part_publisher_keeps_its_last_error_and_reports_it(h):
-    """PartPublisher, built as Tiering builds it (no Tiering behind it), on a store that refuses
+    """PartPublisher, built as the Engine builds it (no Engine behind it), on a store that refuses
     once: the failed pass releases `sync` with StoreError, keeps its error in statistics() and
     tells `report_error` (the store's last error in `ckptfs status`); the retry (after
     retry_pause) deletes the record of a directory that is gone, and its index row."""

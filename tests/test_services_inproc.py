@@ -1,9 +1,9 @@
 """In-process tests of the services that were reached only through subprocess mounts (issue 11):
 publication, gathering another node's files, restore's chunk fill, with real `CacheFs` +
-`Tiering` nodes on one file:// `LocalStore`, all in one trio loop, no FUSE and no daemon.
+`Engine` nodes on one file:// `LocalStore`, all in one trio loop, no FUSE and no daemon.
 (RemoteSync's listing, removals and invalid manifests: tests/test_remote_inproc.py.)
 
-`Node` opens a cache directory as the daemon does (Cache.open, Tiering(cache, store, cfg),
+`Node` opens a cache directory as the daemon does (Cache.open, Engine(cache, store, cfg),
 then CacheFs over both); `Recorder` is the LocalStore with a log of its writes (key, in order)
 and gates that hold the PUTs of chosen keys, so that a test decides the interleaving: it never
 sleeps to wait, it polls a condition (`until`).
@@ -42,6 +42,7 @@ from cachemgr.core.fs import CacheFs
 from cachemgr.core.hooks import NO_KERNEL
 from cachemgr.core.index import ROOT_INO
 from cachemgr.core.sets import SetRegistry
+from cachemgr.engine import Engine, EngineConfig
 from cachemgr.format.keys import is_manifest_key, manifest_key
 from cachemgr.host.foreground import Foreground
 from cachemgr.store import (
@@ -53,7 +54,6 @@ from cachemgr.store import (
     StoreError,
     TransientStoreError,
 )
-from cachemgr.tiering.services import Tiering, TieringConfig
 from cachemgr.transfer.upload import TransferConfig
 
 O_W = os.O_WRONLY | os.O_CREAT
@@ -133,21 +133,21 @@ class Recorder(LocalStore):
         return [k for op, k in self.log if op == "put" and pred(k)]
 
 
-def config(**kw) -> TieringConfig:
+def config(**kw) -> EngineConfig:
     """4 KiB chunks; the store listed, records polled and leases renewed every 50 ms."""
     base = {"transfer": TransferConfig(frame_size=CHUNK, compress="off"),
             "file_concurrency": 2, "retry_pause": 0.01, "prefetch": "none",
             "refresh_interval": 0.05, "gather_poll": 0.05, "register_timeout": 5.0,
             "lease": 30.0}
     base.update(kw)
-    return TieringConfig(**base)
+    return EngineConfig(**base)
 
 
 class Node:
     def __init__(self, cache_dir: Path, store: LocalStore, **cfg) -> None:
         self.store = store
         cache = Cache.open(cache_dir)
-        self.t = Tiering(cache, store, config(**cfg), foreground=Foreground(),
+        self.t = Engine(cache, store, config(**cfg), foreground=Foreground(),
                          kernel=NO_KERNEL)
         self.core = CacheFs(cache, hooks=self.t.commits, reads=self.t.restorer,
                             room=self.t.space)

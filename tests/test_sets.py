@@ -12,18 +12,18 @@ from cachemgr.core.cache import Cache
 from cachemgr.core.fs import CacheFs
 from cachemgr.core.hooks import NO_KERNEL
 from cachemgr.core.sets import SetRegistry, is_temp_name
+from cachemgr.engine import Engine, EngineConfig
 from cachemgr.host.foreground import Foreground
 from cachemgr.store import LocalStore
-from cachemgr.tiering.services import Tiering, TieringConfig
 
 ROOT = 1
 O_W = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
 
 
 def attach(cache: Cache, store: LocalStore,
-           cfg: TieringConfig | None = None) -> tuple[CacheFs, Tiering]:
-    """A Tiering over `cache`, and the core over both, built as ckptfs.daemon builds them."""
-    t = Tiering(cache, store, cfg or TieringConfig(), foreground=Foreground(), kernel=NO_KERNEL)
+           cfg: EngineConfig | None = None) -> tuple[CacheFs, Engine]:
+    """An Engine over `cache`, and the core over both, built as ckptfs.daemon builds them."""
+    t = Engine(cache, store, cfg or EngineConfig(), foreground=Foreground(), kernel=NO_KERNEL)
     core = CacheFs(cache, hooks=t.commits, reads=t.restorer, room=t.space)
     return core, t
 
@@ -205,7 +205,7 @@ def test_crash_while_writing_supersedes_commits_of_old_content(tmp_path):
 
 # -- the tiering services in-process (no FUSE): uploads and publication in commit order --------
 
-def _drive(t: Tiering, until, limit: float = 30.0) -> None:
+def _drive(t: Engine, until, limit: float = 30.0) -> None:
     """Run the upload workers and the namespace worker until `until()` holds (checked each
     time every task is blocked: on the store, or idle), then stop them."""
     import trio
@@ -241,7 +241,7 @@ def _has_manifest(store: LocalStore, path: str) -> bool:
 
 def test_publication_waits_for_the_set_committed_before_it(tmp_path):
     store = LocalStore(tmp_path / "store")
-    core, t = attach(Cache.open(tmp_path / "cache"), store, TieringConfig(file_concurrency=1))
+    core, t = attach(Cache.open(tmp_path / "cache"), store, EngineConfig(file_concurrency=1))
     a = write_file(core, ROOT, b"a.pt", b"A" * 1000)
     write_file(core, ROOT, b"b.pt", b"B" * 1000)
     seq_a, seq_b = (s.seq for s in t.sets.recent(10))
@@ -268,7 +268,7 @@ def test_publication_waits_for_the_set_committed_before_it(tmp_path):
     assert core.check_consistency() == []
 
 
-def _queues(t: Tiering) -> tuple:
+def _queues(t: Engine) -> tuple:
     p, u = t.publisher, t.uploads
     return (list(p._events), {k: set(v) for k, v in p._absorb.items()},
             {k: j.prio for k, j in u._jobs.items()})
@@ -286,7 +286,7 @@ def _failing_after(monkeypatch, obj, name: str) -> None:
 
 
 def test_an_operation_that_rolls_back_queues_nothing(fs, tiering, monkeypatch):
-    """Tiering work queued by a commit hook takes effect only if the operation's transaction
+    """Work queued by a commit hook takes effect only if the operation's transaction
     commits: a rename that fails after its hook ran leaves no unpublish of the set it would have
     moved, no absorbed set under a seq that never was, and the upload queue as it was."""
     d = mkdir(fs, ROOT, b"step_1.tmp")

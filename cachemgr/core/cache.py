@@ -15,7 +15,7 @@ the only owner of its part:
 
 `Cache` itself answers nothing about files: it is the owners, `open` (with crash recovery,
 `recover`), `check_consistency` (cachemgr.core.fsck) and `close`. The tiering and restore
-services are built from the owners each of them uses (cachemgr.tiering.services.Tiering hands
+services are built from the owners each of them uses (cachemgr.engine.Engine hands
 them out: a service asks `InodeTable.get`, `FileCache.path`, `RawTree.raw_create`,
 `Residency.evict` ... itself); then the POSIX operations over the cache
 (cachemgr.core.fs.CacheFs) from the cache and those services; then the FUSE adapter. Nothing

@@ -13,7 +13,7 @@ fourth that the tiering services that change the tree behind the kernel's back a
   * `Room`: backpressure under --cache-size (`limit`): a write waits until there is room for
     it. `cachemgr.tiering.space.Space` implements it.
   * `KernelNotifier`: tell the kernel to forget a directory entry changed behind its back.
-    The FUSE adapter (ckptfs.fuse.KERNEL) implements it; `Tiering` hands it to `RemoteSync`.
+    The FUSE adapter (ckptfs.fuse.KERNEL) implements it; `Engine` hands it to `RemoteSync`.
 
 What the owners below the core tell whoever keeps something per inode or waits for room (an
 inode purged, cached bytes freed) is not here: those are events of the owners themselves
@@ -28,7 +28,8 @@ the trio loop thread.
 from __future__ import annotations
 
 import errno
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Container
+from typing import TYPE_CHECKING, Protocol
 
 from cachemgr.core.errors import FsError
 
@@ -60,18 +61,18 @@ class ReadThrough(Protocol):
     """Data from the store before the core reads or changes a file (cachemgr.restore)."""
 
     @property
-    def clean(self) -> Any:
-        """A container of the inos whose cached data was checked against its CRCs."""
+    def clean(self) -> Container[int]:
+        """The inos whose cached data was checked against its CRCs (membership only)."""
 
     async def ensure_all(self, ino: int) -> None: ...
 
-    async def ensure_range(self, ino: int, off: int, size: int, *, read: bool = ...) -> Any: ...
+    async def ensure_range(self, ino: int, off: int, size: int, *, read: bool = ...) -> None: ...
 
     async def read_uncached(self, ino: int, off: int, size: int) -> bytes: ...
 
-    async def verify_cached(self, ino: int, off: int, size: int) -> Any: ...
+    async def verify_cached(self, ino: int, off: int, size: int) -> None: ...
 
-    def on_open(self, ino: int) -> Any: ...
+    def on_open(self, ino: int) -> None: ...
 
     def trusted(self, ino: int) -> bool: ...
 
@@ -89,7 +90,7 @@ class Room(Protocol):
         """--cache-size itself: what one reservation can never exceed, whatever is dropped for
         it (None: no --cache-size)."""
 
-    async def wait_for_room(self, need: int) -> Any: ...
+    async def wait_for_room(self, need: int) -> None: ...
 
 
 class KernelNotifier(Protocol):

@@ -8,7 +8,7 @@ Two narrow interfaces of the filesystem core, each owning no state of its own:
     the caller tells the kernel through `KernelNotifier`. Each step is one `InodeTable.tx`,
     so it can be part of the caller's larger transaction (a whole set applied at once).
   * `Residency`: whether a file's data is in its cache file: eviction (driven by the
-    --cache-size policy in cachemgr.tiering.services) and refill (cachemgr.restore.restorer).
+    --cache-size policy in cachemgr.engine) and refill (cachemgr.restore.restorer).
 
 Crash states: an eviction marks the inode evicted (`cached = 0`) in a committed transaction
 before it empties the cache file, so a crash in between leaves a full cache file of an

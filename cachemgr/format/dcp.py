@@ -1,7 +1,7 @@
 """Reading a PyTorch DCP `.metadata` without torch: which storage files a checkpoint needs.
 
 A DCP checkpoint directory is complete when every storage file named by its `.metadata` is
-there. The multi-node commit (cachemgr.tiering.services) waits for exactly that list, whichever node
+there. The multi-node commit (cachemgr.engine) waits for exactly that list, whichever node
 wrote each file. `.metadata` is a pickle of `torch.distributed.checkpoint.metadata.Metadata`
 whose `storage_data` maps each item to a `_StorageInfo(relative_path, offset, length, ...)`.
 

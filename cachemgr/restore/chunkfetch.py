@@ -79,7 +79,7 @@ FETCH_ATTEMPTS = 3
 NOT_HERE_S = 10.0
 
 # make_room(need, protect): evict until `need` more bytes fit under --cache-size, never a file
-# of `protect`; True if they fit (Tiering.make_room).
+# of `protect`; True if they fit (Engine.make_room).
 MakeRoom = Callable[[int, set[int]], bool]
 
 
@@ -291,7 +291,7 @@ class ChunkFetcher:
         return self._make_room(need + self._reserved, protect)
 
     def drop_partials(self, need: int, protect: set[int] | frozenset[int]) -> bool:
-        """Part of Tiering.make_room: drop chunks restored into incomplete files (not open,
+        """Part of Engine.make_room: drop chunks restored into incomplete files (not open,
         not in `protect`) until `need` more bytes fit under --cache-size."""
         limit = self.cache_size
         if limit is None:

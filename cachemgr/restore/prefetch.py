@@ -66,7 +66,7 @@ RA_DIV = 8
 # DCP's shard files: each rank of a load reads only the ranges of its tensors from them.
 _DCP_SHARD = re.compile(r"__\d+_\d+\.distcp")
 
-# fetch_whole(ino): bring an object stored without chunk checksums back whole (Tiering.fetch).
+# fetch_whole(ino): bring an object stored without chunk checksums back whole (Engine.fetch).
 FetchWhole = Callable[[int], Awaitable[None]]
 # live_members(): {node: mtime} of the other live nodes on the store (Members.live).
 LiveMembers = Callable[[], Awaitable[dict[str, float]]]

@@ -77,8 +77,8 @@ class Restorer:
                  live_members: LiveMembers, peers: PeerClient | None = None,
                  concurrency: int = 8,
                  range_size: int = 64 << 20, mode: str = "auto") -> None:
-        """`make_room(need, protect)`: the --cache-size policy (Tiering.make_room).
-        `fetch_whole(ino)`: download an object stored without chunk checksums whole (Tiering.fetch).
+        """`make_room(need, protect)`: the --cache-size policy (Engine.make_room).
+        `fetch_whole(ino)`: download an object stored without chunk checksums whole (Engine.fetch).
         `live_members()`: the other live nodes (Members.live), for policy auto."""
         self.table = table
         self.residency = residency
@@ -123,7 +123,7 @@ class Restorer:
         return self.chunks.trusted(ino)
 
     def drop_partials(self, need: int, protect: set[int] | frozenset[int]) -> bool:
-        """Part of Tiering.make_room (ChunkFetcher.drop_partials)."""
+        """Part of Engine.make_room (ChunkFetcher.drop_partials)."""
         return self.chunks.drop_partials(need, protect)
 
     def on_open(self, ino: int) -> None:

@@ -23,7 +23,7 @@ A asks:
   * the committer waits (in the background, bounded by --commit-timeout, from the commit) until
     every node it named has acknowledged or left cleanly (its member record deleted), deletes
     the intent and the acks, and then gathers the records as before
-    (cachemgr.tiering.services._gather).
+    (cachemgr.tiering.gather).
 
 Why it is enough: a file B closed before the commit was closed before A wrote the intent (the
 barrier orders them), so before B read it; B's ack is PUT only after its records, written by a

@@ -39,7 +39,7 @@ later, and the other node's commit waited that long).
 Only directories in an open set (see cachemgr.core.sets.in_open_set) get records; single files that
 commit themselves never need one. The committer lists `parts/<set path>/` (and the path the set
 was renamed from), reads the other nodes' records, and waits until every file it must include
-is durable (cachemgr.tiering.services). Records are never read to serve data: a manifest is still
+is durable (cachemgr.engine). Records are never read to serve data: a manifest is still
 the only thing that makes a set visible.
 
 State, its owner and its guards: `PartPublisher` owns which records this node has in the

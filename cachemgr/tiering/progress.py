@@ -10,7 +10,7 @@ over every set (status and metrics count them as at risk); `stuck_sets` the sets
 or uploading) longer than a threshold (`STUCK_AFTER_S`), over every set whatever its age or
 position, each with what it waits for (`waits_for`, one of `WAITS_FOR`) and why, in one line:
 the same per-set facts as `set_rows`, and what the upload queue, the store's health, the
-gatherer and the namespace FIFO say about it (`Probes`, handed in by cachemgr.tiering.services per
+gatherer and the namespace FIFO say about it (`Probes`, handed in by cachemgr.engine per
 call).
 
 Waiting: every wait request sleeps on `Signals.changed` (woken at every set state change, and
@@ -97,7 +97,7 @@ def stuck_after(commit_timeout: float) -> float:
 @dataclass(frozen=True)
 class Probes:
     """What `Progress.stuck_sets` asks the services Progress is not built with
-    (cachemgr.tiering.services hands them in per call; each is read, never changed)."""
+    (cachemgr.engine hands them in per call; each is read, never changed)."""
     uploads: dict[str, Any]                   # UploadQueue.status(): queued, running, rate
     health: StoreHealth                       # consecutive failures, last error
     gathering: Callable[[int], bool]          # Gatherer.gathering: a gather task runs for seq

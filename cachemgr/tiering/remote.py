@@ -15,7 +15,7 @@ What happens to a listed manifest at path P (docs/SEMANTICS.md "Many nodes"):
   * a set at P restored from an older manifest: replaced (files still open keep it until the
     next listing);
   * a set committed here and still uploading: left alone (the conditional manifest PUT decides
-    which commit wins, cachemgr.tiering.services); a set committed here and durable whose manifest
+    which commit wins, cachemgr.engine); a set committed here and durable whose manifest
     was since replaced by another node's later commit: replaced like a restored one;
   * anything else (local data the manifest does not name, open files): left alone, logged, and
     retried at the next listing.
@@ -116,7 +116,7 @@ class RemoteSync:
                  hold_bytes: int = _HOLD_BYTES) -> None:
         """`mark_parts`: every part record must be looked at again (PartPublisher.mark_all: a
         subtree moved or went). `changed`: the namespace changed (wakes waiters on sets and
-        space: Tiering's `_changed_now`). `hold_bytes`: the JSON read per listing step."""
+        space: the Engine's `signals.changed_now`). `hold_bytes`: the JSON read per listing step."""
         self.table = table
         self.tree = tree
         self.index = index

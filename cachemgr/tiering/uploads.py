@@ -2,7 +2,7 @@
 
 `UploadQueue` owns the queue of content waiting for its upload (`_jobs`), the uploads in flight
 (`_running`), the close sequence that orders content closed but not committed, and the upload
-statistics. `file_concurrency` workers (`worker`, started by cachemgr.tiering.services) take the
+statistics. `file_concurrency` workers (`worker`, started by cachemgr.engine) take the
 most urgent job — files of committed sets in commit order first (priority = the set's seq), then
 files closed but in no committed set yet, in close order — and upload it
 (`transfer.Uploader`, multipart, bounded by a limiter of parts in flight shared by all files).

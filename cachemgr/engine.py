@@ -1,24 +1,41 @@
-"""Tiering: uploads cache files to the object store, publishes committed sets atomically,
-deletes and garbage-collects, evicts durable data, and answers "is it durable yet?".
+"""The engine: cachemgr's composition root, above every layer (docs/ARCHITECTURE.md "Layers
+and modules").
 
-`Tiering` is the tiering part of the daemon's composition: built from the cache's owners
-(cachemgr.core.cache.Cache), it builds the tiering and restore services once, each given only
-the owners it uses (of the inode table, the file cache, the raw tree, residency and the index:
-never the `Cache`) and its collaborators, subscribes them to the owners' events (an inode
-purged, cached bytes freed), starts their tasks in one nursery (`run`) and answers the daemon
-(`status`, `statistics`, `wait`, `commit_path`). The core is built after it, from its services:
-`commits` (the core's hooks), `restorer` (read-through), `space` (room). The one cycle left:
-the Restorer is given `make_room` and `fetch`, delegations to `Space` and `Fetcher`, built
-after it from its `forget`.
-The services:
+`Engine` is built from the cache's owners (cachemgr.core.cache.Cache) and the object store. It
+builds every service once, bottom-up, each given only the owners it uses (of the inode table,
+the file cache, the raw tree, residency and the index: never the `Cache`) and its collaborators
+as typed constructor arguments; no service builds another layer's services. It subscribes them
+to the owners' events (an inode purged, cached bytes freed), starts their tasks in one nursery
+(`run`) and answers the daemon (`status`, `statistics`, `wait`, `commit_path`). The core is
+built after it, from its services: `commits` (the core's hooks), `restorer` (read-through),
+`space` (room).
+
+The order, by layer:
+
+  cachemgr.transfer  Uploader (the bytes of one file to the store)
+  cachemgr.peer      the peer socket, bound first so the member record names its port
+  cachemgr.tiering   Lease, PartPublisher, Members: membership, which a restore asks for peers
+  cachemgr.peer      PeerClient (chunks from peers), given the live peers by `_live_peers`
+  cachemgr.restore   Restorer (read-through, prefetch), Fetcher (a whole evicted file back)
+  cachemgr.tiering   RemoteSync, Replication (--replicas), PeerNamespace, Gatherer, Space,
+                     Publisher, UploadQueue, Committer, Progress, History
+  cachemgr.peer      PeerServer, given the chunks (`_serve_chunk`) and the replica routes
+
+The one cycle, broken here at composition time only: the Restorer is given `make_room` and
+`fetch`, delegations to `Space` and `Fetcher`, which are built after it from its `forget`.
+What a lower layer asks of a higher one (the live peers, a chunk a replica holds, room) is a
+typed callable it declares, which the engine binds; the lower layer never sees the service.
+
+The services of tiering (each module's docstring states its invariants, what guards them and
+its crash states):
 
   cachemgr.tiering.signals   Signals (the wake-ups between services) and StoreHealth (last error)
   cachemgr.tiering.commit    Committer: the on_* hooks, `ckptfs commit`, crash recovery (`recover`)
   cachemgr.tiering.uploads   UploadQueue: the upload queue and its `file_concurrency` workers
   cachemgr.tiering.publish   Publisher: the namespace FIFO worker: publish / unpublish / GC /
-  retention cachemgr.tiering.gather    Gatherer: other nodes' files of a set, before its manifest
+                             retention
+  cachemgr.tiering.gather    Gatherer: other nodes' files of a set, before its manifest
   cachemgr.tiering.space     Space: the --cache-size / --keep-local policy, backpressure for writers
-  cachemgr.restore.fetch     Fetcher: an evicted file's whole object back into the cache
   cachemgr.tiering.progress  Progress: `ckptfs wait` and the per-set rows of status
 
 Data flow: the core calls the synchronous hooks (`on_*`) from FUSE handlers, inside the index
@@ -30,11 +47,11 @@ applies retention (Space). Every set state change wakes the waiters (Signals.cha
 (Progress) and writers waiting for room (Space).
 
 Everything runs on the trio thread; no service's state is touched from another thread. Tasks,
-all in one nursery, started in this order: the upload workers, the namespace worker, the
-restorer, remote sync, the part records publisher, membership. Teardown: all are cancelled
+all in one nursery, started in this order: the restorer, remote sync, (registration), the
+upload workers, the namespace worker, history, the part records publisher, membership, and
+with --peers the peer server, replication and the peer namespace. Teardown: all are cancelled
 when the FUSE loop ends (then membership leaves, shielded); everything they did not finish is
-resumed from the index at the next mount (`Committer.recover`). Each module's docstring states
-its invariants, what guards them and its crash states.
+resumed from the index at the next mount (`Committer.recover`).
 """
 
 from __future__ import annotations
@@ -48,10 +65,14 @@ import trio
 
 from cachemgr.core.hooks import KernelNotifier
 from cachemgr.core.sets import LIVE_STATES, SetRegistry
+from cachemgr.format.objects import StoredObject
 from cachemgr.host import background
 from cachemgr.host.foreground import Foreground
+from cachemgr.peer import server as peerserve
+from cachemgr.peer.client import PeerClient
 from cachemgr.peer.proto import PeerConfig, PeerEndpoint
 from cachemgr.restore.fetch import Fetcher
+from cachemgr.restore.restorer import Restorer
 from cachemgr.store import DeadlineExceeded, ObjectStore, StoreError
 from cachemgr.tiering.commit import Committer
 from cachemgr.tiering.gather import Gatherer
@@ -59,17 +80,22 @@ from cachemgr.tiering.history import History
 from cachemgr.tiering.members import Lease, Members
 from cachemgr.tiering.parts import PartPublisher
 from cachemgr.tiering.peerspace import PeerNamespace
-from cachemgr.tiering.progress import Progress
+from cachemgr.tiering.progress import Probes, Progress
+from cachemgr.tiering.progress import stuck_after as stuck_threshold
 from cachemgr.tiering.publish import Publisher
+from cachemgr.tiering.remote import RemoteSync
+from cachemgr.tiering.replicaproto import REPLICA_PREFIX
+from cachemgr.tiering.replicate import ReplicaHolder, ReplicaOrigin, Replication
 from cachemgr.tiering.signals import Signals, StoreHealth
 from cachemgr.tiering.space import Space
-from cachemgr.tiering.uploads import UploadQueue, object_key
+from cachemgr.tiering.takeover import Takeover, TakeoverRecords
+from cachemgr.tiering.uploads import UploadQueue
 from cachemgr.transfer.upload import TransferConfig, Uploader
 
 if TYPE_CHECKING:
     from cachemgr.core.cache import Cache
 
-__all__ = ["Tiering", "TieringConfig", "object_key"]
+__all__ = ["Engine", "EngineConfig"]
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +110,7 @@ PEER_LISTING_DEADLINE_S = 10.0
 
 
 @dataclass(frozen=True)
-class TieringConfig:
+class EngineConfig:
     transfer: TransferConfig = field(default_factory=TransferConfig)
     file_concurrency: int = 4        # files uploading at once (each with its parts in flight)
     cache_size: int | None = None    # bytes of file data kept in the cache before eviction
@@ -114,8 +140,10 @@ class TieringConfig:
     replicas: int = 0
 
 
-class Tiering:
-    def __init__(self, cache: Cache, store: ObjectStore, cfg: TieringConfig, *,
+class Engine:
+    """Every service of a mount, built and run (see the module docstring)."""
+
+    def __init__(self, cache: Cache, store: ObjectStore, cfg: EngineConfig, *,
                  foreground: Foreground, kernel: KernelNotifier) -> None:
         self.cache = cache
         self.index = cache.index
@@ -127,16 +155,10 @@ class Tiering:
         self.store_health = StoreHealth()
         self._parts = trio.CapacityLimiter(max(1, cfg.transfer.max_parts_in_flight))
         self.uploader = Uploader(store, cfg.transfer, self._parts, foreground=foreground)
-        from cachemgr.peer import server as peerserve
-        from cachemgr.peer.client import PeerClient
-        from cachemgr.restore.restorer import Restorer
-        from cachemgr.tiering.remote import RemoteSync
-        from cachemgr.tiering.replicaproto import REPLICA_PREFIX
-
-        # The services tiering's own services are given as collaborators. The room and fetch
-        # calls go through this object's delegations because Space and Fetcher are built after
-        # the restorer (they take its `forget`): a cycle broken at composition time only.
-        # --peers: the socket is bound first, so the member record names its port
+        # The room and fetch calls go through this object's delegations because Space and
+        # Fetcher are built after the restorer (they take its `forget`): a cycle broken at
+        # composition time only. --peers: the socket is bound first, so the member record
+        # names its port.
         peer_sock = None if cfg.peers is None or cfg.read_only else peerserve.bind(cfg.peers)
         self.lease = Lease(store=store, node=self.node, index=self.index, lease=cfg.lease,
                            register_timeout=cfg.register_timeout,
@@ -149,15 +171,17 @@ class Tiering:
         self.members = Members(store=store, node=self.node, index=self.index, sets=self.sets,
                                parts=self.parts, lease=self.lease,
                                poll=cfg.refresh_interval if cfg.refresh_interval > 0 else 10.0)
+        # --peers: chunks from other nodes before the store; the live peers from membership
+        # (or, during a store outage, the peer namespace), and first the replicas held here
+        self.peer_client = None if cfg.peers is None else PeerClient(
+            cfg=cfg.peers, node=self.node, live_peers=self._live_peers,
+            local=self._replica_chunk)
         self.restorer = Restorer(table=cache.table, files=cache.files,
                                  residency=cache.residency, cache_dir=cache.cache_dir,
                                  index=self.index, sets=self.sets, store=store,
                                  cache_size=cfg.cache_size, make_room=self.make_room,
-                                 fetch_whole=self.fetch,
-                                 live_members=self.members.live,
-                                 peers=None if cfg.peers is None else PeerClient(
-                                     cfg=cfg.peers, node=self.node,
-                                     live_peers=self._live_peers, local=self._replica_chunk),
+                                 fetch_whole=self.fetch, live_members=self.members.live,
+                                 peers=self.peer_client,
                                  concurrency=cfg.prefetch_concurrency, mode=cfg.prefetch,
                                  range_size=cfg.prefetch_range)
         self.remote = RemoteSync(table=cache.table, tree=cache.tree, index=self.index,
@@ -179,18 +203,11 @@ class Tiering:
         self._build_services()
         self.running = False
 
-    def _replication(self, peers: PeerConfig, port: int) -> Any:
+    def _replication(self, peers: PeerConfig, port: int) -> Replication:
         """--replicas K (cachemgr.tiering.replicate): this node as an origin and as a buddy."""
-        from cachemgr.tiering.replicate import (
-            ReplicaHolder,
-            ReplicaOrigin,
-            Replication,
-        )
-        from cachemgr.tiering.takeover import Takeover, TakeoverRecords
-
         cache, cfg = self.cache, self.cfg
 
-        async def upload(path: str, key: str, size: int) -> Any:
+        async def upload(path: str, key: str, size: int) -> StoredObject:
             return await self.uploader.upload_file(path, key, size=size)
 
         return Replication(
@@ -254,7 +271,8 @@ class Tiering:
         return s is not None and s.state == "durable" and s.committed_ns >= committed_ns
 
     def _build_services(self) -> None:
-        """The tiering services, each given its collaborators (see the module docstring)."""
+        """The rest of tiering's services and the fetcher, each given its collaborators (see
+        the module docstring)."""
         cfg, restorer, parts, cache = self.cfg, self.restorer, self.parts, self.cache
         self.gatherer = Gatherer(
             table=cache.table, files=cache.files, index=self.index, sets=self.sets,
@@ -337,7 +355,7 @@ class Tiering:
                 await self.members.leave()
 
     async def _run_read_only(self, task_status: Any) -> None:
-        """`run` of a read-only mount: the store is read, never written (TieringConfig); what
+        """`run` of a read-only mount: the store is read, never written (EngineConfig); what
         recovery queued stays queued for the next read-write mount of this cache."""
         self.running = True
         try:
@@ -412,16 +430,13 @@ class Tiering:
     def status(self, limit: int = 50, stuck_after: float | None = None) -> dict[str, Any]:
         """`ckptfs status --json`'s "tiering". `stuck_after`: the stuck threshold in seconds
         (None: the mount's, cachemgr.tiering.progress.stuck_after of --commit-timeout)."""
-        from cachemgr.tiering.progress import Probes
-        from cachemgr.tiering.progress import stuck_after as threshold
-
         sets, pending = self.progress.set_rows(limit)
         if self.replication is not None:
             for row in sets:
                 if row["origin"] == "local":
                     row.update(self.replication.set_fields(row["seq"], row["state"]))
         live = self.sets.by_states(LIVE_STATES)
-        after_s = threshold(self.cfg.commit_timeout) if stuck_after is None else stuck_after
+        after_s = stuck_threshold(self.cfg.commit_timeout) if stuck_after is None else stuck_after
         nstuck, stuck = self.progress.stuck_sets(after_s, Probes(
             uploads=self.uploads.status(), health=self.store_health,
             gathering=self.gatherer.gathering, publish_queued=self.publisher.publish_queued,
@@ -487,13 +502,10 @@ class Tiering:
         instead of the recent ones, and without per-set detail but the stuck sets' names and
         why (at most STUCK_SHOWN). Plain data, copied: the caller may keep it after the loop
         has moved on. `stuck_after` as in `status`."""
-        from cachemgr.tiering.progress import Probes
-        from cachemgr.tiering.progress import stuck_after as threshold
-
         retry = getattr(self.store, "stats", None)  # RetryingStore; absent: a bare store
         r = self.restorer.statistics().chunks
         failed = self.progress.failed_sets()
-        after_s = threshold(self.cfg.commit_timeout) if stuck_after is None else stuck_after
+        after_s = stuck_threshold(self.cfg.commit_timeout) if stuck_after is None else stuck_after
         nstuck, stuck = self.progress.stuck_sets(after_s, Probes(
             uploads=self.uploads.status(), health=self.store_health,
             gathering=self.gatherer.gathering, publish_queued=self.publisher.publish_queued,
@@ -540,7 +552,7 @@ class Tiering:
         if self.cfg.peers is None:
             return None
         r = self.restorer.statistics().chunks
-        client = self.restorer.chunks.peers
+        client = self.peer_client
         return {"replication": self.replication_status(),
                 "server": None if self.peer_server is None else
                 asdict(self.peer_server.statistics()),
