@@ -8,9 +8,10 @@ Threads and state
     `StoreLoop` runs one trio loop on a thread of its own for the life of a tool command; any
     other thread (the command's, the worker threads of cachemgr.format.resumable) calls into it
     with `call` (trio.from_thread) and blocks until the store answers, so the calling thread
-    keeps Ctrl-C and the progress display. The store's own bounds apply unchanged: its
-    connection limit (`max_connections`) caps the requests in flight, whatever the number of
-    calling threads. A view holds no state but the store and the loop: safe from any thread.
+    keeps Ctrl-C and the progress display. The store's own bounds apply unchanged (S3Store's
+    `max_connections` caps the requests in flight, LocalStore's `threads` its worker threads),
+    whatever the number of calling threads. A view holds no state but the store and the loop:
+    safe from any thread.
 
 Errors and bounds
     Every failure of the store is a cachemgr.format.readerrors `StoreError` (the tools' "store
