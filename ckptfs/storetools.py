@@ -8,10 +8,11 @@ cachemgr.format.storeread, the reader shared with scripts/ckpt_restore.py) befor
 object is decoded and checked by cachemgr.format.decode (the decoder the mount uses too), and
 no document is read past validate.MAX_DOCUMENT_BYTES.
 
-Threads: the async store runs in a trio loop on a thread of its own (`_Bridge`); the tools are
-plain threads that call into it (trio.from_thread), so the caller's thread keeps Ctrl-C and
-the progress display, and cachemgr.format.resumable's worker threads read objects in parallel.
-State: a `Session` owns its `_Bridge` (the loop thread) and the store view over it; an `_Fsck`
+Threads: the async store runs in a trio loop on a thread of its own, and the tools read it
+through its blocking face (cachemgr.format.storeview: `StoreLoop`, `ObjectStoreView`): the
+caller's thread keeps Ctrl-C and the progress display, and cachemgr.format.resumable's worker
+threads read objects in parallel.
+State: a `Session` owns its `StoreLoop` (the loop thread) and the store view over it; an `_Fsck`
 run's findings (`named`, `protected`, `damage`, counts) are filled by the document reader
 threads under `_Fsck.lock`, and read by the calling thread only after they have all finished.
 
@@ -39,6 +40,7 @@ import time
 from typing import Any, Self, cast
 
 from cachemgr.format import keys, names, readerrors, resumable, storeread, validate
+from cachemgr.format.storeview import ObjectStoreView, StoreLoop
 from cachemgr.store.base import PROBE_PREFIX
 from cachemgr.tiering import members as mem
 from cachemgr.tiering import parts as prt
@@ -101,116 +103,6 @@ def run(a: argparse.Namespace) -> int:
 
 # -- the store, as the mount builds it -----------------------------------------------------------
 
-class _Bridge:
-    """A trio loop on a thread of its own, for the async store; any thread may call into it."""
-
-    def __init__(self) -> None:
-        import trio
-
-        self._trio = trio
-        self._ready = threading.Event()
-        self._token: Any = None  # trio.lowlevel.TrioToken, once the loop runs
-        self._done: Any = None   # trio.Event: set to end the loop
-        self._thread = threading.Thread(target=trio.run, args=(self._main,),
-                                        name="ckptfs-store", daemon=True)
-        self._thread.start()
-        self._ready.wait()
-
-    async def _main(self) -> None:
-        self._token = self._trio.lowlevel.current_trio_token()
-        self._done = self._trio.Event()
-        self._ready.set()
-        await self._done.wait()
-
-    def call(self, afn, *args):
-        return self._trio.from_thread.run(afn, *args, trio_token=self._token)
-
-    def close(self) -> None:
-        if self._thread.is_alive():
-            try:
-                self._trio.from_thread.run_sync(self._done.set, trio_token=self._token)
-            except self._trio.RunFinishedError:
-                pass
-            self._thread.join()
-
-
-class _Reader:
-    """An object read by ranges; holds no descriptor (cachemgr.store opens per read)."""
-
-    def __init__(self, view: StoreView, key: str, size: int) -> None:
-        self.view, self.key, self.size = view, key, size
-
-    def read(self, offset: int, n: int) -> bytes:
-        if n <= 0:
-            return b""
-        data = self.view.call(self.view.store.get, self.key, offset, n)
-        if len(data) != n:
-            raise readerrors.CorruptError(f"{self.key}: {len(data)} bytes at {offset}, expected "
-                                         f"{n} (the object is shorter than it was)")
-        return data
-
-    def close(self) -> None:
-        pass
-
-
-class StoreView:
-    """A store view (cachemgr.format.views) (listing, get, open) over cachemgr.store, plus
-    what fsck needs (infos with LastModified, head, delete). Every failure of the store is a
-    readerrors.StoreError (exit 7), an absent key None."""
-
-    def __init__(self, bridge: _Bridge, store, url: str) -> None:
-        self.bridge, self.store, self.url = bridge, store, url
-
-    def call(self, afn, *args):
-        from cachemgr.store import NotFound
-        from cachemgr.store import StoreError as Unusable
-
-        try:
-            return self.bridge.call(afn, *args)
-        except NotFound:
-            raise
-        except Unusable as e:
-            raise readerrors.StoreError(f"object store {self.url}: {e}") from None
-        except readerrors.RestoreError:
-            raise
-        except Exception as e:  # noqa: BLE001 - botocore credential/config errors, a stopped loop
-            raise readerrors.StoreError(f"object store {self.url}: {type(e).__name__}: "
-                                       f"{e}") from None
-
-    def infos(self, prefix: str) -> list:
-        return self.call(self.store.list, prefix)
-
-    def listing(self, prefix: str) -> list[tuple[str, int]]:
-        return [(i.key, i.size) for i in self.infos(prefix)]
-
-    def get(self, key: str, max_bytes: int | None = None) -> bytes | None:
-        from cachemgr.store import NotFound
-
-        try:
-            data = self.call(self.store.get, key, 0,
-                             None if max_bytes is None else max_bytes + 1)
-        except NotFound:
-            return None
-        if max_bytes is not None and len(data) > max_bytes:
-            raise readerrors.CorruptError(f"{key} is more than {max_bytes} bytes")
-        return data
-
-    def head(self, key: str):
-        from cachemgr.store import NotFound
-
-        try:
-            return self.call(self.store.head, key)
-        except NotFound:
-            return None
-
-    def open(self, key: str) -> _Reader | None:
-        info = self.head(key)
-        return None if info is None else _Reader(self, key, info.size)
-
-    def delete(self, key: str) -> None:
-        self.call(self.store.delete, key)
-
-
 class Session:
     """An open store: `view`, and the listing of manifests/ the probe made."""
 
@@ -244,12 +136,12 @@ class Session:
             what = str(e) if isinstance(e, Unusable) else f"{type(e).__name__}: {e}"
             raise ToolError(EXIT_STORE, f"object store {url} is unusable: {what}") from None
         self.store = RetryingStore(inner)
-        self.bridge = _Bridge()
-        self.view = StoreView(self.bridge, self.store, url)
+        self.loop = StoreLoop()
+        self.view = ObjectStoreView(self.loop, self.store, url)
         # The probe (as at mount): the first listing, with fewer retries, so that a store that
         # cannot work at all (unreachable, no such bucket, access denied) fails within seconds.
-        probe = StoreView(self.bridge, RetryingStore(inner, RetryPolicy(attempts=3,
-                                                                          max_delay=1.0)), url)
+        probe = ObjectStoreView(self.loop, RetryingStore(inner, RetryPolicy(attempts=3,
+                                                                            max_delay=1.0)), url)
         try:
             self.manifest_infos = probe.infos(keys.MANIFEST_PREFIX)
         except readerrors.StoreError as e:
@@ -258,8 +150,8 @@ class Session:
 
     def close(self) -> None:
         with contextlib.suppress(Exception):  # closing: nothing left to report
-            self.bridge.call(self.store.aclose)
-        self.bridge.close()
+            self.loop.call(self.store.aclose)
+        self.loop.close()
 
     def __enter__(self) -> Self:
         return self
@@ -305,7 +197,7 @@ class _Budget:
             self.cv.notify_all()
 
 
-def _read_docs(view: StoreView, infos: list, fn) -> None:
+def _read_docs(view: ObjectStoreView, infos: list, fn) -> None:
     """fn(info, raw bytes or None if gone) for each listed document, _DOC_READERS at a time and
     at most _HOLD_BYTES of them held at once; a document bigger than MAX_DOCUMENT_BYTES is not
     read (fn gets b"" and checks the listed size itself)."""

@@ -30,7 +30,7 @@ from ckpt_restore import FileStoreView, S3StoreView, manifests
 from conftest import REPO, ckptfs_cmd, run_cli
 
 import ckptfs
-from cachemgr.format import keys, readerrors, resumable, storeread, validate
+from cachemgr.format import keys, readerrors, resumable, storeread, storeview, validate
 from ckptfs import cli, storetools
 
 DAY = 86400
@@ -221,11 +221,11 @@ def test_ls_restore_fsck_of_what_a_mount_published(mount_factory, tmp_path, requ
 
 # -- restore: resumable, repairs, never outside DEST ----------------------------------------------
 
-class CutView(storetools.StoreView):
+class CutView(storeview.ObjectStoreView):
     """The store view, but the connection drops after `after` data reads (an interruption)."""
 
-    def __init__(self, base: storetools.StoreView, after: int | None) -> None:
-        super().__init__(base.bridge, base.store, base.url)
+    def __init__(self, base: storeview.ObjectStoreView, after: int | None) -> None:
+        super().__init__(base.loop, base.store, base.url)
         self.after, self.gets, self.lock = after, 0, threading.Lock()
 
     def call(self, afn, *args):
@@ -531,6 +531,38 @@ def test_an_unusable_store_exits_7_in_one_line(tmp_path, s3_bucket):
             assert "unusable" in r.stderr
     assert not (tmp_path / "nothing").exists()  # a missing file:// store is not created
     assert not (tmp_path / "d").exists()
+
+
+def test_the_store_view_is_the_store_layer_with_its_bounds(tmp_path):
+    """cachemgr.format.storeview: the tools' blocking face of cachemgr.store. An absent key is
+    None, a document past its bound and a short ranged read are CorruptError, every failure of
+    the store one readerrors.StoreError, and reads go through the store (its wrappers too)."""
+    from cachemgr.store import FaultyStore, LocalStore, StoreError
+
+    loop = storeview.StoreLoop()
+    store = FaultyStore(LocalStore(tmp_path / "store"))
+    try:
+        view = storeview.ObjectStoreView(loop, store, "file:///test")
+        view.call(store.put, "manifests/a", b"x" * 10)
+        assert view.listing("manifests/") == [("manifests/a", 10)]
+        assert view.get("manifests/a", max_bytes=10) == b"x" * 10
+        with pytest.raises(readerrors.CorruptError, match="more than 9 bytes"):
+            view.get("manifests/a", max_bytes=9)
+        assert view.get("manifests/b") is None and view.open("manifests/b") is None
+        r = view.open("manifests/a")
+        assert r is not None and (r.key, r.size) == ("manifests/a", 10)
+        assert r.read(2, 3) == b"xxx" and r.read(0, 0) == b""
+        with pytest.raises(readerrors.CorruptError, match="shorter than it was"):
+            r.read(8, 4)
+        store.fail_next("get", 1, StoreError("injected: access denied"))
+        with pytest.raises(readerrors.StoreError, match="file:///test: injected: access denied"):
+            view.get("manifests/a")
+        assert store.injected == {"get": 1}
+        view.delete("manifests/a")
+        assert view.head("manifests/a") is None
+    finally:
+        loop.call(store.aclose)
+        loop.close()
 
 
 def test_usage_and_no_such_set(tmp_path):

@@ -2,10 +2,16 @@
 the thread pool the store tools share (`run_parallel`).
 
 Owns the restore's state in DEST (the layout below), the planning of what each file needs, and
-its worker threads. Objects are read through a store view (cachemgr.format.views) and decoded
-chunk by chunk by cachemgr.format.decode; paths are resolved inside DEST by
-cachemgr.format.restoreto's helpers (never through a symlink). Not needed by
+its worker threads. Objects are read through a store view (cachemgr.format.views; ckptfs
+passes cachemgr.format.storeview's, so every read is a ranged GET of cachemgr.store, the
+mount's store layer, retries and deadlines included) and decoded chunk by chunk by
+cachemgr.format.decode, each chunk checked against its CRC32C as it arrives; paths are resolved
+inside DEST by cachemgr.format.restoreto's helpers (never through a symlink). Not needed by
 scripts/ckpt_restore.py.
+
+The workers are threads (`run_parallel`), each blocking on its store read (the store's trio
+loop runs on a thread of its own: cachemgr.format.storeview.StoreLoop); moving this engine onto
+that loop (trio tasks instead of threads, the file work in trio.to_thread) is not done yet.
 """
 
 from __future__ import annotations
@@ -860,11 +866,11 @@ def restore_resumable(view: StoreView, m: Manifest, dest: Path, *, overwrite: bo
     `overwrite`; entries of an existing target that the set does not name are left alone.
 
     `view`'s readers (`open`) are kept for the files being fetched: use a view whose readers
-    hold no descriptor (ckptfs's view over cachemgr.store). `progress(snapshot)` is called in
-    the calling thread a few times a second with a dict: bytes_total, bytes_done,
-    bytes_fetched, files_total, files_done. Returns the final snapshot with `target` and
-    `seconds`. RestoreError (one line) if anything is wrong; KeyboardInterrupt stops the
-    workers at their next piece and keeps what they verified."""
+    hold no descriptor (cachemgr.format.storeview.ObjectStoreView, ckptfs's).
+    `progress(snapshot)` is called in the calling thread a few times a second with a dict:
+    bytes_total, bytes_done, bytes_fetched, files_total, files_done. Returns the final
+    snapshot with `target` and `seconds`. RestoreError (one line) if anything is wrong;
+    KeyboardInterrupt stops the workers at their next piece and keeps what they verified."""
     m = checked(m)
     if workers < 1:
         raise UsageError("workers must be at least 1")
