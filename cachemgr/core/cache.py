@@ -114,7 +114,7 @@ class Cache:
         return fsck.recover(self.index, self.files)
 
     def check_consistency(self) -> list[str]:
-        """Invariants of index and cache files, for tests and `ckptfs fsck`-style checks."""
+        """The problems `fsck.check` finds in index and cache files (empty: consistent)."""
         return fsck.check(self.index, self.table, self.files)
 
     def close(self) -> None:
