@@ -10,10 +10,9 @@ documented exit code before the next one starts):
                 anything is mounted: a port that cannot be had fails the mount.
   3. cache      open the cache's owners: `Cache.open` (index + crash recovery; fails:
                 EXIT_CACHE_DIR).
-  4. store      open the object store (what the tests inject: `INJECTED`; `RetryingStore`),
-                probe it
-                (fails: EXIT_STORE), bind the cache dir to the store URL (another URL:
-                EXIT_CACHE_DIR).
+  4. store      open the object store (`open_backend`, then `ReadOnlyStore` if --read-only and
+                `RetryingStore` over it), probe it (fails: EXIT_STORE), bind the cache dir to
+                the store URL (another URL: EXIT_CACHE_DIR).
   5. services   bottom-up, each whole when its constructor returns: the foreground signal,
                 `Engine` from the cache (it builds its services, each from the cache's owners
                 it uses), the core `CacheFs` from the cache and those services, `Filesystem`,
@@ -89,6 +88,7 @@ if TYPE_CHECKING:
     from cachemgr.engine import Engine
     from cachemgr.host.foreground import Foreground
     from cachemgr.peer.proto import PeerConfig
+    from cachemgr.store import ObjectStore
 
 log = logging.getLogger(__name__)
 
@@ -109,19 +109,22 @@ def peer_config(cfg: MountConfig) -> PeerConfig | None:
 STATUS_INTERVAL_S = 5.0
 
 
-@dataclass(frozen=True)
-class Injected:
-    """What the tests inject into a mount through its composition root (never read from the
-    environment here): tests/daemon_hooks/sitecustomize.py sets `INJECTED` in the daemon's
-    process before it starts. `wrap_store` wraps the object store below the retry layer (a
-    FaultyStore that fails or holds calls); `before_fill` runs in restore's fill threads before
-    they write (cachemgr.core.filecache)."""
+def open_backend(cfg: MountConfig, store_url: str) -> ObjectStore:
+    """The store `store_url` names, with the mount's --s3-* and --part-size options: the bottom
+    of the mount's store stack, which `_Daemon.open_store` layers read-only and retries over.
+    Looked up at each mount: the tests' daemons wrap it from outside to put a fault-injecting
+    store below the retries (tests/daemon_hooks/sitecustomize.py)."""
+    from cachemgr.store import open_store
 
-    wrap_store: Callable[[Any], Any] | None = None
-    before_fill: Callable[[], None] | None = None
-
-
-INJECTED = Injected()
+    if not store_url.startswith("s3://"):
+        return open_store(store_url)
+    return open_store(store_url, endpoint_url=cfg.s3_endpoint, region=cfg.s3_region,
+                      path_style=cfg.s3_path_style, profile=cfg.s3_profile,
+                      allow_unconditional=cfg.store_ignores_conditions,
+                      native=cfg.s3_transfer != "boto3",
+                      native_gets=cfg.s3_transfer == "crt",
+                      plain_http=cfg.s3_transfer == "auto",
+                      part_size=cfg.part_size)
 
 
 PROBE_LIST_S = 15.0
@@ -348,8 +351,7 @@ class _Daemon:
 
         cfg = self.cfg
         try:
-            self.cache = Cache.open(cfg.cache_dir, backings=fuse.backings(cfg),
-                                    before_fill=INJECTED.before_fill)
+            self.cache = Cache.open(cfg.cache_dir, backings=fuse.backings(cfg))
         except (FsError, OSError) as e:
             raise _StartFailed(EXIT_CACHE_DIR, f"cannot open cache in {cfg.cache_dir}: {e}") \
                 from e
@@ -357,21 +359,12 @@ class _Daemon:
     def open_store(self) -> None:  # step 4
         import trio
 
-        from cachemgr.store import RetryingStore, StoreError, open_store
+        from cachemgr.store import RetryingStore, StoreError
         from cachemgr.store.wrappers import ReadOnlyStore
 
         cfg, store_url = self.cfg, self.store_url
         try:
-            inner = open_store(store_url, endpoint_url=cfg.s3_endpoint, region=cfg.s3_region,
-                               path_style=cfg.s3_path_style, profile=cfg.s3_profile,
-                               allow_unconditional=cfg.store_ignores_conditions,
-                               native=cfg.s3_transfer != "boto3",
-                               native_gets=cfg.s3_transfer == "crt",
-                               plain_http=cfg.s3_transfer == "auto",
-                               part_size=cfg.part_size) \
-                if store_url.startswith("s3://") else open_store(store_url)
-            wrap = INJECTED.wrap_store
-            inner = inner if wrap is None else wrap(inner)
+            inner = open_backend(cfg, store_url)
             self.store = RetryingStore(ReadOnlyStore(inner) if cfg.read_only else inner)
             trio.run(_probe_store, self.store, cfg.read_only)
         except (StoreError, OSError) as e:

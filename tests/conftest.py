@@ -24,7 +24,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 # Every Python process the tests start imports tests/daemon_hooks/sitecustomize.py: in a daemon
 # whose environment asks for faults (CKPTFS_FAULTS) or a held fill (CKPTFS_TEST_HOLD_FILL), it
-# injects them through the daemon's composition root (ckptfs.daemon.INJECTED).
+# wraps the ckptfs functions that open the store and write a fill before the daemon starts.
 os.environ["PYTHONPATH"] = os.pathsep.join(
     p for p in (str(REPO / "tests" / "daemon_hooks"), os.environ.get("PYTHONPATH")) if p)
 # scripts/ckpt_restore.py reads a store without ckptfs; tests use it to check what was published.

@@ -14,20 +14,25 @@ from cachemgr.host import background
 IDLE_IO = 3 << 13  # IOPRIO_CLASS_IDLE, level 0
 
 
+def current() -> tuple[int, int | None]:
+    """(scheduling policy, I/O priority) of the calling thread."""
+    return os.sched_getscheduler(0), background._ioprio_get()
+
+
 def test_run_idle_lowers_the_thread_for_the_call_and_restores_it():
     if not background.enabled():
         pytest.skip("idle priority needs root (the daemon then runs uploads at normal priority)")
-    before = background.current()
-    seen = background.run_idle(background.current)
+    before = current()
+    seen = background.run_idle(current)
     assert seen == (os.SCHED_IDLE, IDLE_IO)
-    assert background.current() == before
+    assert current() == before
 
     def boom() -> None:
         raise ValueError("x")
 
     with pytest.raises(ValueError):
         background.run_idle(boom)
-    assert background.current() == before
+    assert current() == before
 
 
 def test_a_reused_trio_worker_thread_is_back_to_normal_priority():
@@ -37,9 +42,9 @@ def test_a_reused_trio_worker_thread_is_back_to_normal_priority():
     async def main() -> list:
         out = []
         limiter = trio.CapacityLimiter(1)  # one worker thread, reused
-        out.append(await trio.to_thread.run_sync(background.run_idle, background.current,
+        out.append(await trio.to_thread.run_sync(background.run_idle, current,
                                                  limiter=limiter))
-        out.append(await trio.to_thread.run_sync(background.current, limiter=limiter))
+        out.append(await trio.to_thread.run_sync(current, limiter=limiter))
         return out
 
     idle, after = trio.run(main)
@@ -53,11 +58,11 @@ def test_a_nested_run_idle_switches_nothing_and_the_outer_one_restores():
     already, switch nothing, and leave the restore to the outer call."""
     if not background.enabled():
         pytest.skip("idle priority needs root")
-    before = background.current()
+    before = current()
 
     def inner() -> tuple:
-        return background.run_idle(background.current), background.current()
+        return background.run_idle(current), current()
 
     inside, after_inner = background.run_idle(inner)
     assert inside == after_inner == (os.SCHED_IDLE, IDLE_IO)
-    assert background.current() == before
+    assert current() == before

@@ -64,9 +64,9 @@ from cachemgr.format.names import (
 from cachemgr.format.objects import StoredObject
 from cachemgr.restore.restorer import Restorer
 from cachemgr.store import LocalStore, StoreError, crc32c
-from cachemgr.store.wrappers import FaultyStore
 from cachemgr.tiering import members, parts
 from cachemgr.tiering.remote import RemoteSync
+from tests.faultstore import FaultyStore
 from tests.test_diskfull import memory_matches_index
 
 OTHER = "0be1b2c3"  # the node that publishes the sets these tests restore

@@ -46,7 +46,6 @@ from cachemgr.engine import Engine, EngineConfig
 from cachemgr.format.keys import is_manifest_key, manifest_key
 from cachemgr.host.foreground import Foreground
 from cachemgr.store import (
-    FaultyStore,
     LocalStore,
     NotFound,
     RetryingStore,
@@ -55,6 +54,7 @@ from cachemgr.store import (
     TransientStoreError,
 )
 from cachemgr.transfer.upload import TransferConfig
+from tests.faultstore import FaultyStore
 
 O_W = os.O_WRONLY | os.O_CREAT
 CHUNK = 4096

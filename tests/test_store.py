@@ -7,7 +7,6 @@ import pytest
 import trio
 
 from cachemgr.store import (
-    FaultyStore,
     LocalStore,
     NotFound,
     PreconditionFailed,
@@ -19,6 +18,7 @@ from cachemgr.store import (
     open_store,
 )
 from cachemgr.store.s3 import S3Options, S3Store
+from tests.faultstore import FaultyStore
 
 
 @pytest.fixture(params=["file", "s3"])

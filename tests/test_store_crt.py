@@ -27,7 +27,6 @@ import trio
 
 from cachemgr.store import (
     DeadlineExceeded,
-    FaultyStore,
     IntegrityError,
     NotFound,
     RetryingStore,
@@ -37,6 +36,7 @@ from cachemgr.store.s3 import Deadlines, S3Options, S3Store
 from cachemgr.transfer.download import download_file, fetch_chunks
 from cachemgr.transfer.upload import Superseded, TransferConfig, Uploader
 from tests.faultproxy import FaultProxy, Rule
+from tests.faultstore import FaultyStore
 
 pytest.importorskip("awscrt")
 pytestmark = [pytest.mark.unit, pytest.mark.s3]

@@ -37,7 +37,6 @@ from cachemgr.format.objects import (
 )
 from cachemgr.host.foreground import Foreground
 from cachemgr.store import (
-    FaultyStore,
     IntegrityError,
     LocalStore,
     NotFound,
@@ -50,6 +49,7 @@ from cachemgr.store.wrappers import _Wrapper
 from cachemgr.transfer import upload
 from cachemgr.transfer.download import download_file, fetch_chunk, read_range
 from cachemgr.transfer.upload import Superseded, TransferConfig, Uploader, _Producer
+from tests.faultstore import FaultyStore
 
 PART = 5 << 20
 FRAME = 1 << 20

@@ -164,7 +164,7 @@ def runs():
 
 def held(gate: Path, ops: tuple[str, ...]) -> str:
     """CKPTFS_FAULTS for a daemon whose store calls `ops` on data objects wait while `gate`
-    exists (cachemgr.store.FaultyStore.hold)."""
+    exists (tests/faultstore.py FaultyStore.hold)."""
     gate.touch()
     return ",".join(f"{op}@data/=hold:{gate}" for op in ops)
 

@@ -38,7 +38,6 @@ from __future__ import annotations
 import errno
 import json
 import os
-from collections.abc import Callable
 from pathlib import Path
 
 from cachemgr.core import fsck
@@ -58,13 +57,13 @@ LAYOUT = {"format": "ckptfs-cache", "version": 1}
 class Cache:
     """The owners of one cache directory (see the module docstring)."""
 
-    def __init__(self, cache_dir: Path, index: Index, *, backings: Backings | None = None,
-                 before_fill: Callable[[], None] | None = None) -> None:
+    def __init__(self, cache_dir: Path, index: Index, *,
+                 backings: Backings | None = None) -> None:
         self.cache_dir = cache_dir
         self.data_dir = cache_dir / "data"
         self.index = index
         self.stats = CoreStats()
-        self.files = FileCache(str(self.data_dir), index.cached_bytes(), before_fill=before_fill)
+        self.files = FileCache(str(self.data_dir), index.cached_bytes())
         self.table = InodeTable(index, self.files)
         self.xattrs = Xattrs(index, self.table)
         self.table.on_purged(self.xattrs.discard)
@@ -74,10 +73,8 @@ class Cache:
         self.residency = Residency(index, self.table, self.files, self.stats)
 
     @classmethod
-    def open(cls, cache_dir: Path, *, backings: Backings | None = None,
-             before_fill: Callable[[], None] | None = None) -> Cache:
-        """Open (creating if needed) the cache in `cache_dir` and run crash recovery.
-        `before_fill`: the tests' seam in restore's fills (cachemgr.core.filecache)."""
+    def open(cls, cache_dir: Path, *, backings: Backings | None = None) -> Cache:
+        """Open (creating if needed) the cache in `cache_dir` and run crash recovery."""
         make_dirs(cache_dir)  # 0700 if made here (cachemgr.host.nodefiles)
         layout_path = cache_dir / "layout.json"
         if layout_path.exists():
@@ -108,7 +105,7 @@ class Cache:
         make_dirs(cache_dir / "data")
         restrict(cache_dir / "data", DIR_MODE)
         index = Index.open(cache_dir / "index.sqlite", uid=os.getuid(), gid=os.getgid())
-        cache = cls(cache_dir, index, backings=backings, before_fill=before_fill)
+        cache = cls(cache_dir, index, backings=backings)
         cache.recover()
         return cache
 
@@ -117,7 +114,7 @@ class Cache:
         return fsck.recover(self.index, self.files)
 
     def check_consistency(self) -> list[str]:
-        """Invariants of index and cache files, for tests and `ckptfs fsck`-style checks."""
+        """The problems `fsck.check` finds in index and cache files (empty: consistent)."""
         return fsck.check(self.index, self.table, self.files)
 
     def close(self) -> None:

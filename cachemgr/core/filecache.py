@@ -37,17 +37,16 @@ writers waiting for room under --cache-size look again and no wakeup is lost.
 
 Guards: only trio tasks on the loop thread touch the accounting and `_locks` (one thread); the
 per-inode `trio.Lock`s in `_locks` are created on demand and dropped once free. A worker thread
-only writes the file it was given, and reads nothing here.
+(`write_fill`) only writes the file it was given, and reads nothing here.
 
 Crash states: a fill interrupted by a crash leaves bytes in the cache file that no bitmap
 records (`inodes.present` is written after the fill returns): they are fetched again. A cache
 file created in a transaction that never committed is a stray file: `CacheFs.recover()` deletes
 it, and recomputes the holes from st_blocks.
 
-Testing seam: `before_fill`, given at construction (by the tests, through the daemon's
-composition root: ckptfs.daemon.INJECTED), runs in a fill's worker thread before it writes, so a
-test can hold a fill in flight, run FUSE operations, then release it: the races above, without
-sleeps.
+`fill` looks `write_fill` up at each fill, a module function: the tests' daemons wrap it from
+outside (tests/daemon_hooks/sitecustomize.py) to hold a fill in flight, its lock held, while
+FUSE operations run: the races above, without sleeps.
 """
 
 from __future__ import annotations
@@ -84,6 +83,27 @@ def fallocate(fd: int, mode: int, off: int, length: int) -> None:
         raise OSError(e, os.strerror(e))
 
 
+def write_fill(path: str, writes: list[tuple[int, bytes | memoryview]], size: int | None,
+               sync: bool) -> None:
+    """A fill's writes, in the worker thread `FileCache.fill` runs them in (the file's lock held
+    by the fill): extend the cache file at `path` to `size` if it is shorter, write each
+    (offset, data) in full, fsync if `sync`. Touches that file only."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        if size is not None and os.fstat(fd).st_size < size:
+            os.ftruncate(fd, size)
+        for start, data in writes:
+            mv, off = memoryview(data), start
+            while mv:  # pwrite may write less than asked
+                k = os.pwrite(fd, mv, off)
+                mv = mv[k:]
+                off += k
+        if sync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 @dataclass(frozen=True, slots=True)
 class FileCacheStats:
     """`FileCache.statistics()`: cache files and fills (`dataclasses.asdict` for JSON)."""
@@ -105,11 +125,9 @@ class FileCache:
     # than this: block rounding and filesystem preallocation stay out of the accounting.
     HOLE_MIN = 1 << 20
 
-    def __init__(self, data_dir: str, cached_bytes: int = 0, *,
-                 before_fill: Callable[[], None] | None = None) -> None:
+    def __init__(self, data_dir: str, cached_bytes: int = 0) -> None:
         self.data_dir = str(data_dir)
         self._locks: dict[int, trio.Lock] = {}
-        self._before_fill = before_fill  # the testing seam (module docstring); worker thread
         # Bytes of file data held in cache files (evicted files excluded): what --cache-size
         # limits (see the module docstring).
         self.cached_bytes = cached_bytes
@@ -330,29 +348,7 @@ class FileCache:
             if not still_valid():
                 self.fills_skipped += 1
                 return False
-            path = self.path(ino)
-            before = self._before_fill
-            items = list(writes)
-
-            def write() -> None:
-                if before is not None:
-                    before()
-                fd = os.open(path, os.O_RDWR)
-                try:
-                    if size is not None and os.fstat(fd).st_size < size:
-                        os.ftruncate(fd, size)
-                    for start, data in items:
-                        mv, off = memoryview(data), start
-                        while mv:  # pwrite may write less than asked
-                            k = os.pwrite(fd, mv, off)
-                            mv = mv[k:]
-                            off += k
-                    if sync:
-                        os.fsync(fd)
-                finally:
-                    os.close(fd)
-
-            await trio.to_thread.run_sync(write)
+            await trio.to_thread.run_sync(write_fill, self.path(ino), list(writes), size, sync)
             self.fills += 1
             return True
 

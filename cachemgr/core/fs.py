@@ -260,7 +260,7 @@ class CacheFs:
                 "residency": asdict(self.cache.residency.statistics())}
 
     def check_consistency(self) -> list[str]:
-        """Invariants of index and cache files, for tests and `ckptfs fsck`-style checks."""
+        """The problems `fsck.check` finds in index and cache files (empty: consistent)."""
         return self.cache.check_consistency()
 
 

@@ -1,8 +1,9 @@
 """Agreement of the cache index and the cache files: crash recovery and the consistency check.
 
 `recover()` runs at every mount (cheap when there was no crash: one stat per regular file) and
-brings the index and cache files into agreement; `check()` lists what disagrees (tests and
-fsck-style checks). Both run before serving or between operations on the loop thread.
+brings the index and cache files into agreement; `check()` lists what disagrees: the
+invariants that recovery and every operation keep, which no mount runs but the tests check after
+the operations they drive. Both run before serving or between operations on the loop thread.
 
 Crash states repaired by `recover()` (kill -9 of the daemon; the OS page cache survives):
 

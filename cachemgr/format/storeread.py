@@ -199,7 +199,9 @@ def decode(obj: Manifest, stored: bytes) -> bytes:
 
 def restore(view: StoreView, m: Manifest) -> dict[str, bytes]:
     """{file path inside the set (escaped form): bytes}, every object checked end to end.
-    Holds the whole set in memory: for tests and small sets; restoreto.restore_to streams."""
+    Holds the whole set in memory: for small sets (the fault loop's checks of what a set
+    restores to, scripts/fault_checks.py, through scripts/ckpt_restore.py); restoreto.restore_to
+    streams."""
     m = checked(m)
     out = {}
     for f in m["files"]:

@@ -86,11 +86,6 @@ def run_idle(fn: Callable[..., _T], *args: object, cpu: bool = True) -> _T:
             _ioprio_set(io)
 
 
-def current() -> tuple[int, int | None]:
-    """(scheduling policy, I/O priority) of the calling thread: for tests."""
-    return os.sched_getscheduler(0), _ioprio_get()
-
-
 def idle_thread(tid: int, cpu: bool = True) -> None:
     """Thread `tid` of this process at idle I/O priority (and, with `cpu`, idle CPU priority)
     for good: for a native library's worker threads that do only upload work

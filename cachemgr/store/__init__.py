@@ -18,11 +18,11 @@ from cachemgr.store.base import (
     crc32c,
 )
 from cachemgr.store.local import LocalStore
-from cachemgr.store.wrappers import FaultyStore, RetryingStore, RetryPolicy
+from cachemgr.store.wrappers import RetryingStore, RetryPolicy
 
 __all__ = [
-    "DeadlineExceeded", "FaultyStore", "IntegrityError", "LocalStore", "NotFound", "ObjectInfo",
-    "ObjectStore", "Part", "PreconditionFailed", "RetryPolicy", "RetryingStore", "StoreError",
+    "DeadlineExceeded", "IntegrityError", "LocalStore", "NotFound", "ObjectInfo", "ObjectStore",
+    "Part", "PreconditionFailed", "RetryPolicy", "RetryingStore", "StoreError",
     "TransientStoreError", "crc32c", "open_store",
 ]
 

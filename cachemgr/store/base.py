@@ -2,7 +2,7 @@
 
 Backends: `local.LocalStore` (file:///dir, a directory with object semantics) and `s3.S3Store`
 (s3://bucket/prefix through boto3). Wrappers compose on top (`wrappers.RetryingStore`,
-`wrappers.FaultyStore`). Everything above this seam (upload, commit, prefetch) sees only
+`wrappers.ReadOnlyStore`). Everything above this seam (upload, commit, prefetch) sees only
 `ObjectStore`.
 
 Keys are '/'-separated strings relative to the store's root/prefix. Every object carries a CRC32C

@@ -1,4 +1,4 @@
-"""Stores that wrap stores: retries with backoff, fault injection for tests, and read-only.
+"""Stores that wrap stores: retries with backoff, and read-only.
 
 `RetryingStore` retries transient failures (throttling, 5xx, timeouts, resets, read-back
 integrity mismatches) with exponential backoff and full jitter, up to `RetryPolicy.attempts`
@@ -6,10 +6,8 @@ tries per call (8 by default: at most 6.35 s of backoff), of which at most
 `RetryPolicy.deadline_attempts` (2) may end at their deadline (`DeadlineExceeded`: the store did
 not answer; asking a black hole eight times would only make the caller wait eight deadlines);
 so a call's worst case is known per class of request (docs/ARCHITECTURE.md "Store deadlines").
-It counts every retry in
-`statistics()`, which only the trio tasks calling it touch (one loop, no lock). `FaultyStore`
-injects failures deterministically (every Nth call of an operation, or the next K calls) so
-tests can provoke them on purpose; it is a real store in between, never a mock.
+It counts every retry in `statistics()`, which only the trio tasks calling it touch (one loop,
+no lock).
 `ReadOnlyStore` refuses every call that would change the store (a read-only mount's guarantee
 that it never uploads, publishes or deletes, whatever a service tries).
 """
@@ -18,11 +16,10 @@ from __future__ import annotations
 
 import builtins
 import logging
-import os
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any
 
 import trio
 
@@ -36,7 +33,6 @@ from cachemgr.store.base import (
     RangeCrcs,
     Staged,
     StoreError,
-    TransientStoreError,
 )
 
 log = logging.getLogger(__name__)
@@ -215,68 +211,6 @@ class RetryingStore(_Wrapper):
                 log.info("%s: %s; retry %d/%d in %.3fs", op, e, attempt, p.attempts - 1, delay)
                 await trio.sleep(delay)
         raise AssertionError("unreachable")
-
-
-class FaultyStore(_Wrapper):
-    """Injects failures: `fail_next(op, n, exc)` makes the next n calls of `op` raise `exc`
-    (default: a transient 503 SlowDown) before reaching the inner store; `fail_every(op, k)`
-    makes every k-th call fail."""
-
-    @property
-    def stages_files(self) -> bool:
-        # Uploads through a fault-injecting store keep to put and the multipart calls, the
-        # operations its rules name.
-        return False
-
-    def __init__(self, inner: ObjectStore) -> None:
-        super().__init__(inner)
-        self._next: dict[str, list[Exception]] = {}
-        self._every: dict[str, tuple[int, Exception]] = {}
-        self._holds: dict[str, list[tuple[str, str]]] = {}
-        self.calls: dict[str, int] = {}
-        self.injected: dict[str, int] = {}
-
-    def fail_next(self, op: str, n: int = 1, exc: Exception | None = None) -> None:
-        exc = exc or TransientStoreError("injected 503 SlowDown")
-        self._next.setdefault(op, []).extend([exc] * n)
-
-    def fail_every(self, op: str, k: int, exc: Exception | None = None) -> None:
-        self._every[op] = (k, exc or TransientStoreError("injected 500 InternalError"))
-
-    # A whole-file PUT or GET of the native data path (cachemgr.store.crt) is the data PUT /
-    # part upload, or the data GET, that a rule names: its rules apply to it too, so a test's
-    # faults reach the store whichever client moves the bytes.
-    ALIASES: ClassVar[dict[str, tuple[str, ...]]] = {
-        "put_file": ("put", "upload_part"), "get_file": ("get",)}
-
-    def hold(self, op: str, gate: str, prefix: str = "") -> None:
-        """Calls of `op` on keys starting with `prefix` wait while the file `gate` exists (a
-        test opens the gate by deleting it): a store that is slow for one node, on demand."""
-        self._holds.setdefault(op, []).append((prefix, gate))
-
-    async def _do(self, op: str, *args: Any, **kw: Any) -> Any:
-        names = (op, *self.ALIASES.get(op, ()))
-        for name in names:
-            for prefix, gate in self._holds.get(name, ()):
-                key = args[0] if args else ""
-                if isinstance(key, str) and key.startswith(prefix) and os.path.exists(gate):
-                    log.info("holding %s %s until %s is removed", op, key, gate)
-                    while os.path.exists(gate):
-                        await trio.sleep(0.05)
-        exc = None
-        for name in names:
-            n = self.calls[name] = self.calls.get(name, 0) + 1
-            pending = self._next.get(name)
-            if exc is not None:
-                continue
-            if pending:
-                exc = pending.pop(0)
-            elif name in self._every and n % self._every[name][0] == 0:
-                exc = self._every[name][1]
-        if exc is not None:
-            self.injected[op] = self.injected.get(op, 0) + 1
-            raise exc
-        return await getattr(self.inner, op)(*args, **kw)
 
 
 class ReadOnlyStore(_Wrapper):
