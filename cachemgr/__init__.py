@@ -19,10 +19,10 @@ Two walks, by file:
     close() of a written file   ckptfs/fuse.py release -> core/fs.py Filesystem -> core/fileops.py
                                 FileOps.release -> core/hooks.py FsHooks.on_close, which is
                                 tiering/commit.py Committer.on_close: its upload queued
-                                (tiering/uploads.py) and, unless its name is a temporary one or
+                                (tiering/uploadqueue.py) and, unless its name is a temporary one or
                                 it is in an open directory set, the file committed as a set
                                 (core/sets.py)
-    a set published             tiering/uploads.py UploadQueue uploads each file
+    a set published             tiering/uploadqueue.py UploadQueue uploads each file
                                 (transfer/upload.py); when the set has all its objects,
                                 tiering/publish.py Publisher checks them and PUTs the manifest
                                 (format/manifest.py), conditionally (store/); other nodes see

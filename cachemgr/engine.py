@@ -16,13 +16,13 @@ The order, by layer:
   cachemgr.peer      the peer socket, bound first so the member record names its port
   cachemgr.tiering   Lease, PartPublisher, Members: membership, which a restore asks for peers
   cachemgr.peer      PeerClient (chunks from peers), given the live peers by `_live_peers`
-  cachemgr.restore   Restorer (read-through, prefetch), Fetcher (a whole evicted file back)
+  cachemgr.restore   Restorer (read-through, prefetch), WholeFileFetcher (a whole evicted file back)
   cachemgr.tiering   RemoteSync, Replication (--replicas), PeerNamespace, Gatherer, Space,
                      Publisher, UploadQueue, Committer, Progress, History
   cachemgr.peer      PeerServer, given the chunks (`_serve_chunk`) and the replica routes
 
 The one cycle, broken here at composition time only: the Restorer is given `make_room` and
-`fetch`, delegations to `Space` and `Fetcher`, which are built after it from its `forget`.
+`fetch`, delegations to `Space` and `WholeFileFetcher`, which are built after it from its `forget`.
 What a lower layer asks of a higher one (the live peers, a chunk a replica holds, room) is a
 typed callable it declares, which the engine binds; the lower layer never sees the service.
 
@@ -31,7 +31,7 @@ its crash states):
 
   cachemgr.tiering.signals   Signals (the wake-ups between services) and StoreHealth (last error)
   cachemgr.tiering.commit    Committer: the on_* hooks, `ckptfs commit`, crash recovery (`recover`)
-  cachemgr.tiering.uploads   UploadQueue: the upload queue and its `file_concurrency` workers
+  cachemgr.tiering.uploadqueue   UploadQueue: the upload queue and its `file_concurrency` workers
   cachemgr.tiering.publish   Publisher: the namespace FIFO worker: publish / unpublish / GC /
                              retention
   cachemgr.tiering.gather    Gatherer: other nodes' files of a set, before its manifest
@@ -71,15 +71,15 @@ from cachemgr.host.foreground import Foreground
 from cachemgr.peer import server as peerserve
 from cachemgr.peer.client import PeerClient
 from cachemgr.peer.proto import PeerConfig, PeerEndpoint
-from cachemgr.restore.fetch import Fetcher
 from cachemgr.restore.restorer import Restorer
+from cachemgr.restore.wholefile import WholeFileFetcher
 from cachemgr.store import DeadlineExceeded, ObjectStore, StoreError
 from cachemgr.tiering.commit import Committer
 from cachemgr.tiering.gather import Gatherer
 from cachemgr.tiering.history import History
 from cachemgr.tiering.members import Lease, Members
 from cachemgr.tiering.parts import PartPublisher
-from cachemgr.tiering.peerspace import PeerNamespace
+from cachemgr.tiering.peernamespace import PeerNamespace
 from cachemgr.tiering.progress import Probes, Progress
 from cachemgr.tiering.progress import stuck_after as stuck_threshold
 from cachemgr.tiering.publish import Publisher
@@ -89,7 +89,7 @@ from cachemgr.tiering.replicate import ReplicaHolder, ReplicaOrigin, Replication
 from cachemgr.tiering.signals import Signals, StoreHealth
 from cachemgr.tiering.space import Space
 from cachemgr.tiering.takeover import Takeover, TakeoverRecords
-from cachemgr.tiering.uploads import UploadQueue
+from cachemgr.tiering.uploadqueue import UploadQueue
 from cachemgr.transfer.upload import TransferConfig, Uploader
 
 if TYPE_CHECKING:
@@ -156,7 +156,7 @@ class Engine:
         self._parts = trio.CapacityLimiter(max(1, cfg.transfer.max_parts_in_flight))
         self.uploader = Uploader(store, cfg.transfer, self._parts, foreground=foreground)
         # The room and fetch calls go through this object's delegations because Space and
-        # Fetcher are built after the restorer (they take its `forget`): a cycle broken at
+        # WholeFileFetcher are built after the restorer (they take its `forget`): a cycle broken at
         # composition time only. --peers: the socket is bound first, so the member record
         # names its port.
         peer_sock = None if cfg.peers is None or cfg.read_only else peerserve.bind(cfg.peers)
@@ -191,7 +191,7 @@ class Engine:
         self.replication = None if peer_sock is None or cfg.peers is None or \
             cfg.replicas <= 0 else self._replication(cfg.peers, peer_sock.getsockname()[1])
         # --peers: the sets peers hold replicas of, shown while the store cannot be listed
-        self.peerspace = None if cfg.peers is None else PeerNamespace(
+        self.peer_namespace = None if cfg.peers is None else PeerNamespace(
             cfg=cfg.peers, node=self.node, remote=self.remote, sets=self.sets,
             interval=cfg.refresh_interval,
             local=None if self.replication is None else self.replication.holder.manifests)
@@ -237,17 +237,18 @@ class Engine:
         PEER_LISTING_DEADLINE_S; while the store cannot be listed or does not answer, the peers
         the namespace answers named (PeerNamespace), at once while the store's last listing
         failed (a fresh node during an outage must not wait a listing deadline per restore)."""
-        if self.peerspace is not None and self.peerspace.known and self.remote.failed_listings:
-            return self.peerspace.known_peers(stale)
+        space = self.peer_namespace
+        if space is not None and space.known and self.remote.failed_listings:
+            return space.known_peers(stale)
         try:
             with trio.move_on_after(PEER_LISTING_DEADLINE_S):
                 return await self.members.peers(stale)
             raise DeadlineExceeded(f"the members listing: no answer within "
                                    f"{PEER_LISTING_DEADLINE_S:.0f}s")
         except StoreError:
-            if self.peerspace is None or not self.peerspace.known:
+            if self.peer_namespace is None or not self.peer_namespace.known:
                 raise
-            return self.peerspace.known_peers(stale)
+            return self.peer_namespace.known_peers(stale)
 
     async def _replica_chunk(self, key: str, crc: int, index: int) -> bytes | None:
         """A chunk of a replica this node holds (ReplicaHolder.serve_chunk), for its own
@@ -303,10 +304,10 @@ class Engine:
             table=cache.table, index=self.index, sets=self.sets, uploads=self.uploads,
             publisher=self.publisher, signals=self.signals, forget=restorer.forget,
             written=restorer.clean.add, mark_dir=parts.mark, mark_moved=parts.mark_moved)
-        self.fetcher = Fetcher(table=cache.table, files=cache.files, residency=cache.residency,
-                               index=self.index, store=self.store,
-                               wait_for_room=self.space.wait_for_room, obj_of=restorer.obj_of,
-                               forget=restorer.forget)
+        self.fetcher = WholeFileFetcher(
+            table=cache.table, files=cache.files, residency=cache.residency, index=self.index,
+            store=self.store, wait_for_room=self.space.wait_for_room, obj_of=restorer.obj_of,
+            forget=restorer.forget)
         self.progress = Progress(table=cache.table, index=self.index, sets=self.sets,
                                  signals=self.signals, waiting_for=self.gatherer.waiting,
                                  blocked_by=self.publisher.blocked_by)
@@ -346,8 +347,8 @@ class Engine:
                     nursery.start_soon(self._supervised, self.peer_server.run)
                 if self.replication is not None:
                     nursery.start_soon(self._supervised, self.replication.run)
-                if self.peerspace is not None:
-                    nursery.start_soon(self._supervised, self.peerspace.run)
+                if self.peer_namespace is not None:
+                    nursery.start_soon(self._supervised, self.peer_namespace.run)
                 task_status.started()
         finally:
             self.running = False
@@ -362,8 +363,8 @@ class Engine:
             async with trio.open_nursery() as nursery:
                 await nursery.start(self.restorer.run)
                 nursery.start_soon(self._supervised, self.remote.run)
-                if self.peerspace is not None:
-                    nursery.start_soon(self._supervised, self.peerspace.run)
+                if self.peer_namespace is not None:
+                    nursery.start_soon(self._supervised, self.peer_namespace.run)
                 task_status.started()
         finally:
             self.running = False
@@ -391,7 +392,7 @@ class Engine:
         (Members.leave_by: what an `umount --timeout` has left)."""
         self.members.leave_by(seconds)
 
-    # -- space and read-through: cachemgr.tiering.space, cachemgr.restore.fetch ----------------
+    # -- space and read-through: cachemgr.tiering.space, cachemgr.restore.wholefile ----------------
 
     def make_room(self, need: int, protect: set[int] | frozenset[int] = frozenset()) -> bool:
         return self.space.make_room(need, protect)
@@ -412,7 +413,7 @@ class Engine:
             return {"state": "off", "error": "replication is off on this mount (it needs "
                     "--peers and --replicas K > 0)"}
         rep = self.replication.origin
-        # a set shown from the replicas peers hold (cachemgr.tiering.peerspace) is replicated
+        # a set shown from the replicas peers hold (cachemgr.tiering.peernamespace) is replicated
         return await self.progress.wait_until(
             path, timeout, lambda s: "replicated" if s.state == "replicated" or (
                 s.state in LIVE_STATES and rep.replicated(s.seq)) else None, "replicated")
@@ -558,7 +559,7 @@ class Engine:
                 asdict(self.peer_server.statistics()),
                 "restored_from_peers": {"bytes": r.peer_bytes, "chunks": r.peer_chunks},
                 "restored_from_store": {"bytes": r.bytes_fetched, "chunks": r.chunks_fetched},
-                "namespace": None if self.peerspace is None else
-                asdict(self.peerspace.statistics()),
+                "namespace": None if self.peer_namespace is None else
+                asdict(self.peer_namespace.statistics()),
                 "client": None if client is None else asdict(client.statistics())}
 

@@ -528,10 +528,10 @@ class _Daemon:
 
     async def _sets_from_peers(self) -> str:
         """The store could not be listed: one ask of the peers for the replicas they hold
-        (cachemgr.tiering.peerspace), bounded; what it showed, for the log line."""
+        (cachemgr.tiering.peernamespace), bounded; what it showed, for the log line."""
         import trio
 
-        space = self.engine.peerspace
+        space = self.engine.peer_namespace
         if space is None:
             return ""
         with trio.move_on_after(FIRST_LISTING_TIMEOUT_S):

@@ -447,7 +447,7 @@ def data_path_notes() -> list[str]:
           "this read goes through the daemon at its read speed (~1-1.7 GB/s here), 0.1-0.25 of a "
           "page-cache copy. A second read of an unchanged file is served from the page cache "
           "(`keep_cache`)."),
-          ("- **Cold restore without per-chunk copies** (`fetch_chunks` in "
+          ("- **Cold restore without per-chunk copies** (`download_chunks` in "
            "cachemgr/transfer/download.py, `ChunkFetcher._store_chunks` in "
            "cachemgr/restore/chunkfetch.py): a "
            "prefetch GET of a run of 4 MiB chunks used to be split into a bytes copy per "
@@ -798,7 +798,7 @@ def store_path_section() -> list[str]:
            "in the header; GET into the file), the ceiling; `ckptfs-crt` is the daemon's "
            "upload (`Uploader.upload_file`: compressibility sample, a CRC32C pass over the "
            "file for the manifest's chunk CRCs, the CRT PUT, HEAD) and a cold restore's "
-           "prefetch (`fetch_chunks` in runs of 64 MiB, 8 in flight: one ranged GET per run, "
+           "prefetch (`download_chunks` in runs of 64 MiB, 8 in flight: one ranged GET per run, "
            "every chunk checked, then written at its offset as the fill does) "
            "with the default data path (uploads native, the restore's GETs by boto3); "
            "`ckptfs-crt-gets` the same with the restore's GETs native too (`--s3-transfer crt`:"

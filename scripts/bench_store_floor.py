@@ -35,7 +35,7 @@ Down (the sink sends the file by sendfile; the client receives it):
   recv-crc-write  the same and each piece written into a fresh file in --dir (the cache
                 file): the least a verified restore into the cache does
   recv-fresh-write  received into a fresh 64 MiB buffer per range (a GET into memory, then
-                checked and written, as the restore's fetch_chunks + fill do)
+                checked and written, as the restore's download_chunks + fill do)
 
 Every round runs every method once in a rotated order. On loopback the kernel's receive work
 (TCP receive, the copy into the sink's socket buffer) runs in the sender's context and is

@@ -9,7 +9,7 @@ S3 client alone (the ceiling), on Ceph RGW and moto in one run.
 
 Methods, each in its own process (so its CPU time is its own, read from /proc/<pid>/stat):
 
-  ckptfs        cachemgr.transfer.upload.Uploader.upload_file, and download.fetch_chunks in runs
+  ckptfs        cachemgr.transfer.upload.Uploader.upload_file, and download.download_chunks in runs
                 of 64 MiB, 8 in flight, each run written at its offset by a worker thread,
                 through RetryingStore(S3Store) with the native data path (cachemgr.store.crt):
                 the code the daemon runs for a file's upload (commit -> durable) and for a cold
@@ -165,7 +165,7 @@ def worker(a: argparse.Namespace) -> None:
 
         from cachemgr.store import RetryingStore
         from cachemgr.store.s3 import S3Options, S3Store
-        from cachemgr.transfer.download import fetch_chunks
+        from cachemgr.transfer.download import download_chunks
         from cachemgr.transfer.upload import Uploader
 
         s3 = S3Store(f"s3://{a.bucket}", S3Options(
@@ -189,14 +189,14 @@ def worker(a: argparse.Namespace) -> None:
         async def download() -> None:
             # a cold restore's prefetch (cachemgr.restore.prefetch, chunkfetch): runs of
             # adjacent chunks of up to 64 MiB (`prefetch_range`), 8 GETs in flight
-            # (`prefetch_concurrency`), each run verified (fetch_chunks) and written at its
+            # (`prefetch_concurrency`), each run verified (download_chunks) and written at its
             # offset in a worker thread, as FileCache.fill does
             lim = trio.CapacityLimiter(8)
             fds = [os.open(d, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600) for d in dests]
 
             async def run(i: int, first: int, last: int) -> None:
                 async with lim:
-                    raws = await fetch_chunks(store, objs[i], first, last)
+                    raws = await download_chunks(store, objs[i], first, last)
 
                     def fill() -> None:
                         off = first * objs[i].chunk_size

@@ -44,11 +44,11 @@ def copy(tmp_path: Path) -> Path:
      "cachemgr.host is not allowed to import ckptfs"),
     # restore never imports tiering (its own contract, beside the layers), nor tiering
     # restore: the two are siblings, which only the engine composes
-    ("cachemgr/restore/fetch.py", "from cachemgr.tiering import space",
+    ("cachemgr/restore/wholefile.py", "from cachemgr.tiering import space",
      "cachemgr.restore is not allowed to import cachemgr.tiering"),
     ("cachemgr/tiering/space.py", "from cachemgr.restore import fetch",
      "cachemgr.tiering is not allowed to import cachemgr.restore"),
-    ("cachemgr/tiering/uploads.py", "from cachemgr import engine",
+    ("cachemgr/tiering/uploadqueue.py", "from cachemgr import engine",
      "cachemgr.tiering is not allowed to import cachemgr.engine"),
     # peer knows no replicas: the transport imports none of the services above it
     ("cachemgr/peer/server.py", "from cachemgr.tiering import replicaproto",

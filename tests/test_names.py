@@ -90,7 +90,7 @@ def test_no_two_names_share_a_form():
 
 
 def test_object_keys_are_valid_utf8_and_plain_names_keep_theirs():
-    from cachemgr.tiering.uploads import object_key
+    from cachemgr.tiering.uploadqueue import object_key
 
     assert object_key("n1", 7, 2, "ckpt/ckpt-é.pt") == "data/n1/7/2/ckpt-é.pt"
     assert object_key("n1", 7, 2, "ckpt/50%.pt") == "data/n1/7/2/50%.pt"

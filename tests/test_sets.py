@@ -1,7 +1,7 @@
 """Commit rules, in-process: the core with tiering hooks attached but the upload service not
 running, so every set stays exactly where the hooks put it (deterministic, no FUSE, no store
 traffic). What each rule means is in docs/SEMANTICS.md "When a set is committed". At the end,
-the tiering services themselves in-process (cachemgr.tiering.uploads, cachemgr.tiering.publish):
+the tiering services themselves in-process (cachemgr.tiering.uploadqueue, cachemgr.tiering.publish):
 their workers driven against a file:// store, without FUSE."""
 
 import os

@@ -33,7 +33,7 @@ from cachemgr.store import (
     RetryPolicy,
 )
 from cachemgr.store.s3 import Deadlines, S3Options, S3Store
-from cachemgr.transfer.download import download_file, fetch_chunks
+from cachemgr.transfer.download import download_chunks, download_file
 from cachemgr.transfer.upload import Superseded, TransferConfig, Uploader
 from tests.faultproxy import FaultProxy, Rule
 from tests.faultstore import FaultyStore
@@ -87,10 +87,10 @@ def test_native_round_trip(s3_bucket, tmp_path, size):
         # a restore's run of chunks (chunkfetch): one ranged GET into a memory file, mapped
         cs = obj.chunk_size
         last = (size - 1) // cs
-        raws = await fetch_chunks(store, obj, 0, last)
+        raws = await download_chunks(store, obj, 0, last)
         assert b"".join(bytes(r) for r in raws) == data
         if last >= 2:
-            raws = await fetch_chunks(store, obj, 1, 2)
+            raws = await download_chunks(store, obj, 1, 2)
             assert [bytes(r) for r in raws] == [data[cs:2 * cs], data[2 * cs:3 * cs]]
         del raws
 
@@ -147,8 +147,8 @@ def test_a_corrupt_object_is_refused_and_the_file_left_empty(s3_bucket, tmp_path
             await download_file(store, obj, dest)
         assert dest.stat().st_size == 0  # nothing unchecked stays behind
         with pytest.raises(IntegrityError, match="chunk 1 CRC32C"):
-            await fetch_chunks(store, obj, 0, 2)  # a restore's run: refused too
-        assert [bytes(r) for r in await fetch_chunks(store, obj, 2, 2)] == [data[8 * MiB:]]
+            await download_chunks(store, obj, 0, 2)  # a restore's run: refused too
+        assert [bytes(r) for r in await download_chunks(store, obj, 2, 2)] == [data[8 * MiB:]]
         _client(endpoint).put_object(Bucket=bucket, Key="p/data/f", Body=data[:-1])
         with pytest.raises(IntegrityError, match="bytes"):  # short: refused on its size
             await download_file(store, obj, dest)
@@ -305,7 +305,7 @@ def test_by_default_uploads_go_native_and_restores_stay_on_boto3(s3_bucket, tmp_
         obj = await up.upload_file(src, "data/f", size=size)
         await download_file(store, obj, tmp_path / "dest")
         assert (tmp_path / "dest").read_bytes() == data
-        assert b"".join(bytes(r) for r in await fetch_chunks(store, obj, 0, 2)) == data
+        assert b"".join(bytes(r) for r in await download_chunks(store, obj, 0, 2)) == data
 
     trio.run(go)
     assert store.stats.by_op["put_file"] == 1 and "get_file" not in store.stats.by_op

@@ -47,7 +47,7 @@ from cachemgr.store import (
 from cachemgr.store.s3 import S3Options, S3Store
 from cachemgr.store.wrappers import _Wrapper
 from cachemgr.transfer import upload
-from cachemgr.transfer.download import download_file, fetch_chunk, read_range
+from cachemgr.transfer.download import download_chunk, download_file, read_range
 from cachemgr.transfer.upload import Superseded, TransferConfig, Uploader, _Producer
 from tests.faultstore import FaultyStore
 
@@ -703,7 +703,7 @@ def test_chunk_crcs_straddle_parts(tmp_path, frame):
         assert up.stats.parts == 4 and obj.compression == "none"
         assert obj.chunk_size == frame and obj.chunk_crcs == chunk_crcs_of(data, frame)
         assert obj.crc32c == crc32c(data)
-        got = [await fetch_chunk(store, obj, j) for j in range(chunk_count(obj))]
+        got = [await download_chunk(store, obj, j) for j in range(chunk_count(obj))]
         assert b"".join(got) == data
         await download_file(store, obj, tmp_path / "out", range_size=2 * frame + 1)
         assert (tmp_path / "out").read_bytes() == data
@@ -725,7 +725,7 @@ def test_fetch_chunk_bit_exact(env, tmp_path, mode):
         assert n_chunks == 16
         for j in range(n_chunks):
             rec.log.clear()
-            raw = await fetch_chunk(rec, obj, j)
+            raw = await download_chunk(rec, obj, j)
             off, n = chunk_span(obj, j)
             assert raw == data[off:off + n] and len(raw) == n
             [(op, key, start, length)] = rec.log  # exactly one ranged GET: just this chunk
@@ -742,7 +742,7 @@ def test_fetch_chunk_bit_exact(env, tmp_path, mode):
         rec.log.clear()
         for j in (-1, n_chunks):
             with pytest.raises(IndexError):
-                await fetch_chunk(rec, obj, j)
+                await download_chunk(rec, obj, j)
             with pytest.raises(IndexError):
                 chunk_span(obj, j)
         assert rec.log == []
@@ -751,7 +751,7 @@ def test_fetch_chunk_bit_exact(env, tmp_path, mode):
             write(tmp_path, "e", b""), "e", size=0)
         assert chunk_count(empty) == 0 and empty.chunk_crcs == ()
         with pytest.raises(IndexError):
-            await fetch_chunk(env.store, empty, 0)
+            await download_chunk(env.store, empty, 0)
 
     trio.run(go)
 
@@ -775,27 +775,27 @@ def test_fetch_chunk_detects_flipped_byte(env, tmp_path, mode):
         bad[pos] ^= 0x10
         await env.store.put("k", bytes(bad))
         with pytest.raises(IntegrityError, match=r"chunk 2 .*CRC32C"):
-            await fetch_chunk(env.store, obj, bad_chunk)
+            await download_chunk(env.store, obj, bad_chunk)
         for j in range(chunk_count(obj)):
             if j != bad_chunk:
                 off, n = chunk_span(obj, j)
-                assert await fetch_chunk(env.store, obj, j) == data[off:off + n]
+                assert await download_chunk(env.store, obj, j) == data[off:off + n]
         # download_file names the bad chunk too.
         with pytest.raises(IntegrityError, match="chunk 2 "):
             await download_file(env.store, obj, tmp_path / "out", range_size=FRAME)
         # A truncated object: the last chunk's GET comes back short.
         await env.store.put("k", stored[:-1])
         with pytest.raises(IntegrityError):
-            await fetch_chunk(env.store, obj, chunk_count(obj) - 1)
-        assert await fetch_chunk(env.store, obj, 0) == data[:FRAME]
+            await download_chunk(env.store, obj, chunk_count(obj) - 1)
+        assert await download_chunk(env.store, obj, 0) == data[:FRAME]
         if mode == "lz4":
             # Damage lz4 does notice (chunk 2's frame header) is an IntegrityError naming it.
             bad = bytearray(stored)
             bad[start + 5] ^= 0xFF
             await env.store.put("k", bytes(bad))
             with pytest.raises(IntegrityError, match="frame 2"):
-                await fetch_chunk(env.store, obj, bad_chunk)
-            assert await fetch_chunk(env.store, obj, 3) == data[3 * FRAME:4 * FRAME]
+                await download_chunk(env.store, obj, bad_chunk)
+            assert await download_chunk(env.store, obj, 3) == data[3 * FRAME:4 * FRAME]
 
     trio.run(go)
 
@@ -816,7 +816,7 @@ def test_download_checks_chunk_and_whole_crcs(tmp_path):
             with pytest.raises(IntegrityError, match="chunk 3 "):
                 await download_file(store, wrong_chunk, tmp_path / "out")
             with pytest.raises(IntegrityError, match="chunk 3 "):
-                await fetch_chunk(store, wrong_chunk, 3)
+                await download_chunk(store, wrong_chunk, 3)
             wrong_whole = dataclasses.replace(obj, crc32c=obj.crc32c ^ 1)
             with pytest.raises(IntegrityError, match="downloaded content"):
                 await download_file(store, wrong_whole, tmp_path / "out")
@@ -848,23 +848,23 @@ def test_old_style_object_without_chunk_crcs(tmp_path, mode):
         for j in range(chunk_count(old)):
             off, n = chunk_span(old, j)
             assert (off, n) == (j * cs, min(cs, size - j * cs))
-            raw = await fetch_chunk(store, old, j)
+            raw = await download_chunk(store, old, j)
             assert raw == data[off:off + n]
             assert verify_chunk(old, j, raw) and not verify_chunk(old, j, raw + b"x")
             assert verify_chunk(old, j, bytes(n))  # no CRC to hold it against
         await download_file(store, old, tmp_path / "out", range_size=3 * FRAME)
         assert (tmp_path / "out").read_bytes() == data
         if mode == "off":
-            # No chunk CRC: a flipped byte goes unnoticed by fetch_chunk (the whole-file CRC in
+            # No chunk CRC: a flipped byte goes unnoticed by download_chunk (the whole-file CRC in
             # download_file still catches it).
             bad = bytearray(data)
             bad[5] ^= 1
             await store.put("k", bytes(bad))
-            assert await fetch_chunk(store, old, 0) == bytes(bad[:cs])
+            assert await download_chunk(store, old, 0) == bytes(bad[:cs])
             with pytest.raises(IntegrityError):
                 await download_file(store, old, tmp_path / "out")
             with pytest.raises(IntegrityError):
-                await fetch_chunk(store, new, 0)
+                await download_chunk(store, new, 0)
 
     trio.run(go)
 

@@ -42,7 +42,7 @@ _TEMP_RE = re.compile(
 DCP_METADATA = ".metadata"
 LIVE_STATES = ("committed", "uploading")
 # "replicated": another node's set materialised from the replicas peers hold, its store
-# manifest not listed here yet (cachemgr.tiering.peerspace; docs/SEMANTICS.md "Replicated")
+# manifest not listed here yet (cachemgr.tiering.peernamespace; docs/SEMANTICS.md "Replicated")
 KEPT_STATES = ("committed", "uploading", "durable", "replicated")
 # A directory whose newest set is in one of these states is a committed directory: a file
 # closed in it later amends that set (SetRegistry.amend_target; docs/SEMANTICS.md "Files written

@@ -593,7 +593,7 @@ MAX_NAMESPACE_SETS = 100_000   # sets one namespace answer may hold
 
 
 def peer_namespace(data: bytes) -> dict[str, Any]:
-    """A peer's namespace answer (GET /v1/replica/namespace, cachemgr.tiering.peerspace;
+    """A peer's namespace answer (GET /v1/replica/namespace, cachemgr.tiering.peernamespace;
     docs/FORMAT.md "Peer namespace"), validated: DocumentError if it must not be used. Returns
     {node, peers [(node, host, port)], sets [manifest JSON bytes, each still to be validated as
     a manifest], truncated}."""

@@ -212,6 +212,6 @@ def rendezvous(key: str, peers: list[PeerEndpoint], writer: str | None) -> list[
 
 
 def writer_of(key: str) -> str | None:
-    """The node an object key names (cachemgr.tiering.uploads.object_key: data/<node>/...)."""
+    """The node an object key names (cachemgr.tiering.uploadqueue.object_key: data/<node>/...)."""
     parts = key.split("/", 2)
     return parts[1] if len(parts) == 3 and parts[0] == "data" else None

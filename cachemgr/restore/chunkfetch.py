@@ -60,7 +60,7 @@ from cachemgr.core.errors import FsError
 from cachemgr.format.objects import StoredObject, chunk_count, chunk_span, verify_chunk
 from cachemgr.peer.client import PeerClient
 from cachemgr.store import IntegrityError, ObjectStore, StoreError
-from cachemgr.transfer.download import fetch_chunk, fetch_chunks
+from cachemgr.transfer.download import download_chunk, download_chunks
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -343,10 +343,10 @@ class ChunkFetcher:
         for _attempt in range(FETCH_ATTEMPTS):
             try:
                 if limiter is None:
-                    raw = await fetch_chunk(self.store, obj, i)
+                    raw = await download_chunk(self.store, obj, i)
                 else:
                     async with limiter:
-                        raw = await fetch_chunk(self.store, obj, i)
+                        raw = await download_chunk(self.store, obj, i)
                 self.chunks_fetched += 1
                 self.bytes_fetched += len(raw)
                 self.gets += 1
@@ -375,7 +375,7 @@ class ChunkFetcher:
         last_err: Exception | None = None
         for _attempt in range(FETCH_ATTEMPTS):
             try:
-                raws = await fetch_chunks(self.store, obj, first, last)
+                raws = await download_chunks(self.store, obj, first, last)
                 self.chunks_fetched += len(raws)
                 self.bytes_fetched += sum(len(r) for r in raws)
                 self.gets += 1

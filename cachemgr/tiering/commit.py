@@ -2,9 +2,10 @@
 crash recovery at mount.
 
 `Committer` turns namespace operations into set records (cachemgr.core.sets decides the commit
-rules) and work for the other tiering services: content to upload (cachemgr.tiering.uploads), sets
-to publish or unpublish and garbage to collect (cachemgr.tiering.publish), part records to bring up
-to date (cachemgr.tiering.parts), waiters to wake (cachemgr.tiering.signals).
+rules) and work for the other tiering services: content to upload
+(cachemgr.tiering.uploadqueue), sets to publish or unpublish and garbage to collect
+(cachemgr.tiering.publish), part records to bring up to date (cachemgr.tiering.parts), waiters
+to wake (cachemgr.tiering.signals).
 
 The hooks (`on_*`, `announce_dir`) are synchronous and run on the trio thread inside the index
 transaction of the FUSE operation that triggers them: they only record facts in the index and
@@ -50,7 +51,7 @@ if TYPE_CHECKING:
     from cachemgr.core.inodes import Inode, InodeTable
     from cachemgr.tiering.publish import Publisher
     from cachemgr.tiering.signals import Signals
-    from cachemgr.tiering.uploads import UploadQueue
+    from cachemgr.tiering.uploadqueue import UploadQueue
 
 log = logging.getLogger(__name__)
 

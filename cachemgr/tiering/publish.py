@@ -5,7 +5,7 @@ it (`worker`): publishing a set whose objects are all uploaded (its manifest PUT
 manifest of a set deleted or moved away, collecting garbage, and applying --keep-local
 retention after each publication. One FIFO, so a delete and a later re-publish of one path can
 never be reordered. Helper tasks (gathering other nodes' files, cachemgr.tiering.gather; uploads
-re-queued after a pause, cachemgr.tiering.uploads) run in the worker's own nursery (`spawn`).
+re-queued after a pause, cachemgr.tiering.uploadqueue) run in the worker's own nursery (`spawn`).
 
 Invariants (all on the trio thread; the FIFO is appended to by the commit hooks, the upload
 workers and recovery, synchronously, and consumed only by the worker — no locks):
@@ -224,7 +224,7 @@ class Publisher:
         self.signals.wake_ns()
 
     def verified(self, key: str, stored_size: int) -> None:
-        """The upload workers (cachemgr.tiering.uploads): object `key`, of this node, was just
+        """The upload workers (cachemgr.tiering.uploadqueue): object `key`, of this node, was just
         PUT and then read back at `stored_size` bytes (cachemgr.transfer.upload `_finish`: a
         HEAD, or the store's own read-back of a staged file), and recorded in the index.
 

@@ -150,7 +150,7 @@ class RemoteSync:
         self.first_error: str | None = None
         # Listings that failed in a row (0 once one succeeds), and when the last one that
         # succeeded began (wall clock): sets shown from peers' replicas
-        # (cachemgr.tiering.peerspace) that no peer holds any more go only once a listing that
+        # (cachemgr.tiering.peernamespace) that no peer holds any more go only once a listing that
         # began after that answer did not list them.
         self.failed_listings = 0
         self.listed_from: float | None = None
@@ -360,7 +360,7 @@ class RemoteSync:
         self.changed()
         return True
 
-    # -- sets shown from the replicas peers hold (cachemgr.tiering.peerspace) -----------------
+    # -- sets shown from the replicas peers hold (cachemgr.tiering.peernamespace) -----------------
 
     def apply_from_peers(self, found: list[Manifest], asked_at: float) -> int:
         """Show the sets of `found` (manifests peers built from the replicas they hold, each

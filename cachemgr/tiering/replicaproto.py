@@ -1,4 +1,4 @@
-"""The replica routes on the peer port (--replicas, cachemgr.tiering.replicate and peerspace):
+"""The replica routes on the peer port (--replicas, cachemgr.tiering.replicate and peernamespace):
 their targets, bounds and headers. No I/O. The transport under them (authentication, the
 server, the client) is cachemgr.peer, which hands a request under REPLICA_PREFIX to the route
 the engine gave it and knows nothing of what follows.
@@ -16,7 +16,7 @@ the engine gave it and knows nothing of what follows.
         a buddy tells an origin it dropped a replica (it needed the room).
     GET /v1/replica/namespace?n=<32 hex digits, random>
         the replicas this node holds, as the manifests a restoring node shows while the store
-        cannot be listed (cachemgr.tiering.peerspace): 200 with a JSON document (at most
+        cannot be listed (cachemgr.tiering.peernamespace): 200 with a JSON document (at most
         MAX_NAMESPACE_BYTES), signed by the server (cachemgr.peer.proto.sign_response):
         unlike a chunk, these bytes have no store document to be checked against. Their
         files' objects are `data/<origin>/replica/<seq>/<i>`, served by GET /v1/chunk from the

@@ -602,7 +602,7 @@ class ReplicaHolder:
         log.info("replicas: dropped set %d of node %s (%s): %s", key[1], key[0], desc["path"],
                  why)
 
-    # -- serving held replicas to restoring nodes (cachemgr.tiering.peerspace) ---------------
+    # -- serving held replicas to restoring nodes (cachemgr.tiering.peernamespace) ---------------
 
     def _objects(self, key: tuple[str, int], desc: dict[str, Any]) -> list[StoredObject] | None:
         if key not in self._objs:

@@ -1,11 +1,11 @@
 """The wake-ups the tiering services send each other, and the store's health record.
 
-`Signals` is one small object shared by the tiering services (cachemgr.tiering.commit, .uploads,
+`Signals` is one small object shared by the tiering services (cachemgr.tiering.commit, .uploadqueue,
 .publish, .gather, .space, .progress): a service that must tell another "there is work for you"
 or "a set's state changed" sets an event here instead of holding a reference to the other
 service. Three wake-ups, each with one kind of waiter:
 
-  * `uploads`: the upload workers (cachemgr.tiering.uploads) — a job was queued;
+  * `uploads`: the upload workers (cachemgr.tiering.uploadqueue) — a job was queued;
   * `ns`: the namespace worker (cachemgr.tiering.publish) — an event was queued in its FIFO, or a
     helper task is to be started;
   * `changed`: `wait` requests and writers waiting for room (cachemgr.tiering.progress, .space) — a

@@ -24,7 +24,8 @@ Integrity
     checked by cachemgr.format.decode (the one decoder; its DecodeError becomes IntegrityError
     here). `read_range` checks lengths, frame structure and the CRCs of the whole chunks it
     fetched (a partial uncompressed chunk has only its length to check); `download_file`,
-    `fetch_chunk` and `fetch_chunks` are verified paths: `fetch_chunk` fetches one chunk (see
+    `download_chunk` and `download_chunks` are verified paths: `download_chunk` fetches one chunk
+    (see
     `cachemgr.format.objects` "Chunks") with one ranged GET and checks it against `chunk_crcs`, so a
     read is served as soon as its range is in, and `download_file` checks every chunk it
     writes (the uploader computed them on the way: cachemgr.transfer.upload).
@@ -60,7 +61,7 @@ from cachemgr.host.nodefiles import open_private
 from cachemgr.store.base import IntegrityError, ObjectStore
 from cachemgr.transfer.upload import unwrap_group
 
-__all__ = ["download_file", "fetch_chunk", "fetch_chunks", "read_range"]
+__all__ = ["download_chunk", "download_chunks", "download_file", "read_range"]
 
 MiB = 1 << 20
 DEFAULT_RANGE_SIZE = 64 * MiB
@@ -83,7 +84,7 @@ def _decode_chunk(obj: StoredObject, index: int, blob: bytes | memoryview) -> by
         raise _integrity(obj, e) from None
 
 
-async def fetch_chunk(store: ObjectStore, obj: StoredObject, index: int) -> bytes:
+async def download_chunk(store: ObjectStore, obj: StoredObject, index: int) -> bytes:
     """Raw chunk `index` of `obj` (`chunk_span` gives its place), verified: one ranged GET of
     exactly its stored bytes (its frame for lz4), decompressed and checked against
     `obj.chunk_crcs[index]` in a worker thread (length and frame structure only when the object
@@ -106,7 +107,7 @@ async def _get_mapped(store: ObjectStore, obj: StoredObject, start: int, n: int)
     mapped read-only: no Python touches the bytes on their way in (a GET into memory through
     the CRT's per-read callback cost 2.6-3.1 CPU-s/GiB here, boto3's 1.4). The memory file is
     this call's alone, so nothing truncates it under the mapping; the mapping lives as long as
-    the views into it (the chunks `fetch_chunks` returns)."""
+    the views into it (the chunks `download_chunks` returns)."""
     fd = os.memfd_create("ckptfs-chunks", os.MFD_CLOEXEC)
     try:
         await store.get_file(obj.key, fd, start, n)
@@ -119,11 +120,11 @@ async def _get_mapped(store: ObjectStore, obj: StoredObject, start: int, n: int)
         os.close(fd)
 
 
-async def fetch_chunks(store: ObjectStore, obj: StoredObject, first: int,
+async def download_chunks(store: ObjectStore, obj: StoredObject, first: int,
                        last: int) -> list[bytes | memoryview]:
     """Raw chunks [first, last] of `obj` with ONE ranged GET (fewer, larger requests: on a store
     with a per-request cost, 4 MiB GETs reach a fraction of what 64 MiB GETs do), each chunk
-    decoded and verified as by `fetch_chunk`. IntegrityError names the first bad chunk.
+    decoded and verified as by `download_chunk`. IntegrityError names the first bad chunk.
     Chunks of an uncompressed object are read-only memoryviews into the one fetched buffer
     (no copy; on the native data path a read-only mapping of the memory file the store's
     client wrote, `_get_mapped`); lz4 chunks are bytes."""

@@ -1,9 +1,9 @@
 """Read-through of evicted data: an evicted file's whole object back into its cache file.
 
-The other side of eviction (cachemgr.tiering.space): `Fetcher.fetch(ino)` downloads the object that
-holds a file's current content (`transfer.download_file`, every chunk checked) into its cache
-file, after waiting for room under --cache-size, and records it cached in the core. Partial,
-by-range restores of sets from other nodes are cachemgr.restore.restorer's.
+The other side of eviction (cachemgr.tiering.space): `WholeFileFetcher.fetch(ino)` downloads the
+object that holds a file's current content (`transfer.download_file`, every chunk checked) into
+its cache file, after waiting for room under --cache-size, and records it cached in the core.
+Partial, by-range restores of sets from other nodes are cachemgr.restore.restorer's.
 
 State: `_fetches` (ino -> the event the callers of one download share), trio thread only, in
 memory. Invariants: at most one download per file at a time; the download fills the cache
@@ -41,13 +41,13 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class FetchStats:
-    """`Fetcher.statistics()`: whole-file downloads (`dataclasses.asdict` for JSON)."""
+    """`WholeFileFetcher.statistics()`: whole-file downloads (`dataclasses.asdict` for JSON)."""
 
     in_flight: int
     fetched: int
 
 
-class Fetcher:
+class WholeFileFetcher:
     """Whole-object downloads of evicted files (see the module docstring)."""
 
     def __init__(self, *, table: InodeTable, files: FileCache, residency: Residency, index: Index,

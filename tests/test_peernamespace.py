@@ -1,4 +1,4 @@
-"""Sets from peers while the store is down (--peer-seeds, cachemgr.tiering.peerspace;
+"""Sets from peers while the store is down (--peer-seeds, cachemgr.tiering.peernamespace;
 docs/SEMANTICS.md "Replicated"): what a fresh node does with a peer's namespace answer.
 
 First the documents on their own (no mount): the namespace answer (validate.peer_namespace),
