@@ -443,7 +443,7 @@ class Engine:
             gathering=self.gatherer.gathering, publish_queued=self.publisher.publish_queued,
             publishing=self.publisher.publishing))
         failed = self.progress.failed_sets()
-        retry = getattr(self.store, "stats", None)  # RetryingStore: transient errors ridden out
+        retry = self.store.retry_statistics()  # transient errors ridden out (None: no retries)
         first_waiting = self.gatherer.first_waiting()
         h = self.store_health
         found = self.store.conditional  # docs/STORES.md: probed at mount, None until then
@@ -455,8 +455,8 @@ class Engine:
                           "missing_if_match": found.missing_if_match,
                           "summary": found.describe()},
                       "last_error": h.last_error, "consecutive_failures": h.consecutive_failures,
-                      "retries": getattr(retry, "retries", 0),
-                      "retry_failures": getattr(retry, "failures", 0),
+                      "retries": 0 if retry is None else retry.retries,
+                      "retry_failures": 0 if retry is None else retry.failures,
                       # which client moves data bytes (docs/ARCHITECTURE.md "Store data
                       # path"): sendfile, crt-up, crt, boto3, local; and its counters
                       "data_path": self.store.data_path,
@@ -503,7 +503,7 @@ class Engine:
         instead of the recent ones, and without per-set detail but the stuck sets' names and
         why (at most STUCK_SHOWN). Plain data, copied: the caller may keep it after the loop
         has moved on. `stuck_after` as in `status`."""
-        retry = getattr(self.store, "stats", None)  # RetryingStore; absent: a bare store
+        retry = self.store.retry_statistics()  # None: a bare store (no retry layer)
         r = self.restorer.statistics().chunks
         failed = self.progress.failed_sets()
         after_s = stuck_threshold(self.cfg.commit_timeout) if stuck_after is None else stuck_after
@@ -521,9 +521,9 @@ class Engine:
                                for x in stuck]},
             "store": {"health": self.store_health.health(),
                       "consecutive_failures": self.store_health.consecutive_failures,
-                      "requests": dict(getattr(retry, "by_op", {})),
-                      "retries": dict(getattr(retry, "by_error", {})),
-                      "errors": dict(getattr(retry, "errors", {}))},
+                      "requests": {} if retry is None else dict(retry.by_op),
+                      "retries": {} if retry is None else dict(retry.by_error),
+                      "errors": {} if retry is None else dict(retry.errors)},
             "uploads": asdict(self.uploads.statistics()),
             "restore": {"bytes": r.bytes_fetched, "chunks": r.chunks_fetched,
                         "integrity_errors": r.integrity_errors,

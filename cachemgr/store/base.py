@@ -23,7 +23,7 @@ import errno
 import ipaddress
 import logging
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import crc32c as _crc32c
@@ -174,6 +174,19 @@ class IntegrityError(StoreError):
     transient = True  # a re-read may succeed (a flipped bit in transit)
 
 
+@dataclass
+class RetryStats:
+    """The retry layer's counters (cachemgr.store.wrappers.RetryingStore; status, metrics)."""
+
+    calls: int = 0
+    retries: int = 0
+    failures: int = 0
+    by_error: dict[str, int] = field(default_factory=dict)   # retries, by the error retried
+    by_op: dict[str, int] = field(default_factory=dict)      # calls, by operation
+    # errors handed to the caller (retries exhausted, or not transient): (op, error class)
+    errors: dict[tuple[str, str], int] = field(default_factory=dict)
+
+
 class ObjectStore(abc.ABC):
     """Async object store. Implementations must be safe to call from many trio tasks at once."""
 
@@ -290,6 +303,11 @@ class ObjectStore(abc.ABC):
     def data_statistics(self) -> dict[str, Any]:
         """For status: which client moves data bytes (as `data_path`) and its counters."""
         return {"client": self.data_path}
+
+    def retry_statistics(self) -> RetryStats | None:
+        """For status and metrics: the retry layer's counters (a RetryingStore in the stack,
+        cachemgr.store.wrappers), or None for a stack without one."""
+        return None
 
     @property
     def sends_files(self) -> bool:

@@ -18,7 +18,7 @@ import builtins
 import logging
 import random
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import trio
@@ -31,6 +31,7 @@ from cachemgr.store.base import (
     Part,
     Pause,
     RangeCrcs,
+    RetryStats,
     Staged,
     StoreError,
 )
@@ -49,17 +50,6 @@ class RetryPolicy:
     max_delay: float = 5.0     # backoff ceiling cap
     # Full jitter (sleep uniform(0, ceiling)): AWS's recommendation for throttled clients, it
     # spreads retries of many uploaders instead of synchronising them.
-
-
-@dataclass
-class RetryStats:
-    calls: int = 0
-    retries: int = 0
-    failures: int = 0
-    by_error: dict[str, int] = field(default_factory=dict)   # retries, by the error retried
-    by_op: dict[str, int] = field(default_factory=dict)      # calls, by operation
-    # errors handed to the caller (retries exhausted, or not transient): (op, error class)
-    errors: dict[tuple[str, str], int] = field(default_factory=dict)
 
 
 class _Wrapper(ObjectStore):
@@ -152,6 +142,9 @@ class _Wrapper(ObjectStore):
     def data_statistics(self) -> dict[str, Any]:
         return self.inner.data_statistics()
 
+    def retry_statistics(self) -> RetryStats | None:
+        return self.inner.retry_statistics()
+
     @property
     def sends_files(self) -> bool:
         return self.inner.sends_files
@@ -182,6 +175,9 @@ class RetryingStore(_Wrapper):
         self.stats = RetryStats()
 
     def statistics(self) -> RetryStats:
+        return self.stats
+
+    def retry_statistics(self) -> RetryStats:
         return self.stats
 
     async def _do(self, op: str, *args: Any, **kw: Any) -> Any:
