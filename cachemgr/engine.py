@@ -77,7 +77,8 @@ from cachemgr.store import DeadlineExceeded, ObjectStore, StoreError
 from cachemgr.tiering.commit import Committer
 from cachemgr.tiering.gather import Gatherer
 from cachemgr.tiering.history import History
-from cachemgr.tiering.members import Lease, Members
+from cachemgr.tiering.lease import Lease
+from cachemgr.tiering.members import Members
 from cachemgr.tiering.parts import PartPublisher
 from cachemgr.tiering.peernamespace import PeerNamespace
 from cachemgr.tiering.progress import Probes, Progress

@@ -42,6 +42,7 @@ from typing import Any, Self, cast
 from cachemgr.format import keys, names, readerrors, resumable, storeread, validate
 from cachemgr.format.storeview import ObjectStoreView, StoreLoop
 from cachemgr.store.base import PROBE_PREFIX
+from cachemgr.tiering import lease as lease_record
 from cachemgr.tiering import members as mem
 from cachemgr.tiering import parts as prt
 
@@ -546,11 +547,11 @@ class _Fsck:
             lease = validate.protocol_doc(raw, "member")["lease_s"] if raw else 0.0
         except (validate.DocumentError, readerrors.CorruptError):
             return False  # not a member record ckptfs can read: liveness by age only
-        return self.now - info.mtime <= lease + mem.LEASE_SKEW_S
+        return self.now - info.mtime <= lease + lease_record.LEASE_SKEW_S
 
     def garbage(self, data: dict) -> tuple[list, int, dict]:
         """(garbage [(key, size, kind, why)], unreferenced objects kept, live nodes)."""
-        member_infos = self.view.infos(mem.MEMBERS)
+        member_infos = self.view.infos(lease_record.MEMBERS)
         live: dict[str, float] = {}
         for i in member_infos:
             n = mem.parse_member_key(i.key)

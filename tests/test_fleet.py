@@ -10,7 +10,7 @@ import statistics
 
 import trio
 
-from cachemgr.tiering import members
+from cachemgr.tiering import lease
 from tests.fleet import FleetNode, MemStore, NodeView, RequestLog, run_fleet, sim_config
 
 # The requests every node makes every pass whatever happens (LIST manifests/, LIST intents/,
@@ -62,8 +62,8 @@ def test_requests_per_node_do_not_grow_with_the_fleet(tmp_path):
 def _dead_members(store: MemStore, k: int) -> None:
     async def put() -> None:
         for i in range(k):
-            key = members.member_key(f"dead{i:04x}")
-            await store.put(key, members._doc("member", node=f"dead{i:04x}", lease_s=30.0,
+            key = lease.member_key(f"dead{i:04x}")
+            await store.put(key, lease.encode_doc("member", node=f"dead{i:04x}", lease_s=30.0,
                                               renewed_ns=1, pid=1, generation=1))
             store.backdate(key, 3600)  # silent for an hour: gone
     trio.run(put)
@@ -101,7 +101,7 @@ def test_a_dead_members_record_is_read_again_when_it_changes(tmp_path):
 
     async def main() -> None:
         assert await node.t.members.live() == {}
-        await view.put(members.member_key("dead0000"), members._doc(
+        await view.put(lease.member_key("dead0000"), lease.encode_doc(
             "member", node="dead0000", lease_s=30.0, renewed_ns=2, pid=1, generation=2))
         assert set(await node.t.members.live()) == {"dead0000"}
     try:

@@ -569,7 +569,7 @@ def test_directory_commit_waits_for_files_another_node_closed_before_it(cluster)
 
 
 def test_a_node_cut_off_past_its_lease_acts_again_only_under_a_new_generation(cluster):
-    """The fence (cachemgr.tiering.members.Lease). In the middle of a multi-node commit, node B's
+    """The fence (cachemgr.tiering.lease.Lease). In the middle of a multi-node commit, node B's
     acknowledgement is on its way when B is cut off from the store past its lease. When B gets
     through again it registers under a new generation before anything else; its old
     acknowledgement, landing after that, is ignored by the committer; B acknowledges again under

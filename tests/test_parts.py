@@ -11,6 +11,7 @@ import pickle
 import pytest
 
 from cachemgr.format.dcp import storage_files
+from cachemgr.tiering import lease as lease_record
 from cachemgr.tiering import members, parts
 
 torch = pytest.importorskip("torch")
@@ -32,7 +33,7 @@ def test_part_keys_round_trip():
 
 
 def test_member_intent_and_ack_keys_round_trip():
-    assert members.parse_member_key(members.member_key("6d60a523")) == "6d60a523"
+    assert members.parse_member_key(lease_record.member_key("6d60a523")) == "6d60a523"
     iid = "6d60a523-17-18a3c0de5f2b1c00"
     assert members.parse_intent_key(members.intent_key(iid)) == iid
     key = members.ack_key(iid, "a41be007")
@@ -127,14 +128,14 @@ def test_an_ack_that_lands_after_its_intent_went_is_taken_back(tmp_path):
             return await store.put(key, data, **kw)
 
     gated = Gated()
-    lease = members.Lease(store=gated, node="b0b0b0b0", index=core.index, lease=30,
+    lease = lease_record.Lease(store=gated, node="b0b0b0b0", index=core.index, lease=30,
                           register_timeout=5)
     m = members.Members(store=gated, node="b0b0b0b0", index=core.index,
                         sets=SetRegistry(core.index), parts=Parts(), lease=lease, poll=1)
 
     async def main():
         key = members.intent_key(iid)
-        await store.put(key, members._doc("intent", node="a41be007", path="step_7",
+        await store.put(key, lease_record.encode_doc("intent", node="a41be007", path="step_7",
                                           roots=["step_7"], nodes=["b0b0b0b0"],
                                           written_ns=1))
         etag = (await store.head(key)).etag
@@ -154,7 +155,7 @@ def test_an_ack_that_lands_after_its_intent_went_is_taken_back(tmp_path):
 
 
 def test_a_renewal_answered_after_the_lease_ran_out_starts_a_new_generation(tmp_path):
-    """cachemgr.tiering.members.Lease: a renewal PUT the store answers after the lease ran out may
+    """cachemgr.tiering.lease.Lease: a renewal PUT the store answers after the lease ran out may
     have landed when other nodes already counted this node gone, so the node registers again under
     a new, larger generation (kept in the index, so a restart never reuses one); `ensure`,
     called before every write of the protocol, does the same once the lease ran out, and
@@ -183,11 +184,11 @@ def test_a_renewal_answered_after_the_lease_ran_out_starts_a_new_generation(tmp_
             return await store.put(key, data, **kw)
 
     gated = Gated()
-    lease = members.Lease(store=gated, node="b0b0b0b0", index=core.index, lease=2,
+    lease = lease_record.Lease(store=gated, node="b0b0b0b0", index=core.index, lease=2,
                           register_timeout=5)
 
     async def stored() -> dict:
-        return json.loads(await store.get(members.member_key("b0b0b0b0")))
+        return json.loads(await store.get(lease_record.member_key("b0b0b0b0")))
 
     async def main():
         assert not lease.holds()

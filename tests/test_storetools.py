@@ -537,7 +537,8 @@ def test_the_store_view_is_the_store_layer_with_its_bounds(tmp_path):
     """cachemgr.format.storeview: the tools' blocking face of cachemgr.store. An absent key is
     None, a document past its bound and a short ranged read are CorruptError, every failure of
     the store one readerrors.StoreError, and reads go through the store (its wrappers too)."""
-    from cachemgr.store import FaultyStore, LocalStore, StoreError
+    from cachemgr.store import LocalStore, StoreError
+    from tests.faultstore import FaultyStore
 
     loop = storeview.StoreLoop()
     store = FaultyStore(LocalStore(tmp_path / "store"))

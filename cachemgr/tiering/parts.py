@@ -88,7 +88,7 @@ from cachemgr.store import NotFound, ObjectStore, StoreError
 if TYPE_CHECKING:
     from cachemgr.core.index import Index
     from cachemgr.core.inodes import Inode
-    from cachemgr.tiering.members import Lease
+    from cachemgr.tiering.lease import Lease
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +142,7 @@ def parse_key(key: str) -> tuple[str, str] | None:
 def build(node: str, dir_path: str, files: list[dict[str, Any]],
           generation: int = 0) -> dict[str, Any]:
     """`dir_path` and the files' names in the escaped form (cachemgr.format.names); `generation`:
-    the writer's lease generation (cachemgr.tiering.members.Lease)."""
+    the writer's lease generation (cachemgr.tiering.lease.Lease)."""
     escaped = is_escaped(dir_path) or any(is_escaped(f["name"]) for f in files)
     return {"format": FORMAT, "version": ESCAPED_VERSION if escaped else FORMAT_VERSION,
             "node": node, "dir": dir_path, "updated_ns": time.time_ns(),

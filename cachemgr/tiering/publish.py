@@ -97,7 +97,7 @@ class Publisher:
                  retention: Callable[[int], None], retry_pause: float,
                  fence: Callable[[], Awaitable[None]],
                  lease_epoch: Callable[[], int | None]) -> None:
-        """`fence`: awaited before every manifest PUT (cachemgr.tiering.members.Lease.ensure: no set
+        """`fence`: awaited before every manifest PUT (cachemgr.tiering.lease.Lease.ensure: no set
         is published on a lease this node no longer holds). `lease_epoch`: the generation of
         the lease this node holds now, None while it holds none (`verified`)."""
         self.index = index
@@ -238,7 +238,7 @@ class Publisher:
         committer, of the nodes whose files it gathered (`_delete_foreign_objects`:
         `validate.is_own_object` keeps this node's out); `ckptfs fsck --repair`, which deletes
         unnamed objects only of nodes whose lease ran out (docs/FORMAT.md "Garbage"): a lapse
-        starts a new lease generation (cachemgr.tiering.members.Lease), so an object verified
+        starts a new lease generation (cachemgr.tiering.lease.Lease), so an object verified
         under an earlier generation is HEADed; and someone outside ckptfs, or a store that
         loses data, which no check at publication rules out for the moment after it either.
         So the skip is for this process's own fresh uploads only: a restart forgets them, an

@@ -87,7 +87,8 @@ from cachemgr.tiering.takeover import Owned, Takeover, replica_manifest, sweep
 if TYPE_CHECKING:
     from cachemgr.core.filecache import FileCache
     from cachemgr.core.index import Index
-    from cachemgr.tiering.members import Lease, Members
+    from cachemgr.tiering.lease import Lease
+    from cachemgr.tiering.members import Members
     from cachemgr.tiering.signals import Signals
 
 log = logging.getLogger(__name__)

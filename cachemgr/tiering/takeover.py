@@ -35,7 +35,7 @@ from cachemgr.format.keys import manifest_key
 from cachemgr.format.objects import StoredObject
 from cachemgr.host.nodefiles import make_dirs, write_durably
 from cachemgr.store import NotFound, ObjectStore, PreconditionFailed, StoreError
-from cachemgr.tiering.members import Lease
+from cachemgr.tiering.lease import Lease
 
 log = logging.getLogger(__name__)
 
