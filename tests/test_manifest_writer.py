@@ -162,25 +162,22 @@ def test_racing_writers_end_with_the_latest_commit_whatever_their_order(tmp_path
     for round_ in range(4):
         store = LocalStore(tmp_path / f"store{round_}")
         order = random.Random(round_).sample(commits, len(commits))
-
-        async def main() -> list[str]:
-            out: list[str] = []
-
-            async def one(c: tuple[str, int, int]) -> None:
-                out.append((await write_one(store, manifest(*c))).outcome)
-
-            async with trio.open_nursery() as n:
-                for c in order:
-                    n.start_soon(one, c)
-            return out
-
-        got = trio.run(main)
+        got = trio.run(race, store, [manifest(*c) for c in order])
         assert commit_there(store) == latest, (order, got)
         assert got.count("written") >= 1 and "same" not in got, got
 
 
-async def write_one(store: LocalStore, m: dict):
-    return await ManifestWriter(store, no_fence).write(m, mf.dumps(m))
+async def race(store: LocalStore, ms: list[dict]) -> list[str]:
+    """Write every manifest of `ms` at once, each by its own writer; their outcomes."""
+    out: list[str] = []
+
+    async def one(m: dict) -> None:
+        out.append((await ManifestWriter(store, no_fence).write(m, mf.dumps(m))).outcome)
+
+    async with trio.open_nursery() as n:
+        for m in ms:
+            n.start_soon(one, m)
+    return out
 
 
 class Unconditional(Recorder):
@@ -230,14 +227,7 @@ def test_on_s3_racing_writers_and_a_vanished_manifest(moto_server):
 
     async def main() -> None:
         st = open_store(f"s3://{bucket}/p", endpoint_url=moto_server, path_style=True)
-        commits = [manifest(f"{i:x}" * 8, 1, 100 + i % 3) for i in range(6)]
-
-        async def one(m: dict) -> None:
-            await ManifestWriter(st, no_fence).write(m, mf.dumps(m))
-
-        async with trio.open_nursery() as n:
-            for m in commits:
-                n.start_soon(one, m)
+        await race(st, [manifest(f"{i:x}" * 8, 1, 100 + i % 3) for i in range(6)])
         there = mf.loads(await st.get(manifest_key(PATH)))
         assert mf.commit_of(there) == mf.Commit(102, "55555555", 1)  # 102: 2 and 5; 5 > 2
         gone = await st.head(manifest_key(PATH))
