@@ -13,7 +13,9 @@ in-process `Recorder` of tests/test_services_inproc.py, which logs every request
      order; a store ignoring conditions still gets the rule (a look before the plain PUT);
   3. a takeover loses to a later set at the path (and deletes its uploads), replaces an earlier
      one, wins a tie its origin would win, never brings back its origin's superseded commit,
-     and finds the origin's own manifest of the same commit done.
+     and finds the origin's own manifest of the same commit done;
+  4. the namespace worker (an in-process node) whose PUT meets another node's commit landed
+     first: a later one stays and its set is superseded, an earlier one is replaced.
 """
 
 from __future__ import annotations
@@ -334,3 +336,53 @@ def test_a_takeover_finds_its_origin_s_own_manifest_of_the_commit_done(store, tm
     assert trio.run(t.publish, *replica(tmp_path, 5, 100))
     assert trio.run(store.head, manifest_key(PATH)).etag == etag and t.taken_over == 0
     assert takeover_keys(store) == []
+
+
+# ----------------------------------------------------------------------------------------------
+# 4. the namespace worker through the writer (an in-process node, tests/test_services_inproc.py)
+
+
+@pytest.mark.parametrize("theirs", ["later", "earlier"])
+def test_a_publication_meets_another_node_s_commit_that_landed_first(tmp_path, theirs):
+    """Node A's manifest PUT of model.pt is held while another node's commit of the path lands
+    (If-None-Match is then refused): a later commit stays and A's set is superseded, saying
+    why; an earlier one is replaced by A's."""
+    from test_services_inproc import Node, run_nodes, until
+
+    store = Recorder(tmp_path / "store")
+    node = Node(tmp_path / "a", store)
+    key = manifest_key("model.pt")
+    other = "ffff0000"
+
+    async def body() -> None:
+        gate = store.gate(key)
+        node.write("model.pt", b"m" * 5000)
+        await until(lambda: key in store.held, "A's manifest PUT to be held")
+        data = b"o" * 100
+        obj = StoredObject(key=f"data/{other}/1/1/model.pt", size=100, stored_size=100,
+                           crc32c=crc32c.crc32c(data))
+        await LocalStore.put(store, obj.key, data)
+        mine = node.sets.newest_at("model.pt")
+        ns = mine.committed_ns + (10**9 if theirs == "later" else -(10**9))
+        m = mf.build(path="model.pt", kind="file", seq=1, node=other, reason="close",
+                     committed_ns=ns, layout={}, files=[{"path": "", "size": 100,
+                                                         "mode": 0o644, "mtime_ns": ns,
+                                                         "object": obj.to_json()}])
+        await LocalStore.put(store, key, mf.dumps(m))
+        gate.set()
+        await until(lambda: node.sets.get(mine.seq).state not in ("committed", "uploading"),
+                    "A's publication to end")
+        s = node.sets.get(mine.seq)
+        there = mf.loads(await LocalStore.get(store, key))["commit"]
+        if theirs == "later":
+            assert s.state == "superseded" and there["node"] == other, (s, there)
+            assert "later than this one" in s.error, s
+        else:
+            assert s.state == "durable" and there["node"] == node.t.node, (s, there)
+        await until(node.quiet, "the node to settle")
+
+    try:
+        run_nodes([node], body)
+        assert node.core.check_consistency() == []
+    finally:
+        node.core.close()

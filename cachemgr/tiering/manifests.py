@@ -131,7 +131,7 @@ class ManifestWriter:
                 # If-Match on a key with no object: S3 answers 404 NoSuchKey, not 412 (the
                 # manifest expected there was deleted meanwhile). Nothing to replace: create it,
                 # still conditionally (If-None-Match: one landing meanwhile is looked at).
-                refused, look, expect = None, False, None
+                refused, look, expect, there = None, False, None, None
                 continue
             if there is not None and there.doc is not None and \
                     there.doc["commit"]["node"] != m["commit"]["node"]:
