@@ -482,10 +482,17 @@ class SetRegistry:
     def known_etag(self, path: str) -> str | None:
         """Etag of the manifest this node believes is at `path`: that of the newest durable set
         there, None if there is none (then a publish expects no manifest)."""
+        s = self.known_set(path)
+        return None if s is None else s.etag
+
+    def known_set(self, path: str) -> SetRow | None:
+        """The set whose manifest this node believes is at `path` (`known_etag`): the newest
+        durable set there, None if there is none."""
         r = self.conn.execute(
-            "SELECT state, etag FROM sets WHERE path=? AND state IN ('durable', 'deleting',"
+            f"SELECT {_SET_COLS} FROM sets WHERE path=? AND state IN ('durable', 'deleting',"
             " 'deleted', 'replaced') ORDER BY seq DESC LIMIT 1", (path,)).fetchone()
-        return r[1] if r is not None and r[0] == "durable" else None
+        s = SetRow(*r) if r else None
+        return s if s is not None and s.state == "durable" else None
 
     def set_state(self, seq: int, state: str, error: str | None = None) -> None:
         """Every change of a set's state. Into a state that holds no object (not in

@@ -3,6 +3,9 @@
 A manifest is written once per commit, only after every object it names is in the store and
 verified, with a single PUT to `manifests/<set path>.json` (atomic in S3 and in the file://
 store). Its presence is the commit: readers list `manifests/` and trust nothing else.
+
+Of two commits of one path, the store keeps the later (`Commit.later_than`, docs/SEMANTICS.md
+"Conflicts"); cachemgr.tiering.manifests is the one writer, and applies it.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from cachemgr.format import validate
@@ -103,6 +107,38 @@ def build(*, path: str, kind: str, seq: int, node: str, reason: str, committed_n
     return m
 
 
+@dataclass(frozen=True, slots=True)
+class Commit:
+    """A commit of a path, as its manifest names it (`commit_of`), in the one order of a path's
+    commits: of two manifests of one path the store keeps the later commit's
+    (cachemgr.tiering.manifests, docs/SEMANTICS.md "Conflicts").
+
+    One node's commits are ordered by their `seq`: its own commit order, which its wall clock
+    may not follow (a clock stepped back), and a node id is a cache's own (random at its
+    creation), so (node, seq) names one commit. Commits of two nodes are ordered by
+    `committed_ns` (each node's wall clock), a tie going to the larger node id. Neither of two
+    commits is later exactly when they are the same commit (same node and seq). A manifest a
+    buddy wrote for a node whose lease ran out (`commit.taken_over_by`) carries that node's id,
+    seq and commit time: it is ordered where its origin's own manifest would be. While each
+    node's clock does not step back between two commits of a path, this is the order of
+    (committed_ns, node, seq)."""
+
+    committed_ns: int
+    node: str
+    seq: int
+
+    def later_than(self, other: Commit) -> bool:
+        if self.node == other.node:
+            return self.seq > other.seq
+        return (self.committed_ns, self.node) > (other.committed_ns, other.node)
+
+
+def commit_of(m: dict[str, Any]) -> Commit:
+    """The commit manifest `m` publishes (`m` as `build` makes it or `loads` returns it)."""
+    c = m["commit"]
+    return Commit(int(c["committed_ns"]), str(c["node"]), int(c["seq"]))
+
+
 def _strings(x: object) -> Iterator[str]:
     if isinstance(x, str):
         yield x
@@ -154,5 +190,6 @@ def loads(data: bytes, key: str | None = None) -> dict[str, Any]:
 
 
 __all__ = ["ESCAPED_VERSION", "FORMAT", "FORMAT_VERSION", "MANIFEST_PREFIX", "MANIFEST_SUFFIX",
-           "VERSIONS", "ManifestError", "UnrepresentableError", "build", "dumps",
-           "dumps_checked", "is_manifest_key", "loads", "manifest_key", "path_of_manifest_key"]
+           "VERSIONS", "Commit", "ManifestError", "UnrepresentableError", "build",
+           "commit_of", "dumps", "dumps_checked", "is_manifest_key", "loads", "manifest_key",
+           "path_of_manifest_key"]

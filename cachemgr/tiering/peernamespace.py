@@ -161,7 +161,8 @@ class PeerNamespace:
             for a in answers:
                 for m in a["sets"]:
                     cur = newest.get(m["path"])
-                    if cur is None or m["commit"]["committed_ns"] > cur["commit"]["committed_ns"]:
+                    # the later commit, as the store would keep it (mf.Commit)
+                    if cur is None or mf.commit_of(m).later_than(mf.commit_of(cur)):
                         newest[m["path"]] = m
             self.passes += 1
             self.answered = sum(a["node"] != self.node for a in answers)

@@ -58,7 +58,8 @@ from cachemgr.core.sets import LIVE_STATES, SetRegistry, SetRow
 from cachemgr.format import manifest as mf
 from cachemgr.format import validate
 from cachemgr.format.objects import StoredObject
-from cachemgr.store import NotFound, ObjectStore, PreconditionFailed, StoreError
+from cachemgr.store import NotFound, ObjectStore, StoreError
+from cachemgr.tiering.manifests import NOTHING, ManifestWriter, Seen
 
 if TYPE_CHECKING:
     from cachemgr.core.index import Index
@@ -111,8 +112,8 @@ class Publisher:
         self._keys_named_elsewhere = keys_named_elsewhere  # cachemgr.tiering.remote: last listing
         self._retention = retention            # cachemgr.tiering.space: --keep-local
         self.retry_pause = retry_pause
-        self._fence = fence
         self._lease_epoch = lease_epoch
+        self._writer = ManifestWriter(store, fence)  # every manifest PUT (its one rule)
         self._events: deque[Event] = deque()
         self._spawn: list[Callable[[], Awaitable[None]]] = []
         self._absorb: dict[int, set[tuple[int, str]]] = {}
@@ -546,63 +547,38 @@ class Publisher:
         return min(missing) if missing else None
 
     async def _put_manifest(self, s: SetRow, m: dict[str, Any], data: bytes) -> str:
-        """PUT the manifest `m` of set `s`, serialised as `data`, so that concurrent commits of
-        one path from several nodes end in a defined state: the PUT is conditional on the
-        manifest this node last saw there (If-Match its etag, or If-None-Match when it saw
-        none). When another node's manifest is there instead, the commit with the later
-        `committed_ns` (ties: the larger node id) wins: if that is this one it replaces the
-        other (If-Match its etag), else it raises _LostRace. Returns the new manifest's etag."""
-        key = mf.manifest_key(s.path)
-        await self._fence()
-        if not self.store.supports_conditional_put:
-            return (await self.store.put(key, data)).etag
-        expect = self.sets.known_etag(s.path)
-        ours = (s.committed_ns, self.node)
-        for _attempt in range(8):
-            try:
-                if expect is None:
-                    info = await self.store.put(key, data, if_none_match=True)
-                else:
-                    info = await self.store.put(key, data, if_match=expect)
-                return info.etag
-            except PreconditionFailed:
-                pass
-            except NotFound:
-                # If-Match on a key with no object: S3 answers 404 NoSuchKey, not 412 (the
-                # manifest this node knew was deleted meanwhile, e.g. by a rotation racing a
-                # re-commit of the path). Nothing to replace: create it.
-                expect = None
-                continue
-            try:
-                cur_info = await self.store.head(key)
-                cur = mf.loads(await self.store.get(key), key)
-            except NotFound:
-                expect = None
-                continue
-            except mf.ManifestError:
-                cur = {"commit": {}}
-                cur_info = await self.store.head(key)
-            c = cur.get("commit", {})
-            if c.get("node") == self.node and c.get("seq") == m["commit"]["seq"]:
-                # this very set, PUT before a crash or a lost reply, or by a buddy that took
-                # it over while this node was gone (its objects, not ours, named there)
-                await adopt_takeover(self.index, self.sets, self.store, self.node, s, cur)
-                return cur_info.etag
-            if expect is not None and cur_info.etag == expect:
-                # Nothing changed, yet If-Match with its ETag was refused: a store that does
-                # not take the ETag in the form the probe found (docs/STORES.md). Retrying
-                # cannot help; say so instead of "kept changing".
-                raise StoreError(f"the store refused If-Match with the current ETag of"
-                                 f" {key} ({expect}): its conditional writes are not what the"
-                                 f" probe found ({self.store.conditional})")
-            theirs = (int(c.get("committed_ns") or 0), str(c.get("node") or ""))
-            if theirs > ours:
-                raise _LostRace(f"a concurrent commit of {s.path} on node {theirs[1]}, later"
-                                f" than this one, is in the store")
-            log.info("set %d (%s): replacing an earlier concurrent commit from node %s",
-                     m["commit"]["seq"], s.path, theirs[1])
-            expect = cur_info.etag
-        raise StoreError(f"the manifest of {s.path} kept changing under conditional PUTs")
+        """Write the manifest `m` of set `s`, serialised as `data`, with the one rule of which
+        commit of a path the store keeps (cachemgr.tiering.manifests): the first PUT is
+        conditional on the manifest this node's index knows at the path (`_seen`). The store
+        holding this very set already (PUT before a crash or a lost reply, or by a buddy that
+        took it over while this node was gone) counts as published; a later commit there raises
+        _LostRace. Returns the etag of the manifest that publishes the set."""
+        done = await self._writer.write(m, data, self._seen(s.path))
+        if done.outcome == "same":
+            assert done.there is not None
+            # its objects may be a buddy's, not ours (adopt_takeover)
+            await adopt_takeover(self.index, self.sets, self.store, self.node, s, done.there)
+        elif done.outcome == "later":
+            assert done.there is not None
+            c = done.there["commit"]
+            raise _LostRace(f"a concurrent commit of {s.path} on node {c['node']}, later"
+                            f" than this one, is in the store")
+        return done.etag
+
+    def _seen(self, path: str) -> Seen | None:
+        """The manifest this node's index knows at `path` (SetRegistry.known_set): that of a
+        set of its own, or one applied from the store (whose seq is the other node's, not
+        known here: never needed, the node ids differ). None if the index cannot say."""
+        known = self.sets.known_set(path)
+        if known is None:
+            return NOTHING
+        if known.etag is None:
+            return None
+        if known.origin == "local":
+            return Seen(known.etag, mf.Commit(known.committed_ns, self.node, known.seq))
+        if known.origin != self.node:
+            return Seen(known.etag, mf.Commit(known.committed_ns, known.origin, 0))
+        return None
 
     async def _unpublish(self, seq: int, path: str) -> None:
         # Only remove the manifest if it is not a newer set's. A newer set still uploading does

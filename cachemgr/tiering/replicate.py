@@ -706,8 +706,9 @@ class ReplicaHolder:
                          " here", where.describe(), status, seq)
 
     async def durable_in_store(self, desc: dict[str, Any]) -> bool:
-        """Whether the store's manifest of the replica's path was committed at or after it
-        (StoreError: the store cannot say now)."""
+        """Whether the store's manifest of the replica's path is its commit or a later one, in
+        the order the manifest writer keeps (mf.Commit: what a takeover would not replace;
+        cachemgr.tiering.manifests). StoreError: the store cannot say now."""
         try:
             data = await self.store.get(manifest_key(desc["path"]))
         except NotFound:
@@ -716,8 +717,8 @@ class ReplicaHolder:
             m = validate.manifest(data)
         except validate.DocumentError:
             return False
-        done: int = int(m["commit"].get("committed_ns", 0))
-        return done >= int(desc["committed_ns"])
+        replica = mf.Commit(int(desc["committed_ns"]), desc["origin"], int(desc["seq"]))
+        return not replica.later_than(mf.commit_of(m))
 
     async def _drop_loop(self) -> None:
         """Every `interval`: drop the replicas the store holds (or holds a newer commit of),

@@ -34,8 +34,9 @@ from cachemgr.format import validate
 from cachemgr.format.keys import manifest_key
 from cachemgr.format.objects import StoredObject
 from cachemgr.host.nodefiles import make_dirs, write_durably
-from cachemgr.store import NotFound, ObjectStore, PreconditionFailed, StoreError
+from cachemgr.store import NotFound, ObjectStore, StoreError
 from cachemgr.tiering.lease import Lease
+from cachemgr.tiering.manifests import ManifestWriter
 
 log = logging.getLogger(__name__)
 
@@ -66,14 +67,14 @@ class Takeover:
     """A buddy publishes the replica of a node whose lease expired, as that node would have:
     its files uploaded under `data/<this node>/takeover/<origin>/<seq>/<i>`, then the manifest
     the origin would have written (its path, kind, commit time, seq and node id; `commit.nodes`
-    names both writers, `commit.taken_over_by` this node), PUT conditionally: If-None-Match
-    when the store holds no manifest of the path, If-Match the etag of the older one it holds.
-    A newer commit of the path, by anyone, wins (the replica is dropped); the same commit (the
+    names both writers, `commit.taken_over_by` this node), written by the one manifest writer
+    (cachemgr.tiering.manifests) with the origin's place in the order of the path's commits:
+    a later commit of the path, by anyone, wins (the replica is dropped); the same commit (the
     origin came back, or another of its buddies, racing this one, published it first) counts
     as done, and this node deletes the objects it uploaded for it (`_discard`: the manifest
-    there names the winner's). Once: the replica is dropped after its publication; the drop
-    loop, the only caller, runs one replica at a time. Counted (`taken_over`) and logged by
-    the buddy whose PUT published the set only."""
+    there names the winner's); an earlier one is replaced. Once: the replica is dropped after
+    its publication; the drop loop, the only caller, runs one replica at a time. Counted
+    (`taken_over`) and logged by the buddy whose PUT published the set only."""
 
     def __init__(self, *, store: ObjectStore, node: str, lease: Lease,
                  live: Callable[[], Awaitable[dict[str, float]]], upload: Upload,
@@ -81,6 +82,7 @@ class Takeover:
         self.store, self.node, self.lease, self.live = store, node, lease, live
         self._upload = upload
         self.records = records
+        self._writer = ManifestWriter(store, lease.ensure)  # the fence before every PUT
         self.taken_over = 0
 
     async def publish(self, desc: dict[str, Any], where: Path) -> bool:
@@ -134,32 +136,12 @@ class Takeover:
         return True
 
     async def _put(self, desc: dict[str, Any], m: dict[str, Any]) -> dict[str, Any] | None:
-        """None once published, or the manifest there (this commit or a newer one is in the
-        store already)."""
-        key, data = manifest_key(desc["path"]), mf.dumps(m)
-        for _attempt in range(8):
-            try:
-                cur_info = await self.store.head(key)
-                cur: dict[str, Any] | None = mf.loads(await self.store.get(key), key)
-            except NotFound:
-                cur_info, cur = None, None
-            except mf.ManifestError:
-                cur = {"commit": {}}
-            if cur is not None:
-                c = cur.get("commit", {})
-                if (c.get("node"), c.get("seq")) == (desc["origin"], desc["seq"]) or \
-                        int(c.get("committed_ns") or 0) >= desc["committed_ns"]:
-                    return cur
-            await self.lease.ensure()
-            try:
-                if cur_info is None:
-                    await self.store.put(key, data, if_none_match=True)
-                else:
-                    await self.store.put(key, data, if_match=cur_info.etag)
-                return None
-            except (PreconditionFailed, NotFound):
-                continue  # another writer meanwhile: look again
-        raise StoreError(f"the manifest of {desc['path']} kept changing under conditional PUTs")
+        """None once published, or the manifest there: this commit, or a later one in the one
+        order of a path's commits (cachemgr.tiering.manifests; it carries the origin's commit,
+        so it wins or loses where the origin's own PUT would). What is there is looked at
+        first: a buddy knows nothing of the path but the replica."""
+        done = await self._writer.write(m, mf.dumps(m))
+        return done.there if done.outcome != "written" else None
 
 
 class TakeoverRecords:
