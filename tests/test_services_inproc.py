@@ -391,7 +391,7 @@ def test_a_bug_in_one_publish_fails_that_set_and_the_worker_goes_on(node, store,
     run_nodes([node], body)
     bad = node.sets.newest_at("bad")
     assert bad.state == "failed" and "internal error" in bad.error and "injected" in bad.error
-    assert "namespace event ('publish'," in caplog.text
+    assert "namespace event Publish(seq=" in caplog.text
     assert node.t.store_health.statistics().last_error.endswith("RuntimeError('injected bug')")
 
 

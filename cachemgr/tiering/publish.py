@@ -22,7 +22,7 @@ workers and recovery, synchronously, and consumed only by the worker — no lock
     seq) while a set this node committed before it is still live, and released by
     `_release_blocked` when a "release" event comes (queued by `_on_set_changed`, a listener of
     `Signals.changed_now`);
-  * an unpublish ("unpublish", seq, path, horizon) waits in `_blocked_unpublish` while a set
+  * an unpublish (`Unpublish(seq, path, horizon)`) waits in `_blocked_unpublish` while a set
     with seq <= horizon (committed before the deletion) is live;
   * set states only move forward: committed -> uploading -> durable -> replaced/deleting ->
     deleted; committed/uploading -> superseded/failed/deleted;
@@ -50,7 +50,7 @@ import logging
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import trio
 
@@ -68,7 +68,42 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-Event = tuple[Any, ...]
+@dataclass(frozen=True, slots=True)
+class Publish:
+    """Publish set `seq` (its objects are all uploaded): its manifest PUT, in commit order."""
+
+    seq: int
+    kind: ClassVar[str] = "publish"
+
+
+@dataclass(frozen=True, slots=True)
+class Unpublish:
+    """Delete set `seq`'s manifest at `path`, once no set with seq <= `horizon` is live (those
+    committed before the deletion); `horizon` None: no longer waits."""
+
+    seq: int
+    path: str
+    horizon: int | None
+    kind: ClassVar[str] = "unpublish"
+
+
+@dataclass(frozen=True, slots=True)
+class Gc:
+    """A GC pass (queued ones in a row coalesce)."""
+
+    kind: ClassVar[str] = "gc"
+
+
+@dataclass(frozen=True, slots=True)
+class Release:
+    """Look again at the sets held back by commit order (`_release_blocked`)."""
+
+    kind: ClassVar[str] = "release"
+
+
+# The namespace FIFO's events, one class each (compared by value: `GC in events`)
+Event = Publish | Unpublish | Gc | Release
+GC, RELEASE = Gc(), Release()
 
 
 class _LostRace(Exception):
@@ -118,7 +153,7 @@ class Publisher:
         self._spawn: list[Callable[[], Awaitable[None]]] = []
         self._absorb: dict[int, set[tuple[int, str]]] = {}
         self._blocked: dict[int, int] = {}
-        self._blocked_unpublish: list[Event] = []
+        self._blocked_unpublish: list[Unpublish] = []
         # key -> (stored size, lease generation): see the invariants; trio thread only
         self._verified: dict[str, tuple[int, int]] = {}
         self._collector = Collector(index=index, sets=sets, store=store, node=node,
@@ -155,13 +190,13 @@ class Publisher:
     def publish(self, seq: int) -> None:
         """Queue the publish of set `seq` (its objects are all uploaded)."""
         self._guard()
-        self._events.append(("publish", seq))
+        self._events.append(Publish(seq))
 
     def unpublish(self, seq: int, path: str, horizon: int) -> None:
         """Queue the deletion of set `seq`'s manifest at `path`, once every set with seq <=
         `horizon` is published or gone."""
         self._guard()
-        self._events.append(("unpublish", seq, path, horizon))
+        self._events.append(Unpublish(seq, path, horizon))
 
     def gc(self, full: bool = False) -> None:
         """Queue a GC pass: over the contents that may have lost their last reference since
@@ -169,7 +204,7 @@ class Publisher:
         object (recovery, once per mount)."""
         self._guard()
         self._collector.full = self._collector.full or full
-        self._events.append(("gc",))
+        self._events.append(GC)
 
     def absorb(self, seq: int, old_seq: int, old_path: str) -> None:
         """Set `old_seq` at `old_path` goes from the store once set `seq` is durable."""
@@ -215,7 +250,7 @@ class Publisher:
                 prev = self.sets.get(old_seq)
                 if prev is not None and prev.state == "durable":
                     self.sets.set_state(old_seq, "deleting", why)
-                    self._events.append(("unpublish", old_seq, old_path, horizon))
+                    self._events.append(Unpublish(old_seq, old_path, horizon))
                     gone.append(old_seq)
         return gone
 
@@ -258,11 +293,11 @@ class Publisher:
         self.signals.wake_ns()
 
     def _on_set_changed(self) -> None:
-        if (self._blocked or self._blocked_unpublish) and ("release",) not in self._events:
+        if (self._blocked or self._blocked_unpublish) and RELEASE not in self._events:
             # A set may have left the live states: sets published in commit order after it
             # are looked at again, in the namespace FIFO.
             self._guard()
-            self._events.append(("release",))
+            self._events.append(RELEASE)
             self.signals.wake_ns()
 
     def _release_blocked(self) -> None:
@@ -271,11 +306,11 @@ class Publisher:
         for seq in sorted(self._blocked):
             if self.sets.earlier_live(seq) is None:
                 del self._blocked[seq]
-                self._events.append(("publish", seq))
+                self._events.append(Publish(seq))
         held, self._blocked_unpublish = self._blocked_unpublish, []
         for ev in held:
-            if self.sets.earlier_live(ev[3] + 1) is None:
-                self._events.append(ev[:3])
+            if ev.horizon is None or self.sets.earlier_live(ev.horizon + 1) is None:
+                self._events.append(Unpublish(ev.seq, ev.path, None))
             else:
                 self._blocked_unpublish.append(ev)
 
@@ -287,8 +322,7 @@ class Publisher:
 
     def publishing(self, seq: int) -> bool:
         """Is the worker publishing set `seq` right now? Status: what a stuck set waits for."""
-        cur = self._current
-        return cur is not None and cur[0] == "publish" and cur[1] == seq
+        return self._current == Publish(seq)
 
     def idle(self) -> bool:
         """No namespace event queued or being applied (what a caller waits for to see the
@@ -305,8 +339,8 @@ class Publisher:
             out.update(old_seq for old_seq, _path in moved)
         for ev in (*self._events, *self._blocked_unpublish,
                    *(() if self._current is None else (self._current,))):
-            if len(ev) > 1 and isinstance(ev[1], int):
-                out.add(ev[1])
+            if isinstance(ev, Publish | Unpublish):
+                out.add(ev.seq)
         return out
 
     def deletes_waiting(self) -> int:
@@ -316,7 +350,7 @@ class Publisher:
         """How many namespace events are ahead of set `seq`'s queued publish (None: no publish
         of it is queued). Status: what a stuck set waits for."""
         for i, ev in enumerate(self._events):
-            if ev[0] == "publish" and ev[1] == seq:
+            if ev == Publish(seq):
                 return i
         return None
 
@@ -338,19 +372,20 @@ class Publisher:
                     await self.signals.wait_ns()
                     continue
                 ev = self._events.popleft()
-                if ev[0] == "release":
+                if isinstance(ev, Release):
                     self._release_blocked()
                     continue
                 self._current = ev
                 try:
-                    if ev[0] == "publish":
-                        await self._publish(ev[1])
-                    elif ev[0] == "unpublish":
-                        if len(ev) > 3 and self.sets.earlier_live(ev[3] + 1) is not None:
+                    if isinstance(ev, Publish):
+                        await self._publish(ev.seq)
+                    elif isinstance(ev, Unpublish):
+                        if ev.horizon is not None and \
+                                self.sets.earlier_live(ev.horizon + 1) is not None:
                             self._blocked_unpublish.append(ev)  # see _release_blocked
                             continue
-                        await self._unpublish(ev[1], ev[2])
-                    elif ev[0] == "gc" and ("gc",) not in self._events:  # coalesce bursts
+                        await self._unpublish(ev.seq, ev.path)
+                    elif GC not in self._events:  # a Gc: bursts coalesce
                         await self._collector.run()
                 except StoreError as e:
                     await self._event_failed(ev, e)
@@ -375,27 +410,27 @@ class Publisher:
         tried again after a pause (a manifest must not outlive its deletion); a gc is dropped
         (the next one redoes it)."""
         self.health.failed(f"internal: {e!r}")
-        if ev[0] == "publish":
+        if isinstance(ev, Publish):
             with self.index.tx():
-                s = self.sets.get(ev[1])
+                s = self.sets.get(ev.seq)
                 if s is not None and s.state in LIVE_STATES:
-                    self.sets.set_state(ev[1], "failed", f"internal error while publishing: "
+                    self.sets.set_state(ev.seq, "failed", f"internal error while publishing: "
                                         f"{e!r}")
             self.signals.changed_now()
-        elif ev[0] == "unpublish":
+        elif isinstance(ev, Unpublish):
             await trio.sleep(self.retry_pause)
             self._events.append(ev)
 
     async def _event_failed(self, ev: Event, e: StoreError) -> None:
-        self.health.failed(f"{ev[0]}: {e}")
+        self.health.failed(f"{ev.kind}: {e}")
         if e.transient:
             log.warning("%s failed (%s); retrying in %.1fs", ev, e, self.retry_pause)
             await trio.sleep(self.retry_pause)
             self._events.appendleft(ev)
-        elif ev[0] == "publish":
-            log.error("set %d cannot be published: %s", ev[1], e)
+        elif isinstance(ev, Publish):
+            log.error("set %d cannot be published: %s", ev.seq, e)
             with self.index.tx():
-                self.sets.set_state(ev[1], "failed", f"the store refused its manifest: {e}")
+                self.sets.set_state(ev.seq, "failed", f"the store refused its manifest: {e}")
             self.signals.changed_now()
         else:
             log.error("%s failed for good: %s", ev, e)
@@ -462,7 +497,7 @@ class Publisher:
         log.info("set %d durable: %s (%d files, %d bytes)", seq, s.path, len(files),
                  m["total_bytes"])
         self.signals.changed_now()
-        self._events.append(("gc",))
+        self._events.append(GC)
         self._retention(seq)
 
     def _record_published(self, s: SetRow, etag: str, foreign: list[dict[str, Any]]) -> bool:
@@ -486,7 +521,7 @@ class Publisher:
             if s2 is None or (s2.state not in LIVE_STATES and not kept) or orphan:
                 # Deleted while the PUT was in flight: take the manifest back out.
                 self.sets.set_etag(seq, etag)
-                self._events.appendleft(("unpublish", seq, s.path))
+                self._events.appendleft(Unpublish(seq, s.path, None))
                 if s2 is not None and s2.state == "deleted":
                     self.sets.set_state(seq, "deleting")
                 if orphan:
@@ -509,7 +544,7 @@ class Publisher:
                         self.sets.set_state(old_seq, "replaced", f"replaced by set {seq}")
                     else:
                         self.sets.set_state(old_seq, "deleting", f"absorbed by set {seq}")
-                        self._events.append(("unpublish", old_seq, old_path))
+                        self._events.append(Unpublish(old_seq, old_path, None))
         return True
 
     async def _check_objects(self, files: list[dict[str, Any]]) -> str | None:
@@ -614,7 +649,7 @@ class Publisher:
         self.unpublished += 1
         self.health.succeeded()
         self.signals.changed_now()
-        self._events.append(("gc",))
+        self._events.append(GC)
 
     async def _delete_foreign_objects(self, s: SetRow, path: str) -> None:
         """A set restored from another node's manifest: its objects are not in this node's
