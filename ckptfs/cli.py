@@ -424,7 +424,7 @@ def cmd_mount(a: argparse.Namespace) -> int:
             print(f"ckptfs: {msg}", file=sys.stderr)
 
         return run_daemon(cfg, notify)
-    code, msg = start(cfg)
+    code, msg = start(cfg, run_daemon)
     if code != EXIT_OK:
         return _fail(code, msg)
     print(f"ckptfs: {msg}")

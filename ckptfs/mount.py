@@ -595,9 +595,9 @@ def tune_readahead(mp: Path, kb: int) -> None:
 Notify = Callable[[int, str], None]
 
 
-def start(cfg: MountConfig) -> tuple[int, str]:
-    """Mount in the background: fork a daemon and return (code, message) once it is ready or
-    has failed."""
+def start(cfg: MountConfig, run: Callable[[MountConfig, Notify], int]) -> tuple[int, str]:
+    """Mount in the background: fork a daemon, which runs `run(cfg, notify)` (the CLI gives
+    ckptfs.daemon.run_daemon), and return (code, message) once it is ready or has failed."""
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # child: the daemon
@@ -617,9 +617,7 @@ def start(cfg: MountConfig) -> tuple[int, str]:
                 except OSError:
                     pass
 
-            from .daemon import run_daemon
-
-            code = run_daemon(cfg, notify)
+            code = run(cfg, notify)
         finally:
             os._exit(code)
     os.close(w)

@@ -174,8 +174,8 @@ def _crt_put(port: int, path: str, size: int, crc: bool, signed: bool) -> None:
 
 
 async def _plain_put(port: int, path: str, size: int) -> None:
+    from cachemgr.store.base import Deadlines
     from cachemgr.store.plainhttp import PlainHttpData, PlainOptions
-    from cachemgr.store.s3 import Deadlines
 
     client = PlainHttpData(PlainOptions(
         bucket="bucket", prefix="", endpoint_url=f"http://127.0.0.1:{port}", region="us-east-1",

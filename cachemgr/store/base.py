@@ -174,6 +174,45 @@ class IntegrityError(StoreError):
     transient = True  # a re-read may succeed (a flipped bit in transit)
 
 
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class Deadlines:
+    """The deadline of one try of each class of request, in seconds (docs/ARCHITECTURE.md
+    "Store deadlines" has the table with retries). A request that moves bytes gets `base` plus
+    its bytes at `floor_rate`; the others a fixed bound.
+
+    - `base` 10 s: connect, TLS, signing and the store's first byte, which S3 answers in tens
+      of milliseconds; 10 s is two orders of magnitude of slack for a loaded store or node.
+    - `floor_rate` 4 MiB/s per connection: 16 connections at the floor move 64 MiB/s, a tenth of
+      a 10 Gbit/s NIC and half of a 1 Gbit/s one; a connection slower than this is treated as
+      not answering (a 64 MiB part: 26 s; a 4 MiB chunk: 11 s).
+    - a read whole (no range: manifests, part records, member records) gets `base` for its
+      answer's headers, then its body's size from them at `floor_rate` (`S3Store._sized`: a
+      1 KiB part record 10 s, not the 26 s of the 64 MiB cap of a document, issue 36).
+    - `control` 10 s: HEAD, DELETE, create and abort of a multipart upload (no body).
+    - `list_page` 15 s: one page of ListObjectsV2 (1,000 keys, ~300 KB of XML); a listing
+      gets this per page, so a long listing is never cut short for being long.
+    - `complete` 30 s + 0.05 s per part: S3 may take long to assemble a large upload (it
+      keeps the connection alive with whitespace meanwhile).
+    - `queue` 30 s: the wait for a free connection (a token of the limiter) before a request
+      starts; longer than a thread that talks to a black hole lives (25 s, module docstring).
+    """
+
+    base: float = 10.0
+    floor_rate: float = 4 * MiB
+    control: float = 10.0
+    list_page: float = 15.0
+    complete: float = 30.0
+    complete_per_part: float = 0.05
+    queue: float = 30.0
+
+    def data(self, nbytes: int) -> float:
+        """A request that moves `nbytes`."""
+        return self.base + nbytes / self.floor_rate
+
+
 @dataclass
 class RetryStats:
     """The retry layer's counters (cachemgr.store.wrappers.RetryingStore; status, metrics)."""

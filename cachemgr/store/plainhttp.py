@@ -74,7 +74,7 @@ from cachemgr.store.base import (
 )
 
 if TYPE_CHECKING:
-    from cachemgr.store.s3 import Deadlines
+    from cachemgr.store.base import Deadlines
 
 log = logging.getLogger(__name__)
 
