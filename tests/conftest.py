@@ -406,17 +406,31 @@ def s3_endpoint(request):
     return request.getfixturevalue("store_servers")(S3_KIND)
 
 
+def s3_client(endpoint: str):
+    """A boto3 S3 client on `endpoint`, path-style (the tests' stores answer on 127.0.0.1:
+    no bucket host names)."""
+    import boto3
+    import botocore.config
+
+    return boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
+                        config=botocore.config.Config(s3={"addressing_style": "path"}))
+
+
+def s3_store(endpoint: str, bucket: str, **options):
+    """An S3Store on s3://`bucket`/p at `endpoint`, path-style, with the S3Options given (the
+    store tests' store under test)."""
+    from cachemgr.store.s3 import S3Options, S3Store
+
+    return S3Store(f"s3://{bucket}/p", S3Options(endpoint_url=endpoint, region="us-east-1",
+                                                 path_style=True, **options))
+
+
 def new_bucket(endpoint: str) -> str:
     """A fresh bucket at `endpoint` (moto, RGW, SeaweedFS); its name."""
     import uuid
 
-    import boto3
-    import botocore.config
-
     name = f"ckpt-{uuid.uuid4().hex[:12]}"
-    boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
-                 config=botocore.config.Config(s3={"addressing_style": "path"})).create_bucket(
-        Bucket=name)
+    s3_client(endpoint).create_bucket(Bucket=name)
     return name
 
 
