@@ -256,6 +256,21 @@ def _alive(pid: int) -> bool:
     return pid_running(pid)
 
 
+def start_with_env(m: Mount, env: dict[str, str], *args: str) -> None:
+    """`m.start(*args)` with `env` in the daemon's environment (Mount.start passes this
+    process's: `env` is set in os.environ for the start, then put back as it was)."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        m.start(*args)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 @pytest.fixture
 def mount_factory(tmp_path):
     mounts: list[Mount] = []
