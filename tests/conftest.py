@@ -256,6 +256,14 @@ def _alive(pid: int) -> bool:
     return pid_running(pid)
 
 
+def hold_uploads(gate: Path) -> dict[str, str]:
+    """Daemon environment (tests/daemon_hooks: CKPTFS_FAULTS) in which every data upload (a
+    PUT, a multipart upload's start and parts) waits while `gate` exists; touches `gate`."""
+    gate.touch()
+    return {"CKPTFS_FAULTS": f"put@data/=hold:{gate},create_multipart@data/=hold:{gate},"
+                             f"upload_part@data/=hold:{gate}"}
+
+
 def start_with_env(m: Mount, env: dict[str, str], *args: str) -> None:
     """`m.start(*args)` with `env` in the daemon's environment (Mount.start passes this
     process's: `env` is set in os.environ for the start, then put back as it was)."""

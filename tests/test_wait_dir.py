@@ -24,9 +24,7 @@ import torch
 
 import ckptfs
 from ckptfs.mount import EXIT_ERROR, EXIT_NO_SET, EXIT_OK, EXIT_STORE
-from tests.conftest import REPO, ckptfs_cmd, run_cli, start_with_env, wait_for
-
-HOLD_DATA = "put@data/=hold:{g},create_multipart@data/=hold:{g},upload_part@data/=hold:{g}"
+from tests.conftest import REPO, ckptfs_cmd, hold_uploads, run_cli, start_with_env, wait_for
 
 
 def sets_under(m, rel: str) -> dict[str, str]:
@@ -60,9 +58,8 @@ def held(mount_factory, tmp_path):
     """(a started mount whose data uploads are held while the gate file exists, the gate):
     the test removes the gate to let them go."""
     gate = tmp_path / "data-held"
-    gate.touch()
     m = mount_factory()
-    start_with_env(m, {"CKPTFS_FAULTS": HOLD_DATA.format(g=gate)})
+    start_with_env(m, hold_uploads(gate))
     return m, gate
 
 
@@ -100,15 +97,15 @@ def test_wait_dir_waits_for_every_file_set_of_a_deepspeed_step(mount_factory, s3
 
     endpoint, bucket = s3_bucket
     data_gate, last_gate = tmp_path / "data-held", tmp_path / "last-manifest-held"
-    data_gate.touch()
     last_gate.touch()
     m = mount_factory()
     # Data uploads held; and the manifest of the file written last (published last, in commit
     # order), so a release of the first gate makes every set but that one durable.
     last = "run/global_step100/mp_rank_00_model_states.pt"
-    start_with_env(m, {"CKPTFS_FAULTS": HOLD_DATA.format(g=data_gate)
-                       + f",put@manifests/{last}=hold:{last_gate}"},
-                   "--store", f"s3://{bucket}/p", "--s3-endpoint", endpoint, "--s3-path-style")
+    env = hold_uploads(data_gate)
+    env["CKPTFS_FAULTS"] += f",put@manifests/{last}=hold:{last_gate}"
+    start_with_env(m, env, "--store", f"s3://{bucket}/p", "--s3-endpoint", endpoint,
+                   "--s3-path-style")
     run = m.path / "run"
     run.mkdir()
     step = run / "global_step100"
