@@ -296,6 +296,25 @@ def mount_factory(tmp_path):
 
 
 @pytest.fixture
+def nodes(mount_factory):
+    """nodes(name) -> a Mount (not started) of node `name`: mount_factory that also fails the
+    test if any daemon logged an unexpected error (the multi-node restore tests; a file may
+    define its own `nodes`)."""
+    made = []
+
+    def make(name: str):
+        m = mount_factory(name)
+        made.append(m)
+        return m
+
+    yield make
+    for m in made:
+        errors = m.unexpected_errors()
+        assert not errors, f"daemon {m.mountpoint.name} logged unexpected errors:\n" + \
+            "\n".join(errors)
+
+
+@pytest.fixture
 def mnt(mount_factory) -> Mount:
     """A started mount; the test fails if the daemon logged an unexpected error."""
     m = mount_factory()

@@ -46,23 +46,6 @@ CHUNK = 4 * MiB  # the default chunk_size of objects (docs/FORMAT.md)
 # helpers
 
 
-@pytest.fixture
-def nodes(mount_factory):
-    """mount_factory that also fails the test if any daemon logged an unexpected error."""
-    made = []
-
-    def make(name: str):
-        m = mount_factory(name)
-        made.append(m)
-        return m
-
-    yield make
-    for m in made:
-        errors = m.unexpected_errors()
-        assert not errors, f"daemon {m.mountpoint.name} logged unexpected errors:\n" + \
-            "\n".join(errors)
-
-
 def store_args(a, store) -> list[str]:
     """--store arguments for node B: A's file:// store, or the S3 bucket A uses."""
     if store is None:

@@ -40,23 +40,6 @@ LOAD_WORLD = 2
 SMALL = ("small_a", "small_b")
 
 
-@pytest.fixture
-def nodes(mount_factory):
-    """mount_factory that also fails the test if any daemon logged an unexpected error."""
-    made = []
-
-    def make(name: str):
-        m = mount_factory(name)
-        made.append(m)
-        return m
-
-    yield make
-    for m in made:
-        errors = m.unexpected_errors()
-        assert not errors, f"daemon {m.mountpoint.name} logged unexpected errors:\n" + \
-            "\n".join(errors)
-
-
 def rstat(m) -> dict:
     return ckptfs.status(m.path)["tiering"]["restore"]
 
