@@ -256,6 +256,29 @@ def _alive(pid: int) -> bool:
     return pid_running(pid)
 
 
+def hold_uploads(gate: Path) -> dict[str, str]:
+    """Daemon environment (tests/daemon_hooks: CKPTFS_FAULTS) in which every data upload (a
+    PUT, a multipart upload's start and parts) waits while `gate` exists; touches `gate`."""
+    gate.touch()
+    return {"CKPTFS_FAULTS": f"put@data/=hold:{gate},create_multipart@data/=hold:{gate},"
+                             f"upload_part@data/=hold:{gate}"}
+
+
+def start_with_env(m: Mount, env: dict[str, str], *args: str) -> None:
+    """`m.start(*args)` with `env` in the daemon's environment (Mount.start passes this
+    process's: `env` is set in os.environ for the start, then put back as it was)."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        m.start(*args)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 @pytest.fixture
 def mount_factory(tmp_path):
     mounts: list[Mount] = []
@@ -270,6 +293,25 @@ def mount_factory(tmp_path):
         m.cleanup()
     stalls = [p for m in mounts for p in m.stall_problems()]
     assert not stalls, "a daemon's event loop stalled over 1 s:\n" + "\n".join(stalls)
+
+
+@pytest.fixture
+def nodes(mount_factory):
+    """nodes(name) -> a Mount (not started) of node `name`: mount_factory that also fails the
+    test if any daemon logged an unexpected error (the multi-node restore tests; a file may
+    define its own `nodes`)."""
+    made = []
+
+    def make(name: str):
+        m = mount_factory(name)
+        made.append(m)
+        return m
+
+    yield make
+    for m in made:
+        errors = m.unexpected_errors()
+        assert not errors, f"daemon {m.mountpoint.name} logged unexpected errors:\n" + \
+            "\n".join(errors)
 
 
 @pytest.fixture
@@ -406,17 +448,31 @@ def s3_endpoint(request):
     return request.getfixturevalue("store_servers")(S3_KIND)
 
 
+def s3_client(endpoint: str):
+    """A boto3 S3 client on `endpoint`, path-style (the tests' stores answer on 127.0.0.1:
+    no bucket host names)."""
+    import boto3
+    import botocore.config
+
+    return boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
+                        config=botocore.config.Config(s3={"addressing_style": "path"}))
+
+
+def s3_store(endpoint: str, bucket: str, **options):
+    """An S3Store on s3://`bucket`/p at `endpoint`, path-style, with the S3Options given (the
+    store tests' store under test)."""
+    from cachemgr.store.s3 import S3Options, S3Store
+
+    return S3Store(f"s3://{bucket}/p", S3Options(endpoint_url=endpoint, region="us-east-1",
+                                                 path_style=True, **options))
+
+
 def new_bucket(endpoint: str) -> str:
     """A fresh bucket at `endpoint` (moto, RGW, SeaweedFS); its name."""
     import uuid
 
-    import boto3
-    import botocore.config
-
     name = f"ckpt-{uuid.uuid4().hex[:12]}"
-    boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
-                 config=botocore.config.Config(s3={"addressing_style": "path"})).create_bucket(
-        Bucket=name)
+    s3_client(endpoint).create_bucket(Bucket=name)
     return name
 
 

@@ -8,6 +8,9 @@ it records stays in its test file, in a subclass's `answer`.
             send_response(s, conn, 418, body=b"short and stout")
 
     srv = Teapot()          # serving on srv.address until srv.close()
+
+`request` is the other side: a raw client for a test that talks to a real node's peer server
+with requests no node sends.
 """
 
 from __future__ import annotations
@@ -131,3 +134,27 @@ def send_head(s: socket.socket, conn: h11.Connection, status: int, length: int,
 
 def _send(conn: h11.Connection, *events: h11.Event) -> bytes:
     return b"".join(conn.send(ev) or b"" for ev in events)
+
+
+def request(port: int, method: str, target: str, headers: Sequence[tuple[bytes, bytes]] = (),
+            body: bytes = b"", into: bytearray | None = None) -> int:
+    """One request to 127.0.0.1:`port` on a connection of its own (`connection: close`, a
+    content-length when there is a `body`), its answer read to the end: the status; the
+    answer's body is appended to `into` if given."""
+    conn = h11.Connection(h11.CLIENT)
+    length = [(b"content-length", str(len(body)).encode())] if body else []
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(_send(conn, h11.Request(method=method, target=target, headers=[
+            (b"host", b"x"), (b"connection", b"close"), *length, *headers]),
+            *([h11.Data(data=body)] if body else []), h11.EndOfMessage()))
+        status = 0
+        while True:
+            ev = conn.next_event()
+            if ev is h11.NEED_DATA:
+                conn.receive_data(s.recv(65536))
+            elif isinstance(ev, h11.Response):
+                status = ev.status_code
+            elif isinstance(ev, h11.Data) and into is not None:
+                into += ev.data
+            elif isinstance(ev, h11.EndOfMessage | h11.ConnectionClosed):
+                return status

@@ -22,7 +22,7 @@ import grpc
 import kubernetes_validate
 import pytest
 import yaml
-from conftest import REPO, is_mounted, new_bucket, require_fuse, wait_for
+from conftest import REPO, hold_uploads, is_mounted, new_bucket, require_fuse, wait_for
 
 from ckptfs.cli import mount_parser
 from ckptfs.csi import DRIVER_NAME, csi_pb2, csi_pb2_grpc
@@ -130,14 +130,6 @@ def plugins(tmp_path):
     assert not _mounts_under(tmp_path)
 
 
-def hold_uploads(gate: Path) -> dict[str, str]:
-    """Daemon environment (tests/daemon_hooks) in which data uploads wait while `gate`
-    exists; the plugin passes its environment on to the daemons it starts."""
-    gate.touch()
-    return {"CKPTFS_FAULTS": f"put@data/=hold:{gate},create_multipart@data/=hold:{gate},"
-                             f"upload_part@data/=hold:{gate}"}
-
-
 def pending_sets(mountpoint: Path) -> int:
     import ckptfs.api
 
@@ -212,7 +204,7 @@ def test_publish_write_unpublish_then_another_node_loads_it(plugins, moto_server
     secret = f"csi-secret-{uuid.uuid4().hex}"
     secrets = {"awsAccessKeyID": "AKIACSITESTKEY", "awsSecretAccessKey": secret}
     gate = tmp_path / "uploads-held"
-    n1 = plugins("node-1", env=hold_uploads(gate))
+    n1 = plugins("node-1", env=hold_uploads(gate))  # passed on to the daemons it starts
 
     assert n1.identity.Probe(csi_pb2.ProbeRequest()).ready.value is True
     info = n1.identity.GetPluginInfo(csi_pb2.GetPluginInfoRequest())

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 from ckpt_restore import FileStoreView, manifests, restore
-from conftest import IN_CI, REPO, is_mounted, require_fuse, run_cli, wait_for
+from conftest import IN_CI, REPO, hold_uploads, is_mounted, require_fuse, run_cli, wait_for
 from procwait import Events
 from sdlisten import NotifyListener
 
@@ -137,13 +137,6 @@ def mount_flags(mp: Path) -> set[str]:
         rows = [ln.split() for ln in f if ln.split()[4] == str(mp)]
     assert rows, f"{mp} not in mountinfo"
     return set(rows[-1][5].split(","))
-
-
-def hold_uploads(gate: Path) -> dict:
-    """Daemon environment in which every data upload waits while `gate` exists."""
-    gate.touch()
-    return {"CKPTFS_FAULTS": f"put@data/=hold:{gate},create_multipart@data/=hold:{gate},"
-                             f"upload_part@data/=hold:{gate}"}
 
 
 def sets(m) -> dict[str, str]:

@@ -19,10 +19,9 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 import pytest
-from conftest import is_mounted, run_cli, wait_for
+from conftest import hold_uploads, is_mounted, run_cli, wait_for
 from prometheus_client.parser import text_string_to_metric_families
 
 MiB = 1 << 20
@@ -69,13 +68,6 @@ def scrape(port: int) -> Scrape:
     return Scrape(text)
 
 
-def hold_uploads(monkeypatch, gate: Path) -> None:
-    """Data uploads wait while `gate` exists (the daemon inherits this at mount)."""
-    gate.touch()
-    monkeypatch.setenv("CKPTFS_FAULTS", f"put@data/=hold:{gate},create_multipart@data/=hold:"
-                       f"{gate},upload_part@data/=hold:{gate}")
-
-
 def listening_sockets(pid: int) -> list[tuple[str, int]]:
     """(address hex, port) of the TCP sockets process `pid` listens on (/proc, no tools)."""
     inodes = set()
@@ -106,7 +98,8 @@ def test_metrics_follow_a_checkpoint_until_durable(mount_factory, monkeypatch, t
     import torch
 
     gate = tmp_path / "uploads-held"
-    hold_uploads(monkeypatch, gate)
+    for k, v in hold_uploads(gate).items():  # the daemon inherits this at mount
+        monkeypatch.setenv(k, v)
     port = free_port()
     m = mount_factory()
     m.start("--metrics", str(port))

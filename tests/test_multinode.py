@@ -38,7 +38,14 @@ torch = pytest.importorskip("torch")
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from ckpt_restore import S3StoreView, manifests, restore
-from conftest import assert_loaded, run_cli, run_processes, wait_for
+from conftest import (
+    assert_loaded,
+    hold_uploads,
+    run_cli,
+    run_processes,
+    start_with_env,
+    wait_for,
+)
 
 import ckptfs
 
@@ -79,23 +86,8 @@ def cluster(mount_factory, s3_bucket, tmp_path):
 
 
 def start_node(m, env: dict | None = None) -> None:
-    saved = {k: os.environ.get(k) for k in env or {}}
-    os.environ.update(env or {})
-    try:
-        m.start(*m.args)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-def hold_uploads(gate: Path) -> dict:
-    """Daemon environment in which every data upload waits while `gate` exists."""
-    gate.touch()
-    return {"CKPTFS_FAULTS": f"put@data/=hold:{gate},create_multipart@data/=hold:{gate},"
-                             f"upload_part@data/=hold:{gate}"}
+    """Start node `m` with its own arguments (`m.args`), `env` in its daemon's environment."""
+    start_with_env(m, env or {}, *m.args)
 
 
 def status(m) -> dict:

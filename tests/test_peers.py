@@ -22,7 +22,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 from conftest import run_cli, wait_for
-from fakehttp import FakeHTTPServer, Request, send_head, send_response
+from fakehttp import FakeHTTPServer, Request, request, send_head, send_response
 
 import ckptfs
 
@@ -263,27 +263,6 @@ def test_a_misbehaving_peer_is_cut_off_and_named(cluster, behaviour, said):
 # the server refuses what is not authentic, and keeps serving
 
 
-def _raw_get(port: int, target: str, headers: list[tuple[bytes, bytes]],
-             body: bytearray | None = None) -> int:
-    """The status of one request, its body read whole (into `body` if given)."""
-    conn = h11.Connection(h11.CLIENT)
-    status = 0
-    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
-        s.sendall(conn.send(h11.Request(method="GET", target=target, headers=[
-            (b"host", b"x"), (b"connection", b"close"), *headers]))
-            + conn.send(h11.EndOfMessage()))
-        while True:
-            ev = conn.next_event()
-            if ev is h11.NEED_DATA:
-                conn.receive_data(s.recv(65536))
-            elif isinstance(ev, h11.Response):
-                status = ev.status_code
-            elif isinstance(ev, h11.Data) and body is not None:
-                body += ev.data
-            elif isinstance(ev, h11.EndOfMessage):
-                return status
-
-
 def test_server_refuses_bad_auth_and_keeps_serving(cluster):
     from cachemgr.peer.proto import chunk_target, sign
 
@@ -293,20 +272,20 @@ def test_server_refuses_bad_auth_and_keeps_serving(cluster):
     man = json.loads(_store_get(cluster, "p/manifests/run/step_1.json"))
     obj = man["files"][0]["object"]
     target = chunk_target(obj["key"], obj["crc32c"], 0)
-    assert _raw_get(port, target, []) == 401
-    assert _raw_get(port, target, sign(b"wrong secret", "GET", target)) == 401
-    assert _raw_get(port, target, sign(SECRET, "GET", target, now=time.time() - 600)) == 401
+    assert request(port, "GET", target) == 401
+    assert request(port, "GET", target, sign(b"wrong secret", "GET", target)) == 401
+    assert request(port, "GET", target, sign(SECRET, "GET", target, now=time.time() - 600)) == 401
     good = sign(SECRET, "GET", target)
     got = bytearray()
-    assert _raw_get(port, target, good, got) == 200
+    assert request(port, "GET", target, good, into=got) == 200
     assert bytes(got) == data[:4 * MiB]
-    assert _raw_get(port, target, good) == 401  # the same nonce again: a replay
+    assert request(port, "GET", target, good) == 401  # the same nonce again: a replay
     bad = target.replace("&i=0", "&i=x")
-    assert _raw_get(port, bad, sign(SECRET, "GET", bad)) == 400
+    assert request(port, "GET", bad, sign(SECRET, "GET", bad)) == 400
     other = chunk_target(obj["key"], obj["crc32c"] ^ 1, 0)
-    assert _raw_get(port, other, sign(SECRET, "GET", other)) == 404
+    assert request(port, "GET", other, sign(SECRET, "GET", other)) == 404
     last = chunk_target(obj["key"], obj["crc32c"], 5)  # a wrong CRC asked poisons nothing
-    assert _raw_get(port, last, sign(SECRET, "GET", last)) == 200
+    assert request(port, "GET", last, sign(SECRET, "GET", last)) == 200
     st = peers_status(a)["server"]
     assert st["refused_auth"] == 4 and st["served_chunks"] == 2
     assert (a.path / "run/step_1/model.pt").read_bytes() == data

@@ -19,7 +19,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 from conftest import run_cli, wait_for
-from fakehttp import FakeHTTPServer, Request, send_response
+from fakehttp import FakeHTTPServer, Request, request, send_response
 from faultproxy import FaultProxy
 
 import ckptfs
@@ -192,23 +192,10 @@ def test_replicas_need_peers(mount_factory, tmp_path):
 
 def _request(port: int, method: str, target: str, body: bytes = b"",
              secret: bytes = SECRET) -> int:
+    """The status of one request signed with `secret` (fakehttp.request)."""
     from cachemgr.peer.proto import sign
 
-    conn = h11.Connection(h11.CLIENT)
-    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
-        s.sendall(conn.send(h11.Request(method=method, target=target, headers=[
-            (b"host", b"x"), (b"connection", b"close"),
-            (b"content-length", str(len(body)).encode()), *sign(secret, method, target)]))
-            + (conn.send(h11.Data(data=body)) if body else b"") + conn.send(h11.EndOfMessage()))
-        status = 0
-        while True:
-            ev = conn.next_event()
-            if ev is h11.NEED_DATA:
-                conn.receive_data(s.recv(65536))
-            elif isinstance(ev, h11.Response):
-                status = ev.status_code
-            elif isinstance(ev, h11.EndOfMessage | h11.ConnectionClosed):
-                return status
+    return request(port, method, target, sign(secret, method, target), body)
 
 
 class FakeOrigin(FakeHTTPServer):

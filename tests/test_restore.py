@@ -25,10 +25,10 @@ from pathlib import Path
 import pytest
 
 torch = pytest.importorskip("torch")
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from ckpt_restore import FileStoreView, S3StoreView, manifests
 from conftest import run_cli, start_ranks, wait_for
+from dcpranks import load_rank, mixed_state, save_rank
 
 import ckptfs
 from cachemgr.store.crt import HAVE_CRT
@@ -44,23 +44,6 @@ CHUNK = 4 * MiB  # the default chunk_size of objects (docs/FORMAT.md)
 
 # ----------------------------------------------------------------------------------------------
 # helpers
-
-
-@pytest.fixture
-def nodes(mount_factory):
-    """mount_factory that also fails the test if any daemon logged an unexpected error."""
-    made = []
-
-    def make(name: str):
-        m = mount_factory(name)
-        made.append(m)
-        return m
-
-    yield make
-    for m in made:
-        errors = m.unexpected_errors()
-        assert not errors, f"daemon {m.mountpoint.name} logged unexpected errors:\n" + \
-            "\n".join(errors)
 
 
 def store_args(a, store) -> list[str]:
@@ -317,88 +300,10 @@ def test_cold_restore_bit_exact(nodes, store):
 # 2. DCP saved by 2 gloo ranks on node A, loaded on node B by 1 process and by 3 gloo ranks
 
 
-def _global_state(seed: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return {
-        "sharded_fp32": torch.randn(1024, 513, generator=g),
-        "sharded_bf16": torch.randn(998, 300, generator=g).to(torch.bfloat16),
-        "sharded_int64": torch.randint(-(2**40), 2**40, (4099, 33), generator=g),
-        "replicated_fp16": torch.randn(700, 321, generator=g).to(torch.float16),
-        "replicated_int64": torch.arange(12345, dtype=torch.int64) * 3,
-    }
-
-
-def _dcp_save_rank(rank: int, world: int, store_path: str, ckpt: str, seed: int) -> None:
-    """A rank of the saving job: Shard(0) DTensors plus replicated tensors, through node A."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank,
-                            world_size=world)
-    try:
-        mesh = init_device_mesh("cpu", (world,))
-        sd = {k: distribute_tensor(v, mesh, [Shard(0)]) if k.startswith("sharded") else v
-              for k, v in _global_state(seed).items()}
-        sd["meta"] = {"step": seed}
-        dcp.save(sd, checkpoint_id=ckpt)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
-def _dcp_load_rank(rank: int, world: int, store_path: str, ckpt: str, seed: int) -> None:
-    """A rank of the resuming job (another world size), on a fresh node: first the sharded
-    tensors as Shard(0) DTensors over `world` ranks, then the whole state in full."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank,
-                            world_size=world)
-    try:
-        mesh = init_device_mesh("cpu", (world,))
-        full = _global_state(seed)
-        target = {}
-        for k, v in full.items():
-            blank = torch.full_like(v, 7)
-            target[k] = distribute_tensor(blank, mesh, [Shard(0)]) \
-                if k.startswith("sharded") else blank
-        target["meta"] = {"step": -1}
-        dcp.load(target, checkpoint_id=ckpt)
-        for k, v in full.items():
-            if k.startswith("sharded"):
-                # Shard(0) splits like torch.chunk: this rank's rows of the saved tensor.
-                parts = v.chunk(world)
-                want = parts[rank] if rank < len(parts) else v[:0]
-                got = target[k].to_local()
-                assert got.dtype == want.dtype and got.shape == want.shape, (rank, k)
-                assert torch.equal(got.contiguous().view(torch.uint8),
-                                   want.contiguous().view(torch.uint8)), (rank, k)
-            else:
-                assert torch.equal(target[k], v), (rank, k)
-        assert target["meta"] == {"step": seed}
-        # Every rank loads every tensor in full as well (as a job that reshards after loading).
-        whole = {k: torch.full_like(v, 7) for k, v in full.items()}
-        whole["meta"] = {"step": -1}
-        dcp.load(whole, checkpoint_id=ckpt)
-        for k, v in full.items():
-            assert torch.equal(whole[k].view(torch.uint8), v.view(torch.uint8)), (rank, k)
-        assert whole["meta"] == {"step": seed}
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
-def run_ranks(fn, world: int, store_path: Path, ckpt: Path, seed: int) -> None:
-    """`world` gloo ranks as processes, from the ranks' forkserver (conftest.rank_context)."""
-    start_ranks(fn, (world, str(store_path), str(ckpt), seed), world)
-
-
 def test_dcp_world_size_change(nodes, tmp_path):
     a, b, bargs = start_pair(nodes)
     ckpt_a = a.path / "dist" / "step_7"
-    run_ranks(_dcp_save_rank, 2, tmp_path / "fs-save", ckpt_a, 7)
+    start_ranks(save_rank, (2, str(tmp_path / "fs-save"), str(ckpt_a), mixed_state, 7), 2)
     ckptfs.wait_durable(ckpt_a, timeout=120)
     assert {".metadata", "__0_0.distcp", "__1_0.distcp"} <= set(os.listdir(ckpt_a))
 
@@ -406,7 +311,7 @@ def test_dcp_world_size_change(nodes, tmp_path):
     ckpt_b = wait_shown(b, "dist/step_7/.metadata").parent
     assert sorted(os.listdir(ckpt_b)) == sorted(os.listdir(ckpt_a))
     # World size 1: one process loads every tensor in full.
-    expected = _global_state(7)
+    expected = mixed_state(7)
     target = {k: torch.full_like(v, 7) for k, v in expected.items()}
     target["meta"] = {"step": -1}
     dcp.load(target, checkpoint_id=str(ckpt_b))
@@ -417,7 +322,8 @@ def test_dcp_world_size_change(nodes, tmp_path):
     c = nodes("c")
     c.start(*bargs)
     ckpt_c = wait_shown(c, "dist/step_7/.metadata").parent
-    run_ranks(_dcp_load_rank, 3, tmp_path / "fs-load", ckpt_c, 7)
+    # (each rank also loads every tensor in full, as a job that reshards after loading)
+    start_ranks(load_rank, (3, str(tmp_path / "fs-load"), str(ckpt_c), mixed_state, 7, True), 3)
     assert rstat(c)["bytes_fetched"] > 0
 
 

@@ -21,9 +21,9 @@ from pathlib import Path
 import pytest
 
 torch = pytest.importorskip("torch")
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from conftest import start_ranks, wait_for
+from dcpranks import load_rank, save_rank
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
 import ckptfs
@@ -38,23 +38,6 @@ CHUNK = 4 * MiB  # the default chunk_size of objects (docs/FORMAT.md)
 SAVE_WORLD = 4
 LOAD_WORLD = 2
 SMALL = ("small_a", "small_b")
-
-
-@pytest.fixture
-def nodes(mount_factory):
-    """mount_factory that also fails the test if any daemon logged an unexpected error."""
-    made = []
-
-    def make(name: str):
-        m = mount_factory(name)
-        made.append(m)
-        return m
-
-    yield make
-    for m in made:
-        errors = m.unexpected_errors()
-        assert not errors, f"daemon {m.mountpoint.name} logged unexpected errors:\n" + \
-            "\n".join(errors)
 
 
 def rstat(m) -> dict:
@@ -95,50 +78,6 @@ def _state(seed: int) -> dict[str, torch.Tensor]:
     }
 
 
-def _save_rank(rank: int, world: int, store_path: str, ckpt: str, seed: int) -> None:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank,
-                            world_size=world)
-    try:
-        mesh = init_device_mesh("cpu", (world,))
-        sd = {k: distribute_tensor(v, mesh, [Shard(0)]) if k.startswith("sharded") else v
-              for k, v in _state(seed).items()}
-        sd["meta"] = {"step": seed}
-        dcp.save(sd, checkpoint_id=ckpt)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
-def _load_rank(rank: int, world: int, store_path: str, ckpts: list[str], seed: int) -> None:
-    """Rank `rank` of the resumed job loads through its own node's mount (ckpts[rank])."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank,
-                            world_size=world)
-    try:
-        mesh = init_device_mesh("cpu", (world,))
-        full = _state(seed)
-        target = {k: distribute_tensor(torch.full_like(v, 7), mesh, [Shard(0)])
-                  if k.startswith("sharded") else torch.full_like(v, 7) for k, v in full.items()}
-        target["meta"] = {"step": -1}
-        dcp.load(target, checkpoint_id=ckpts[rank])
-        for k, v in full.items():
-            got = target[k].to_local() if k.startswith("sharded") else target[k]
-            want = v.chunk(world)[rank] if k.startswith("sharded") else v
-            assert got.shape == want.shape and torch.equal(
-                got.contiguous().view(torch.uint8), want.contiguous().view(torch.uint8)), (rank, k)
-        assert target["meta"] == {"step": seed}
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
 def read_by(md, keys, rank: int = 0, world: int = 1) -> tuple[int, set[str]]:
     """(bytes, files) a DCP load of `keys` by `rank` of `world` reads: every stored item (a
     saved shard, a bytes object) its Shard(0) rows overlap, whole (FileSystemReader reads an
@@ -167,7 +106,8 @@ def test_dcp_resharded_and_subset_loads_fetch_what_each_node_reads(nodes, tmp_pa
     a = nodes("a")
     a.start()
     ckpt_a = a.path / "run" / "step_5"
-    start_ranks(_save_rank, (SAVE_WORLD, str(tmp_path / "fs-save"), str(ckpt_a), 5), SAVE_WORLD)
+    start_ranks(save_rank, (SAVE_WORLD, str(tmp_path / "fs-save"), str(ckpt_a), _state, 5),
+                SAVE_WORLD)
     ckptfs.wait_durable(ckpt_a, timeout=180)
     shards = sorted(p.name for p in ckpt_a.iterdir() if p.name.endswith(".distcp"))
     assert len(shards) == SAVE_WORLD, shards
@@ -181,7 +121,8 @@ def test_dcp_resharded_and_subset_loads_fetch_what_each_node_reads(nodes, tmp_pa
     b.start(*store)
     c.start(*store)
     ckpts = [str(wait_shown(m, "run/step_5/.metadata").parent) for m in (b, c)]
-    start_ranks(_load_rank, (LOAD_WORLD, str(tmp_path / "fs-load"), ckpts, 5), LOAD_WORLD)
+    # rank r of the resumed job loads through its own node's mount, ckpts[r]
+    start_ranks(load_rank, (LOAD_WORLD, str(tmp_path / "fs-load"), ckpts, _state, 5), LOAD_WORLD)
     keys = set(_state(5)) | {"meta"}
     for rank, m in enumerate((b, c)):
         st = settled(m)

@@ -211,6 +211,14 @@ def run_nodes(nodes: list[Node], body) -> None:
     trio.run(main)
 
 
+def settle(node: Node) -> None:
+    """Run `node`'s tiering service until it is quiet (`Node.quiet`): what it committed is
+    published (or failed), nothing queued or running."""
+    async def body() -> None:
+        await until(node.quiet, "the set to settle")
+    run_nodes([node], body)
+
+
 def read_manifest(store: LocalStore, path: str) -> dict:
     raw = trio.run(store.get, manifest_key(path))
     return json.loads(raw)
@@ -239,9 +247,7 @@ def test_manifest_is_put_after_every_object_it_names(node, store):
         node.write(f"ck/{name}", os.urandom(3 * CHUNK + 7))
     seq = node.t.commit_path("ck")
 
-    async def body():
-        await until(node.quiet, "the set to settle")
-    run_nodes([node], body)
+    settle(node)
 
     assert node.sets.get(seq).state == "durable"
     m = read_manifest(store, "ck")
@@ -279,9 +285,7 @@ def test_a_set_of_fresh_uploads_is_published_without_a_head_per_object(tmp_path)
         node.write(f"ck/{name}", os.urandom(3 * CHUNK + 7))
     first = node.t.commit_path("ck")
 
-    async def settle():
-        await until(node.quiet, "the set to settle")
-    run_nodes([node], settle)
+    settle(node)
     assert node.sets.get(first).state == "durable"
     old = {f["object"]["key"] for f in read_manifest(store, "ck")["files"]}
     assert node.t.publisher.heads == 0
@@ -291,7 +295,7 @@ def test_a_set_of_fresh_uploads_is_published_without_a_head_per_object(tmp_path)
 
     node.write("ck/w", os.urandom(CHUNK))
     second = node.t.commit_path("ck")
-    run_nodes([node], settle)
+    settle(node)
     assert node.sets.get(second).state == "durable"
     files = read_manifest(store, "ck")["files"]
     assert sorted(f["path"] for f in files) == ["w", "x", "y", "z"]
@@ -336,15 +340,13 @@ def test_an_object_gone_from_the_store_before_a_later_set_names_it_fails_that_se
     node.write("ck/x", os.urandom(CHUNK))
     first = node.t.commit_path("ck")
 
-    async def settle():
-        await until(node.quiet, "the set to settle")
-    run_nodes([node], settle)
+    settle(node)
     assert node.sets.get(first).state == "durable"
     (gone,) = [f["object"]["key"] for f in read_manifest(store, "ck")["files"]]
     trio.run(LocalStore.delete, store, gone)
     node.write("ck/y", os.urandom(CHUNK))
     second = node.t.commit_path("ck")
-    run_nodes([node], settle)
+    settle(node)
     s = node.sets.get(second)
     assert s.state == "failed" and gone in s.error, s
     assert [f["path"] for f in read_manifest(store, "ck")["files"]] == ["x"]  # the first set
@@ -355,9 +357,7 @@ def test_store_health_recovers_with_a_publish_alone(node, store):
     `normal` again, with no upload in between (it stayed `down` until an upload succeeded)."""
     node.write("up", b"u" * 5000)
 
-    async def settle():
-        await until(node.quiet, "the set to settle")
-    run_nodes([node], settle)
+    settle(node)
     assert node.t.store_health.health() == "normal"
     store.flaky[manifest_key("m")] = 6
     node.write("m", b"m" * 5000)   # its object goes in, then its manifest fails 6 times
@@ -428,9 +428,7 @@ def test_a_superseded_set_is_never_published(node, store):
     new = node.sets.newest_at("model.pt").seq
     assert node.sets.get(old).state == "superseded"
 
-    async def body():
-        await until(node.quiet, "the set to settle")
-    run_nodes([node], body)
+    settle(node)
 
     assert store.puts(is_manifest_key) == [manifest_key("model.pt")]
     assert node.sets.get(new).state == "durable"
@@ -823,9 +821,7 @@ def test_ensure_range_fills_only_the_chunks_a_range_needs(tmp_path, node, store)
     data = os.urandom(5 * CHUNK + 123)
     node.write("model.pt", data)
 
-    async def body():
-        await until(node.quiet, "the set to settle")
-    run_nodes([node], body)
+    settle(node)
 
     other = Node(tmp_path / "other", store)
     try:
@@ -860,9 +856,7 @@ def test_a_chunk_the_store_keeps_failing_costs_one_retry_budget_then_eio(tmp_pat
     data = os.urandom(3 * CHUNK)
     node.write("model.pt", data)
 
-    async def body():
-        await until(node.quiet, "the set to settle")
-    run_nodes([node], body)
+    settle(node)
 
     faulty = FaultyStore(store)
     policy = RetryPolicy(attempts=4, base_delay=0.001, max_delay=0.002)

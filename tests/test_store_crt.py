@@ -20,8 +20,6 @@ from __future__ import annotations
 import os
 import time
 
-import boto3
-import botocore.config
 import pytest
 import trio
 
@@ -35,6 +33,7 @@ from cachemgr.store import (
 from cachemgr.store.s3 import Deadlines, S3Options, S3Store
 from cachemgr.transfer.download import download_chunks, download_file
 from cachemgr.transfer.upload import Superseded, TransferConfig, Uploader
+from tests.conftest import s3_client, s3_store
 from tests.faultproxy import FaultProxy, Rule
 from tests.faultstore import FaultyStore
 
@@ -44,18 +43,12 @@ pytestmark = [pytest.mark.unit, pytest.mark.s3]
 MiB = 1 << 20
 
 
-def _client(endpoint: str):
-    return boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
-                        config=botocore.config.Config(s3={"addressing_style": "path"}))
-
-
 def _store(endpoint: str, bucket: str, **kw) -> S3Store:
     """Native both ways (GETs are off by default: `native_gets`), by the CRT (over http://
     uploads go by sendfile by default: `plain_http`, tests/test_store_plainhttp.py)."""
     kw.setdefault("native_gets", True)
     kw.setdefault("plain_http", False)
-    return S3Store(f"s3://{bucket}/p", S3Options(endpoint_url=endpoint, region="us-east-1",
-                                                 path_style=True, **kw))
+    return s3_store(endpoint, bucket, **kw)
 
 
 def _file(tmp_path, name: str, size: int, seed: int = 0) -> tuple[str, bytes]:
@@ -102,7 +95,7 @@ def test_native_round_trip(s3_bucket, tmp_path, size):
     d = s3.data_statistics()
     assert d["client"] == "crt" and d["put_bytes"] == size and d["get_bytes"] >= 2 * size
     if size > 64 * MiB:  # the CRT split it: S3's multipart ETag ends in -<parts>
-        etag = _client(endpoint).head_object(Bucket=bucket, Key="p/data/f")["ETag"]
+        etag = s3_client(endpoint).head_object(Bucket=bucket, Key="p/data/f")["ETag"]
         assert etag.strip('"').endswith("-2"), etag
 
 
@@ -127,7 +120,7 @@ def test_a_key_with_characters_to_encode_is_signed_as_sent(s3_bucket, tmp_path, 
     trio.run(go)
     assert (tmp_path / "dest").read_bytes() == data
     assert up.stats.native == 1 and store.stats.by_op.get("get_file") == 1
-    assert _client(endpoint).head_object(Bucket=bucket, Key=f"p/{key}")["ContentLength"] == 3000
+    assert s3_client(endpoint).head_object(Bucket=bucket, Key=f"p/{key}")["ContentLength"] == 3000
 
 
 def test_a_corrupt_object_is_refused_and_the_file_left_empty(s3_bucket, tmp_path):
@@ -141,7 +134,7 @@ def test_a_corrupt_object_is_refused_and_the_file_left_empty(s3_bucket, tmp_path
         obj = await up.upload_file(src, "data/f", size=size)
         bad = bytearray(data)
         bad[5 * MiB + 17] ^= 0x01  # one bit, in the second chunk
-        _client(endpoint).put_object(Bucket=bucket, Key="p/data/f", Body=bytes(bad))
+        s3_client(endpoint).put_object(Bucket=bucket, Key="p/data/f", Body=bytes(bad))
         dest = tmp_path / "dest"
         with pytest.raises(IntegrityError, match="CRC32C"):
             await download_file(store, obj, dest)
@@ -149,7 +142,7 @@ def test_a_corrupt_object_is_refused_and_the_file_left_empty(s3_bucket, tmp_path
         with pytest.raises(IntegrityError, match="chunk 1 CRC32C"):
             await download_chunks(store, obj, 0, 2)  # a restore's run: refused too
         assert [bytes(r) for r in await download_chunks(store, obj, 2, 2)] == [data[8 * MiB:]]
-        _client(endpoint).put_object(Bucket=bucket, Key="p/data/f", Body=data[:-1])
+        s3_client(endpoint).put_object(Bucket=bucket, Key="p/data/f", Body=data[:-1])
         with pytest.raises(IntegrityError, match="bytes"):  # short: refused on its size
             await download_file(store, obj, dest)
         assert dest.stat().st_size == 0
@@ -218,7 +211,7 @@ def test_a_black_hole_ends_a_native_put_and_get_at_their_deadline(s3_bucket, tmp
     endpoint, bucket = s3_bucket
     size = 2 * MiB
     src, data = _file(tmp_path, "src", size)
-    _client(endpoint).put_object(Bucket=bucket, Key="p/data/x", Body=data)
+    s3_client(endpoint).put_object(Bucket=bucket, Key="p/data/x", Body=data)
     with FaultProxy(endpoint, seed=1) as proxy:
         s3 = _store(proxy.url, bucket, connect_timeout=2, deadlines=SHORT)
         assert s3.sends_files

@@ -20,8 +20,6 @@ import os
 import threading
 import time
 
-import boto3
-import botocore.config
 import pytest
 import trio
 
@@ -37,22 +35,13 @@ from cachemgr.store.base import RangeCrcs, crc32c, crc32c_b64
 from cachemgr.store.s3 import Deadlines, S3Options, S3Store
 from cachemgr.transfer.download import download_file
 from cachemgr.transfer.upload import TransferConfig, Uploader
+from tests.conftest import s3_client, s3_store
 from tests.fakehttp import FakeHTTPServer, Request, send_response
 from tests.faultproxy import FaultProxy, Rule
 
 pytestmark = [pytest.mark.unit, pytest.mark.s3]
 
 MiB = 1 << 20
-
-
-def _client(endpoint: str):
-    return boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
-                        config=botocore.config.Config(s3={"addressing_style": "path"}))
-
-
-def _store(endpoint: str, bucket: str, **kw) -> S3Store:
-    return S3Store(f"s3://{bucket}/p", S3Options(endpoint_url=endpoint, region="us-east-1",
-                                                 path_style=True, **kw))
 
 
 def _file(tmp_path, name: str, size: int) -> tuple[str, bytes]:
@@ -65,7 +54,7 @@ def _file(tmp_path, name: str, size: int) -> tuple[str, bytes]:
 @pytest.mark.parametrize("size", [1000, 12 * MiB + 4097])  # one PUT; 3 parts of 5 MiB
 def test_sendfile_round_trip(s3_bucket, tmp_path, size):
     endpoint, bucket = s3_bucket
-    s3 = _store(endpoint, bucket, part_size=5 * MiB)
+    s3 = s3_store(endpoint, bucket, part_size=5 * MiB)
     assert s3.data_path == "sendfile" and s3.sends_files and not s3.gets_files
     store = RetryingStore(s3)
     src, data = _file(tmp_path, "src", size)
@@ -85,20 +74,20 @@ def test_sendfile_round_trip(s3_bucket, tmp_path, size):
     d = s3.data_statistics()
     assert d["client"] == "sendfile" and d["restores_by"] == "boto3"
     assert d["put_bytes"] == size and d["puts"] == 1 and d["errors"] == {}
-    head = _client(endpoint).head_object(Bucket=bucket, Key="p/data/f")
+    head = s3_client(endpoint).head_object(Bucket=bucket, Key="p/data/f")
     if size > 5 * MiB:
         assert d["parts"] == 3
         assert head["ETag"].strip('"').endswith("-3"), head["ETag"]
     else:
         assert d["parts"] == 0 and "-" not in head["ETag"]
-    assert _client(endpoint).get_object(Bucket=bucket, Key="p/data/f")["Body"].read() == data
+    assert s3_client(endpoint).get_object(Bucket=bucket, Key="p/data/f")["Body"].read() == data
 
 
 def test_each_part_waits_for_the_trainer_before_it_goes(s3_bucket, tmp_path):
     """`pause(bytes)` (the uploader's Foreground.yield_to) is awaited before each part: while it
     holds them, no part's byte goes; released, the upload completes."""
     endpoint, bucket = s3_bucket
-    s3 = _store(endpoint, bucket, part_size=5 * MiB)
+    s3 = s3_store(endpoint, bucket, part_size=5 * MiB)
     size = 12 * MiB + 4097
     src, data = _file(tmp_path, "src", size)
     asked: list[int] = []
@@ -126,7 +115,7 @@ def test_each_part_waits_for_the_trainer_before_it_goes(s3_bucket, tmp_path):
     trio.run(main)
     assert sorted(asked) == [2 * MiB + 4097, 5 * MiB, 5 * MiB]
     assert s3.data_statistics()["parts"] == 3
-    assert _client(endpoint).get_object(Bucket=bucket, Key="p/data/p")["Body"].read() == data
+    assert s3_client(endpoint).get_object(Bucket=bucket, Key="p/data/p")["Body"].read() == data
 
 
 class _RecordingS3(FakeHTTPServer):
@@ -170,7 +159,7 @@ def test_what_goes_on_the_wire_carries_the_bytes_crc32cs(tmp_path, monkeypatch, 
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")
     srv = _RecordingS3(size)
     try:
-        s3 = _store(f"http://{srv.address}", "bucket", part_size=5 * MiB)
+        s3 = s3_store(f"http://{srv.address}", "bucket", part_size=5 * MiB)
         src, data = _file(tmp_path, "src", size)
         up = Uploader(s3, TransferConfig(compress="off", frame_size=MiB))
 
@@ -210,7 +199,7 @@ def test_a_part_sent_with_a_wrong_crc32c_is_refused_where_the_store_checks(s3_bu
     here) what is stored is the file, and the HEAD after the PUT is what checks it.
     test_what_goes_on_the_wire_carries_the_bytes_crc32cs checks the values sent."""
     endpoint, bucket = s3_bucket
-    s3 = _store(endpoint, bucket, part_size=5 * MiB)
+    s3 = s3_store(endpoint, bucket, part_size=5 * MiB)
     size = 7 * MiB
     src, data = _file(tmp_path, "src", size)
     wrong = RangeCrcs(MiB, lambda off, n: 12345)
@@ -229,7 +218,7 @@ def test_a_part_sent_with_a_wrong_crc32c_is_refused_where_the_store_checks(s3_bu
     outcome = trio.run(go)
     if os.environ.get("CKPTFS_TEST_S3") == "seaweedfs":  # it checks them (BadDigest), found so
         assert outcome.startswith("refused"), outcome
-    c = _client(endpoint)
+    c = s3_client(endpoint)
     if outcome.startswith("refused"):
         with pytest.raises(c.exceptions.ClientError):
             c.head_object(Bucket=bucket, Key="p/data/w")
@@ -243,7 +232,7 @@ def test_a_part_sent_with_a_wrong_crc32c_is_refused_where_the_store_checks(s3_bu
                                   "x%2Fy~z.bin"])
 def test_a_key_with_characters_to_encode_is_signed_as_sent(s3_bucket, tmp_path, name):
     endpoint, bucket = s3_bucket
-    store = RetryingStore(_store(endpoint, bucket))
+    store = RetryingStore(s3_store(endpoint, bucket))
     key = f"data/n1/7/1/{name}"
     src, data = _file(tmp_path, "src", 3000)
     up = Uploader(store, TransferConfig(compress="off"))
@@ -277,7 +266,7 @@ def test_every_fault_ends_in_the_right_error_within_the_deadline(s3_bucket, tmp_
     src, data = _file(tmp_path, "src", size)
     crc = crc32c(data)  # stores that check `x-amz-checksum-crc32c` (SeaweedFS) refuse a wrong one
     with FaultProxy(endpoint, seed=1) as proxy:
-        s3 = _store(proxy.url, bucket, connect_timeout=2, deadlines=SHORT, part_size=5 * MiB)
+        s3 = s3_store(proxy.url, bucket, connect_timeout=2, deadlines=SHORT, part_size=5 * MiB)
         assert s3.data_path == "sendfile"
         ops = {"put", "upload_part"} if mode != "lost_reply" else {"put", "complete_multipart"}
         proxy.set_rules([Rule(mode, ops=ops, delay=30)])
@@ -297,7 +286,7 @@ def test_every_fault_ends_in_the_right_error_within_the_deadline(s3_bucket, tmp_
         proxy.set_rules([])
         # the deadline (1 s + the bytes at 64 MiB/s; a multipart's abort: 1 s more) plus slack
         assert took < 8, (mode, took)
-        c = _client(endpoint)
+        c = s3_client(endpoint)
         if mode not in ("lost_reply", "oneway"):  # a lost answer: stored, maybe; that is fine
             with pytest.raises(c.exceptions.ClientError):
                 c.head_object(Bucket=bucket, Key=f"p/data/{mode}")
@@ -327,7 +316,7 @@ def test_the_callers_cancellation_ends_a_put_at_once(s3_bucket, tmp_path):
     src, data = _file(tmp_path, "src", size)
     crc = crc32c(data)
     with FaultProxy(endpoint, seed=1) as proxy:
-        s3 = _store(proxy.url, bucket, connect_timeout=2, deadlines=SHORT)
+        s3 = s3_store(proxy.url, bucket, connect_timeout=2, deadlines=SHORT)
         proxy.set_rules([Rule("blackhole")])
 
         async def go() -> float:
@@ -359,7 +348,7 @@ def test_a_pooled_connection_the_store_closed_is_replaced(s3_bucket, tmp_path):
     endpoint, bucket = s3_bucket
     src, data = _file(tmp_path, "src", 5000)
     with FaultProxy(endpoint, seed=1) as proxy:
-        s3 = _store(proxy.url, bucket)
+        s3 = s3_store(proxy.url, bucket)
 
         async def put(key: str) -> None:
             fd = os.open(src, os.O_RDONLY)
@@ -375,15 +364,15 @@ def test_a_pooled_connection_the_store_closed_is_replaced(s3_bucket, tmp_path):
         trio.run(put, "data/b")
     st = s3.data_statistics()
     assert st["reconnects"] == 1 and st["errors"] == {}, st
-    assert _client(endpoint).get_object(Bucket=bucket, Key="p/data/b")["Body"].read() == data
+    assert s3_client(endpoint).get_object(Bucket=bucket, Key="p/data/b")["Body"].read() == data
 
 
 def test_the_crt_stays_where_sendfile_is_not_used(s3_bucket):
     pytest.importorskip("awscrt")
     endpoint, bucket = s3_bucket
-    assert _store(endpoint, bucket, native_gets=True).data_path == "sendfile"  # uploads only
-    assert _store(endpoint, bucket, plain_http=False).data_path == "crt-up"
-    assert _store(endpoint, bucket, native=False).data_path == "boto3"
+    assert s3_store(endpoint, bucket, native_gets=True).data_path == "sendfile"  # uploads only
+    assert s3_store(endpoint, bucket, plain_http=False).data_path == "crt-up"
+    assert s3_store(endpoint, bucket, native=False).data_path == "boto3"
     https = S3Store("s3://b/p", S3Options(endpoint_url="https://127.0.0.1:9", region="us-east-1",
                                           path_style=True))
     assert https.data_path == "crt-up"

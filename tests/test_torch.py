@@ -21,6 +21,7 @@ torch = pytest.importorskip("torch")
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from conftest import assert_loaded, start_ranks
+from dcpranks import gloo_mesh, mixed_state, sharded
 from torch import nn
 
 pytestmark = [
@@ -334,50 +335,21 @@ def test_survives_remount(mnt):
 WORLD = 2
 
 
-def _expected_global(seed: int) -> dict[str, torch.Tensor]:
-    """The full (unsharded) tensors both ranks agree on."""
-    g = torch.Generator().manual_seed(seed)
-    return {
-        "sharded_fp32": torch.randn(1024, 513, generator=g),
-        "sharded_bf16": torch.randn(998, 300, generator=g).to(torch.bfloat16),
-        "sharded_int64": torch.randint(-(2**40), 2**40, (4096, 33), generator=g),
-        "replicated_fp16": torch.randn(700, 321, generator=g).to(torch.float16),
-        "replicated_int64": torch.arange(12345, dtype=torch.int64) * 3,
-    }
-
-
 def _dcp_rank(rank: int, store_path: str, ckpt: str, seed: int) -> None:
     """One rank: join a gloo group, DCP-save a state dict with Shard(0) DTensors and replicated
     plain tensors, then load it back distributed and check it."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank,
-                            world_size=WORLD)
-    try:
-        mesh = init_device_mesh("cpu", (WORLD,))
-        full = _expected_global(seed)
-        sd = {}
-        for k, v in full.items():
-            sd[k] = distribute_tensor(v, mesh, [Shard(0)]) if k.startswith("sharded") else v
+    with gloo_mesh(rank, WORLD, store_path) as mesh:
+        full = mixed_state(seed, int64_rows=4096)
+        sd = sharded(full, mesh)
         sd["rank_extra"] = {"step": seed}
         dcp.save(sd, checkpoint_id=ckpt)
         dist.barrier()
 
-        target = {}
-        for k, v in sd.items():
-            if k.startswith("sharded"):
-                target[k] = distribute_tensor(torch.zeros_like(full[k]), mesh, [Shard(0)])
-            elif isinstance(v, torch.Tensor):
-                target[k] = torch.zeros_like(v)
-            else:
-                target[k] = {"step": -1}
+        target = sharded({k: torch.zeros_like(v) for k, v in full.items()}, mesh)
+        target["rank_extra"] = {"step": -1}
         dcp.load(target, checkpoint_id=ckpt)
         assert_loaded(sd, target, rank)
         dist.barrier()
-    finally:
-        dist.destroy_process_group()
 
 
 def test_dcp_two_gloo_ranks(mnt, tmp_path):
@@ -392,7 +364,7 @@ def test_dcp_two_gloo_ranks(mnt, tmp_path):
     assert all((ckpt / n).stat().st_size > 0 for n in ("__0_0.distcp", "__1_0.distcp"))
 
     # The metadata records the sharding: one chunk per rank for each Shard(0) tensor.
-    expected = _expected_global(100)
+    expected = mixed_state(100, int64_rows=4096)  # what the ranks saved
     md = dcp.FileSystemReader(ckpt).read_metadata().state_dict_metadata
     for k in ("sharded_fp32", "sharded_bf16", "sharded_int64"):
         rows = expected[k].shape[0]

@@ -24,23 +24,7 @@ import torch
 
 import ckptfs
 from ckptfs.mount import EXIT_ERROR, EXIT_NO_SET, EXIT_OK, EXIT_STORE
-from tests.conftest import REPO, ckptfs_cmd, run_cli, wait_for
-
-HOLD_DATA = "put@data/=hold:{g},create_multipart@data/=hold:{g},upload_part@data/=hold:{g}"
-
-
-def start(m, env: dict[str, str], *args: str) -> None:
-    """Start `m` with `env` in the daemon's environment (Mount.start passes os.environ)."""
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        m.start(*args)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+from tests.conftest import REPO, ckptfs_cmd, hold_uploads, run_cli, start_with_env, wait_for
 
 
 def sets_under(m, rel: str) -> dict[str, str]:
@@ -55,6 +39,28 @@ def sets_under(m, rel: str) -> dict[str, str]:
 def waiting(m, rel: str, n: int = 1) -> bool:
     """The daemon has taken stock for the `n`-th directory wait on `rel`."""
     return m.log_text().count(f"wait {rel}: ") >= n
+
+
+def start_wait(m, path: Path, rel: str, timeout: str = "120") -> subprocess.Popen:
+    """`ckptfs wait PATH --timeout TIMEOUT` in a process of its own (stdout and stderr piped),
+    returned once the daemon has taken stock for it (`rel`: PATH in the mount): what the test
+    changes from then on, the wait sees."""
+    n = m.log_text().count(f"wait {rel}: ")
+    waiter = subprocess.Popen(ckptfs_cmd("wait", str(path), "--timeout", timeout),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              cwd=REPO)
+    wait_for(lambda: waiting(m, rel, n + 1), timeout=60, what="the wait to take stock")
+    return waiter
+
+
+@pytest.fixture
+def held(mount_factory, tmp_path):
+    """(a started mount whose data uploads are held while the gate file exists, the gate):
+    the test removes the gate to let them go."""
+    gate = tmp_path / "data-held"
+    m = mount_factory()
+    start_with_env(m, hold_uploads(gate))
+    return m, gate
 
 
 def deepspeed_step(step: Path, ranks: int) -> list[str]:
@@ -91,15 +97,15 @@ def test_wait_dir_waits_for_every_file_set_of_a_deepspeed_step(mount_factory, s3
 
     endpoint, bucket = s3_bucket
     data_gate, last_gate = tmp_path / "data-held", tmp_path / "last-manifest-held"
-    data_gate.touch()
     last_gate.touch()
     m = mount_factory()
     # Data uploads held; and the manifest of the file written last (published last, in commit
     # order), so a release of the first gate makes every set but that one durable.
     last = "run/global_step100/mp_rank_00_model_states.pt"
-    start(m, {"CKPTFS_FAULTS": HOLD_DATA.format(g=data_gate)
-              + f",put@manifests/{last}=hold:{last_gate}"},
-          "--store", f"s3://{bucket}/p", "--s3-endpoint", endpoint, "--s3-path-style")
+    env = hold_uploads(data_gate)
+    env["CKPTFS_FAULTS"] += f",put@manifests/{last}=hold:{last_gate}"
+    start_with_env(m, env, "--store", f"s3://{bucket}/p", "--s3-endpoint", endpoint,
+                   "--s3-path-style")
     run = m.path / "run"
     run.mkdir()
     step = run / "global_step100"
@@ -222,12 +228,7 @@ def test_wait_dir_waits_for_a_file_open_for_writing(mnt):
         f.flush()
         one_line(cli_wait(step, "--timeout", "0.5"), EXIT_STORE, "not durable after 0.5s",
                  "1 file(s) still open for writing (global_step9/mp_rank_01_model_states.pt)")
-        n = mnt.log_text().count("wait global_step9: ")
-        waiter = subprocess.Popen(ckptfs_cmd("wait", str(step), "--timeout", "120"),
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                  cwd=REPO)
-        wait_for(lambda: waiting(mnt, "global_step9", n + 1), timeout=60,
-                 what="the wait to take stock")
+        waiter = start_wait(mnt, step, "global_step9")
         assert waiter.poll() is None
     finally:
         f.close()  # commits it: the wait now waits for its set too
@@ -239,12 +240,7 @@ def test_wait_dir_waits_for_a_file_open_for_writing(mnt):
     g = open(step / "rank3.pt.tmp", "wb")  # noqa: SIM115 (held open across the wait)
     try:
         g.write(b"t" * 10)
-        n = mnt.log_text().count("wait global_step9: ")
-        waiter = subprocess.Popen(ckptfs_cmd("wait", str(step), "--timeout", "120"),
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                  cwd=REPO)
-        wait_for(lambda: waiting(mnt, "global_step9", n + 1), timeout=60,
-                 what="the wait to take stock")
+        waiter = start_wait(mnt, step, "global_step9")
         assert waiter.poll() is None
     finally:
         g.close()
@@ -253,34 +249,22 @@ def test_wait_dir_waits_for_a_file_open_for_writing(mnt):
     assert "global_step9/rank3.pt.tmp was closed but is in no committed set" in err, err
 
 
-def test_wait_dir_fails_when_a_set_is_deleted_or_failed(mount_factory, tmp_path):
+def test_wait_dir_fails_when_a_set_is_deleted_or_failed(held):
     """A set counted by the wait that is removed before it is durable ends the wait with exit
     1 (its local copy is the only one: `wait && rm -rf` must not go on); a failed set in the
     directory fails the wait at once."""
-    gate = tmp_path / "data-held"
-    gate.touch()
-    m = mount_factory()
-    start(m, {"CKPTFS_FAULTS": HOLD_DATA.format(g=gate)})
+    m, gate = held
     try:
         step = m.path / "global_step3"
         names = deepspeed_step(step, 2)
-        n = m.log_text().count("wait global_step3: ")
-        waiter = subprocess.Popen(ckptfs_cmd("wait", str(step), "--timeout", "120"),
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                  cwd=REPO)
-        wait_for(lambda: waiting(m, "global_step3", n + 1), timeout=60,
-                 what="the wait to take stock")
+        waiter = start_wait(m, step, "global_step3")
         os.unlink(step / names[0])
         out, err = waiter.communicate(timeout=120)
         assert waiter.returncode == EXIT_ERROR, (out, err)
         assert f"global_step3/{names[0]} is deleted" in err and "deleted through the mount" \
             in err, err
         # Renamed away (out of the directory) counts the same: it is no longer under DIR.
-        waiter = subprocess.Popen(ckptfs_cmd("wait", str(step), "--timeout", "120"),
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                  cwd=REPO)
-        wait_for(lambda: waiting(m, "global_step3", n + 2), timeout=60,
-                 what="the wait to take stock")
+        waiter = start_wait(m, step, "global_step3")
         os.rename(step / names[1], m.path / "moved.pt")
         out, err = waiter.communicate(timeout=120)
         assert waiter.returncode == EXIT_ERROR, (out, err)
@@ -303,24 +287,17 @@ def test_wait_dir_fails_when_a_set_is_deleted_or_failed(mount_factory, tmp_path)
     assert not m.unexpected_errors()
 
 
-def test_wait_dir_follows_rewrites_and_a_directory_commit_above(mount_factory, tmp_path):
+def test_wait_dir_follows_rewrites_and_a_directory_commit_above(held):
     """Sets the wait counted that are replaced while it waits: a file rewritten (its set
     superseded) is waited for until its close commits it again; per-rank sets absorbed by a
     `ckptfs commit` of their directory are followed to that directory's set, which is what the
     wait then counts."""
-    gate = tmp_path / "data-held"
-    gate.touch()
-    m = mount_factory()
-    start(m, {"CKPTFS_FAULTS": HOLD_DATA.format(g=gate)})
+    m, gate = held
     try:
         run = m.path / "run"
         run.mkdir()
         names = deepspeed_step(run / "step", 1)
-        n = m.log_text().count("wait run: ")
-        waiter = subprocess.Popen(ckptfs_cmd("wait", str(run), "--timeout", "120"),
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                  cwd=REPO)
-        wait_for(lambda: waiting(m, "run", n + 1), timeout=60, what="the wait to take stock")
+        waiter = start_wait(m, run, "run")
         assert f"wait run: {len(names)} set(s) committed under it" in m.log_text()
         new = {"w": torch.zeros(128, 128)}
         torch.save(new, run / "step" / names[0])  # a rewrite, before its upload
@@ -341,23 +318,15 @@ def test_wait_dir_follows_rewrites_and_a_directory_commit_above(mount_factory, t
     assert not m.unexpected_errors()
 
 
-def test_wait_dir_a_rewritten_file_that_no_close_commits_ends_the_wait(mount_factory, tmp_path):
+def test_wait_dir_a_rewritten_file_that_no_close_commits_ends_the_wait(held):
     """A file set the wait counted, superseded by a rewrite of its file: the wait waits for the
     file's next close; when that close commits nothing (the directory became a DCP directory
     meanwhile, an open set), the wait ends with exit 8 naming the file, not with a timeout."""
-    gate = tmp_path / "data-held"
-    gate.touch()
-    m = mount_factory()
-    start(m, {"CKPTFS_FAULTS": HOLD_DATA.format(g=gate)})
+    m, gate = held
     try:
         step = m.path / "global_step5"
         names = deepspeed_step(step, 1)
-        n = m.log_text().count("wait global_step5: ")
-        waiter = subprocess.Popen(ckptfs_cmd("wait", str(step), "--timeout", "300"),
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                  cwd=REPO)
-        wait_for(lambda: waiting(m, "global_step5", n + 1), timeout=60,
-                 what="the wait to take stock")
+        waiter = start_wait(m, step, "global_step5", "300")
         (step / ".metadata.tmp").write_bytes(b"")  # a DCP directory now: closes commit nothing
         with open(step / names[0], "r+b") as f:
             f.write(b"\0")
