@@ -63,6 +63,9 @@ class Plugin:
                  what="the plugin's socket")
         assert self.proc.poll() is None, self.log()
         self.channel = grpc.insecure_channel(f"unix://{self.sock}")
+        # the socket file appears at bind(), a moment before the server listens: a call then
+        # is refused (UNAVAILABLE), so the plugin counts as started once the channel connects
+        grpc.channel_ready_future(self.channel).result(timeout=60)
         self.identity = csi_pb2_grpc.IdentityStub(self.channel)
         self.node = csi_pb2_grpc.NodeStub(self.channel)
 
