@@ -238,9 +238,9 @@ class Engine:
         PEER_LISTING_DEADLINE_S; while the store cannot be listed or does not answer, the peers
         the namespace answers named (PeerNamespace), at once while the store's last listing
         failed (a fresh node during an outage must not wait a listing deadline per restore)."""
-        space = self.peer_namespace
-        if space is not None and space.known and self.remote.failed_listings:
-            return space.known_peers(stale)
+        ns = self.peer_namespace
+        if ns is not None and ns.known and self.remote.failed_listings:
+            return ns.known_peers(stale)
         try:
             with trio.move_on_after(PEER_LISTING_DEADLINE_S):
                 return await self.members.peers(stale)

@@ -77,6 +77,14 @@ def test_chunk_target_round_trip_and_bounds():
     assert parse_chunk_target("/v2/chunk?key=k&crc=1&i=0") is None
     assert parse_chunk_target(chunk_target("k" * 2000, 1, 0)) is None
     assert parse_chunk_target("/v1/chunk?key=k&crc=1&i=0&i=1") is None
+    # more query fields than the transport parses (8): refused as malformed, not an exception
+    # (which the server would count as an internal error, dropping the connection)
+    many = "".join(f"&x{n}=1" for n in range(9))
+    assert parse_chunk_target(f"/v1/chunk?key=k&crc=1&i=0{many}") is None
+    from cachemgr.tiering.replicaproto import file_target, parse_file_target
+    req_f = parse_file_target(file_target(3, 1, 0, 4096))
+    assert req_f is not None and (req_f.seq, req_f.index, req_f.length) == (3, 1, 4096)
+    assert parse_file_target(file_target(3, 1, 0, 4096) + many) is None
 
 
 def test_rendezvous_is_stable_and_puts_the_writer_first():

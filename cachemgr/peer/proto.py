@@ -97,14 +97,26 @@ class ChunkRequest:
     index: int
 
 
-def parse_chunk_target(target: str) -> ChunkRequest | None:
-    """The chunk a request target names, or None when it is not a well-formed chunk request."""
+def route_query(target: str, route: str) -> dict[str, list[str]] | None:
+    """The query fields of a request target on `route`, parsed within the transport's bounds
+    (at most MAX_TARGET bytes, 8 fields); None when the target is longer, names another route
+    or has more fields. Every route's own parser starts here."""
     if len(target) > MAX_TARGET:
         return None
     parts = urlsplit(target)
-    if parts.path != CHUNK_ROUTE:
+    if parts.path != route:
         return None
-    q = parse_qs(parts.query, strict_parsing=False, max_num_fields=8)
+    try:
+        return parse_qs(parts.query, strict_parsing=False, max_num_fields=8)
+    except ValueError:  # more than max_num_fields
+        return None
+
+
+def parse_chunk_target(target: str) -> ChunkRequest | None:
+    """The chunk a request target names, or None when it is not a well-formed chunk request."""
+    q = route_query(target, CHUNK_ROUTE)
+    if q is None:
+        return None
     try:
         (key,), (crc,), (i,) = q["key"], q["crc"], q["i"]
     except (KeyError, ValueError):

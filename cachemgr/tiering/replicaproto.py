@@ -31,10 +31,9 @@ from __future__ import annotations
 import hashlib
 import os
 from dataclasses import dataclass
-from urllib.parse import parse_qs, urlsplit
 
 from cachemgr.format.validate import REPLICA_CHUNK
-from cachemgr.peer.proto import MAX_BODY, MAX_TARGET, PeerEndpoint
+from cachemgr.peer.proto import MAX_BODY, PeerEndpoint, route_query
 
 REPLICA_PREFIX = "/v1/replica/"
 OFFER_ROUTE = "/v1/replica/offer"
@@ -61,12 +60,9 @@ class FileRequest:
 
 def parse_file_target(target: str) -> FileRequest | None:
     """The replica range a request target names, or None when it is not well-formed."""
-    if len(target) > MAX_TARGET:
+    q = route_query(target, FILE_ROUTE)
+    if q is None:
         return None
-    parts = urlsplit(target)
-    if parts.path != FILE_ROUTE:
-        return None
-    q = parse_qs(parts.query, strict_parsing=False, max_num_fields=8)
     try:
         vals = [q[k] for k in ("seq", "i", "off", "len")]
     except KeyError:
