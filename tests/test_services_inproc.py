@@ -74,6 +74,9 @@ class Recorder(LocalStore):
         self.refused: set[str] = set()  # PUTs of keys with these prefixes are refused for good
         self.flaky: dict[str, int] = {}  # prefix -> how many more PUTs of it fail (503)
         self.shield = False  # PUTs ignore their caller's cancellation (see put)
+        # the replies of DELETEs of these prefixes wait (the DELETE itself is done)
+        self.delete_gates: dict[str, trio.Event] = {}
+        self.deletes_held: set[str] = set()
 
     def gate(self, prefix: str) -> trio.Event:
         ev = self.gates[prefix] = trio.Event()
@@ -128,6 +131,13 @@ class Recorder(LocalStore):
     async def delete(self, key):
         await super().delete(key)
         self.log.append(("delete", key))
+        for prefix, ev in self.delete_gates.items():
+            if key.startswith(prefix) and not ev.is_set():
+                self.deletes_held.add(key)
+                try:
+                    await ev.wait()
+                finally:
+                    self.deletes_held.discard(key)
 
     def puts(self, pred=lambda k: True) -> list[str]:
         return [k for op, k in self.log if op == "put" and pred(k)]
@@ -466,9 +476,10 @@ def test_an_object_landing_after_its_file_went_is_collected(node, store):
 
     async def body():
         gate = store.gate(data)
-        await until(lambda: store.held, "the object's PUT to be held")
+        key = await until(lambda: next(iter(store.held), None), "the object's PUT to be held")
         node.core.unlink(ROOT_INO, b"model.pt")  # its GC pass runs while the PUT is held
-        await until(lambda: node.sets.garbage() == [], "the GC pass of the deletion")
+        await until(lambda: ("delete", key) in store.log and
+                    node.sets.object_content(key) is None, "the GC pass of the deletion")
         gate.set()
         await until(lambda: not store.held and node.quiet(), "the upload to end")
         await until(lambda: not _data_keys(store), "the orphan's GC")
@@ -476,6 +487,36 @@ def test_an_object_landing_after_its_file_went_is_collected(node, store):
 
     assert store.puts(lambda k: k.startswith(data)), "the PUT landed (the race was provoked)"
     assert _data_keys(store) == []
+
+
+def test_an_object_landing_while_its_gc_delete_is_in_flight_is_collected(node, store):
+    """The other order of the same race: the deletion's GC pass has sent its DELETE, which
+    found nothing, and its reply is still on the way when the PUT lands and the upload ends.
+    The pass must not forget the object the upload's end noted again: the next pass deletes
+    it (CI found it: the object was left unreferenced for ever)."""
+    node.write("model.pt", b"old" * 2000)
+    data = f"data/{node.t.node}/"
+    store.shield = True
+    keys = []
+
+    async def body():
+        put_gate = store.gate(data)
+        delete_gate = store.delete_gates[data] = trio.Event()
+        key = await until(lambda: next(iter(store.held), None), "the object's PUT to be held")
+        keys.append(key)
+        node.core.unlink(ROOT_INO, b"model.pt")
+        await until(lambda: key in store.deletes_held, "the GC pass's DELETE reply to be held")
+        put_gate.set()
+        await until(lambda: not store.held and node.t.status()["uploads"]["running"] == 0,
+                    "the PUT to land and the upload to end")
+        assert key in _data_keys(store)
+        delete_gate.set()
+        await until(lambda: node.quiet() and not store.deletes_held, "the GC pass to end")
+        await until(lambda: not _data_keys(store), "the object's collection")
+    run_nodes([node], body)
+
+    # the first DELETE found nothing; the second, of the object noted again, took it
+    assert [k for op, k in store.log if op == "delete" and k.startswith(data)] == keys * 2
 
 
 def _data_keys(store: LocalStore) -> list[str]:

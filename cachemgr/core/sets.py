@@ -599,6 +599,10 @@ class SetRegistry:
             (ino, v) for (v,) in self.conn.execute("SELECT version FROM objects WHERE ino=?",
                                                    (ino,)))
 
+    def noted(self, ino: int, version: int) -> bool:
+        """Content (ino, version) is a candidate of the next GC pass."""
+        return (ino, version) in self._unreferenced
+
     def take_unreferenced(self) -> set[tuple[int, int]]:
         """The GC candidates noted since the last call (and forget them)."""
         out, self._unreferenced = self._unreferenced, set()

@@ -709,6 +709,7 @@ class Collector:
             keys = [k for k in keys if k not in named]
         done = 0
         for key in keys:
+            content = self.sets.object_content(key)
             try:
                 await self.store.delete(key)
             except StoreError as e:
@@ -719,6 +720,11 @@ class Collector:
                 self.refused.add(key)
                 self.health.error(f"gc: {e}")
                 log.warning("gc: cannot delete %s: %s; leaving it", key, e)
+                continue
+            if content is not None and self.sets.noted(*content):
+                # Noted again while the DELETE was in flight: an upload of this content ended
+                # (cachemgr.tiering.uploadqueue `_orphan_check`), and its PUT may have landed
+                # after the DELETE. The row stays, and the next pass deletes the key again.
                 continue
             self._forget(key)
             with self.index.tx():
