@@ -64,36 +64,40 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from cachemgr.core.hooks import KernelNotifier
-from cachemgr.core.sets import LIVE_STATES, SetRegistry
+from cachemgr.core.sets import LIVE_STATES, SetRegistry, SetStats, Unsaved
 from cachemgr.format.objects import StoredObject
 from cachemgr.host import background
 from cachemgr.host.foreground import Foreground
 from cachemgr.peer import server as peerserve
-from cachemgr.peer.client import PeerClient
+from cachemgr.peer.client import PeerClient, PeerClientStats
 from cachemgr.peer.proto import PeerConfig, PeerEndpoint
+from cachemgr.restore.chunkfetch import ChunkStats
 from cachemgr.restore.restorer import Restorer
-from cachemgr.restore.wholefile import WholeFileFetcher
+from cachemgr.restore.wholefile import FetchStats, WholeFileFetcher
 from cachemgr.store import DeadlineExceeded, ObjectStore, StoreError
-from cachemgr.tiering.commit import Committer
-from cachemgr.tiering.gather import Gatherer
-from cachemgr.tiering.history import History
+from cachemgr.store.base import RetryStats
+from cachemgr.tiering.commit import CommitStats, Committer
+from cachemgr.tiering.gather import Gatherer, GatherStats
+from cachemgr.tiering.history import History, HistoryStats
 from cachemgr.tiering.lease import Lease
-from cachemgr.tiering.members import Members
+from cachemgr.tiering.members import Members, MemberStats
 from cachemgr.tiering.parts import PartPublisher
-from cachemgr.tiering.peernamespace import PeerNamespace
-from cachemgr.tiering.progress import Probes, Progress
+from cachemgr.tiering.peernamespace import PeerNamespace, PeerSpaceStats
+from cachemgr.tiering.progress import Probes, Progress, ProgressStats, Reply, StuckSet
 from cachemgr.tiering.progress import stuck_after as stuck_threshold
-from cachemgr.tiering.publish import Publisher
+from cachemgr.tiering.publish import Publisher, PublishStats
 from cachemgr.tiering.remote import RemoteSync
 from cachemgr.tiering.replicaproto import REPLICA_PREFIX
-from cachemgr.tiering.replicate import ReplicaHolder, ReplicaOrigin, Replication
+from cachemgr.tiering.replicate import ReplicaHolder, ReplicaOrigin, ReplicaStats, Replication
 from cachemgr.tiering.signals import Signals, StoreHealth
-from cachemgr.tiering.space import Space
+from cachemgr.tiering.space import Space, SpaceStats
 from cachemgr.tiering.takeover import Takeover, TakeoverRecords
-from cachemgr.tiering.uploadqueue import UploadQueue
+from cachemgr.tiering.uploadqueue import UploadQueue, UploadQueueStats
 from cachemgr.transfer.upload import TransferConfig, Uploader
 
 if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
     from cachemgr.core.cache import Cache
 
 __all__ = ["Engine", "EngineConfig"]
@@ -108,6 +112,83 @@ FAILED_SHOWN = 20
 # One store LIST page's deadline (s3.Deadlines.list_page, 15 s) less a margin: a listing that
 # took longer than one page's worth on one try is an outage, not a slow page.
 PEER_LISTING_DEADLINE_S = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceStats:
+    """`Engine.services()`: each tiering service's own statistics (status and metrics show
+    them as "services")."""
+
+    commit: CommitStats
+    publish: PublishStats
+    gather: GatherStats
+    space: SpaceStats
+    fetch: FetchStats
+    progress: ProgressStats
+    history: HistoryStats
+
+
+@dataclass(frozen=True, slots=True)
+class PeerStats:
+    """`Engine.peers_statistics()` (--peers): what this node served and restored from peers
+    vs the store; `as_json` is status's "peers"."""
+
+    replication: ReplicaStats | None   # None: --replicas 0
+    server: peerserve.PeerServerStats | None
+    client: PeerClientStats | None
+    namespace: PeerSpaceStats | None
+    chunks: ChunkStats                 # the restores: from peers and from the store
+
+    def as_json(self) -> dict[str, object]:
+        c = self.chunks
+        return {"replication": _json(self.replication), "server": _json(self.server),
+                "restored_from_peers": {"bytes": c.peer_bytes, "chunks": c.peer_chunks},
+                "restored_from_store": {"bytes": c.bytes_fetched, "chunks": c.chunks_fetched},
+                "namespace": _json(self.namespace), "client": _json(self.client)}
+
+
+@dataclass(frozen=True, slots=True)
+class SetTotals:
+    """`EngineStats.sets`: the sets over every set (not only the recent ones), and what is at
+    risk (failed, unsaved, stuck)."""
+
+    sets: SetStats
+    failed_sets: int        # failed for good and not replaced since (Progress.failed_sets)
+    failed_bytes: int
+    unsaved: Unsaved        # closed files in no committed set
+    stuck_after_s: float
+    stuck_sets: int         # how many; `stuck` names the oldest STUCK_SHOWN
+    stuck: list[StuckSet]
+
+
+@dataclass(frozen=True, slots=True)
+class StoreTotals:
+    """`EngineStats.store`: the store's health and the retry layer's counters (copies)."""
+
+    health: str
+    consecutive_failures: int
+    retry: RetryStats | None  # None: a bare store (no retry layer)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """`Engine.statistics()`: counters and totals for metrics (ckptfs.metrics) and the
+    daemon's STATUS= line. Plain copies: the caller may keep them (another thread reads them)
+    after the loop has moved on."""
+
+    sets: SetTotals
+    store: StoreTotals
+    uploads: UploadQueueStats
+    restore: ChunkStats
+    cache_size: int | None
+    members: MemberStats      # this node's lease (ckptfs_lease_held, ckptfs_lease_lapses_total)
+    peers: PeerStats | None   # None: no --peers
+    services: ServiceStats
+
+
+def _json(stats: DataclassInstance | None) -> dict[str, object] | None:
+    """A statistics dataclass (or None) as JSON-ready dicts."""
+    return None if stats is None else asdict(stats)
 
 
 @dataclass(frozen=True)
@@ -404,10 +485,10 @@ class Engine:
     # ==========================================================================================
     # questions
 
-    async def wait(self, path: str, timeout: float | None) -> dict[str, Any]:
+    async def wait(self, path: str, timeout: float | None) -> Reply:
         return await self.progress.wait(path, timeout)
 
-    async def wait_replicated(self, path: str, timeout: float | None) -> dict[str, Any]:
+    async def wait_replicated(self, path: str, timeout: float | None) -> Reply:
         """`ckptfs wait --replicated`: until the set holding `path` is held by K buddies, or
         durable (state "replicated" / "durable"; "off" without --replicas)."""
         if self.replication is None:
@@ -419,35 +500,41 @@ class Engine:
             path, timeout, lambda s: "replicated" if s.state == "replicated" or (
                 s.state in LIVE_STATES and rep.replicated(s.seq)) else None, "replicated")
 
-    def services(self) -> dict[str, Any]:
+    def services(self) -> ServiceStats:
         """Each tiering service's own statistics (status and metrics show them as "services")."""
-        return {"commit": asdict(self.commits.statistics()),
-                "publish": asdict(self.publisher.statistics()),
-                "gather": asdict(self.gatherer.statistics()),
-                "space": asdict(self.space.statistics()),
-                "fetch": asdict(self.fetcher.statistics()),
-                "progress": asdict(self.progress.statistics()),
-                "history": asdict(self.history.statistics())}
+        return ServiceStats(commit=self.commits.statistics(),
+                            publish=self.publisher.statistics(),
+                            gather=self.gatherer.statistics(), space=self.space.statistics(),
+                            fetch=self.fetcher.statistics(), progress=self.progress.statistics(),
+                            history=self.history.statistics())
 
-    def status(self, limit: int = 50, stuck_after: float | None = None) -> dict[str, Any]:
-        """`ckptfs status --json`'s "tiering". `stuck_after`: the stuck threshold in seconds
-        (None: the mount's, cachemgr.tiering.progress.stuck_after of --commit-timeout)."""
+    def _probes(self, uploads: UploadQueueStats) -> Probes:
+        return Probes(uploads=uploads, health=self.store_health,
+                      gathering=self.gatherer.gathering,
+                      publish_queued=self.publisher.publish_queued,
+                      publishing=self.publisher.publishing)
+
+    def status(self, limit: int = 50, stuck_after: float | None = None) -> dict[str, object]:
+        """`ckptfs status --json`'s "tiering" (a JSON document; docs/ARCHITECTURE.md
+        "Status"). `stuck_after`: the stuck threshold in seconds (None: the mount's,
+        cachemgr.tiering.progress.stuck_after of --commit-timeout)."""
         sets, pending = self.progress.set_rows(limit)
         if self.replication is not None:
             for row in sets:
                 if row["origin"] == "local":
-                    row.update(self.replication.set_fields(row["seq"], row["state"]))
+                    self.replication.set_fields(row)
         live = self.sets.by_states(LIVE_STATES)
         after_s = stuck_threshold(self.cfg.commit_timeout) if stuck_after is None else stuck_after
-        nstuck, stuck = self.progress.stuck_sets(after_s, Probes(
-            uploads=self.uploads.status(), health=self.store_health,
-            gathering=self.gatherer.gathering, publish_queued=self.publisher.publish_queued,
-            publishing=self.publisher.publishing))
+        up = self.uploads.statistics()
+        nstuck, stuck = self.progress.stuck_sets(after_s, self._probes(up))
         failed = self.progress.failed_sets()
         retry = self.store.retry_statistics()  # transient errors ridden out (None: no retries)
         first_waiting = self.gatherer.first_waiting()
         h = self.store_health
         found = self.store.conditional  # docs/STORES.md: probed at mount, None until then
+        restore = self.restorer.statistics()
+        unsaved = self.sets.unsaved(FAILED_SHOWN)
+        peers = self.peers_statistics()
         return {
             "store": {"url": self.store.url, "node": self.node, "health": h.health(),
                       "conditional_writes": None if found is None else {
@@ -461,32 +548,37 @@ class Engine:
                       # which client moves data bytes (docs/ARCHITECTURE.md "Store data
                       # path"): sendfile, crt-up, crt, boto3, local; and its counters
                       "data_path": self.store.data_path,
-                      "data_client": self.store.data_statistics()},
+                      "data_client": self.store.data_statistics().as_json()},
             # upload threads at idle CPU and I/O priority (cachemgr.host.background; root only)
-            "uploads": {**self.uploads.status(), "idle_priority": background.enabled()},
-            "restore": self.restorer.status(),
+            "uploads": {"queued": up.queued, "running": up.running, "done": up.done,
+                        "cancelled": up.cancelled, "bytes_uploaded": up.bytes,
+                        "rate_bytes_per_s": up.rate_bytes_per_s,
+                        "idle_priority": background.enabled()},
+            # the chunk fetcher's and the prefetcher's statistics side by side
+            "restore": {**asdict(restore.chunks), **asdict(restore.prefetch)},
             "filecache": asdict(self.cache.files.statistics()),
-            "remote": self.remote.status(),
-            "parts": self.parts.status(),
-            "members": self.members.status(),
-            "peers": self.peers_status(),
+            "remote": asdict(self.remote.statistics()),
+            "parts": asdict(self.parts.statistics()),
+            "members": self.members.statistics().as_json(),
+            "peers": None if peers is None else peers.as_json(),
             "pending_sets": len(live),
-            # of which waiting for files other nodes write, or published after such a set
-            # (commit order): nothing this node can finish
             # deletions whose manifest waits for sets committed before them (commit order)
             "deletes_waiting": self.publisher.deletes_waiting(),
+            # of which waiting for files other nodes write, or published after such a set
+            # (commit order): nothing this node can finish
             "waiting_sets": len([s for s in live if first_waiting is not None and
                                  s.seq >= first_waiting]),
             "pending_bytes": pending,
             # failed for good and not replaced since (Progress.failed_sets): also at risk, and
             # no upload will ever make them durable; the first FAILED_SHOWN of them, oldest first
             "failed_sets": len(failed),
-            "failed_bytes": sum(f["bytes"] for f in failed),
-            "failed": failed[:FAILED_SHOWN],  # each {seq, path, bytes, error, committed_ns}
+            "failed_bytes": sum(f.bytes for f in failed),
+            "failed": [asdict(f) for f in failed[:FAILED_SHOWN]],
             # closed files in no committed set (SetRegistry.unsaved): at risk too, and nothing
             # will upload them as they are; the first FAILED_SHOWN paths; `handed_files`: how
             # many of them are in the store, named in a part record for a commit on another node
-            **self._unsaved(),
+            "unsaved_files": unsaved.files, "unsaved_bytes": unsaved.bytes,
+            "unsaved": unsaved.paths, "handed_files": unsaved.handed,
             # when the oldest pending set was committed (None: none), whatever its position
             "oldest_pending_committed_ns": min((s.committed_ns for s in live), default=None),
             # pending longer than stuck_after_s (cachemgr.tiering.progress.stuck_sets), over every
@@ -496,71 +588,52 @@ class Engine:
             "stuck_sets": nstuck,
             "stuck": stuck,
             "sets": sets,
-            "services": self.services(),
+            "services": asdict(self.services()),
         }
 
-    def statistics(self, stuck_after: float | None = None) -> dict[str, Any]:
+    def statistics(self, stuck_after: float | None = None) -> EngineStats:
         """Counters and totals for metrics (ckptfs.metrics): what `status` shows, over every set
         instead of the recent ones, and without per-set detail but the stuck sets' names and
         why (at most STUCK_SHOWN). Plain data, copied: the caller may keep it after the loop
         has moved on. `stuck_after` as in `status`."""
         retry = self.store.retry_statistics()  # None: a bare store (no retry layer)
-        r = self.restorer.statistics().chunks
         failed = self.progress.failed_sets()
         after_s = stuck_threshold(self.cfg.commit_timeout) if stuck_after is None else stuck_after
-        nstuck, stuck = self.progress.stuck_sets(after_s, Probes(
-            uploads=self.uploads.status(), health=self.store_health,
-            gathering=self.gatherer.gathering, publish_queued=self.publisher.publish_queued,
-            publishing=self.publisher.publishing))
-        return {
-            "sets": {**asdict(self.sets.statistics()), "failed_sets": len(failed),
-                     "failed_bytes": sum(f["bytes"] for f in failed),
-                     **self._unsaved(),
-                     "stuck_after_s": after_s, "stuck_sets": nstuck,
-                     "stuck": [{k: x[k] for k in ("seq", "path", "state", "committed_ns",
-                                                  "age_s", "waits_for", "why")}
-                               for x in stuck]},
-            "store": {"health": self.store_health.health(),
-                      "consecutive_failures": self.store_health.consecutive_failures,
-                      "requests": {} if retry is None else dict(retry.by_op),
-                      "retries": {} if retry is None else dict(retry.by_error),
-                      "errors": {} if retry is None else dict(retry.errors)},
-            "uploads": asdict(self.uploads.statistics()),
-            "restore": {"bytes": r.bytes_fetched, "chunks": r.chunks_fetched,
-                        "integrity_errors": r.integrity_errors,
-                        "damaged_cache_chunks": r.damaged_cache_chunks},
-            "cache_size": self.cfg.cache_size,
-            # this node's lease (ckptfs_lease_held, ckptfs_lease_lapses_total): plain data
-            "members": self.members.status(),
-            "peers": self.peers_status(),
-            "services": self.services(),
-        }
+        up = self.uploads.statistics()
+        nstuck, stuck = self.progress.stuck_sets(after_s, self._probes(up))
+        return EngineStats(
+            sets=SetTotals(sets=self.sets.statistics(), failed_sets=len(failed),
+                           failed_bytes=sum(f.bytes for f in failed),
+                           unsaved=self.sets.unsaved(FAILED_SHOWN), stuck_after_s=after_s,
+                           stuck_sets=nstuck, stuck=[StuckSet.of(x) for x in stuck]),
+            store=StoreTotals(
+                health=self.store_health.health(),
+                consecutive_failures=self.store_health.consecutive_failures,
+                retry=None if retry is None else RetryStats(
+                    calls=retry.calls, retries=retry.retries, failures=retry.failures,
+                    by_error=dict(retry.by_error), by_op=dict(retry.by_op),
+                    errors=dict(retry.errors))),
+            uploads=up, restore=self.restorer.statistics().chunks, cache_size=self.cfg.cache_size,
+            members=self.members.statistics(), peers=self.peers_statistics(),
+            services=self.services())
 
-    def _unsaved(self) -> dict[str, Any]:
-        u = self.sets.unsaved(FAILED_SHOWN)
-        return {"unsaved_files": u.files, "unsaved_bytes": u.bytes, "unsaved": u.paths,
-                "handed_files": u.handed}
-
-    def replication_status(self) -> dict[str, Any] | None:
+    def replication_statistics(self) -> ReplicaStats | None:
         """--replicas: this node's sets held by buddies and what it holds for others (None:
         off)."""
         if self.replication is None:
             return None
-        return asdict(self.replication.statistics(
-            lambda: [s.seq for s in self.sets.by_states(LIVE_STATES) if s.origin == "local"]))
+        return self.replication.statistics(
+            lambda: [s.seq for s in self.sets.by_states(LIVE_STATES) if s.origin == "local"])
 
-    def peers_status(self) -> dict[str, Any] | None:
+    def peers_statistics(self) -> PeerStats | None:
         """--peers: what this node served and restored from peers vs the store (None: off)."""
         if self.cfg.peers is None:
             return None
-        r = self.restorer.statistics().chunks
         client = self.peer_client
-        return {"replication": self.replication_status(),
-                "server": None if self.peer_server is None else
-                asdict(self.peer_server.statistics()),
-                "restored_from_peers": {"bytes": r.peer_bytes, "chunks": r.peer_chunks},
-                "restored_from_store": {"bytes": r.bytes_fetched, "chunks": r.chunks_fetched},
-                "namespace": None if self.peer_namespace is None else
-                asdict(self.peer_namespace.statistics()),
-                "client": None if client is None else asdict(client.statistics())}
+        return PeerStats(
+            replication=self.replication_statistics(),
+            server=None if self.peer_server is None else self.peer_server.statistics(),
+            client=None if client is None else client.statistics(),
+            namespace=None if self.peer_namespace is None else self.peer_namespace.statistics(),
+            chunks=self.restorer.statistics().chunks)
 

@@ -552,16 +552,16 @@ class _Daemon:
         except Exception:  # a status line must never take the mount down
             log.exception("STATUS= line: the engine statistics failed")
             return f"serving {self.cfg.mountpoint}"
-        sets, store = st["sets"], st["store"]
-        by_state = sets["by_state"]
+        sets = st.sets
+        by_state = sets.sets.by_state
         pending = sum(by_state.get(k, 0) for k in ("committed", "uploading"))
         durable = by_state.get("durable", 0)
         line = (f"serving {self.cfg.mountpoint}: {durable} set{'' if durable == 1 else 's'} "
-                f"durable, {pending} pending ({human(sets['pending_bytes'])} not yet durable)")
-        if sets["failed_sets"]:
-            line += (f", {sets['failed_sets']} FAILED ({human(sets['failed_bytes'])} only in "
+                f"durable, {pending} pending ({human(sets.sets.pending_bytes)} not yet durable)")
+        if sets.failed_sets:
+            line += (f", {sets.failed_sets} FAILED ({human(sets.failed_bytes)} only in "
                      "the cache)")
-        return line + f", store {store['health']}"
+        return line + f", store {st.store.health}"
 
     async def _report_status(self) -> None:
         """STATUS= every STATUS_INTERVAL_S once the mount is ready; only sent when the line

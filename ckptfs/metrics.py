@@ -33,14 +33,22 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 from prometheus_client import CollectorRegistry, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import choose_encoder
+
+if TYPE_CHECKING:
+    from cachemgr.core.fs import CacheFs
+    from cachemgr.core.passthrough import BackingStats
+    from cachemgr.engine import EngineStats, PeerStats, SetTotals
+
+    from .fuse import FuseOps, RequestStats
 
 log = logging.getLogger(__name__)
 
@@ -76,23 +84,35 @@ class ScrapeError(Exception):
 # on the loop thread
 
 
-def snapshot(core, ops, tiering: Callable[[], dict]) -> dict:
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """Plain copies of every counter the metrics show (`snapshot`), read by the HTTP thread."""
+
+    reads: int                  # the daemon's own reads and writes (CacheFs.stats)
+    bytes_read: int
+    writes: int
+    bytes_written: int
+    cached_bytes: int           # what --cache-size bounds
+    evictions: int
+    evicted_bytes: int
+    data_path: BackingStats
+    fuse: RequestStats
+    tiering: EngineStats | None
+    now_ns: int
+    took_s: float               # what taking it cost the loop
+
+
+def snapshot(core: CacheFs, ops: FuseOps, tiering: Callable[[], EngineStats]) -> Snapshot:
     """Plain copies of every counter the metrics show. Runs on the trio loop thread only.
     `tiering` is `Engine.statistics` (given by the composition root, ckptfs.daemon)."""
     t0 = time.perf_counter()
     st = core.stats
-    out = {
-        "io": {"reads": st.reads, "bytes_read": st.bytes_read, "writes": st.writes,
-               "bytes_written": st.bytes_written},
-        "cache": {"bytes": core.files.cached_bytes, "evictions": st.evictions,
-                  "evicted_bytes": st.evicted_bytes},
-        "data_path": asdict(core.backings.statistics()),
-        "fuse": asdict(ops.statistics()),
-        "tiering": tiering(),
-        "now_ns": time.time_ns(),
-    }
-    out["took_s"] = time.perf_counter() - t0
-    return out
+    engine = tiering()
+    return Snapshot(reads=st.reads, bytes_read=st.bytes_read, writes=st.writes,
+                    bytes_written=st.bytes_written, cached_bytes=core.files.cached_bytes,
+                    evictions=st.evictions, evicted_bytes=st.evicted_bytes,
+                    data_path=core.backings.statistics(), fuse=ops.statistics(),
+                    tiering=engine, now_ns=time.time_ns(), took_s=time.perf_counter() - t0)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -102,13 +122,13 @@ def snapshot(core, ops, tiering: Callable[[], dict]) -> dict:
 class LoopSnapshots:
     """Gets a snapshot from the trio loop for the calling (non-loop) thread."""
 
-    def __init__(self, token, fn: Callable[[], dict], timeout: float = SNAPSHOT_TIMEOUT_S):
+    def __init__(self, token, fn: Callable[[], Snapshot], timeout: float = SNAPSHOT_TIMEOUT_S):
         self.token = token
         self.fn = fn
         self.timeout = timeout
         self._slots = threading.BoundedSemaphore(MAX_SNAPSHOTS_IN_FLIGHT)
 
-    def get(self) -> dict:
+    def get(self) -> Snapshot:
         if not self._slots.acquire(blocking=False):
             raise ScrapeError(f"{MAX_SNAPSHOTS_IN_FLIGHT} scrapes already wait for the "
                               "daemon's event loop")
@@ -117,7 +137,7 @@ class LoopSnapshots:
         finally:
             self._slots.release()
 
-    def _get(self) -> dict:
+    def _get(self) -> Snapshot:
         import trio
 
         fut: concurrent.futures.Future = concurrent.futures.Future()
@@ -150,33 +170,32 @@ def _counter(name: str, doc: str, value: float | None = None,
     return CounterMetricFamily(name.removesuffix("_total"), doc, value=value)
 
 
-def families(s: dict, cache_dir: Path) -> Iterator[Metric]:
+def families(s: Snapshot, cache_dir: Path) -> Iterator[Metric]:
     """The metric families of snapshot `s` (see README "Metrics" for the list)."""
-    fuse = s["fuse"]
+    fuse = s.fuse
     m: CounterMetricFamily | GaugeMetricFamily
     m = _counter("ckptfs_fuse_requests_total", "FUSE requests the daemon answered, by "
                  "operation. With passthrough the kernel reads and writes files the cache holds"
                  " whole without the daemon: those reads and writes are not counted here.",
                  labels=("op",))
-    for op, n in sorted(fuse["requests"].items()):
+    for op, n in sorted(fuse.requests.items()):
         m.add_metric([op], n)
     yield m
     m = _counter("ckptfs_fuse_errors_total", "FUSE requests refused, by operation and errno "
                  "name (ENOENT from lookup is normal)", labels=("op", "errno"))
-    for (op, err), n in sorted(fuse["errors"].items()):
+    for (op, err), n in sorted(fuse.errors.items()):
         m.add_metric([op, _errno_name(err)], n)
     yield m
-    io = s["io"]
     m = _counter("ckptfs_fuse_bytes_total", "Bytes of file data the daemon served, by "
                  "operation. With passthrough only what the daemon served (files not held whole"
                  " in the cache): the kernel's own reads and writes are not counted.",
                  labels=("op",))
-    m.add_metric(["read"], io["bytes_read"])
-    m.add_metric(["write"], io["bytes_written"])
+    m.add_metric(["read"], s.bytes_read)
+    m.add_metric(["write"], s.bytes_written)
     yield m
 
-    dp = s["data_path"]
-    mode = "passthrough" if dp["mode"] == "passthrough" else "daemon"
+    dp = s.data_path
+    mode = "passthrough" if dp.mode == "passthrough" else "daemon"
     m = GaugeMetricFamily("ckptfs_data_path", "Data path of the mount: 1 for the mode in use. "
                           "passthrough: the kernel reads and writes whole cached files itself; "
                           "daemon: the daemon serves every byte", labels=("mode",))
@@ -184,15 +203,14 @@ def families(s: dict, cache_dir: Path) -> Iterator[Metric]:
         m.add_metric([name], 1.0 if name == mode else 0.0)
     yield m
     yield _counter("ckptfs_passthrough_opens_total", "Opens served by FUSE passthrough",
-                   dp.get("passthrough_opens", 0))
+                   dp.passthrough_opens)
 
-    c = s["cache"]
     yield GaugeMetricFamily("ckptfs_cache_data_bytes", "Bytes of file data held in the cache "
-                            "(what --cache-size bounds)", value=c["bytes"])
+                            "(what --cache-size bounds)", value=s.cached_bytes)
     yield _counter("ckptfs_cache_evictions_total", "Cached files whose data was dropped from "
-                   "the cache (it is durable in the store; read back on demand)", c["evictions"])
+                   "the cache (it is durable in the store; read back on demand)", s.evictions)
     yield _counter("ckptfs_cache_evicted_bytes_total", "Bytes freed by evictions",
-                   c["evicted_bytes"])
+                   s.evicted_bytes)
     try:  # no loop state: read here, in the HTTP thread
         vfs = os.statvfs(cache_dir)
     except OSError as e:
@@ -203,31 +221,31 @@ def families(s: dict, cache_dir: Path) -> Iterator[Metric]:
         yield GaugeMetricFamily("ckptfs_cache_disk_size_bytes", "Size of the cache disk",
                                 value=vfs.f_blocks * vfs.f_frsize)
 
-    t = s["tiering"]
-    if t is not None:
-        yield from _tiering_families(t, s["now_ns"])
+    if s.tiering is not None:
+        yield from _tiering_families(s.tiering, s.now_ns)
 
     yield GaugeMetricFamily("ckptfs_metrics_snapshot_seconds", "Time the event loop spent "
-                            "taking this scrape's snapshot", value=s["took_s"])
+                            "taking this scrape's snapshot", value=s.took_s)
 
 
-def _tiering_families(t: dict, now_ns: int) -> Iterator[Metric]:
-    sets = t["sets"]
+def _tiering_families(t: EngineStats, now_ns: int) -> Iterator[Metric]:
+    totals = t.sets
+    sets = totals.sets
     m: CounterMetricFamily | GaugeMetricFamily
     m = GaugeMetricFamily("ckptfs_sets", "Shard sets by state (committed -> uploading -> "
                           "durable; failed, superseded, replaced, deleting, deleted). failed "
                           "counts every set that ever failed, also those saved again since: "
                           "ckptfs_failed_sets counts the ones still at risk",
                           labels=("state",))
-    by_state = dict.fromkeys(SET_STATES, 0) | sets["by_state"]
+    by_state = dict.fromkeys(SET_STATES, 0) | sets.by_state
     for state, n in by_state.items():
         m.add_metric([state], n)
     yield m
     yield GaugeMetricFamily("ckptfs_pending_upload_files", "Files of committed sets not "
-                            "uploaded yet", value=sets["pending_files"])
+                            "uploaded yet", value=sets.pending_files)
     yield GaugeMetricFamily("ckptfs_pending_upload_bytes", "Bytes of committed sets' files "
-                            "not uploaded yet", value=sets["pending_bytes"])
-    oldest = sets["oldest_live_committed_ns"]
+                            "not uploaded yet", value=sets.pending_bytes)
+    oldest = sets.oldest_live_committed_ns
     age = 0.0 if oldest is None else max(0.0, (now_ns - oldest) / 1e9)
     yield GaugeMetricFamily("ckptfs_oldest_pending_set_age_seconds", "Seconds since the oldest "
                             "committed set that is not durable yet was committed; 0 when every "
@@ -237,128 +255,128 @@ def _tiering_families(t: dict, now_ns: int) -> Iterator[Metric]:
                             "the store refused their manifest) and that no later commit of "
                             "their path has replaced: not in the store, only in this node's "
                             "cache, and no upload will make them durable; 0 when none",
-                            value=sets["failed_sets"])
+                            value=totals.failed_sets)
     yield GaugeMetricFamily("ckptfs_failed_bytes", "Bytes of the files of those failed sets "
-                            "(ckptfs_failed_sets)", value=sets["failed_bytes"])
+                            "(ckptfs_failed_sets)", value=totals.failed_bytes)
     yield GaugeMetricFamily("ckptfs_unsaved_files", "Closed files in no committed set (a "
                             "temporary name never renamed, shards of a DCP directory whose "
                             ".metadata never came, a file in a directory that is no set): "
                             "nothing uploads them as they are; only in this node's cache. "
                             "ckptfs status names them; 0 when none",
-                            value=sets["unsaved_files"])
+                            value=totals.unsaved.files)
     yield GaugeMetricFamily("ckptfs_unsaved_bytes", "Bytes of those files "
-                            "(ckptfs_unsaved_files)", value=sets["unsaved_bytes"])
-    yield from _stuck_families(sets, now_ns)
+                            "(ckptfs_unsaved_files)", value=totals.unsaved.bytes)
+    yield from _stuck_families(totals, now_ns)
 
-    up = t["uploads"]
+    up = t.uploads
     yield _counter("ckptfs_upload_bytes_total", "Bytes of file data uploaded (before "
-                   "compression; an upload retried from the start counts again)", up["bytes"])
+                   "compression; an upload retried from the start counts again)", up.bytes)
     yield _counter("ckptfs_upload_stored_bytes_total", "Bytes stored by completed uploads "
-                   "(after compression)", up["stored_bytes"])
-    yield _counter("ckptfs_upload_parts_total", "Multipart upload parts sent", up["parts"])
+                   "(after compression)", up.stored_bytes)
+    yield _counter("ckptfs_upload_parts_total", "Multipart upload parts sent", up.parts)
     m = _counter("ckptfs_upload_files_total", "File uploads finished, by result (cancelled: the"
                  " content changed or was deleted first)", labels=("result",))
-    m.add_metric(["done"], up["done"])
-    m.add_metric(["cancelled"], up["cancelled"])
+    m.add_metric(["done"], up.done)
+    m.add_metric(["cancelled"], up.cancelled)
     yield m
     m = GaugeMetricFamily("ckptfs_upload_queue_files", "File uploads running or queued",
                           labels=("state",))
-    m.add_metric(["running"], up["running"])
-    m.add_metric(["queued"], up["queued"])
+    m.add_metric(["running"], up.running)
+    m.add_metric(["queued"], up.queued)
     yield m
 
-    r = t["restore"]
+    r = t.restore
     yield _counter("ckptfs_restore_bytes_total", "Bytes read back from the store (prefetch and "
-                   "read-through)", r["bytes"])
-    yield _counter("ckptfs_restore_chunks_total", "Chunks read back from the store", r["chunks"])
+                   "read-through)", r.bytes_fetched)
+    yield _counter("ckptfs_restore_chunks_total", "Chunks read back from the store",
+                   r.chunks_fetched)
     yield _counter("ckptfs_restore_integrity_errors_total", "Chunks read from the store that "
-                   "failed their checksum (read again)", r["integrity_errors"])
+                   "failed their checksum (read again)", r.integrity_errors)
     yield _counter("ckptfs_restore_damaged_cache_chunks_total", "Cached chunks found damaged "
-                   "and fetched again", r["damaged_cache_chunks"])
+                   "and fetched again", r.damaged_cache_chunks)
 
-    yield from _peer_families(t.get("peers"))
+    yield from _peer_families(t.peers)
 
-    st = t["store"]
+    st = t.store
+    retry = st.retry
     m = _counter("ckptfs_store_requests_total", "Object store calls, by operation (each call "
                  "once, however many times it was retried)", labels=("op",))
-    for op, n in sorted(st["requests"].items()):
+    for op, n in sorted(({} if retry is None else retry.by_op).items()):
         m.add_metric([op], n)
     yield m
     m = _counter("ckptfs_store_retries_total", "Object store calls retried after a transient "
                  "error, by error kind", labels=("error",))
-    for kind, n in sorted(st["retries"].items()):
+    for kind, n in sorted(({} if retry is None else retry.by_error).items()):
         m.add_metric([kind], n)
     yield m
     m = _counter("ckptfs_store_errors_total", "Object store calls that failed (not transient, "
                  "or retries exhausted), by operation and error kind (NotFound from get/head "
                  "can be normal)", labels=("op", "error"))
-    for (op, kind), n in sorted(st["errors"].items()):
+    for (op, kind), n in sorted(({} if retry is None else retry.errors).items()):
         m.add_metric([op, kind], n)
     yield m
     m = GaugeMetricFamily("ckptfs_store_health", "Object store health as the daemon sees it: 1 "
                           "for the current state (normal; unstable: recent failures; down: 5 or "
                           "more in a row)", labels=("state",))
     for state in HEALTH_STATES:
-        m.add_metric([state], 1.0 if state == st["health"] else 0.0)
+        m.add_metric([state], 1.0 if state == st.health else 0.0)
     yield m
     yield GaugeMetricFamily("ckptfs_store_consecutive_failures", "Store operations failed in a "
-                            "row since the last success", value=st["consecutive_failures"])
-    mem = t.get("members") or {}
-    if mem:
-        yield GaugeMetricFamily("ckptfs_lease_held", "1 while this node's lease in the store "
-                                "runs (other nodes' directory commits wait for it), else 0",
-                                value=1.0 if mem["lease_held"] else 0.0)
-        yield _counter("ckptfs_lease_lapses_total", "Times this node's lease ran out before a "
-                       "renewal reached the store (it then registered under a new generation)",
-                       mem["lease_lapses"])
-    if t["cache_size"] is not None:
+                            "row since the last success", value=st.consecutive_failures)
+    lease = t.members.lease
+    yield GaugeMetricFamily("ckptfs_lease_held", "1 while this node's lease in the store "
+                            "runs (other nodes' directory commits wait for it), else 0",
+                            value=1.0 if lease.lease_held else 0.0)
+    yield _counter("ckptfs_lease_lapses_total", "Times this node's lease ran out before a "
+                   "renewal reached the store (it then registered under a new generation)",
+                   lease.lease_lapses)
+    if t.cache_size is not None:
         yield GaugeMetricFamily("ckptfs_cache_size_limit_bytes", "--cache-size",
-                                value=t["cache_size"])
+                                value=t.cache_size)
 
 
 PEER_ERROR_KINDS = ("auth", "corrupt", "size", "stall", "unreachable", "protocol", "status")
 
 
-def _peer_families(p: dict | None) -> Iterator[Metric]:
+def _peer_families(p: PeerStats | None) -> Iterator[Metric]:
     """--peers (cachemgr.peer): always present, 0 on a mount without it, so
     a dashboard over many nodes sums them alike."""
-    client = (p or {}).get("client") or {}
-    server = (p or {}).get("server") or {}
+    client = None if p is None else p.client
+    server = None if p is None else p.server
+    rep = None if p is None else p.replication
     yield _counter("ckptfs_restore_peer_bytes_total", "Bytes restored from peers (each chunk "
                    "checked against its CRC32C) instead of the store",
-                   (p or {}).get("restored_from_peers", {}).get("bytes", 0))
+                   0 if p is None else p.chunks.peer_bytes)
     yield _counter("ckptfs_peer_served_bytes_total", "Bytes of verified chunks this node "
-                   "served to peers", server.get("served_bytes", 0))
+                   "served to peers", 0 if server is None else server.served_bytes)
     m = _counter("ckptfs_peer_errors_total", "Peers cut off by this node's restores, by what "
                  "they did (auth: 401; corrupt: CRC32C mismatch; size: wrong length; stall: too "
                  "slow; unreachable; protocol: not HTTP/1.1; status: another answer)",
                  labels=("kind",))
-    errors = client.get("errors", {})
+    errors = {} if client is None else client.errors
     for kind in PEER_ERROR_KINDS:
         m.add_metric([kind], errors.get(kind, 0))
     yield m
-    rep = (p or {}).get("replication") or {}
     yield GaugeMetricFamily("ckptfs_replicated_sets", "This node's committed sets not durable "
                             "yet that K buddies hold (--replicas; 0 without it)",
-                            value=rep.get("replicated_sets", 0))
+                            value=0 if rep is None else rep.replicated_sets)
     yield GaugeMetricFamily("ckptfs_replica_bytes", "Bytes of replicas this node holds for "
                             "other nodes' sets (--replicas; counted against --cache-size)",
-                            value=rep.get("replica_bytes", 0))
+                            value=0 if rep is None else rep.replica_bytes)
 
 
-def _stuck_families(sets: dict, now_ns: int) -> Iterator[Metric]:
+def _stuck_families(sets: SetTotals, now_ns: int) -> Iterator[Metric]:
     """The sets pending longer than the stuck threshold (cachemgr.tiering.progress.stuck_sets): how
     many, the oldest one's age, and each of the oldest 20 by name with what it waits for."""
-    stuck = sets.get("stuck", [])  # absent from a snapshot of an older daemon: none
+    stuck = sets.stuck
     yield GaugeMetricFamily("ckptfs_stuck_sets", "Committed sets pending (not durable yet) "
                             "longer than ckptfs_stuck_threshold_seconds, over every set; 0 when "
                             "none. `ckptfs status` names each with what it waits for",
-                            value=sets.get("stuck_sets", 0))
-    if "stuck_after_s" in sets:
-        yield GaugeMetricFamily("ckptfs_stuck_threshold_seconds", "How long a set may be "
-                                "pending before it counts as stuck (120 s, or a quarter of "
-                                "--commit-timeout if shorter)", value=sets["stuck_after_s"])
-    oldest = min((x["committed_ns"] for x in stuck), default=None)
+                            value=sets.stuck_sets)
+    yield GaugeMetricFamily("ckptfs_stuck_threshold_seconds", "How long a set may be "
+                            "pending before it counts as stuck (120 s, or a quarter of "
+                            "--commit-timeout if shorter)", value=sets.stuck_after_s)
+    oldest = min((x.committed_ns for x in stuck), default=None)
     yield GaugeMetricFamily("ckptfs_oldest_stuck_set_age_seconds", "Seconds since the oldest "
                             "stuck set was committed; 0 when no set is stuck",
                             value=0.0 if oldest is None else max(0.0, (now_ns - oldest) / 1e9))
@@ -368,8 +386,8 @@ def _stuck_families(sets: dict, now_ns: int) -> Iterator[Metric]:
                           "gathering, commit_order, publish_queued, unknown): seconds since "
                           "its commit", labels=("seq", "path", "state", "waits_for"))
     for x in stuck:
-        m.add_metric([str(x["seq"]), x["path"], x["state"], x["waits_for"]],
-                     max(0.0, (now_ns - x["committed_ns"]) / 1e9))
+        m.add_metric([str(x.seq), x.path, x.state, x.waits_for],
+                     max(0.0, (now_ns - x.committed_ns) / 1e9))
     yield m
 
 
@@ -382,7 +400,7 @@ def _errno_name(err: int) -> str:
 class CkptfsCollector:
     """A prometheus_client collector: one loop snapshot per scrape, converted here."""
 
-    def __init__(self, source: Callable[[], dict], cache_dir: Path, version: str) -> None:
+    def __init__(self, source: Callable[[], Snapshot], cache_dir: Path, version: str) -> None:
         self.source = source
         self.cache_dir = cache_dir
         self.version = version
@@ -494,7 +512,7 @@ class MetricsServer:
         host = host.decode() if isinstance(host, bytes) else host  # AF_INET(6): a str
         return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
-    def start(self, token, snapshot_fn: Callable[[], dict]) -> None:
+    def start(self, token, snapshot_fn: Callable[[], Snapshot]) -> None:
         """Serve /metrics; snapshots come from the loop of `token` (called on the loop)."""
         registry = CollectorRegistry()
         registry.register(CkptfsCollector(LoopSnapshots(token, snapshot_fn).get,

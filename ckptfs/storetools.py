@@ -278,7 +278,7 @@ class _Progress:
             self.bar.start()
             self.task = self.bar.add_task(label, total=None, files="")
 
-    def update(self, s: dict) -> None:
+    def update(self, s: resumable.RestoreProgress) -> None:
         files = f"{s['files_done']}/{s['files_total']} files"
         if self.bar is not None:
             self.bar.update(self.task, total=s["bytes_total"], completed=s["bytes_done"],
@@ -512,8 +512,9 @@ class _Fsck:
                 k in data and data[k].size == o["stored_size"]]
         total = sum(o["size"] for _, o, _ in todo)
         bar = _Progress("verify") if todo else None
-        snap = {"bytes_total": total, "bytes_done": 0, "bytes_fetched": 0,
-                "files_total": len(todo), "files_done": 0}
+        snap: resumable.RestoreProgress = {
+            "bytes_total": total, "bytes_done": 0, "bytes_fetched": 0,
+            "files_total": len(todo), "files_done": 0}
 
         def one(item) -> None:
             _key, obj, mkey = item
@@ -530,7 +531,7 @@ class _Fsck:
         def tick() -> None:
             if bar is not None:
                 with self.lock:
-                    bar.update(dict(snap))
+                    bar.update(snap.copy())
 
         try:
             resumable.run_parallel(todo, one, self.a.parallel, threading.Event(), tick)

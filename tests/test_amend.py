@@ -163,8 +163,8 @@ def test_closed_files_in_no_set_are_counted_and_named(tmp_path, store):
     st = node.t.status()
     assert (st["unsaved_files"], st["unsaved_bytes"]) == (2, 500)
     assert sorted(st["unsaved"]) == ["d/__0_0.distcp", "model.pt.tmp"]
-    stats = node.t.statistics()["sets"]
-    assert (stats["unsaved_files"], stats["unsaved_bytes"]) == (2, 500)
+    unsaved = node.t.statistics().sets.unsaved
+    assert (unsaved.files, unsaved.bytes) == (2, 500)
     node.close(fh)
     assert node.t.status()["unsaved_files"] == 3
     # committing the directory and renaming the temporary file into place saves them

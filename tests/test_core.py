@@ -902,7 +902,7 @@ def test_filesystem_read_through_and_backpressure(fs):
     assert trio.run(fsys.write, res.fh, 0, b"y") == 1 and room.asked == [10, 1]
     fs.release(res.fh)
     assert fs.files.cached_bytes == 2 * len(data) + 10
-    assert fs.statistics()["files"]["cached_bytes"] == fs.files.cached_bytes
+    assert fs.statistics().files.cached_bytes == fs.files.cached_bytes
     assert fs.check_consistency() == []
 
 

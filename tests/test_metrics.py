@@ -373,10 +373,7 @@ def test_a_failing_collector_fails_the_scrape_once_logged(tmp_path, caplog):
     def snap():  # on the loop: a bug, then a fixed one
         if broken["on"]:
             raise RuntimeError("boom")
-        return {"io": {"reads": 0, "bytes_read": 0, "writes": 0, "bytes_written": 0},
-                "cache": {"bytes": 5, "evictions": 0, "evicted_bytes": 0},
-                "data_path": {"mode": "fuse"}, "fuse": {"requests": {"read": 1}, "errors": {}},
-                "tiering": None, "now_ns": time.time_ns(), "took_s": 0.0}
+        return _snapshot(cached_bytes=5, mode="fuse", requests={"read": 1})
 
     server = metrics.MetricsServer("127.0.0.1", 0, cache_dir=tmp_path, version="t")
     port = server.httpd.server_address[1]
@@ -406,29 +403,49 @@ def test_a_failing_collector_fails_the_scrape_once_logged(tmp_path, caplog):
         socket.create_connection(("127.0.0.1", port), timeout=5).close()
 
 
+def _zero(cls, **kw):
+    """A statistics dataclass with every field 0 but those in `kw`."""
+    return cls(**dict.fromkeys(cls.__dataclass_fields__, 0) | kw)
+
+
+def _snapshot(*, cached_bytes=0, mode="passthrough", requests=None, tiering=None):
+    """A metrics snapshot (ckptfs.metrics.Snapshot) as the loop would take it."""
+    import ckptfs.metrics as metrics
+    from cachemgr.core.passthrough import BackingStats
+    from ckptfs.fuse import RequestStats
+
+    return metrics.Snapshot(
+        reads=0, bytes_read=0, writes=0, bytes_written=0, cached_bytes=cached_bytes,
+        evictions=0, evicted_bytes=0, data_path=_zero(BackingStats, mode=mode, off_reason=None),
+        fuse=RequestStats(requests=requests or {}, errors={}), tiering=tiering,
+        now_ns=time.time_ns(), took_s=0.0)
+
+
 def test_failed_sets_are_gauges_of_their_own(tmp_path):
     """ckptfs_failed_sets / ckptfs_failed_bytes carry the unresolved failed sets of the
     snapshot (Engine.statistics: those no later commit replaced), apart from
     ckptfs_sets{state="failed"}, which counts every set that ever failed. (A set the store
     refuses on a real mount: tests/test_status.py.)"""
     import ckptfs.metrics as metrics
+    from cachemgr.core.sets import SetStats, Unsaved
+    from cachemgr.engine import EngineStats, SetTotals, StoreTotals
+    from cachemgr.restore.chunkfetch import ChunkStats
+    from cachemgr.tiering.lease import LeaseStats
+    from cachemgr.tiering.members import MemberStats
+    from cachemgr.tiering.uploadqueue import UploadQueueStats
 
-    tiering = {
-        "sets": {"by_state": {"durable": 3, "failed": 4}, "pending_files": 0,
-                 "pending_bytes": 0, "oldest_live_committed_ns": None, "failed_sets": 2,
-                 "failed_bytes": 12345, "unsaved_files": 3, "unsaved_bytes": 700,
-                 "unsaved": ["a.tmp"], "handed_files": 0},
-        "uploads": {"bytes": 0, "stored_bytes": 0, "parts": 0, "done": 0, "cancelled": 0,
-                    "running": 0, "queued": 0},
-        "restore": {"bytes": 0, "chunks": 0, "integrity_errors": 0, "damaged_cache_chunks": 0},
-        "store": {"requests": {}, "retries": {}, "errors": {}, "health": "normal",
-                  "consecutive_failures": 0},
-        "cache_size": None,
-    }
-    snap = {"io": {"reads": 0, "bytes_read": 0, "writes": 0, "bytes_written": 0},
-            "cache": {"bytes": 0, "evictions": 0, "evicted_bytes": 0},
-            "data_path": {"mode": "passthrough"}, "fuse": {"requests": {}, "errors": {}},
-            "tiering": tiering, "now_ns": time.time_ns(), "took_s": 0.0}
+    tiering = EngineStats(
+        sets=SetTotals(
+            sets=SetStats(by_state={"durable": 3, "failed": 4}, pending_files=0,
+                          pending_bytes=0, oldest_live_committed_ns=None),
+            failed_sets=2, failed_bytes=12345,
+            unsaved=Unsaved(files=3, bytes=700, paths=["a.tmp"], handed=0),
+            stuck_after_s=120.0, stuck_sets=0, stuck=[]),
+        store=StoreTotals(health="normal", consecutive_failures=0, retry=None),
+        uploads=_zero(UploadQueueStats), restore=_zero(ChunkStats), cache_size=None,
+        members=_zero(MemberStats, lease=_zero(LeaseStats, last_lapse=None)), peers=None,
+        services=None)  # families reads no service's own statistics
+    snap = _snapshot(tiering=tiering)
     fams = {f.name: f for f in metrics.families(snap, tmp_path)}
     for name, want in (("ckptfs_failed_sets", 2), ("ckptfs_failed_bytes", 12345),
                        ("ckptfs_unsaved_files", 3), ("ckptfs_unsaved_bytes", 700)):

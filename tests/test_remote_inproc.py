@@ -982,10 +982,10 @@ def test_sync_applies_valid_sets_and_skips_invalid_ones_once(caplog, trees, bad,
             assert _namespace_inodes(h.core) == 2 + sum(
                 1 + len(expected_tree(_normalised(m))) if m["kind"] == "dir" else 1
                 for m, _e in valid)
-            st_ = h.remote.status()
-            assert st_["invalid_count"] == len(invalid)
-            assert set(st_["invalid_manifests"]) == set(invalid)
-            assert st_["not_restored"] == {} and st_["restored_sets"] == len(valid)
+            st_ = h.remote.statistics()
+            assert st_.invalid_count == len(invalid)
+            assert set(st_.invalid_manifests) == set(invalid)
+            assert st_.not_restored == {} and st_.restored_sets == len(valid)
             for key in invalid:
                 assert len(_skips(caplog, key)) == 1, key
             assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
@@ -995,8 +995,8 @@ def test_sync_applies_valid_sets_and_skips_invalid_ones_once(caplog, trees, bad,
             logged = len(caplog.records)
             h.sync()  # logged once, not at every listing; nothing applied again
             assert caplog.records[logged:] == []
-            assert h.remote.status()["invalid_count"] == len(invalid)
-            assert h.remote.status()["restored_sets"] == len(valid)
+            assert h.remote.statistics().invalid_count == len(invalid)
+            assert h.remote.statistics().restored_sets == len(valid)
         finally:
             h.close()
 
@@ -1012,18 +1012,18 @@ def test_invalid_manifest_is_logged_again_only_when_it_changes(h, caplog):
     h.sync()
     h.sync()
     assert len(_skips(caplog, key)) == 2
-    assert h.remote.status()["invalid_count"] == 1
+    assert h.remote.statistics().invalid_count == 1
     m = h.manifest("ckpt/a", {"x": b"123"})
     etag = h.publish(m)  # fixed: applied, no longer counted
     h.sync()
     assert_set_restored(h, _normalised(m), etag)
-    assert h.remote.status()["invalid_count"] == 0
+    assert h.remote.statistics().invalid_count == 0
     h.put(mf.manifest_key("ckpt/b"), b"{}")
     h.sync()
-    assert h.remote.status()["invalid_count"] == 1
+    assert h.remote.statistics().invalid_count == 1
     h.delete(mf.manifest_key("ckpt/b"))  # gone from the store: forgotten
     h.sync()
-    assert h.remote.status()["invalid_count"] == 0
+    assert h.remote.statistics().invalid_count == 0
     assert len(_skips(caplog)) == 3
 
 
@@ -1041,7 +1041,7 @@ def test_long_names_use_hashed_keys_and_bad_hashed_documents_are_skipped(h, capl
     h.sync()
     assert_set_restored(h, _normalised(m), etag)
     assert resolve(h.core, "ckpt/short") is None
-    assert h.remote.status()["invalid_count"] == 2
+    assert h.remote.statistics().invalid_count == 2
     assert len(_skips(caplog)) == 2
 
 
@@ -1061,7 +1061,7 @@ def test_a_manifest_over_the_size_limit_is_not_read(h, caplog, monkeypatch):
     h.sync()
     h.sync()
     assert got == [] and resolve(h.core, "ckpt/big") is None
-    assert h.remote.status()["invalid_count"] == 1 and len(_skips(caplog)) == 1
+    assert h.remote.statistics().invalid_count == 1 and len(_skips(caplog)) == 1
 
 
 def test_invalid_replacement_leaves_the_restored_set(h, caplog):
@@ -1075,7 +1075,7 @@ def test_invalid_replacement_leaves_the_restored_set(h, caplog):
     h.put(mf.manifest_key("ckpt/s"), json.dumps(bad).encode())
     h.sync()
     assert_set_restored(h, _normalised(m), etag)
-    assert h.remote.status()["invalid_count"] == 1
+    assert h.remote.statistics().invalid_count == 1
 
 
 def test_a_set_whose_manifest_left_the_store_is_removed(h):
@@ -1089,7 +1089,7 @@ def test_a_set_whose_manifest_left_the_store_is_removed(h):
     h.sync()
     assert resolve(h.core, "ckpt/gone") is None and h.sets.get(seq).state == "deleted"
     assert_set_restored(h, _normalised(keep), etag)
-    assert h.remote.status()["removed_sets"] == 1
+    assert h.remote.statistics().removed_sets == 1
     assert memory_problems(h.core) == [] and h.core.check_consistency() == []
 
 
@@ -1118,7 +1118,7 @@ def test_a_removal_that_fails_does_not_stop_the_listing(h, caplog):
     h.sync()
     a = h.sets.newest_at("ckpt/a")
     assert a.state == "durable" and resolve(h.core, "ckpt/a") == a.root_ino
-    assert "ckpt/a" in h.remote.status()["not_restored"]
+    assert "ckpt/a" in h.remote.statistics().not_restored
     assert resolve(h.core, "ckpt/b") is None and h.sets.newest_at("ckpt/b").state == "deleted"
     assert_set_restored(h, _normalised(late), etag)
     assert h.remote.syncs == 3
@@ -1128,7 +1128,7 @@ def test_a_removal_that_fails_does_not_stop_the_listing(h, caplog):
     armed[0] = False
     h.sync()
     assert resolve(h.core, "ckpt/a") is None and h.sets.get(a.seq).state == "deleted"
-    assert h.remote.status()["not_restored"] == {}
+    assert h.remote.statistics().not_restored == {}
     assert memory_problems(h.core) == [] and h.core.check_consistency() == []
 
 
@@ -1221,8 +1221,8 @@ def test_failed_apply_changes_nothing(tmp_path, caplog, n, exc, refs, then):
     assert fault.raised == 1
 
     # Nothing of the apply is left: index, memory, cache files, set registry.
-    assert "ckpt/step" in h.remote.status()["not_restored"]
-    assert h.remote.status()["restored_sets"] == 1
+    assert "ckpt/step" in h.remote.statistics().not_restored
+    assert h.remote.statistics().restored_sets == 1
     assert resolve(h.core, "ckpt/step") == root and tree(h.core, root) == tree_before
     assert {rel: resolve(h.core, "ckpt/step/" + rel) for rel in tree_before} == inos
     assert _memory(h.core, watched) == before
@@ -1255,7 +1255,7 @@ def test_failed_apply_changes_nothing(tmp_path, caplog, n, exc, refs, then):
     assert [r for r in caplog.records[logged:] if r.levelno >= logging.WARNING] == []
     assert_set_restored(h, _normalised(m2), etag2)
     assert h.sets.get(seq1).state == "replaced"
-    assert "ckpt/step" not in h.remote.status()["not_restored"]
+    assert "ckpt/step" not in h.remote.statistics().not_restored
     if then == "retry" and refs:
         # Replaced entries the kernel still knows stay (unlinked) until it forgets them.
         for rel in ("a.bin", "sub", "sub/c.bin", "ln"):

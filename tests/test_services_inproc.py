@@ -53,6 +53,7 @@ from cachemgr.store import (
     StoreError,
     TransientStoreError,
 )
+from cachemgr.tiering.progress import FailedSet
 from cachemgr.transfer.upload import TransferConfig
 from tests.faultstore import FaultyStore
 
@@ -555,23 +556,23 @@ def test_a_failed_set_is_at_risk_until_its_path_is_committed_again(node, store):
     node.write("run/x/a.pt", b"a" * 3000)
     node.write("gone.pt", b"g" * 1000)
 
-    def failed() -> dict[str, dict]:
-        return {f["path"]: f for f in node.t.progress.failed_sets()}
+    def failed() -> dict[str, FailedSet]:
+        return {f.path: f for f in node.t.progress.failed_sets()}
 
     async def body():
         await until(lambda: len(failed()) == 3, "the three sets to fail")
         got = failed()
-        assert {p: f["bytes"] for p, f in got.items()} == {
+        assert {p: f.bytes for p, f in got.items()} == {
             "model.pt": 5000, "run/x/a.pt": 3000, "gone.pt": 1000}
         for f in got.values():
-            assert f["error"].startswith("the store refused its manifest: AccessDenied"), f
-            assert node.sets.get(f["seq"]).state == "failed"
+            assert f.error.startswith("the store refused its manifest: AccessDenied"), f
+            assert node.sets.get(f.seq).state == "failed"
         st = node.t.status()
         assert st["failed_sets"] == 3 and st["failed_bytes"] == 9000
         assert [f["path"] for f in st["failed"]] == ["model.pt", "run/x/a.pt", "gone.pt"]
         assert st["pending_sets"] == 0 and st["pending_bytes"] == 0
-        stats = node.t.statistics()["sets"]
-        assert stats["failed_sets"] == 3 and stats["failed_bytes"] == 9000
+        stats = node.t.statistics().sets
+        assert stats.failed_sets == 3 and stats.failed_bytes == 9000
         # A wait on the set, and on a directory over it (not itself a set), says failed.
         r = await node.t.wait("model.pt", 5)
         assert r["state"] == "failed" and "refused its manifest" in r["error"], r
@@ -592,9 +593,9 @@ def test_a_failed_set_is_at_risk_until_its_path_is_committed_again(node, store):
         assert failed() == {}
         st = node.t.status()
         assert (st["failed_sets"], st["failed_bytes"], st["failed"]) == (0, 0, [])
-        stats = node.t.statistics()["sets"]
-        assert (stats["failed_sets"], stats["failed_bytes"]) == (0, 0)
-        assert stats["by_state"]["failed"] == 3  # the history stays; none is at risk
+        stats = node.t.statistics().sets
+        assert (stats.failed_sets, stats.failed_bytes) == (0, 0)
+        assert stats.sets.by_state["failed"] == 3  # the history stays; none is at risk
         assert (await node.t.wait("model.pt", 5))["state"] == "durable"
         r = await node.t.wait("run", 5)
         assert r["state"] == "durable", r
@@ -612,14 +613,14 @@ def stuck(node: Node) -> dict[str, dict]:
     """The stuck sets status names, by path; status' count agrees, and the metrics' statistics
     (taken a moment later: a set may have passed the threshold since) name them too."""
     st = node.t.status(stuck_after=STUCK)
-    stats = node.t.statistics(stuck_after=STUCK)["sets"]
+    stats = node.t.statistics(stuck_after=STUCK).sets
     assert st["stuck_sets"] == len(st["stuck"]), st["stuck"]
-    assert stats["stuck_sets"] == len(stats["stuck"]) >= st["stuck_sets"], stats
-    shown = {x["seq"]: x for x in stats["stuck"]}
+    assert stats.stuck_sets == len(stats.stuck) >= st["stuck_sets"], stats
+    shown = {x.seq: x for x in stats.stuck}
     for x in st["stuck"]:
-        assert (shown[x["seq"]]["path"], shown[x["seq"]]["committed_ns"]) == \
+        assert (shown[x["seq"]].path, shown[x["seq"]].committed_ns) == \
             (x["path"], x["committed_ns"]), (x, shown)
-        assert shown[x["seq"]]["waits_for"] and shown[x["seq"]]["why"], shown
+        assert shown[x["seq"]].waits_for and shown[x["seq"]].why, shown
     for x in st["stuck"]:
         assert x["state"] in ("committed", "uploading") and x["age_s"] >= STUCK, x
         assert x["why"] and "\n" not in x["why"], x
@@ -661,7 +662,7 @@ def test_a_set_stuck_behind_a_held_upload_is_named_whatever_its_position(node, s
         assert c["why"].startswith(f"published after set {old} (old.pt, uploading),"
                                    " committed before it (commit order); the oldest pending"
                                    f" set, {old} (old.pt), waits for: 1 of 1 file(s)"), c
-        assert node.t.statistics(stuck_after=STUCK)["sets"]["stuck"][0]["path"] == "old.pt"
+        assert node.t.statistics(stuck_after=STUCK).sets.stuck[0].path == "old.pt"
         gate.set()
         await until(node.quiet, "both sets to settle")
         assert stuck(node) == {}
@@ -870,17 +871,17 @@ def test_ensure_range_fills_only_the_chunks_a_range_needs(tmp_path, node, store)
         ino = other.core.index.resolve("model.pt")
         assert ino is not None and other.core.cache.residency.needs_fetch(ino)
         r = other.t.restorer
-        before = r.status()["chunks_fetched"]
+        before = r.statistics().chunks.chunks_fetched
         off, size = 2 * CHUNK + 10, CHUNK  # spans chunks 2 and 3
         trio.run(functools.partial(r.ensure_range, ino, off, size))
-        assert r.status()["chunks_fetched"] - before == 2
+        assert r.statistics().chunks.chunks_fetched - before == 2
         fh = other.core.open(ino, os.O_RDONLY).fh
         assert other.core.read(fh, off, size) == data[off:off + size]
         other.core.release(fh)
         assert other.core.cache.residency.needs_fetch(ino)  # the rest is still in the store
         assert other.core.check_consistency() == []
         trio.run(r.ensure_all, ino)
-        assert r.status()["chunks_fetched"] - before == 6
+        assert r.statistics().chunks.chunks_fetched - before == 6
         fh = other.core.open(ino, os.O_RDONLY).fh
         assert other.core.read(fh, 0, len(data) + 1) == data
         other.core.release(fh)
@@ -938,18 +939,18 @@ def test_a_listing_is_applied_as_one_step_and_removals_follow_the_store(tmp_path
                 await until(lambda: ("get", manifest_key("one")) in store.log, "one's read")
                 # one's manifest is read, two's is not: nothing of the listing shows yet
                 assert other.core.index.resolve("one") is None
-                assert other.t.remote.status()["syncs"] == 0
+                assert other.t.remote.statistics().syncs == 0
                 gate.set()
             assert other.core.index.resolve("one") is not None
             assert other.core.index.resolve("two") is not None
         trio.run(body)
-        assert other.t.remote.status()["restored_sets"] == 2
+        assert other.t.remote.statistics().restored_sets == 2
 
         trio.run(store.delete, manifest_key("one"))  # as another node's unpublish does
         trio.run(other.t.remote.sync_once)
         assert other.core.index.resolve("one") is None
         assert other.core.index.resolve("two") is not None
-        assert other.t.remote.status()["removed_sets"] == 1
+        assert other.t.remote.statistics().removed_sets == 1
         assert other.core.check_consistency() == []
     finally:
         other.core.close()

@@ -72,14 +72,14 @@ def test_sendfile_round_trip(s3_bucket, tmp_path, size):
     assert up.stats.native == 1 and up.stats.parts == 0
     assert store.stats.by_op.get("put_file") == 1 and "put" not in store.stats.by_op
     d = s3.data_statistics()
-    assert d["client"] == "sendfile" and d["restores_by"] == "boto3"
-    assert d["put_bytes"] == size and d["puts"] == 1 and d["errors"] == {}
+    assert d.client == "sendfile" and d.restores_by == "boto3"
+    assert d.put_bytes == size and d.puts == 1 and d.errors == {}
     head = s3_client(endpoint).head_object(Bucket=bucket, Key="p/data/f")
     if size > 5 * MiB:
-        assert d["parts"] == 3
+        assert d.parts == 3
         assert head["ETag"].strip('"').endswith("-3"), head["ETag"]
     else:
-        assert d["parts"] == 0 and "-" not in head["ETag"]
+        assert d.parts == 0 and "-" not in head["ETag"]
     assert s3_client(endpoint).get_object(Bucket=bucket, Key="p/data/f")["Body"].read() == data
 
 
@@ -107,14 +107,14 @@ def test_each_part_waits_for_the_trainer_before_it_goes(s3_bucket, tmp_path):
                 with trio.fail_after(30):
                     await all_held.wait()
                 st = s3.data_statistics()
-                assert st["parts"] == 0 and st["put_bytes"] == 0, st
+                assert st.parts == 0 and st.put_bytes == 0, st
                 go_on.set()
         finally:
             os.close(fd)
 
     trio.run(main)
     assert sorted(asked) == [2 * MiB + 4097, 5 * MiB, 5 * MiB]
-    assert s3.data_statistics()["parts"] == 3
+    assert s3.data_statistics().parts == 3
     assert s3_client(endpoint).get_object(Bucket=bucket, Key="p/data/p")["Body"].read() == data
 
 
@@ -338,7 +338,7 @@ def test_the_callers_cancellation_ends_a_put_at_once(s3_bucket, tmp_path):
         took = trio.run(go)
         assert proxy.hung() >= 1
     assert took < 3, took
-    assert s3.data_statistics()["cancelled"] == 3
+    assert s3.data_statistics().cancelled == 3
 
 
 def test_a_pooled_connection_the_store_closed_is_replaced(s3_bucket, tmp_path):
@@ -363,7 +363,7 @@ def test_a_pooled_connection_the_store_closed_is_replaced(s3_bucket, tmp_path):
         s3.plain._idle[0].shutdown(0)  # SHUT_RD: the next recv reads the end at once
         trio.run(put, "data/b")
     st = s3.data_statistics()
-    assert st["reconnects"] == 1 and st["errors"] == {}, st
+    assert st.reconnects == 1 and st.errors == {}, st
     assert s3_client(endpoint).get_object(Bucket=bucket, Key="p/data/b")["Body"].read() == data
 
 

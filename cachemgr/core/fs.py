@@ -57,7 +57,7 @@ import contextlib
 import errno
 import os
 from collections.abc import Iterator
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -65,8 +65,9 @@ import trio
 
 from cachemgr.core.cache import Cache
 from cachemgr.core.errors import FsError
-from cachemgr.core.fileops import FileOps
-from cachemgr.core.handles import Handle, Handles, OpenResult
+from cachemgr.core.filecache import FileCacheStats
+from cachemgr.core.fileops import FileOps, IoStats
+from cachemgr.core.handles import Handle, Handles, HandleStats, OpenResult
 from cachemgr.core.hooks import (
     NO_HOOKS,
     NO_LIMIT,
@@ -75,10 +76,25 @@ from cachemgr.core.hooks import (
     ReadThrough,
     Room,
 )
-from cachemgr.core.inodes import Caller, Inode, retrying
+from cachemgr.core.inodes import Caller, Inode, InodeStats, retrying
 from cachemgr.core.namespace import Namespace
 from cachemgr.core.passthrough import Backings
+from cachemgr.core.rawtree import ResidencyStats
+from cachemgr.core.xattrs import XattrStats
 from cachemgr.host.foreground import Foreground
+
+
+@dataclass(frozen=True, slots=True)
+class CacheFsStats:
+    """`CacheFs.statistics()`: the counters of every owner in the core (`dataclasses.asdict`
+    for JSON)."""
+
+    inodes: InodeStats
+    handles: HandleStats
+    files: FileCacheStats
+    xattrs: XattrStats
+    io: IoStats
+    residency: ResidencyStats
 
 
 class CacheFs:
@@ -226,8 +242,9 @@ class CacheFs:
     def statfs(self) -> os.statvfs_result:
         return os.statvfs(self.cache_dir)
 
-    def status(self) -> dict[str, Any]:
-        """A snapshot for `ckptfs status`: what the cache holds and what the data path did."""
+    def status(self) -> dict[str, object]:
+        """A snapshot for `ckptfs status` (a JSON document): what the cache holds and what the
+        data path did."""
         totals = self.index.totals()
         # Files being written: their in-memory size is newer than the index's.
         for node in self.table.loaded():
@@ -237,7 +254,7 @@ class CacheFs:
                 if row is not None:
                     totals["bytes"] += node.size - row[4]
         st = os.statvfs(self.cache_dir)
-        out: dict[str, Any] = {
+        out: dict[str, object] = {
             "cache": {**totals, "open_handles": len(self.handles),
                       "cached_bytes": self.files.cached_bytes,
                       "evictions": self.stats.evictions,
@@ -246,18 +263,16 @@ class CacheFs:
                       "disk_total_bytes": st.f_blocks * st.f_frsize},
             "io": asdict(self.fileops.statistics()),
             "data_path": asdict(self.backings.statistics()),
-            "core": self.statistics(),
+            "core": asdict(self.statistics()),
         }
         return out
 
-    def statistics(self) -> dict[str, Any]:
+    def statistics(self) -> CacheFsStats:
         """Counters of every owner in the core (loop thread)."""
-        return {"inodes": asdict(self.table.statistics()),
-                "handles": asdict(self.handles.statistics()),
-                "files": asdict(self.files.statistics()),
-                "xattrs": asdict(self.xattrs.statistics()),
-                "io": asdict(self.fileops.statistics()),
-                "residency": asdict(self.cache.residency.statistics())}
+        return CacheFsStats(inodes=self.table.statistics(), handles=self.handles.statistics(),
+                            files=self.files.statistics(), xattrs=self.xattrs.statistics(),
+                            io=self.fileops.statistics(),
+                            residency=self.cache.residency.statistics())
 
     def check_consistency(self) -> list[str]:
         """The problems `fsck.check` finds in index and cache files (empty: consistent)."""

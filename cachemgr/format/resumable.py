@@ -28,7 +28,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, TypedDict, cast
 
 from cachemgr.format import decode as decoding
 from cachemgr.format.decode import ChunkDecoder, DecodeError, Layout, stream_chunk
@@ -52,7 +52,25 @@ from cachemgr.format.restoreto import (
 from cachemgr.format.storeread import Manifest, checked
 from cachemgr.format.views import Reader, StoreView
 
-ProgressFn = Callable[[dict[str, int]], None]
+
+class RestoreProgress(TypedDict):
+    """What `restore_resumable` has done so far (its `progress` callback gets copies)."""
+
+    bytes_total: int
+    bytes_done: int       # verified in place: fetched, or already there
+    bytes_fetched: int
+    files_total: int
+    files_done: int
+
+
+class RestoreResult(RestoreProgress):
+    """`restore_resumable`'s answer: the totals, where the set went, and how long it took."""
+
+    target: Path
+    seconds: float
+
+
+ProgressFn = Callable[[RestoreProgress], None]
 
 # # Layout in DEST (all of it inside DEST, nothing else is ever written):
 #
@@ -609,8 +627,9 @@ class _Progress:
     """The numbers `progress` gets: counted by the workers under a lock, handed out as copies."""
 
     def __init__(self, m: Manifest, progress: ProgressFn | None) -> None:
-        self.snap = {"bytes_total": m["total_bytes"], "bytes_done": 0, "bytes_fetched": 0,
-                     "files_total": len(m["files"]), "files_done": 0}
+        self.snap: RestoreProgress = {
+            "bytes_total": m["total_bytes"], "bytes_done": 0, "bytes_fetched": 0,
+            "files_total": len(m["files"]), "files_done": 0}
         self._lock = threading.Lock()
         self._progress = progress
 
@@ -623,7 +642,7 @@ class _Progress:
     def tick(self) -> None:
         if self._progress is not None:
             with self._lock:
-                s = dict(self.snap)
+                s = self.snap.copy()
             self._progress(s)
 
 
@@ -660,9 +679,12 @@ class _Resumable:
         # set the parent)
         self.sfd = self.pfd = self.wfd = self.root_fd = -1
 
-    def result(self) -> dict[str, Any]:
+    def result(self) -> RestoreResult:
         self.progress.tick()
-        return {**self.progress.snap, "target": Path(os.fsdecode(self.target)),
+        snap = self.progress.snap
+        return {"bytes_total": snap["bytes_total"], "bytes_done": snap["bytes_done"],
+                "bytes_fetched": snap["bytes_fetched"], "files_total": snap["files_total"],
+                "files_done": snap["files_done"], "target": Path(os.fsdecode(self.target)),
                 "seconds": time.monotonic() - self.t0}
 
     def open(self) -> _State:
@@ -856,7 +878,7 @@ class _Resumable:
 
 def restore_resumable(view: StoreView, m: Manifest, dest: Path, *, overwrite: bool = False,
                       workers: int = DEFAULT_WORKERS,
-                      progress: ProgressFn | None = None) -> dict[str, Any]:
+                      progress: ProgressFn | None = None) -> RestoreResult:
     """Restore set `m` at DEST/<set path> with up to `workers` ranged reads in flight, resuming
     whatever an earlier run into the same DEST left, and repairing a target an earlier run
     restored (see the layout comment above). Every path is resolved inside DEST without

@@ -34,8 +34,8 @@ from __future__ import annotations
 
 import errno
 import logging
-from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -195,9 +195,3 @@ class Restorer:
 
     def statistics(self) -> RestoreStats:
         return RestoreStats(chunks=self.chunks.statistics(), prefetch=self.prefetch.statistics())
-
-    def status(self) -> dict[str, Any]:
-        """`ckptfs status`'s "restore": the chunk fetcher's and the prefetcher's statistics
-        side by side."""
-        s = self.statistics()
-        return {**asdict(s.chunks), **asdict(s.prefetch)}

@@ -23,7 +23,7 @@ import errno
 import ipaddress
 import logging
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import crc32c as _crc32c
@@ -226,6 +226,28 @@ class RetryStats:
     errors: dict[tuple[str, str], int] = field(default_factory=dict)
 
 
+@dataclass(frozen=True, slots=True)
+class DataClientStats:
+    """`ObjectStore.data_statistics()`: which client moves data bytes (`client`: sendfile,
+    crt, boto3, local) and its counters, None where that client has none (`as_json` leaves
+    those out)."""
+
+    client: str
+    restores_by: str | None = None   # sendfile and crt: what reads objects back
+    why: str | None = None           # boto3: why the native client is off
+    puts: int | None = None
+    put_bytes: int | None = None
+    parts: int | None = None         # sendfile: parts sent
+    gets: int | None = None          # crt
+    get_bytes: int | None = None
+    cancelled: int | None = None
+    reconnects: int | None = None    # sendfile
+    errors: dict[str, int] | None = None
+
+    def as_json(self) -> dict[str, object]:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+
 class ObjectStore(abc.ABC):
     """Async object store. Implementations must be safe to call from many trio tasks at once."""
 
@@ -339,9 +361,9 @@ class ObjectStore(abc.ABC):
         by boto3), "boto3", "local" (file://)."""
         return "local"
 
-    def data_statistics(self) -> dict[str, Any]:
+    def data_statistics(self) -> DataClientStats:
         """For status: which client moves data bytes (as `data_path`) and its counters."""
-        return {"client": self.data_path}
+        return DataClientStats(client=self.data_path)
 
     def retry_statistics(self) -> RetryStats | None:
         """For status and metrics: the retry layer's counters (a RetryingStore in the stack,

@@ -63,6 +63,7 @@ from cachemgr.store import crt
 from cachemgr.store.base import (
     PROBE_PREFIX,
     ConditionalWrites,
+    DataClientStats,
     DeadlineExceeded,
     Deadlines,
     NotFound,
@@ -272,19 +273,21 @@ class S3Store(ObjectStore):
         await self.crt.get_file(key, self._fd_path(fd), start, length,
                                 self.deadlines.data(length))
 
-    def data_statistics(self) -> dict[str, Any]:
+    def data_statistics(self) -> DataClientStats:
         """For status: which client moves data bytes, and its counters."""
         if self.plain is not None:
             ps = self.plain.stats
-            return {"client": "sendfile", "restores_by": "boto3", "puts": ps.puts,
-                    "put_bytes": ps.put_bytes, "parts": ps.parts, "cancelled": ps.cancelled,
-                    "reconnects": ps.reconnects, "errors": dict(ps.errors)}
+            return DataClientStats(client="sendfile", restores_by="boto3", puts=ps.puts,
+                                   put_bytes=ps.put_bytes, parts=ps.parts,
+                                   cancelled=ps.cancelled, reconnects=ps.reconnects,
+                                   errors=dict(ps.errors))
         if self.crt is None:
-            return {"client": "boto3", "why": self.crt_off_reason}
+            return DataClientStats(client="boto3", why=self.crt_off_reason)
         st = self.crt.stats
-        return {"client": "crt", "restores_by": "crt" if self._native_gets else "boto3",
-                "puts": st.puts, "put_bytes": st.put_bytes, "gets": st.gets,
-                "get_bytes": st.get_bytes, "cancelled": st.cancelled, "errors": dict(st.errors)}
+        return DataClientStats(client="crt", restores_by="crt" if self._native_gets else "boto3",
+                               puts=st.puts, put_bytes=st.put_bytes, gets=st.gets,
+                               get_bytes=st.get_bytes, cancelled=st.cancelled,
+                               errors=dict(st.errors))
 
     @property
     def conditional(self) -> ConditionalWrites | None:

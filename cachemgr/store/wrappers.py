@@ -25,6 +25,7 @@ import trio
 
 from cachemgr.store.base import (
     ConditionalWrites,
+    DataClientStats,
     DeadlineExceeded,
     ObjectInfo,
     ObjectStore,
@@ -139,7 +140,7 @@ class _Wrapper(ObjectStore):
     def data_path(self) -> str:
         return self.inner.data_path
 
-    def data_statistics(self) -> dict[str, Any]:
+    def data_statistics(self) -> DataClientStats:
         return self.inner.data_statistics()
 
     def retry_statistics(self) -> RetryStats | None:

@@ -33,6 +33,7 @@ from cachemgr.format import names
 from cachemgr.format.dcp import storage_files
 from cachemgr.store import ObjectStore, StoreError
 from cachemgr.tiering.parts import read_records
+from cachemgr.tiering.progress import WaitingFor
 
 if TYPE_CHECKING:
     from cachemgr.core.filecache import FileCache
@@ -72,7 +73,7 @@ class Gatherer:
         self.commit_timeout = commit_timeout
         self.gather_poll = gather_poll
         self._foreign: dict[int, list[dict[str, Any]]] = {}
-        self._waiting: dict[int, dict[str, Any]] = {}
+        self._waiting: dict[int, WaitingFor] = {}
         self._gathering: set[int] = set()
 
     # -- for the publisher --------------------------------------------------------------------
@@ -96,7 +97,7 @@ class Gatherer:
         self._waiting.pop(seq, None)
         self._foreign.pop(seq, None)
 
-    def waiting(self, seq: int) -> dict[str, Any] | None:
+    def waiting(self, seq: int) -> WaitingFor | None:
         """What set `seq` waits for, for status (None: nothing)."""
         return self._waiting.get(seq)
 
@@ -237,11 +238,12 @@ class Gatherer:
                 return foreign
             waited = (time.time_ns() - s.committed_ns) / 1e9
             nodes = sorted({e["node"] for e in foreign.values()})
-            self._waiting[seq] = {"files": waiting[:50], "missing": len(waiting),
-                                  "nodes_seen": nodes, "waited_s": round(waited, 1),
-                                  "timeout_s": self.commit_timeout}
+            w: WaitingFor = {"files": waiting[:50], "missing": len(waiting),
+                             "nodes_seen": nodes, "waited_s": round(waited, 1),
+                             "timeout_s": self.commit_timeout}
             if unacked:
-                self._waiting[seq]["acks_from"] = unacked[:50]
+                w["acks_from"] = unacked[:50]
+            self._waiting[seq] = w
             if waited >= self.commit_timeout:
                 what = (f"{len(waiting)} file(s) from other nodes: {', '.join(waiting[:10])}"
                         if not unacked else

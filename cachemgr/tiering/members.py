@@ -160,7 +160,7 @@ class MemberStats:
     intents_written: int
     intents_open: int
 
-    def as_json(self) -> dict[str, Any]:
+    def as_json(self) -> dict[str, object]:
         return {**asdict(self.lease), "acks_sent": self.acks_sent,
                 "acks_ignored": self.acks_ignored, "intents_written": self.intents_written,
                 "intents_open": self.intents_open}
@@ -443,9 +443,6 @@ class Members:
     def commit_acks(self, seq: int, path: str, roots: list[str]) -> CommitAcks:
         return CommitAcks(self, seq, path, roots)
 
-    def status(self) -> dict[str, Any]:
-        """`ckptfs status`'s "members" (statistics())."""
-        return self.statistics().as_json()
 
     def statistics(self) -> MemberStats:
         return MemberStats(lease=self.lease.statistics(), acks_sent=self.acks_sent,

@@ -74,7 +74,7 @@ import logging
 import stat
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import trio
@@ -423,9 +423,6 @@ class PartPublisher:
                          dirty=len(self.pending()), failed_passes=self.syncs_failed,
                          last_error=self.last_error)
 
-    def status(self) -> dict[str, Any]:
-        """`ckptfs status`'s "parts" (statistics())."""
-        return asdict(self.statistics())
 
 
 async def read_records(store: ObjectStore, path: str, self_node: str,

@@ -28,7 +28,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NotRequired, TypedDict
 
 import trio
 
@@ -40,10 +40,83 @@ if TYPE_CHECKING:
     from cachemgr.core.index import Index
     from cachemgr.core.inodes import InodeTable
     from cachemgr.tiering.signals import Signals, StoreHealth
+    from cachemgr.tiering.uploadqueue import UploadQueueStats
 
 log = logging.getLogger(__name__)
 
-Reply = dict[str, Any]
+# `ckptfs wait`'s answer, sent to the CLI as JSON: {"state", "seq", "path", "error"}, and for
+# a directory what it waited for (docs/SEMANTICS.md "Waiting")
+Reply = dict[str, object]
+
+
+class WaitingFor(TypedDict):
+    """What a set waits for from other nodes (cachemgr.tiering.gather): status "waiting_for"."""
+
+    files: list[str]          # the first 50 of them
+    missing: int
+    nodes_seen: list[str]
+    waited_s: float
+    timeout_s: float
+    acks_from: NotRequired[list[str]]  # nodes whose acknowledgement it waits for (first 50)
+
+
+class SetStatusRow(TypedDict):
+    """One set as `ckptfs status` shows it (`Progress.set_rows`); the optional fields are
+    there when they apply."""
+
+    seq: int
+    path: str
+    kind: str
+    state: str
+    reason: str | None
+    files: int
+    bytes: int
+    bytes_uploaded: int
+    committed_ns: int
+    durable_ns: int | None
+    error: str | None
+    origin: str
+    waiting_for: NotRequired[WaitingFor]   # other nodes' files or acknowledgements
+    after_set: NotRequired[int]            # published once that set is (commit order)
+    replicas: NotRequired[int]             # --replicas: buddies holding it
+    replicated: NotRequired[bool]
+    # a stuck set (`Progress.stuck_sets`): its age, what it waits for and why, and the head of
+    # the queue it is in
+    age_s: NotRequired[float]
+    waits_for: NotRequired[str]
+    why: NotRequired[str]
+    behind_set: NotRequired[int]
+    head_waits_for: NotRequired[str]
+
+
+@dataclass(frozen=True, slots=True)
+class FailedSet:
+    """`Progress.failed_sets`: a failed set still at risk (`dataclasses.asdict` for JSON)."""
+
+    seq: int
+    path: str
+    bytes: int
+    error: str | None
+    committed_ns: int
+
+
+@dataclass(frozen=True, slots=True)
+class StuckSet:
+    """A stuck set as metrics name it (`Progress.stuck_sets`' row, its first fields)."""
+
+    seq: int
+    path: str
+    state: str
+    committed_ns: int
+    age_s: float
+    waits_for: str
+    why: str
+
+    @classmethod
+    def of(cls, row: SetStatusRow) -> StuckSet:
+        return cls(seq=row["seq"], path=row["path"], state=row["state"],
+                   committed_ns=row["committed_ns"], age_s=row.get("age_s", 0.0),
+                   waits_for=row.get("waits_for", "unknown"), why=row.get("why", ""))
 
 # Set states in which a set no longer holds its path's content: a directory that held one
 # of these and was written file by file since is waited for as a directory (`Progress.wait`).
@@ -98,7 +171,7 @@ def stuck_after(commit_timeout: float) -> float:
 class Probes:
     """What `Progress.stuck_sets` asks the services Progress is not built with
     (cachemgr.engine hands them in per call; each is read, never changed)."""
-    uploads: dict[str, Any]                   # UploadQueue.status(): queued, running, rate
+    uploads: UploadQueueStats                 # queued, running, rate
     health: StoreHealth                       # consecutive failures, last error
     gathering: Callable[[int], bool]          # Gatherer.gathering: a gather task runs for seq
     publish_queued: Callable[[int], int | None]  # Publisher.publish_queued: events ahead of it
@@ -116,7 +189,7 @@ class Progress:
     """Waits and per-set progress (see the module docstring)."""
 
     def __init__(self, *, table: InodeTable, index: Index, sets: SetRegistry, signals: Signals,
-                 waiting_for: Callable[[int], dict[str, Any] | None],
+                 waiting_for: Callable[[int], WaitingFor | None],
                  blocked_by: Callable[[int], int | None]) -> None:
         self.table = table
         self.index = index
@@ -139,7 +212,7 @@ class Progress:
 
     # -- status -------------------------------------------------------------------------------
 
-    def set_rows(self, limit: int) -> tuple[list[dict[str, Any]], int]:
+    def set_rows(self, limit: int) -> tuple[list[SetStatusRow], int]:
         """The `limit` most recent sets as status shows them, and the bytes of live sets not
         uploaded yet."""
         sets = []
@@ -151,20 +224,20 @@ class Progress:
             sets.append(row)
         return sets, pending
 
-    def _row(self, s: SetRow, files: list[tuple[Any, ...]]) -> dict[str, Any]:
+    def _row(self, s: SetRow, files: list[tuple[Any, ...]]) -> SetStatusRow:
         """Set `s` (with its `files`) as status shows it: progress, what it waits for
         (cachemgr.tiering.gather) and the set it is published after (cachemgr.tiering.publish)."""
         total = sum(f[3] for f in files)
         done = sum(json.loads(f[6])["size"] for f in files if f[6])
-        row = {"seq": s.seq, "path": s.path, "kind": s.kind, "state": s.state,
+        row: SetStatusRow = {"seq": s.seq, "path": s.path, "kind": s.kind, "state": s.state,
                "reason": s.reason, "files": len(files), "bytes": total,
                "bytes_uploaded": done, "committed_ns": s.committed_ns,
                "durable_ns": s.durable_ns, "error": s.error, "origin": s.origin}
         waiting = self._waiting_for(s.seq)
         if waiting is not None:
             # waited_s as of now, not as of the gather loop's last look
-            row["waiting_for"] = dict(waiting, waited_s=round(
-                (time.time_ns() - s.committed_ns) / 1e9, 1))
+            row["waiting_for"] = {**waiting, "waited_s": round(
+                (time.time_ns() - s.committed_ns) / 1e9, 1)}
         after = self._blocked_by(s.seq)
         if after is not None and s.state in LIVE_STATES:
             row["after_set"] = after  # published once that one is
@@ -173,7 +246,7 @@ class Progress:
     # -- stuck sets: pending longer than a threshold, over every set --------------------------
 
     def stuck_sets(self, after_s: float, probes: Probes,
-                   limit: int = STUCK_SHOWN) -> tuple[int, list[dict[str, Any]]]:
+                   limit: int = STUCK_SHOWN) -> tuple[int, list[SetStatusRow]]:
         """The sets pending (committed or uploading) for `after_s` seconds or more, over every
         set: how many, and the oldest `limit` of them, oldest first, each a `set_rows` row with
         `age_s`, `waits_for` (one of WAITS_FOR) and `why` (one line for a person) added. A set
@@ -204,7 +277,7 @@ class Progress:
             rows.append(row)
         return len(old), rows
 
-    def _why(self, s: SetRow, row: dict[str, Any], files: list[tuple[Any, ...]],
+    def _why(self, s: SetRow, row: SetStatusRow, files: list[tuple[Any, ...]],
              probes: Probes) -> tuple[str, str]:
         """What set `s` (its status `row`, its `files`) waits for (`WAITS_FOR`) and one line
         saying so, the most precise the code knows (see WAITS_FOR for the order)."""
@@ -255,7 +328,7 @@ class Progress:
                            " queues or publishes it: nothing will make it durable (a bug; a"
                            " remount queues it again)")
 
-    def _why_uploads(self, s: SetRow, row: dict[str, Any], missing: list[tuple[str, int, int]],
+    def _why_uploads(self, s: SetRow, row: SetStatusRow, missing: list[tuple[str, int, int]],
                      probes: Probes, failing: str) -> tuple[str, str]:
         """A set with files not in the store yet (`missing`: rel, ino, version): why not."""
         n, total = len(missing), row["files"]
@@ -280,18 +353,18 @@ class Progress:
                                     " no longer in the cache and the set was not superseded:"
                                     " nothing can upload it (a bug)")
         q = probes.uploads
-        queue = (f"upload queue: {q['queued']} queued, {q['running']} running,"
-                 f" {_size(q['rate_bytes_per_s'])}/s")
+        queue = (f"upload queue: {q.queued} queued, {q.running} running,"
+                 f" {_size(q.rate_bytes_per_s)}/s")
         if failing:
             return "store", f"{progress}; {failing}; {queue}"
-        if q["queued"] or q["running"]:
+        if q.queued or q.running:
             return "uploads", f"{progress}; {queue}"
         return "upload_lost", (f"NOTHING KNOWN: {progress} and no upload queued or running"
                                " (a lost upload: a bug; a remount queues it again)")
 
-    def failed_sets(self) -> list[dict[str, Any]]:
+    def failed_sets(self) -> list[FailedSet]:
         """The unresolved failed sets, over every set (not only the recent ones), oldest first:
-        each {seq, path, bytes, error, committed_ns}. A failed set is unresolved while it is
+        each a FailedSet. A failed set is unresolved while it is
         still what its path holds: no later set of its path (in any state) nor of a directory
         above it (which absorbed it), and the path still leads to the set's root inode (not
         removed, nor renamed away or over). Its bytes are then only in this node's cache: it
@@ -304,8 +377,8 @@ class Progress:
                 continue  # a directory above it was committed since: that set holds the path
             if self._at_path(r.path) != r.root_ino:
                 continue  # removed or replaced since: there is nothing of it left to lose
-            out.append({"seq": r.seq, "path": r.path, "bytes": nbytes, "error": r.error,
-                        "committed_ns": r.committed_ns})
+            out.append(FailedSet(seq=r.seq, path=r.path, bytes=nbytes, error=r.error,
+                                 committed_ns=r.committed_ns))
         return out
 
     def statistics(self) -> ProgressStats:

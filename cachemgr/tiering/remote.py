@@ -48,7 +48,7 @@ import logging
 import random
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -423,9 +423,6 @@ class RemoteSync:
         self.mark_parts()
         self.changed()
 
-    def status(self) -> dict[str, Any]:
-        """`ckptfs status`'s "remote" (statistics())."""
-        return asdict(self.statistics())
 
     def statistics(self) -> RemoteStats:
         return RemoteStats(interval_s=self.interval, syncs=self.syncs, last_sync=self.last_sync,

@@ -89,6 +89,7 @@ if TYPE_CHECKING:
     from cachemgr.core.index import Index
     from cachemgr.tiering.lease import Lease
     from cachemgr.tiering.members import Members
+    from cachemgr.tiering.progress import SetStatusRow
     from cachemgr.tiering.signals import Signals
 
 log = logging.getLogger(__name__)
@@ -818,10 +819,11 @@ class Replication:
             nursery.start_soon(self.origin.run)
             nursery.start_soon(self.holder.run)
 
-    def set_fields(self, seq: int, state: str) -> dict[str, Any]:
+    def set_fields(self, row: SetStatusRow) -> None:
         """What status adds to a set's row: buddies holding it, replicated or not."""
-        n = self.origin.held_by(seq)
-        return {"replicas": n, "replicated": state == "durable" or n >= self.origin.k}
+        n = self.origin.held_by(row["seq"])
+        row["replicas"] = n
+        row["replicated"] = row["state"] == "durable" or n >= self.origin.k
 
     def statistics(self, live: Callable[[], list[int]]) -> ReplicaStats:
         o, h = self.origin, self.holder

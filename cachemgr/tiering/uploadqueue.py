@@ -49,7 +49,7 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -93,6 +93,7 @@ class UploadQueueStats:
     parts: int
     running: int
     queued: int
+    rate_bytes_per_s: float   # over the last seconds (status, stuck sets' "why")
 
 
 class UploadQueue:
@@ -381,18 +382,13 @@ class UploadQueue:
             return 0.0
         return (pts[-1][1] - pts[0][1]) / (now - pts[0][0])
 
-    def status(self) -> dict[str, Any]:
-        """`ckptfs status` "uploads"."""
-        return {"queued": len(self._jobs), "running": len(self._running),
-                "done": self.uploads_done, "cancelled": self.uploads_cancelled,
-                "bytes_uploaded": self.bytes_uploaded, "rate_bytes_per_s": self.rate()}
-
     def statistics(self) -> UploadQueueStats:
-        """Metrics "uploads" (ckptfs.metrics)."""
+        """Metrics "uploads" (ckptfs.metrics) and status "uploads"."""
         up = self.uploader.statistics()
         return UploadQueueStats(done=self.uploads_done, cancelled=self.uploads_cancelled,
                                 bytes=self.bytes_uploaded, stored_bytes=up.stored_bytes,
-                                parts=up.parts, running=len(self._running), queued=len(self._jobs))
+                                parts=up.parts, running=len(self._running), queued=len(self._jobs),
+                                rate_bytes_per_s=self.rate())
 
 
 def object_key(node: str, ino: int, version: int, path: str) -> str:
