@@ -40,6 +40,7 @@ import time
 from typing import Any, Self, cast
 
 from cachemgr.format import keys, names, readerrors, resumable, storeread, validate
+from cachemgr.format.docs import ObjectDoc
 from cachemgr.format.storeview import ObjectStoreView, StoreLoop
 from cachemgr.store.base import PROBE_PREFIX
 from cachemgr.tiering import lease as lease_record
@@ -218,7 +219,7 @@ def _read_docs(view: ObjectStoreView, infos: list, fn) -> None:
     resumable.run_parallel(infos, one, _DOC_READERS, threading.Event(), lambda: None)
 
 
-def _load(info, raw: bytes | None) -> dict | None:
+def _load(info, raw: bytes | None) -> storeread.Manifest | None:
     """The validated manifest listed as `info` whose bytes are `raw`; None if it is gone;
     CorruptError if it is invalid or too big."""
     if raw is None:
@@ -301,7 +302,7 @@ class _Progress:
 
 # -- ls -----------------------------------------------------------------------------------------
 
-def _summary(m: dict, key: str) -> dict:
+def _summary(m: storeread.Manifest, key: str) -> dict:
     raw = m["total_bytes"]
     stored = sum(f["object"]["stored_size"] for f in m["files"])
     c = m["commit"]
@@ -446,7 +447,7 @@ class _Fsck:
         self.damage: list[str] = []
         self.invalid = 0
         self.manifests = 0
-        self.named: dict[str, tuple[dict, str]] = {}   # object key -> (object, manifest key)
+        self.named: dict[str, tuple[ObjectDoc, str]] = {}   # object key -> (object, manifest key)
         self.protected: set[str] = set()               # keys named loosely (invalid documents)
         self.protected_nodes: set[str] = set()         # nodes with a record that did not parse
         self.unknown: list[str] = []                   # documents whose objects are unknown

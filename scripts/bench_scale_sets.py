@@ -201,13 +201,14 @@ def fill_store(store: Path, sets: int, per_set: int, size: int = 1024) -> float:
     store (no objects: a mount reads only manifests). Seconds it took."""
     sys.path.insert(0, str(REPO))
     from cachemgr.format import manifest as mf  # the project's own builder and writer
+    from cachemgr.format.docs import FileDoc
 
     t0 = time.perf_counter()
     base = time.time_ns() - 10**12
     ino = 100
     for i in range(sets):
         path = f"ckpt/run{i // 1000:02d}/step_{i:05d}"
-        files = []
+        files: list[FileDoc] = []
         for r in range(per_set):
             ino += 1
             name = f"__{r}_0.distcp"

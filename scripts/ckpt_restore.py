@@ -61,6 +61,7 @@ MODULES = [
     "cachemgr/format/__init__.py",
     "cachemgr/format/names.py",          # path escaping
     "cachemgr/format/keys.py",           # the key layout
+    "cachemgr/format/docs.py",           # the documents as types
     "cachemgr/format/validate.py",       # every document checked before use
     "cachemgr/format/readerrors.py",     # the errors and their exit codes
     "cachemgr/format/decode.py",         # the one decoder of stored objects

@@ -36,6 +36,7 @@ from fault_rig import (
 )
 from fault_trainer import make_state, short_exc
 
+from cachemgr.format.docs import ManifestDoc
 from ckptfs.stallwatch import MACHINE_CAUSES, Stall
 
 # on_event(rank, line) of Loop.run_cmd: "stop" stops the reading
@@ -202,7 +203,7 @@ class Checks:
             out.append("ckpt/latest was committed but is not in the store")
         return out
 
-    def latest_problems(self, m: Json, ms: dict[str, Json]) -> list[str]:
+    def latest_problems(self, m: ManifestDoc, ms: dict[str, ManifestDoc]) -> list[str]:
         """The store's ckpt/latest against the targets the trainer switched it to."""
         target = m.get("target")
         if m["kind"] != "symlink":
@@ -218,7 +219,7 @@ class Checks:
                     f"{self.ref.latest_begun[self.ref.latest_done_idx]}")]
         return []
 
-    def set_problems(self, path: str, m: Json, s: SetRec) -> list[str]:
+    def set_problems(self, path: str, m: ManifestDoc, s: SetRec) -> list[str]:
         """A published set restored from the store against what the trainer saved."""
         from ckpt_restore import restore
 
@@ -245,7 +246,7 @@ class Checks:
             return [f"published {path} loads tensors other than step {s['step']}'s"]
         return []
 
-    def dcp_problems(self, path: str, m: Json, s: SetRec) -> list[str]:
+    def dcp_problems(self, path: str, m: ManifestDoc, s: SetRec) -> list[str]:
         import torch
         from ckpt_restore import restore_to
         from torch.distributed.checkpoint.api import CheckpointException
@@ -434,7 +435,7 @@ def snapshot_tree(root: Path) -> Tree:
     return out
 
 
-def expected_tree(ms: dict[str, Json]) -> Tree:
+def expected_tree(ms: dict[str, ManifestDoc]) -> Tree:
     out: Tree = {}
     for path, m in ms.items():
         if m["kind"] == "symlink":
@@ -449,7 +450,7 @@ def expected_tree(ms: dict[str, Json]) -> Tree:
     return out
 
 
-def diff_trees(want: Tree, have: Tree, ms: dict[str, Json]) -> str:
+def diff_trees(want: Tree, have: Tree, ms: dict[str, ManifestDoc]) -> str:
     """What a mount's tree lacks or has beyond the published sets, by set."""
     parts = []
     absent, partial = [], []

@@ -29,6 +29,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 from procwait import Events
 from procwait import wait_for as _wait_for
 
+from cachemgr.format.docs import ManifestDoc
 from ckptfs.stallwatch import Stall, parse_log
 
 if TYPE_CHECKING:
@@ -369,7 +370,7 @@ class StoreView:
         from ckpt_restore import S3StoreView
         self.v = S3StoreView(endpoint, BUCKET, PREFIX)
 
-    def manifests(self) -> dict[str, Json]:
+    def manifests(self) -> dict[str, ManifestDoc]:
         from ckpt_restore import manifests
         return manifests(self.v)
 

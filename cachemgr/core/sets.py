@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cachemgr.core.index import ROOT_INO, Index
+from cachemgr.format.docs import ManifestDoc
 from cachemgr.format.names import escape_name, escape_path
 
 # Names that mark a file or directory as still being written. Sources: torch.save callers
@@ -279,7 +280,7 @@ class SetRegistry:
             )
         return seq
 
-    def record_remote(self, m: dict[str, Any], root_ino: int, etag: str,
+    def record_remote(self, m: ManifestDoc, root_ino: int, etag: str,
                       files: list[tuple[Any, ...]], state: str = "durable") -> int:
         """A set materialised from another node's manifest `m`: durable from the start (or
         `state` "replicated": from a manifest peers built from their replicas).

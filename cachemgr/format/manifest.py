@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from cachemgr.format import validate
+from cachemgr.format.docs import FileDoc, ManifestDoc
 
 # Keys live in cachemgr.format.keys (stdlib only, shared with scripts/ckpt_restore.py); re-exported.
 from cachemgr.format.keys import (
@@ -74,11 +75,11 @@ def _path_fields(m: dict[str, Any]) -> Iterator[tuple[dict[str, Any], str]]:
 
 
 def build(*, path: str, kind: str, seq: int, node: str, reason: str, committed_ns: int,
-          layout: dict[str, Any], files: list[dict[str, Any]]) -> dict[str, Any]:
+          layout: dict[str, Any], files: list[FileDoc]) -> ManifestDoc:
     """`files`: dicts with path, size, mode, mtime_ns and object (StoredObject.to_json()).
     Paths and targets are in the escaped form (cachemgr.format.names); the version says whether any
     of them holds an escape."""
-    m: dict[str, Any] = {
+    m: ManifestDoc = {
         "format": FORMAT,
         "version": FORMAT_VERSION,
         "path": path,
@@ -88,6 +89,7 @@ def build(*, path: str, kind: str, seq: int, node: str, reason: str, committed_n
         "files": files,
         "dirs": layout.get("dirs", []),
         "symlinks": layout.get("symlinks", []),
+        "total_bytes": sum(f["size"] for f in files),
     }
     if layout.get("from"):
         # The path the set was renamed from: the only other place whose files of their own
@@ -97,9 +99,8 @@ def build(*, path: str, kind: str, seq: int, node: str, reason: str, committed_n
         m["mode"] = layout["mode"]
     if kind == "symlink":
         m["target"] = layout["target"]
-    m["total_bytes"] = sum(f["size"] for f in files)
     escaped = False
-    for obj, k in _path_fields(m):
+    for obj, k in _path_fields(cast(dict[str, Any], m)):
         obj[k] = _legacy(obj[k])
         escaped = escaped or is_escaped(obj[k])
     if escaped:
@@ -133,7 +134,7 @@ class Commit:
         return (self.committed_ns, self.node) > (other.committed_ns, other.node)
 
 
-def commit_of(m: dict[str, Any]) -> Commit:
+def commit_of(m: ManifestDoc) -> Commit:
     """The commit manifest `m` publishes (`m` as `build` makes it or `loads` returns it)."""
     c = m["commit"]
     return Commit(int(c["committed_ns"]), str(c["node"]), int(c["seq"]))
@@ -151,7 +152,7 @@ def _strings(x: object) -> Iterator[str]:
             yield from _strings(v)
 
 
-def dumps_checked(doc: dict[str, Any], what: str, **kw: Any) -> bytes:
+def dumps_checked(doc: Mapping[str, Any], what: str, **kw: Any) -> bytes:
     """JSON of a store document; UnrepresentableError if a string in it holds a lone surrogate
     (json.dumps would write it as a \\udcXX escape, which strict JSON parsers refuse) or if it
     is bigger than a reader accepts (validate.MAX_DOCUMENT_BYTES)."""
@@ -177,11 +178,11 @@ def dumps_checked(doc: dict[str, Any], what: str, **kw: Any) -> bytes:
     return out
 
 
-def dumps(m: dict[str, Any]) -> bytes:
+def dumps(m: ManifestDoc) -> bytes:
     return dumps_checked(m, f"the manifest of {m.get('path')!r}", indent=1, sort_keys=True)
 
 
-def loads(data: bytes, key: str | None = None) -> dict[str, Any]:
+def loads(data: bytes, key: str | None = None) -> ManifestDoc:
     """A manifest read from the store (from `key`, which must be its own path's key),
     validated and normalised by cachemgr.format.validate: every path and target in the escaped form
     whatever its version, optional fields present, modes masked. ManifestError if it must not

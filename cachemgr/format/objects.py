@@ -28,11 +28,13 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from cachemgr.format.compress import DEFAULT_FRAME_SIZE, frame_offsets
 from cachemgr.format.decode import Chunk, crc32c
+from cachemgr.format.docs import ObjectDoc
 from cachemgr.format.validate import object_geometry
 
 
@@ -77,7 +79,7 @@ class StoredObject:
     def raw_frame_len(self, i: int) -> int:
         return min(self.frame_size, self.size - i * self.frame_size)
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> ObjectDoc:
         """A dict of JSON types (the manifest embeds it; `json.dumps` it for a string)."""
         return {"key": self.key, "size": self.size, "stored_size": self.stored_size,
                 "crc32c": self.crc32c, "compression": self.compression,
@@ -87,10 +89,10 @@ class StoredObject:
                 "chunk_crcs": list(self.chunk_crcs) if self.chunk_crcs is not None else None}
 
     @classmethod
-    def from_json(cls, doc: dict[str, Any] | str | bytes) -> StoredObject:
+    def from_json(cls, doc: ObjectDoc | dict[str, Any] | str | bytes) -> StoredObject:
         """Inverse of `to_json` (also accepts its `json.dumps` string); validates the index.
         Dicts written before chunk CRCs (no chunk_size/chunk_crcs) load with 0/None."""
-        d: dict[str, Any] = json.loads(doc) if isinstance(doc, str | bytes) else doc
+        d: Mapping[str, Any] = json.loads(doc) if isinstance(doc, str | bytes) else doc
         frames = d["frames"]
         crcs = d.get("chunk_crcs")
         return cls(key=d["key"], size=int(d["size"]), stored_size=int(d["stored_size"]),

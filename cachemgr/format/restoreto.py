@@ -19,6 +19,7 @@ import shutil
 import stat
 from pathlib import Path
 
+from cachemgr.format.docs import ObjectDoc
 from cachemgr.format.names import unescape_path
 from cachemgr.format.readerrors import CorruptError, DestinationError, show
 from cachemgr.format.storeread import Manifest, checked, open_object, stream_object
@@ -113,7 +114,7 @@ def set_dirs(m: Manifest) -> dict[tuple[bytes, ...], int]:
     return modes
 
 
-def _write_file(view: StoreView, obj: Manifest, dir_fd: int, name: bytes, mode: int,
+def _write_file(view: StoreView, obj: ObjectDoc, dir_fd: int, name: bytes, mode: int,
                 shown: str) -> None:
     """A new file `name` in `dir_fd` (O_EXCL|O_NOFOLLOW: never an existing one, never through a
     symlink) holding the checked content of `obj`, then `mode`. On error it is removed."""

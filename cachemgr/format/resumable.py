@@ -32,6 +32,7 @@ from typing import Any, TypedDict, cast
 
 from cachemgr.format import decode as decoding
 from cachemgr.format.decode import ChunkDecoder, DecodeError, Layout, stream_chunk
+from cachemgr.format.docs import FileDoc, ObjectDoc
 from cachemgr.format.names import unescape_path
 from cachemgr.format.readerrors import (
     CorruptError,
@@ -108,7 +109,7 @@ class _Stopped(RestoreError):
     """Another worker failed or the restore was interrupted: stop at the next piece."""
 
 
-def _scan(fd: int, obj: Manifest, geo: Layout, stop: threading.Event) -> tuple[list[int], bool]:
+def _scan(fd: int, obj: ObjectDoc, geo: Layout, stop: threading.Event) -> tuple[list[int], bool]:
     """Check the local file `fd` against its object `obj` (chunks `geo`): (the chunks whose
     bytes are not known to be right, whether the whole file is right: its size, CRC32C and
     every chunk CRC32C). Reads decode.READ_BYTES at a time, each byte checksummed once (the
@@ -144,7 +145,7 @@ def _scan(fd: int, obj: Manifest, geo: Layout, stop: threading.Event) -> tuple[l
     return (list(range(geo.count)) if obj["chunk_crcs"] is None else bad), False
 
 
-def _fetch_unit(src: Reader, obj: Manifest, geo: Layout, i: int, fd: int,
+def _fetch_unit(src: Reader, obj: ObjectDoc, geo: Layout, i: int, fd: int,
                 stop: threading.Event) -> int:
     """Fetch chunk i of object `obj` from reader `src` into file `fd` at its raw offset,
     decoded and checked as it arrives (cachemgr.format.decode); returns its raw length."""
@@ -270,7 +271,7 @@ class _State:
         self.files = records(d.get("files"), 5)
         self.links = records(d.get("links"), 2)
 
-    def file_ok(self, rel: str, st: os.stat_result, obj: Manifest) -> bool | None:
+    def file_ok(self, rel: str, st: os.stat_result, obj: ObjectDoc) -> bool | None:
         """True: the file at `rel` is the one this restore verified with `obj`'s content;
         False: it is the one it verified, with other content (ours to replace); None: not
         known (another file, or none recorded)."""
@@ -332,7 +333,7 @@ class _Job:
     __slots__ = ("comps", "entry", "geo", "name", "remaining", "replace", "shown", "src",
                  "todo", "work")
 
-    def __init__(self, entry: Manifest, comps: tuple[bytes, ...], name: bytes,
+    def __init__(self, entry: FileDoc, comps: tuple[bytes, ...], name: bytes,
                  shown: str) -> None:
         self.entry, self.comps, self.name, self.shown = entry, comps, name, shown
         self.geo = Layout.of(entry["object"])

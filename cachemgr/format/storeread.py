@@ -29,13 +29,13 @@ from typing import Any
 
 from cachemgr.format import keys, names, validate
 from cachemgr.format.decode import ChunkDecoder, DecodeError, Layout, ObjectCheck, stream_chunk
+from cachemgr.format.docs import ManifestDoc, ObjectDoc
 from cachemgr.format.names import unescape_path
 from cachemgr.format.readerrors import CorruptError, NoSuchSet, UsageError
 from cachemgr.format.views import BytesObject, Reader, StoreView
 
-# A manifest (or one of its entries) that passed cachemgr.format.validate: JSON, fields in
-# FORMAT.md.
-Manifest = dict[str, Any]
+# A manifest that passed cachemgr.format.validate: JSON, fields in FORMAT.md
+Manifest = ManifestDoc
 Sink = Callable[[bytes | memoryview], None]
 
 
@@ -150,7 +150,7 @@ def checked(m: Any) -> Manifest:
 
 # -- objects -----------------------------------------------------------------------------------
 
-def stream_object(src: Reader, obj: Manifest, sink: Sink) -> None:
+def stream_object(src: Reader, obj: ObjectDoc, sink: Sink) -> None:
     """Every raw byte of object `obj` (a validated description) from reader `src` to `sink`,
     chunk by chunk, at most decode.READ_BYTES at a time, each chunk checked after its last
     piece and the whole object at the end; CorruptError at the first problem (what `sink`
@@ -171,7 +171,7 @@ def stream_object(src: Reader, obj: Manifest, sink: Sink) -> None:
         raise CorruptError(str(e)) from None
 
 
-def open_object(view: StoreView, obj: Manifest) -> Reader:
+def open_object(view: StoreView, obj: ObjectDoc) -> Reader:
     """A reader of object `obj`; CorruptError if the store does not have it."""
     src = view.open(obj["key"])
     if src is None:
@@ -179,7 +179,7 @@ def open_object(view: StoreView, obj: Manifest) -> Reader:
     return src
 
 
-def decode(obj: Manifest, stored: bytes) -> bytes:
+def decode(obj: ObjectDoc, stored: bytes) -> bytes:
     """The raw content of object description `obj` (checked on its own, any key) whose stored
     bytes are `stored`: every size and CRC32C checked; CorruptError otherwise. Small objects
     only (tests): the CLI streams."""
@@ -215,7 +215,7 @@ def restore(view: StoreView, m: Manifest) -> dict[str, bytes]:
     return out
 
 
-def verify_object(view: StoreView, obj: Manifest) -> None:
+def verify_object(view: StoreView, obj: ObjectDoc) -> None:
     """Read object `obj` (a validated description) back from the store and check every byte
     as a restore would (stored size, lz4 frames, CRC32C, chunk CRC32Cs), a few MiB at a time,
     keeping nothing: CorruptError at the first problem (`ckptfs fsck --verify`)."""

@@ -28,8 +28,18 @@ import json
 import re
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
+from cachemgr.format.docs import (
+    CommitDoc,
+    DirDoc,
+    FileDoc,
+    LinkDoc,
+    ManifestDoc,
+    ObjectDoc,
+    PartFile,
+    PartRecordDoc,
+)
 from cachemgr.format.keys import MAX_KEY_BYTES, manifest_key, part_key
 from cachemgr.format.names import from_str, is_canonical_path, unescape_name, unescape_path
 
@@ -219,7 +229,7 @@ def _int_list(v: object, what: str, error: type[DocumentError]) -> list[int]:
 
 def stored_object(d: object, writers: frozenset[str], size: int | None = None, *,
                   what: str = "object",
-                  error: type[DocumentError] = DocumentError) -> dict[str, Any]:
+                  error: type[DocumentError] = DocumentError) -> ObjectDoc:
     """One file's object description (docs/FORMAT.md "Manifest"), normalised: every field
     present with its type, geometry checked, key under `data/<writer>/`; `size`, if given, is
     the file's size the object must hold."""
@@ -280,12 +290,12 @@ def _list(v: object, what: str, error: type[DocumentError],
     return v
 
 
-def _commit(c: object, version: int, now_ns: int) -> dict[str, Any]:
+def _commit(c: object, version: int, now_ns: int) -> CommitDoc:
     E = ManifestError
     if not isinstance(c, dict):
         raise E("commit is not an object")
     node = node_id(c.get("node"), "commit.node", E)
-    out: dict[str, Any] = {"node": node,
+    out: CommitDoc = {"node": node,
            "seq": _int(c.get("seq"), "commit.seq", 0, _INT64 - 1, E),
            "reason": _str(c.get("reason", "?"), "commit.reason", E),
            "committed_ns": _int(c.get("committed_ns"), "commit.committed_ns", 0,
@@ -307,8 +317,8 @@ def _commit(c: object, version: int, now_ns: int) -> dict[str, Any]:
     return out
 
 
-def _check_tree(kind: str, files: list[dict[str, Any]], dirs: list[dict[str, Any]],
-                links: list[dict[str, Any]]) -> None:
+def _check_tree(kind: str, files: list[FileDoc], dirs: list[DirDoc],
+                links: list[LinkDoc]) -> None:
     """Every entry once; nothing under a file or a symlink."""
     E = ManifestError
     if kind == "file":
@@ -338,7 +348,7 @@ def _check_tree(kind: str, files: list[dict[str, Any]], dirs: list[dict[str, Any
 
 
 def manifest(data: bytes, key: str | None = None, *,
-             now_ns: int | None = None) -> dict[str, Any]:
+             now_ns: int | None = None) -> ManifestDoc:
     """A manifest (docs/FORMAT.md "Manifest"), validated and normalised. `key`: the key it was
     read from, which must be the key of its own `path` (cachemgr.format.keys.manifest_key): the key
     is how every node finds, replaces and deletes a set, so a manifest naming another path is
@@ -347,26 +357,22 @@ def manifest(data: bytes, key: str | None = None, *,
     m = parse(data, "manifest", E)
     v = m["version"]
     now_ns = time.time_ns() if now_ns is None else now_ns
-    out: dict[str, Any] = {"format": m["format"], "version": v,
-                 "path": path(m.get("path"), v, "path", E)}
-    if key is not None and manifest_key(out["path"]) != key:
-        raise E(f"its path {_short(out['path'])} is not the set of its key")
+    set_path = path(m.get("path"), v, "path", E)
+    if key is not None and manifest_key(set_path) != key:
+        raise E(f"its path {_short(set_path)} is not the set of its key")
     kind = m.get("kind")
     if kind not in ("dir", "file", "symlink"):
         raise E(f"kind {_short(kind)} is not dir, file or symlink")
-    out["kind"] = kind
-    out["commit"] = c = _commit(m.get("commit"), v, now_ns)
+    c = _commit(m.get("commit"), v, now_ns)
     writers = frozenset(c.get("nodes", [c["node"]]))
-    if kind == "dir":
-        out["mode"] = _mode(m.get("mode"), "mode", E, 0o755)
-    if kind == "symlink":
-        out["target"] = symlink_target(m.get("target"), v, "target", E)
+    mode = _mode(m.get("mode"), "mode", E, 0o755) if kind == "dir" else None
+    target = symlink_target(m.get("target"), v, "target", E) if kind == "symlink" else None
     raw_files = _list(m.get("files"), "files", E)
     raw_dirs = _list(m.get("dirs"), "dirs", E)
     raw_links = _list(m.get("symlinks"), "symlinks", E)
     if len(raw_files) + len(raw_dirs) + len(raw_links) > MAX_ENTRIES:
         raise E(f"more than {MAX_ENTRIES} entries")
-    files: list[dict[str, Any]] = []
+    files: list[FileDoc] = []
     for f in raw_files:
         size = _int(f.get("size"), "file size", 0, MAX_FILE_SIZE, E)
         files.append({
@@ -376,25 +382,32 @@ def manifest(data: bytes, key: str | None = None, *,
             "mtime_ns": _int(f.get("mtime_ns", 0), "file mtime_ns", -_INT64, _INT64 - 1, E),
             "object": stored_object(f.get("object"), writers, size, what="file object",
                                     error=E)})
-    dirs: list[dict[str, Any]] = []
+    dirs: list[DirDoc] = []
     for d in raw_dirs:
         mt = d.get("mtime_ns")
         dirs.append({"path": path(d.get("path"), v, "dir path", E),
                      "mode": _mode(d.get("mode"), "dir mode", E, 0o755),
                      "mtime_ns": None if mt is None else
                      _int(mt, "dir mtime_ns", -_INT64, _INT64 - 1, E)})
-    links = [{"path": path(s.get("path"), v, "symlink path", E),
+    links: list[LinkDoc] = [{"path": path(s.get("path"), v, "symlink path", E),
               "target": symlink_target(s.get("target"), v, "symlink target", E)}
              for s in raw_links]
     _check_tree(kind, files, dirs, links)
     total = sum(f["size"] for f in files)
     if "total_bytes" in m and (type(m["total_bytes"]) is not int or m["total_bytes"] != total):
         raise E(f"total_bytes {_short(m['total_bytes'])} is not the sum of its files' sizes")
+    # in the order it had on the wire (a replica re-serialises it)
+    out: dict[str, Any] = {"format": m["format"], "version": v, "path": set_path, "kind": kind,
+                           "commit": c}
+    if mode is not None:
+        out["mode"] = mode
+    if target is not None:
+        out["target"] = target
     out.update(files=files, dirs=dirs, symlinks=links, total_bytes=total)
-    return out
+    return cast(ManifestDoc, out)  # every field checked above
 
 
-def part_record(data: bytes, key: str | None = None) -> dict[str, Any]:
+def part_record(data: bytes, key: str | None = None) -> PartRecordDoc:
     """A part record (docs/FORMAT.md "Part records"), validated and normalised. `key`: the key
     it was read from, which must be the key of its own directory and node."""
     E = PartError
@@ -404,7 +417,7 @@ def part_record(data: bytes, key: str | None = None) -> dict[str, Any]:
     d = path(r.get("dir"), v, "dir", E)
     if key is not None and part_key(d, node) != key:
         raise E(f"it names directory {_short(d)} of node {node}, not the ones of its key")
-    files: list[dict[str, Any]] = []
+    files: list[PartFile] = []
     names: set[str] = set()
     for f in _list(r.get("files"), "files", E):
         name = path(f.get("name"), v, "file name", E)

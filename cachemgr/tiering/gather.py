@@ -31,8 +31,9 @@ from cachemgr.core.errors import FsError
 from cachemgr.core.sets import DCP_METADATA, LIVE_STATES, SetRegistry
 from cachemgr.format import names
 from cachemgr.format.dcp import storage_files
+from cachemgr.format.docs import FileDoc, GatheredFile
 from cachemgr.store import ObjectStore, StoreError
-from cachemgr.tiering.parts import read_records
+from cachemgr.tiering.parts import RecordCache, read_records
 from cachemgr.tiering.progress import WaitingFor
 
 if TYPE_CHECKING:
@@ -72,7 +73,7 @@ class Gatherer:
         self._commit_acks = commit_acks  # tiering.members: other nodes acknowledge a commit
         self.commit_timeout = commit_timeout
         self.gather_poll = gather_poll
-        self._foreign: dict[int, list[dict[str, Any]]] = {}
+        self._foreign: dict[int, list[GatheredFile]] = {}
         self._waiting: dict[int, WaitingFor] = {}
         self._gathering: set[int] = set()
 
@@ -89,7 +90,7 @@ class Gatherer:
         self._gathering.add(seq)
         return True
 
-    def foreign(self, seq: int) -> list[dict[str, Any]]:
+    def foreign(self, seq: int) -> list[GatheredFile]:
         return self._foreign.get(seq, [])
 
     def forget(self, seq: int) -> None:
@@ -182,10 +183,10 @@ class Gatherer:
             if foreign is None:
                 return
             self._waiting.pop(seq, None)
-            self._foreign[seq] = [dict(e["file"], node=e["node"]) for e in foreign.values()]
+            self._foreign[seq] = [{**f, "node": node} for node, f in foreign.values()]
             if foreign:
                 log.info("set %d (%s): %d file(s) from node(s) %s are durable", seq, s.path,
-                         len(foreign), ", ".join(sorted({e["node"] for e in foreign.values()})))
+                         len(foreign), ", ".join(sorted({node for node, _f in foreign.values()})))
             ready(seq)
         finally:
             self._gathering.discard(seq)
@@ -195,17 +196,17 @@ class Gatherer:
 
     async def _poll(self, seq: int, roots: list[str], local: set[str],
                     required: set[str] | None,
-                    acks: CommitAcks | None) -> dict[str, dict[str, Any]] | None:
+                    acks: CommitAcks | None) -> dict[str, tuple[str, FileDoc]] | None:
         """Look until nothing is missing: the other nodes' durable files, or None if the set
         ended or failed."""
-        cache: dict[str, Any] = {}
+        cache: RecordCache = {}
         pause = 0.1
         while True:
             s = self.sets.get(seq)
             if s is None or s.state not in LIVE_STATES:
                 self._waiting.pop(seq, None)
                 return None
-            foreign: dict[str, dict[str, Any]] = {}
+            foreign: dict[str, tuple[str, FileDoc]] = {}
             pending: set[str] = set()
             unacked: list[str] = []
             if acks is not None:
@@ -237,7 +238,7 @@ class Gatherer:
             if not waiting and not unacked:
                 return foreign
             waited = (time.time_ns() - s.committed_ns) / 1e9
-            nodes = sorted({e["node"] for e in foreign.values()})
+            nodes = sorted({node for node, _f in foreign.values()})
             w: WaitingFor = {"files": waiting[:50], "missing": len(waiting),
                              "nodes_seen": nodes, "waited_s": round(waited, 1),
                              "timeout_s": self.commit_timeout}
@@ -262,13 +263,13 @@ class Gatherer:
             await trio.sleep(min(pause, max(0.01, self.commit_timeout - waited)))
             pause = min(pause * 2, self.gather_poll)
 
-    async def _collect(self, roots: list[str], local: set[str], cache: dict[str, Any],
-                       bad: dict[str, str]) -> tuple[dict[str, dict[str, Any]], set[str]]:
-        """Other nodes' files under `roots`, by path inside the set: ({rel: {"node", "file"}}
+    async def _collect(self, roots: list[str], local: set[str], cache: RecordCache,
+                       bad: dict[str, str]) -> tuple[dict[str, tuple[str, FileDoc]], set[str]]:
+        """Other nodes' files under `roots`, by path inside the set: ({rel: (node, entry)}
         of durable ones, {rel} of announced ones not durable yet). A path this node has
         itself is never taken from another node; a path several nodes have is taken from the
         newest durable copy."""
-        foreign: dict[str, dict[str, Any]] = {}
+        foreign: dict[str, tuple[str, FileDoc]] = {}
         pending: set[str] = set()
         for root in roots:
             for rec in await read_records(self.store, root, self.node, cache, bad):
@@ -281,9 +282,9 @@ class Gatherer:
                     if f["object"] is None:
                         pending.add(rel)
                         continue
-                    entry = {"path": rel, "size": f["size"], "mode": f["mode"],
-                             "mtime_ns": f["mtime_ns"], "object": f["object"]}
+                    entry: FileDoc = {"path": rel, "size": f["size"], "mode": f["mode"],
+                                      "mtime_ns": f["mtime_ns"], "object": f["object"]}
                     old = foreign.get(rel)
-                    if old is None or entry["mtime_ns"] > old["file"]["mtime_ns"]:
-                        foreign[rel] = {"node": rec["node"], "file": entry}
+                    if old is None or entry["mtime_ns"] > old[1]["mtime_ns"]:
+                        foreign[rel] = (rec["node"], entry)
         return foreign, pending - set(foreign)

@@ -34,11 +34,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 import trio
 
 from cachemgr.format import manifest as mf
+from cachemgr.format.docs import ManifestDoc
 from cachemgr.store import NotFound, ObjectStore, PreconditionFailed, StoreError
 
 log = logging.getLogger(__name__)
@@ -66,13 +67,13 @@ class Written:
 
     outcome: Literal["written", "same", "later"]
     etag: str
-    there: dict[str, Any] | None = None
+    there: ManifestDoc | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class _There:
     etag: str | None           # None: no manifest at the key
-    doc: dict[str, Any] | None  # None: none, or one no reader accepts (replaced by any commit)
+    doc: ManifestDoc | None  # None: none, or one no reader accepts (replaced by any commit)
 
 
 class ManifestWriter:
@@ -82,7 +83,7 @@ class ManifestWriter:
         self.store = store
         self._fence = fence
 
-    async def write(self, m: dict[str, Any], data: bytes, seen: Seen | None = None) -> Written:
+    async def write(self, m: ManifestDoc, data: bytes, seen: Seen | None = None) -> Written:
         """PUT manifest `m` (built by mf.build, serialised as `data`) at its path's key unless
         the store holds the same or a later commit there. `seen`: what the caller believes is
         there (None: it does not know). StoreError when the store refuses, keeps changing, or
@@ -151,7 +152,7 @@ class ManifestWriter:
             return _There(None, None)
         try:
             # a worker thread: the JSON of a big manifest never holds the loop (issue 36)
-            doc: dict[str, Any] = await trio.to_thread.run_sync(mf.loads, data, key)
+            doc: ManifestDoc = await trio.to_thread.run_sync(mf.loads, data, key)
         except mf.ManifestError:
             return _There(info.etag, None)
         return _There(info.etag, doc)

@@ -29,11 +29,12 @@ from __future__ import annotations
 import json
 import logging
 import stat
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from cachemgr.core.hooks import KernelNotifier
 from cachemgr.core.sets import KEPT_STATES, SetRow
 from cachemgr.format import validate
+from cachemgr.format.docs import FileDoc, GatheredFile, ManifestDoc
 from cachemgr.format.names import escape_path, unescape_name, unescape_path
 from cachemgr.format.objects import StoredObject
 
@@ -46,7 +47,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 # A manifest as cachemgr.format.manifest.loads returns it (validated).
-Manifest = dict[str, Any]
+Manifest = ManifestDoc
 # A file of a set, as SetRegistry.record_remote / add_file take it:
 # (rel path, ino, version, size, mode, mtime_ns, object JSON).
 SetFile = tuple[str, int, int, int, int, int, str]
@@ -233,7 +234,7 @@ class Materialiser:
                 self.tree.remove_tree(d, n)
         return keep
 
-    def _place(self, b: _Build, d: int, fname: bytes, f: dict[str, Any], rel: str) -> None:
+    def _place(self, b: _Build, d: int, fname: bytes, f: FileDoc, rel: str) -> None:
         """The manifest's file `f` (at `rel`) as entry `fname` of directory `d`: this node's
         own copy if it has one (kept in place, or moved here), else a new evicted file."""
         obj = StoredObject.from_json(f["object"])  # validates
@@ -269,7 +270,7 @@ class Materialiser:
             self.sets.add_object(obj.key, ino, 0, obj.stored_size)
 
     def _place_new(self, b: _Build, known: dict[str, int],
-                   files: list[dict[str, Any]]) -> None:
+                   files: list[FileDoc]) -> None:
         """The manifest's files under `root`, a directory this apply has just created (so no
         name is taken: a manifest names each path once, cachemgr.format.validate): this
         node's own copies moved in one by one (`_place`), every other file created with its
@@ -277,7 +278,7 @@ class Materialiser:
         directory instead of ~7 per file). The objects were validated with the manifest
         (validate.stored_object: the same checks and the same fields as StoredObject), so
         their JSON is written as it is."""
-        by_dir: dict[int, list[tuple[int, bytes, dict[str, Any], str]]] = {}
+        by_dir: dict[int, list[tuple[int, bytes, FileDoc, str]]] = {}
         for i, f in enumerate(files):
             rel = f["path"]
             last = rel.rpartition("/")[2]
@@ -355,11 +356,12 @@ class Materialiser:
             raw(pd, sn, stat.S_IFLNK | 0o777, target=unescape_path(s["target"]))
         # Creating entries touched their directories: put the manifest's mtimes back last.
         for d in m.get("dirs", []):
-            if d.get("mtime_ns") is None:
+            mtime_ns = d["mtime_ns"]
+            if mtime_ns is None:
                 continue
             ino = known.get(d["path"])
             if ino is not None:
-                self.tree.raw_set_mtime(ino, d["mtime_ns"])
+                self.tree.raw_set_mtime(ino, mtime_ns)
         self._drop_emptied(b.emptied, root)
         return root, b.files, b.moved, b.adopted
 
@@ -381,7 +383,7 @@ class Materialiser:
 
     # -- the committing node's own multi-node set ------------------------------------------
 
-    def complete_local(self, seq: int, root: int, foreign: list[dict[str, Any]]) -> int:
+    def complete_local(self, seq: int, root: int, foreign: list[GatheredFile]) -> int:
         """Set `seq`, committed here and just published with files other nodes wrote
         (`foreign`: manifest file entries), shows them too: each becomes an evicted file under
         the set's root whose data the Restorer serves, and a file of the set. Runs inside the

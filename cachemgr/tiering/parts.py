@@ -80,6 +80,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import trio
 
 from cachemgr.format import validate
+from cachemgr.format.docs import PartFile, PartRecordDoc
 from cachemgr.format.keys import LONG_PARTS_PREFIX, PARTS_PREFIX, part_key
 from cachemgr.format.manifest import ESCAPED_VERSION, dumps_checked
 from cachemgr.format.names import escape_name, is_escaped
@@ -139,8 +140,8 @@ def parse_key(key: str) -> tuple[str, str] | None:
     return head, last[1:-len(".json")]
 
 
-def build(node: str, dir_path: str, files: list[dict[str, Any]],
-          generation: int = 0) -> dict[str, Any]:
+def build(node: str, dir_path: str, files: list[PartFile],
+          generation: int = 0) -> PartRecordDoc:
     """`dir_path` and the files' names in the escaped form (cachemgr.format.names); `generation`:
     the writer's lease generation (cachemgr.tiering.lease.Lease)."""
     escaped = is_escaped(dir_path) or any(is_escaped(f["name"]) for f in files)
@@ -149,11 +150,11 @@ def build(node: str, dir_path: str, files: list[dict[str, Any]],
             "generation": generation, "files": files}
 
 
-def dumps(rec: dict[str, Any]) -> bytes:
+def dumps(rec: PartRecordDoc) -> bytes:
     return dumps_checked(rec, f"the part record of {rec.get('dir')!r}", sort_keys=True)
 
 
-def loads(data: bytes, key: str | None = None) -> dict[str, Any]:
+def loads(data: bytes, key: str | None = None) -> PartRecordDoc:
     """A part record read from the store (from `key`, which must be the key of its own
     directory and node), validated and normalised by cachemgr.format.validate: `dir` and every
     file's `name` in the escaped form, every field present, objects under data/<its node>/."""
@@ -299,10 +300,10 @@ class PartPublisher:
 
     # -- the record of one directory ---------------------------------------------------------
 
-    def files_of(self, dir_ino: int) -> list[dict[str, Any]]:
+    def files_of(self, dir_ino: int) -> list[PartFile]:
         """This node's own files directly in `dir_ino` (not those materialised from another
         node's manifest: version 0), with their object when their current content is in."""
-        out: list[dict[str, Any]] = []
+        out: list[PartFile] = []
         for name, ino, mode, row_size, row_mtime, version, row_writing, _target, obj, \
                 obj_version in self.index.children_with_inodes(dir_ino):
             if not stat.S_ISREG(mode) or version <= 0:
@@ -425,9 +426,23 @@ class PartPublisher:
 
 
 
+@dataclass(slots=True)
+class InvalidRecord:
+    """`read_records`' cache entry of a record that failed validation: why, its directory if
+    it can be told, and whether it was logged (once per cache)."""
+
+    why: str
+    dir: str | None
+    logged: bool = False
+
+
+# read_records' cache: {key: (etag, the record or why it is invalid)}
+RecordCache = dict[str, tuple[str, PartRecordDoc | InvalidRecord]]
+
+
 async def read_records(store: ObjectStore, path: str, self_node: str,
-                       cache: dict[str, tuple[str, dict[str, Any]]],
-                       bad: dict[str, str]) -> list[dict[str, Any]]:
+                       cache: RecordCache,
+                       bad: dict[str, str]) -> list[PartRecordDoc]:
     """Every other node's part record at or below `path`. `cache` ({key: (etag, record)}) is
     reused across calls so that only changed records are read again. A record that fails
     validation is left out and put in `bad` ({key: why}) when it is a record of a directory
@@ -464,15 +479,15 @@ async def read_records(store: ObjectStore, path: str, self_node: str,
                 # document that names a directory hashing to the key; else nobody's.
                 d = parsed[0] if not info.key.startswith(LONG_PREFIX) else \
                     _hashed_dir(data, info.key) if data is not None else None
-                rec = {"invalid": why, "dir": d}
+                rec = InvalidRecord(why, d)
             cache[info.key] = (info.etag, rec)
-        if "invalid" in rec:
-            d = rec["dir"]
+        if isinstance(rec, InvalidRecord):
+            d = rec.dir
             if d is not None and (d == path or d.startswith(path + "/")):
-                bad[info.key] = rec["invalid"]
-            elif not rec.get("logged"):  # another set's invalid record must not fail this one
-                rec["logged"] = True
-                log.warning("skipping part record %s: %s", info.key, rec["invalid"])
+                bad[info.key] = rec.why
+            elif not rec.logged:  # another set's invalid record must not fail this one
+                rec.logged = True
+                log.warning("skipping part record %s: %s", info.key, rec.why)
             continue
         if rec["dir"] == path or rec["dir"].startswith(path + "/"):
             out.append(rec)

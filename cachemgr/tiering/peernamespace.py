@@ -46,6 +46,7 @@ import trio
 from cachemgr.core.sets import SetRegistry
 from cachemgr.format import manifest as mf
 from cachemgr.format import validate
+from cachemgr.format.docs import ManifestDoc
 from cachemgr.peer.client import PeerFault, request
 from cachemgr.peer.proto import H_SIG, PeerConfig, PeerEndpoint, check_response
 from cachemgr.tiering.replicaproto import MAX_NAMESPACE_BYTES, namespace_target
@@ -154,7 +155,7 @@ class PeerNamespace:
                 answers.append({"node": self.node, "peers": [],
                                 "sets": [mf.loads(doc.encode()) for _ns, doc in self._local()]})
             # From here on: no await until the sets are applied.
-            newest: dict[str, dict[str, Any]] = {}
+            newest: dict[str, ManifestDoc] = {}
             named = {p.node: p for a in answers for p in a["peers"] if p.node != self.node}
             if named:  # the peers the answers name now: one gone from all of them is dropped
                 self.known = named

@@ -57,6 +57,7 @@ import trio
 from cachemgr.core.sets import LIVE_STATES, SetRegistry, SetRow
 from cachemgr.format import manifest as mf
 from cachemgr.format import validate
+from cachemgr.format.docs import FileDoc, GatheredFile, ManifestDoc, ObjectDoc
 from cachemgr.format.objects import StoredObject
 from cachemgr.store import NotFound, ObjectStore, StoreError
 from cachemgr.tiering.manifests import NOTHING, ManifestWriter, Seen
@@ -128,7 +129,7 @@ class Publisher:
 
     def __init__(self, *, index: Index, sets: SetRegistry, store: ObjectStore, node: str,
                  signals: Signals, health: StoreHealth, gatherer: Gatherer,
-                 complete_local: Callable[[int, int, list[dict[str, Any]]], object],
+                 complete_local: Callable[[int, int, list[GatheredFile]], object],
                  keys_named_elsewhere: Callable[[str, set[str]], set[str]],
                  retention: Callable[[int], None], retry_pause: float,
                  fence: Callable[[], Awaitable[None]],
@@ -500,7 +501,7 @@ class Publisher:
         self._events.append(GC)
         self._retention(seq)
 
-    def _record_published(self, s: SetRow, etag: str, foreign: list[dict[str, Any]]) -> bool:
+    def _record_published(self, s: SetRow, etag: str, foreign: list[GatheredFile]) -> bool:
         """Set `s`'s manifest is in the store (etag `etag`): record it durable, and what it
         replaces. False if it was deleted while the PUT was in flight (then unpublished)."""
         seq = s.seq
@@ -547,7 +548,7 @@ class Publisher:
                         self._events.append(Unpublish(old_seq, old_path, None))
         return True
 
-    async def _check_objects(self, files: list[dict[str, Any]]) -> str | None:
+    async def _check_objects(self, files: list[FileDoc]) -> str | None:
         """HEAD every object a manifest will name, 16 at a time, but those this process just
         uploaded and verified at the size the manifest names (`verified`); the key of one that
         is missing, else None. A size mismatch is a StoreError (retried)."""
@@ -559,7 +560,7 @@ class Publisher:
         errors: list[StoreError] = []
         limiter = trio.CapacityLimiter(16)
 
-        async def one(f: dict[str, Any]) -> None:
+        async def one(f: FileDoc) -> None:
             # Errors are collected, not raised: a nursery would wrap them in an ExceptionGroup.
             async with limiter:
                 try:
@@ -581,7 +582,7 @@ class Publisher:
             raise errors[0]
         return min(missing) if missing else None
 
-    async def _put_manifest(self, s: SetRow, m: dict[str, Any], data: bytes) -> str:
+    async def _put_manifest(self, s: SetRow, m: ManifestDoc, data: bytes) -> str:
         """Write the manifest `m` of set `s`, serialised as `data`, with the one rule of which
         commit of a path the store keeps (cachemgr.tiering.manifests): the first PUT is
         conditional on the manifest this node's index knows at the path (`_seen`). The store
@@ -736,7 +737,7 @@ class Collector:
 
 
 async def adopt_takeover(index: Index, sets: SetRegistry, store: ObjectStore, node: str,
-                         s: SetRow, cur: dict[str, Any]) -> None:
+                         s: SetRow, cur: ManifestDoc) -> None:
     """Publisher._put_manifest: the store holds set `s` of node `node` as a buddy published
     it from its replica (cachemgr.tiering.replicate.Takeover): the manifest names the buddy's
     objects, and this node's own uploads of the same files are named by no manifest. Each
@@ -785,20 +786,22 @@ def _gathers(s: SetRow) -> bool:
     return s.kind == "dir" and s.reason in ("dcp", "rename", "request", "amend")
 
 
-def _entries(rows: list[tuple[Any, ...]],
-             foreign: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _entries(rows: list[tuple[Any, ...]], foreign: list[GatheredFile]) -> list[FileDoc]:
     """A worker thread (`Publisher._publish`): the manifest entries of a set's rows
-    (SetRegistry.files) and of the files gathered from other nodes, sorted by path."""
-    files = []
+    (SetRegistry.files) and of the files gathered from other nodes (without their `node`),
+    sorted by path."""
+    files: list[FileDoc] = []
     for rel, _ino, _version, _size, mode, mtime_ns, obj_json in rows:
-        obj = json.loads(obj_json)
+        obj: ObjectDoc = json.loads(obj_json)
         files.append({"path": rel, "size": obj["size"], "mode": mode, "mtime_ns": mtime_ns,
                       "object": obj})
-    return sorted(files + foreign, key=lambda f: f["path"])
+    files += ({"path": f["path"], "size": f["size"], "mode": f["mode"],
+               "mtime_ns": f["mtime_ns"], "object": f["object"]} for f in foreign)
+    return sorted(files, key=lambda f: f["path"])
 
 
 def _manifest(fields: dict[str, Any],
-              foreign: list[dict[str, Any]]) -> tuple[dict[str, Any], bytes]:
+              foreign: list[GatheredFile]) -> tuple[ManifestDoc, bytes]:
     """A worker thread (`Publisher._publish`): the manifest of a set (`mf.build` of `fields`,
     its `layout` still JSON) and its serialised form."""
     node, files = fields["node"], fields["files"]
@@ -806,11 +809,9 @@ def _manifest(fields: dict[str, Any],
     # every node whose objects it names (docs/FORMAT.md `commit.nodes`): the gathered
     # files' and those of other nodes' files already in this tree (an amend after they
     # were shown here, a set adopted from another node's manifest)
-    nodes = sorted({node} | {f["node"] for f in foreign if "node" in f} |
+    nodes = sorted({node} | {f["node"] for f in foreign} |
                    {k.split("/")[1] for f in files
                     if (k := f["object"]["key"]).startswith("data/") and k.count("/") > 1})
     if len(nodes) > 1:
         m["commit"]["nodes"] = nodes
-    for f in m["files"]:
-        f.pop("node", None)
     return m, mf.dumps(m)

@@ -49,7 +49,7 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -58,6 +58,7 @@ from cachemgr.core.hooks import KernelNotifier
 from cachemgr.core.sets import KEPT_STATES, LIVE_STATES, SetRow
 from cachemgr.format import manifest as mf
 from cachemgr.format import validate
+from cachemgr.format.docs import GatheredFile
 from cachemgr.format.names import to_str, unescape_name
 from cachemgr.store import NotFound, ObjectInfo, ObjectStore, StoreError
 from cachemgr.tiering.materialise import InTheWay, Manifest, Materialiser
@@ -401,7 +402,7 @@ class RemoteSync:
 
     # -- the committing node's own multi-node set ------------------------------------------
 
-    def complete_local(self, seq: int, root: int, foreign: list[dict[str, Any]]) -> int:
+    def complete_local(self, seq: int, root: int, foreign: list[GatheredFile]) -> int:
         """Show the files other nodes wrote in set `seq`, committed here (Materialiser)."""
         return self.mat.complete_local(seq, root, foreign)
 

@@ -31,6 +31,7 @@ import trio
 
 from cachemgr.format import manifest as mf
 from cachemgr.format import validate
+from cachemgr.format.docs import FileDoc, ManifestDoc
 from cachemgr.format.keys import manifest_key
 from cachemgr.format.objects import StoredObject
 from cachemgr.host.nodefiles import make_dirs, write_durably
@@ -48,11 +49,12 @@ Upload = Callable[[str, str, int], Awaitable[StoredObject]]
 Owned = Callable[[str, set[str]], set[str]]
 
 
-def replica_manifest(desc: dict[str, Any], objects: list[StoredObject]) -> dict[str, Any]:
+def replica_manifest(desc: dict[str, Any], objects: list[StoredObject]) -> ManifestDoc:
     """The manifest the origin of replica `desc` would have written, its files stored as
     `objects` (Takeover's uploads, or the replica's own chunks: `virtual_objects`)."""
-    files = [{"path": f["rel"], "size": f["size"], "mode": f["mode"], "mtime_ns": f["mtime_ns"],
-              "object": obj.to_json()} for f, obj in zip(desc["files"], objects, strict=True)]
+    files: list[FileDoc] = [
+        {"path": f["rel"], "size": f["size"], "mode": f["mode"], "mtime_ns": f["mtime_ns"],
+         "object": obj.to_json()} for f, obj in zip(desc["files"], objects, strict=True)]
     layout: dict[str, Any] = {"dirs": desc["dirs"], "symlinks": desc["symlinks"]}
     if desc["kind"] == "dir":
         layout["mode"] = desc["mode"]
@@ -110,7 +112,7 @@ class Takeover:
         return True
 
     async def _discard(self, desc: dict[str, Any], uploaded: list[str],
-                       there: dict[str, Any]) -> bool:
+                       there: ManifestDoc) -> bool:
         """Another writer published this commit (or a newer one) first: another buddy of the
         origin racing this one, or the origin back. The objects this takeover uploaded that the
         manifest there does not name are nobody's (no manifest, no index row here): delete
@@ -135,7 +137,7 @@ class Takeover:
                      desc["path"], ", ".join(by) or "its origin", len(mine))
         return True
 
-    async def _put(self, desc: dict[str, Any], m: dict[str, Any]) -> dict[str, Any] | None:
+    async def _put(self, desc: dict[str, Any], m: ManifestDoc) -> ManifestDoc | None:
         """None once published, or the manifest there: this commit, or a later one in the one
         order of a path's commits (cachemgr.tiering.manifests; it carries the origin's commit,
         so it wins or loses where the origin's own PUT would). What is there is looked at
