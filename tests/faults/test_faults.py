@@ -22,8 +22,8 @@ import boto3
 import botocore.config
 import botocore.exceptions
 import pytest
-from conftest import REPO, require_fuse
 
+from tests.conftest import REPO, require_fuse
 from tests.faultproxy import FaultProxy, Rule, classify
 
 # ----------------------------------------------------------------------------------------------

@@ -359,7 +359,7 @@ def writer_main(mnt: str, rnd: int, n_ckpts: int | None) -> None:
 
 
 def start_writer(m, rnd: int, n_ckpts: int | None, log: Path) -> subprocess.Popen:
-    code = ("import sys; from tests.test_tiering_crash import writer_main; "
+    code = ("import sys; from tests.faults.test_tiering_crash import writer_main; "
             "writer_main(sys.argv[1], int(sys.argv[2]), "
             "None if sys.argv[3] == '-' else int(sys.argv[3]))")
     with open(log, "ab") as err:
@@ -685,8 +685,8 @@ def test_backpressure_small_cache(mount_factory, tmp_path):
     m = mount_factory("bp")
     m.start("--cache-size", "64M")
     (m.path / "ckpt").mkdir()
-    code = ("import sys; from tests.test_tiering_crash import bp_writer_main; bp_writer_main("
-            "sys.argv[1])")
+    code = ("import sys; from tests.faults.test_tiering_crash import bp_writer_main; "
+            "bp_writer_main(sys.argv[1])")
     with open(tmp_path / "bp-writer.log", "wb") as err:
         w = subprocess.Popen([sys.executable, "-c", code, str(m.path)], cwd=REPO,
                              env=_child_env(), stdout=subprocess.PIPE, stderr=err)

@@ -10,9 +10,9 @@ import os
 import threading
 
 import pytest
-from conftest import wait_for
 
 import ckptfs
+from tests.conftest import wait_for
 
 MiB = 1 << 20
 TiB = 1 << 40

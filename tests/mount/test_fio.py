@@ -18,7 +18,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import IN_CI
+
+from tests.conftest import IN_CI
 
 MiB = 1 << 20
 

@@ -18,9 +18,9 @@ import os
 import threading
 
 import pytest
-from conftest import IN_CI, USER_SPACE_DATA_PATH, run_cli, wait_for
 
 import ckptfs
+from tests.conftest import IN_CI, USER_SPACE_DATA_PATH, run_cli, wait_for
 
 MiB = 1 << 20
 

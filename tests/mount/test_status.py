@@ -4,28 +4,21 @@ daemon serves file data. A set the store refuses for good is at risk (status, pl
 --json, the metrics, `ckptfs wait`, `ckptfs umount`) until a new commit of its path is
 durable. A set pending longer than the stuck threshold is named, with what it waits for,
 whatever its position among the sets (status plain and --json, the metrics), until it is
-durable."""
+durable. (The status of a path that is not mounted: tests/unit/test_status_unit.py.)"""
 
-import json
 import os
 import socket
 import urllib.request
 
-from conftest import run_cli, wait_for
-
 from ckptfs.mount import EXIT_ERROR, EXIT_OK
+from tests.conftest import run_cli, wait_for
 from tests.faultproxy import FaultProxy, Rule
-
-
-def status(m) -> dict:
-    res = run_cli("status", str(m.path), "--json")
-    assert res.returncode == 0, res.stderr
-    return json.loads(res.stdout)
+from tests.status_helpers import status
 
 
 def test_large_writes_reach_the_daemon(mount_factory):
     # The daemon's own data path (with passthrough the kernel writes the cache file directly:
-    # tests/test_passthrough.py).
+    # tests/mount/test_passthrough.py).
     mnt = mount_factory()
     mnt.start("--no-passthrough")
     before = status(mnt)["io"]
@@ -54,12 +47,6 @@ def test_status_reports_cache_contents(mnt):
     assert set(st["loop"]) == {"stalls", "longest_s", "stalled_now_s"}  # the stall watchdog runs
     human = run_cli("status", str(mnt.path))
     assert human.returncode == 0 and "1 files" in human.stdout
-
-
-def test_status_of_unmounted_path_fails_with_code_3(tmp_path):
-    res = run_cli("status", str(tmp_path))
-    assert res.returncode == 3
-    assert res.stderr.startswith("ckptfs: ") and len(res.stderr.strip().splitlines()) == 1
 
 
 # ----------------------------------------------------------------------------------------------

@@ -5,7 +5,8 @@ Stores are written by real mounts (file:// and moto S3): sets written through th
 not a terminal unless a test gives it a pty). Damage and garbage are planted in the store by
 hand, the way another node, a crash or an attacker would leave them. What the tools report is
 checked against an independent reader (scripts/ckpt_restore.py's manifests()) and against the
-bytes written through the mount.
+bytes written through the mount. (The tools' errors and bounds on stores no mount wrote:
+tests/unit/test_storetools_unit.py.)
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import os
 import shutil
 import stat
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -27,18 +27,14 @@ from pathlib import Path
 import crc32c
 import pytest
 from ckpt_restore import FileStoreView, S3StoreView, manifests
-from conftest import REPO, ckptfs_cmd, run_cli
 
 import ckptfs
 from cachemgr.format import keys, readerrors, resumable, storeread, storeview, validate
 from ckptfs import cli, storetools
+from tests.conftest import REPO, ckptfs_cmd, run_cli
+from tests.storetools_helpers import DEAD, LIVE, one_line, put
 
 DAY = 86400
-DEAD, LIVE = "deadbeef", "a1b2c3d4"  # node ids planted in the store (the mount's is random)
-
-
-def one_line(err: str) -> bool:
-    return err.count("\n") == 1 and err.startswith("ckptfs: ") and "Traceback" not in err
 
 
 # -- a store written by a real mount -----------------------------------------------------------
@@ -105,16 +101,6 @@ def file_store(mount_factory, tmp_path):
     m = mount_factory()
     want = populate(m, [])
     return f"file://{m.store_dir}", m.store_dir, want
-
-
-def put(store_dir: Path, key: str, data: bytes, age: float = 0.0) -> None:
-    """Plant object `key` in a file:// store, `age` seconds old (its mtime is LastModified)."""
-    p = store_dir / "objects" / key
-    p.parent.mkdir(parents=True, exist_ok=True)
-    p.write_bytes(data)
-    if age:
-        t = time.time() - age
-        os.utime(p, (t, t))
 
 
 def obj(key: str, data: bytes, chunk: int = 4096) -> dict:
@@ -508,119 +494,6 @@ def test_fsck_finds_damage_exit_10(file_store, tmp_path, how):
         assert r.returncode == storetools.EXIT_DAMAGE
         assert "could not be read at all" in r.stdout
         assert {k for k in store_keys(store_dir) if k.startswith("data/")} == before
-
-
-# -- errors: one line, documented codes ---------------------------------------------------------
-
-def test_an_unusable_store_exits_7_in_one_line(tmp_path, s3_bucket):
-    import socket
-
-    endpoint, _ = s3_bucket
-    with socket.socket() as s:  # a port nobody listens on
-        s.bind(("127.0.0.1", 0))
-        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
-    cases = [[f"file://{tmp_path}/nothing"],
-             ["s3://no-such-bucket-here/p", "--s3-endpoint", endpoint],
-             ["s3://bucket/p", "--s3-endpoint", dead]]
-    for store in cases:
-        for cmd in (["ls"], ["fsck"], ["restore"]):
-            args = [*cmd, store[0], *(["ckpt/x", str(tmp_path / "d")] if cmd == ["restore"]
-                                      else []), *store[1:]]
-            r = run_cli(*args)
-            assert r.returncode == 7 and one_line(r.stderr), (args, r.stderr)
-            assert "unusable" in r.stderr
-    assert not (tmp_path / "nothing").exists()  # a missing file:// store is not created
-    assert not (tmp_path / "d").exists()
-
-
-def test_the_store_view_is_the_store_layer_with_its_bounds(tmp_path):
-    """cachemgr.format.storeview: the tools' blocking face of cachemgr.store. An absent key is
-    None, a document past its bound and a short ranged read are CorruptError, every failure of
-    the store one readerrors.StoreError, and reads go through the store (its wrappers too)."""
-    from cachemgr.store import LocalStore, StoreError
-    from tests.faultstore import FaultyStore
-
-    loop = storeview.StoreLoop()
-    store = FaultyStore(LocalStore(tmp_path / "store"))
-    try:
-        view = storeview.ObjectStoreView(loop, store, "file:///test")
-        view.call(store.put, "manifests/a", b"x" * 10)
-        assert view.listing("manifests/") == [("manifests/a", 10)]
-        assert view.get("manifests/a", max_bytes=10) == b"x" * 10
-        with pytest.raises(readerrors.CorruptError, match="more than 9 bytes"):
-            view.get("manifests/a", max_bytes=9)
-        assert view.get("manifests/b") is None and view.open("manifests/b") is None
-        r = view.open("manifests/a")
-        assert r is not None and (r.key, r.size) == ("manifests/a", 10)
-        assert r.read(2, 3) == b"xxx" and r.read(0, 0) == b""
-        with pytest.raises(readerrors.CorruptError, match="shorter than it was"):
-            r.read(8, 4)
-        store.fail_next("get", 1, StoreError("injected: access denied"))
-        with pytest.raises(readerrors.StoreError, match="file:///test: injected: access denied"):
-            view.get("manifests/a")
-        assert store.injected == {"get": 1}
-        view.delete("manifests/a")
-        assert view.head("manifests/a") is None
-    finally:
-        loop.call(store.aclose)
-        loop.close()
-
-
-def test_usage_and_no_such_set(tmp_path):
-    (tmp_path / "store" / "objects").mkdir(parents=True)
-    url = f"file://{tmp_path}/store"
-    r = run_cli("restore", url, "ckpt/none", str(tmp_path / "d"))
-    assert r.returncode == storetools.EXIT_NO_SET and one_line(r.stderr), r.stderr
-    for args in (["ls", "http://x/y"], ["fsck", "file://relative"], ["ls", "s3://"],
-                 ["restore", url, "../up", str(tmp_path / "d")],
-                 ["fsck", url, "--older-than", "nan"], ["restore", url, "x", "d", "--parallel",
-                                                         "0"]):
-        r = run_cli(*args)
-        assert r.returncode == 2 and one_line(r.stderr), (args, r.stderr)
-    r = run_cli("fsck", url)
-    assert r.returncode == 0 and "0 manifests" in r.stdout
-
-
-# -- bounded memory -----------------------------------------------------------------------------
-
-def test_restore_of_a_large_file_runs_in_bounded_memory(tmp_path):
-    """A 512 MiB file (lz4 frames of zeros) restored with 8 ranged reads in flight: the
-    process's peak RSS stays far below the file (about READ_BYTES x 2 per worker above the
-    interpreter with boto3 and trio loaded)."""
-    import lz4.frame
-
-    size, frame = 512 << 20, 4 << 20
-    store = tmp_path / "store"
-    key = f"data/{DEAD}/1/1/big.pt"
-    z = lz4.frame.compress(bytes(frame))
-    (store / "objects" / key).parent.mkdir(parents=True)
-    with open(store / "objects" / key, "wb") as f:
-        f.writelines(z for _ in range(size // frame))
-    whole = 0
-    for _ in range(size // frame):
-        whole = crc32c.crc32c(bytes(frame), value=whole)
-    o = {"key": key, "size": size, "stored_size": len(z) * (size // frame), "crc32c": whole,
-         "compression": "lz4", "frame_size": frame, "frames": [len(z)] * (size // frame),
-         "chunk_size": frame, "chunk_crcs": [crc32c.crc32c(bytes(frame))] * (size // frame)}
-    doc = {"format": "ckptfs-manifest", "version": 1, "path": "big.pt", "kind": "file",
-           "commit": {"node": DEAD, "seq": 1, "reason": "close", "committed_ns": 1},
-           "total_bytes": size, "files": [{"path": "", "size": size, "mode": 0o644,
-                                           "mtime_ns": 1, "object": o}],
-           "dirs": [], "symlinks": []}
-    put(store, keys.manifest_key("big.pt"), json.dumps(doc).encode())
-    probe = ("import sys\n"
-             "from ckptfs import cli\n"
-             "rc = cli.main(sys.argv[1:])\n"
-             "hwm = [ln for ln in open('/proc/self/status') if ln.startswith('VmHWM:')]\n"
-             "print(hwm[0].split()[1], file=sys.stderr)\n"
-             "sys.exit(rc)\n")
-    r = subprocess.run([sys.executable, "-c", probe, "restore", f"file://{store}", "big.pt",
-                        str(tmp_path / "d")], check=False, capture_output=True, text=True,
-                       timeout=300, cwd=REPO)
-    assert r.returncode == 0, r.stderr
-    peak_mib = int(r.stderr.split()[-1]) // 1024
-    assert peak_mib < 200, f"peak RSS {peak_mib} MiB"
-    assert (tmp_path / "d" / "big.pt").stat().st_size == size
 
 
 def test_fsck_never_calls_a_mounted_nodes_records_garbage(mount_factory):

@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from ckpt_restore import FileStoreView, S3StoreView, manifests, restore, restore_to
-from conftest import run_cli, wait_for
 
 import ckptfs
+from tests.conftest import run_cli, wait_for
 
 
 @pytest.fixture(params=["file", "s3"])

@@ -20,9 +20,10 @@ import pytest
 torch = pytest.importorskip("torch")
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from conftest import assert_loaded, start_ranks
-from dcpranks import gloo_mesh, mixed_state, sharded
 from torch import nn
+
+from tests.conftest import assert_loaded, start_ranks
+from tests.dcpranks import gloo_mesh, mixed_state, sharded
 
 pytestmark = [
     # DCP in a single process says it runs without a process group, and a re-save says it

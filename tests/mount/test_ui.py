@@ -32,12 +32,12 @@ import threading
 from pathlib import Path
 
 import pytest
-from conftest import REPO, ckptfs_cmd, is_mounted, run_cli, wait_for
 from rich.console import Console
 
 import ckptfs
 from ckptfs import ui
 from ckptfs.mount import EXIT_MOUNTPOINT, EXIT_OK, EXIT_STORE, EXIT_USAGE
+from tests.conftest import REPO, ckptfs_cmd, is_mounted, run_cli, wait_for
 
 MiB = 1 << 20
 ESC = "\x1b"
@@ -575,7 +575,7 @@ def test_stuck_sets_render_plain_coloured_and_narrow(mnt):
     """In process, on a real status reply: the "stuck" row names the first 5 stuck sets (oldest
     first) with what each waits for and why, then "and N more"; absent when none is stuck. On
     a terminal it is yellow, red when one waits for something no wait will end; a narrow
-    terminal folds it without a traceback. (A real stuck set: tests/test_status.py.)"""
+    terminal folds it without a traceback. (A real stuck set: tests/mount/test_status.py.)"""
     (mnt.path / "s.pt").write_bytes(b"s" * 10)
     wait_for(lambda: set_row(mnt, "s.pt"), timeout=30, what="the set")
     st = ckptfs.status(mnt.path)

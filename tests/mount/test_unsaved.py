@@ -5,7 +5,8 @@ a real mount:
   * Megatron-core's order on one mount — DCP's `.metadata` rename commits `iter_N/`, then
     `metadata.json` and `integrity.json` are written into it, then the tracker file is
     rewritten in place: `ckptfs wait` on the checkpoint root exits 0 and the store's manifest
-    of `iter_N` names the late files (the fresh-node load: tests/test_frameworks_megatron_ds.py);
+    of `iter_N` names the late files (the fresh-node load:
+    tests/multinode/test_frameworks_megatron_ds.py);
   * a temporary file never renamed and a DCP directory whose `.metadata` never came: `status`
     (plain and --json) names them as at risk and never says only "every committed set is
     durable"; `ckptfs umount` unmounts, names them and exits 12; a remount shows them;
@@ -19,10 +20,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import run_cli
-from test_status import status
 
 from ckptfs.mount import EXIT_OK, EXIT_UNSAVED
+from tests.conftest import run_cli
+from tests.status_helpers import status
 
 
 def store_manifest(m, set_path: str) -> dict:

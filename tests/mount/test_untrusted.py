@@ -30,13 +30,12 @@ import time
 import uuid
 from pathlib import Path
 
-from conftest import run_cli, wait_for
-
 import ckptfs
 from cachemgr.format import validate
 from cachemgr.format.keys import part_key
 from cachemgr.store.base import crc32c
 from ckptfs.mount import pid_running
+from tests.conftest import run_cli, wait_for
 
 ARGS = ("--refresh-interval", "1", "--attr-timeout", "0")
 FAKE = "0badc0de"  # a node id no mount has

@@ -22,12 +22,12 @@ import grpc
 import kubernetes_validate
 import pytest
 import yaml
-from conftest import REPO, hold_uploads, is_mounted, new_bucket, require_fuse, wait_for
 
 from ckptfs.cli import mount_parser
 from ckptfs.csi import DRIVER_NAME, csi_pb2, csi_pb2_grpc
 from ckptfs.csi.volume import ATTRIBUTES, SECRETS, cache_dir_name
 from ckptfs.mount import pid_running, registration
+from tests.conftest import REPO, hold_uploads, is_mounted, new_bucket, require_fuse, wait_for
 
 Code = grpc.StatusCode
 DEPLOY = REPO / "deploy"

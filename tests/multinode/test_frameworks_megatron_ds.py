@@ -34,11 +34,12 @@ from pathlib import Path
 import pytest
 
 torch = pytest.importorskip("torch")
-import test_frameworks
 from ckpt_restore import manifests
-from conftest import IN_CI, run_cli, run_processes, wait_for
-from test_frameworks import assert_same, sets_of, wait_published
 from torch import nn
+
+from tests import frameworks_helpers
+from tests.conftest import IN_CI, run_cli, run_processes, wait_for
+from tests.frameworks_helpers import assert_same, sets_of, wait_published
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::DeprecationWarning"),
@@ -46,11 +47,10 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore::FutureWarning"),
 ]
 
-WORLD = 2
-
-
 # nodes(name, mountpoint=None): a started node on one bucket; nodes.view reads that bucket
-nodes = test_frameworks.nodes
+nodes = frameworks_helpers.nodes
+
+WORLD = 2
 
 
 def _require(module: str) -> None:

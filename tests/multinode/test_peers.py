@@ -21,10 +21,9 @@ import h11
 import pytest
 
 torch = pytest.importorskip("torch")
-from conftest import run_cli, wait_for
-from fakehttp import FakeHTTPServer, Request, request, send_head, send_response
-
 import ckptfs
+from tests.conftest import run_cli, wait_for
+from tests.fakehttp import FakeHTTPServer, Request, request, send_head, send_response
 
 MiB = 1 << 20
 SECRET = b"peer-secret-for-tests-0123456789"

@@ -12,104 +12,30 @@ from __future__ import annotations
 import json
 import os
 import socket
-import time
 
 import h11
 import pytest
 
 torch = pytest.importorskip("torch")
-from conftest import run_cli, wait_for
-from fakehttp import FakeHTTPServer, Request, request, send_response
-from faultproxy import FaultProxy
-
 import ckptfs
+from tests.conftest import run_cli, wait_for
+from tests.fakehttp import FakeHTTPServer, Request, request, send_response
+from tests.replicas_helpers import (
+    EXIT_STORE,
+    EXIT_USAGE,
+    SECRET,
+    _offer,
+    _store_get,
+    cluster,
+    knows_buddy,
+    peer_endpoint,
+    replica_files,
+    replication,
+    set_row,
+    unnamed_objects,
+)
 
-SECRET = b"replica-secret-for-tests-0123456"
-EXIT_USAGE, EXIT_STORE = 2, 7
-
-
-@pytest.fixture
-def cluster(mount_factory, s3_bucket, tmp_path):
-    """cluster(name, *extra, proxied=False) -> a started node with --peers; `proxied`: its
-    store requests go through cluster.proxy (a FaultProxy in front of the store), or through
-    the FaultProxy given."""
-    endpoint, bucket = s3_bucket
-    proxy = FaultProxy(endpoint).start()
-    made = []
-
-    def node(name: str, *extra: str, proxied: bool = False):
-        sf = tmp_path / f"{name}.secret"
-        sf.write_bytes(SECRET)
-        sf.chmod(0o600)
-        m = mount_factory(name)
-        via = proxy if proxied is True else proxied or None
-        m.start("--store", f"s3://{bucket}/p", "--s3-endpoint",
-                via.url if via is not None else endpoint, "--s3-path-style",
-                "--refresh-interval", "1",
-                "--peers", "--peer-address", "127.0.0.1", "--peer-secret-file", str(sf), *extra)
-        m.node_id = ckptfs.status(m.path)["tiering"]["store"]["node"]
-        made.append(m)
-        return m
-
-    proxies = [proxy]
-
-    def new_proxy() -> FaultProxy:
-        """Another FaultProxy in front of the store, stopped after the nodes are."""
-        proxies.append(FaultProxy(endpoint).start())
-        return proxies[-1]
-
-    node.proxy, node.endpoint, node.bucket, node.new_proxy = proxy, endpoint, bucket, new_proxy
-    try:
-        yield node
-    finally:
-        for p in proxies:
-            p.clear()
-        try:
-            for m in made:
-                errors = m.unexpected_errors()
-                assert not errors, f"daemon {m.mountpoint.name} logged unexpected errors:\n" + \
-                    "\n".join(errors)
-                assert SECRET.decode() not in m.log_text(), "the secret was logged"
-        finally:
-            for m in made:   # while the proxy still runs: the proxied nodes' uploads finish
-                m.cleanup()
-            for p in proxies:
-                p.stop()
-
-
-def _store_get(cluster, key: str) -> bytes:
-    import boto3
-
-    s3 = boto3.client("s3", endpoint_url=cluster.endpoint, region_name="us-east-1")
-    return s3.get_object(Bucket=cluster.bucket, Key=key)["Body"].read()
-
-
-def unnamed_objects(cluster) -> list[str]:
-    """The data objects in the store that no manifest there names."""
-    import boto3
-
-    s3 = boto3.client("s3", endpoint_url=cluster.endpoint, region_name="us-east-1")
-    keys = [o["Key"] for page in s3.get_paginator("list_objects_v2").paginate(
-        Bucket=cluster.bucket, Prefix="p/") for o in page.get("Contents", [])]
-    named = {"p/" + f["object"]["key"]
-             for k in keys if k.startswith("p/manifests/")
-             for f in json.loads(_store_get(cluster, k))["files"]}
-    return sorted(k for k in keys if k.startswith("p/data/") and k not in named)
-
-
-def replication(m) -> dict:
-    return ckptfs.status(m.path)["tiering"]["peers"]["replication"]
-
-
-def set_row(m, path: str) -> dict:
-    rows = [s for s in ckptfs.status(m.path)["tiering"]["sets"] if s["path"] == path]
-    assert rows, path
-    return max(rows, key=lambda s: s["seq"])
-
-
-def knows_buddy(a, b) -> None:
-    wait_for(lambda: replication(a)["buddies"] == [b.node_id], timeout=20,
-             what=f"{a.node_id} to list {b.node_id} as its buddy")
+__all__ = ["cluster"]  # the fixture, imported for these tests
 
 
 def outside_replicas(m) -> dict[str, tuple[int, int]]:
@@ -121,12 +47,6 @@ def outside_replicas(m) -> dict[str, tuple[int, int]]:
             st = p.stat()
             out[rel] = (st.st_size, st.st_mtime_ns)
     return out
-
-
-def replica_files(m) -> list[str]:
-    root = m.cache_dir / "replicas"
-    return sorted(p.relative_to(root).as_posix() for p in root.rglob("*")) \
-        if root.exists() else []
 
 
 def test_replicated_before_durable_then_durable_and_dropped(cluster):
@@ -168,24 +88,6 @@ def test_replicated_before_durable_then_durable_and_dropped(cluster):
     assert replica_files(b) == [a.node_id]  # the origin's (empty) directory only
 
 
-def test_replicas_need_peers(mount_factory, tmp_path):
-    m = mount_factory("solo")
-    res = m.start("--replicas", "1", check=False)
-    assert res.returncode == EXIT_USAGE, (res.stdout, res.stderr)
-    assert "--replicas needs --peers" in res.stderr
-    plain = mount_factory("plain")
-    plain.start()
-    t = ckptfs.status(plain.path)["tiering"]
-    assert t["peers"] is None
-    torch.save({"w": torch.ones(4)}, plain.path / "x.pt")
-    ckptfs.wait_durable(plain.path / "x.pt", timeout=60)
-    rows = ckptfs.status(plain.path)["tiering"]["sets"]
-    assert rows and all("replicas" not in r and "replicated" not in r for r in rows), rows
-    res = run_cli("wait", "--replicated", str(plain.path / "x.pt"), "--timeout", "5")
-    assert res.returncode == 1 and "replication is off" in res.stderr, res.stderr
-    assert not (plain.cache_dir / "replicas").exists()
-
-
 # ----------------------------------------------------------------------------------------------
 # a peer that lies changes nothing on the buddy
 
@@ -211,16 +113,6 @@ class FakeOrigin(FakeHTTPServer):
         self.requests += 1
         n = int(req.query["len"][0])
         send_response(s, conn, 200, [("x-ckptfs-crc32c", "12345")], b"\xee" * n)
-
-
-def _offer(port: int, **over) -> bytes:
-    doc = {"format": "ckptfs-replica-offer", "version": 1, "origin": "evil", "generation": 1,
-           "seq": 7, "path": "run/step_9", "kind": "dir", "committed_ns": time.time_ns(),
-           "reason": "rename", "endpoint": {"host": "127.0.0.1", "port": port},
-           "files": [{"rel": "model.pt", "size": 1000, "mode": 0o644, "mtime_ns": 1}],
-           "dirs": [], "symlinks": []}
-    doc.update(over)
-    return json.dumps(doc).encode()
 
 
 def test_a_lying_peer_changes_nothing_on_the_buddy(cluster):
@@ -307,10 +199,6 @@ def test_a_lost_node_s_sets_are_taken_over_by_its_buddy(cluster):
     assert torch.equal(back["w"], state["w"]) and torch.equal(back["b"], state["b"])
     m = json.loads(_store_get(cluster, "p/manifests/run/step_1.json"))
     assert m["commit"]["node"] == a.node_id and m["commit"]["taken_over_by"] == b.node_id, m
-
-
-def peer_endpoint(m) -> str:
-    return ckptfs.status(m.path)["tiering"]["peers"]["server"]["endpoint"]
 
 
 def test_a_fresh_node_reads_a_lost_node_s_sets_from_its_buddy_while_the_store_is_down(cluster):
@@ -440,7 +328,7 @@ def test_a_takeover_whose_path_moves_on_before_its_buddy_applied_it_leaves_nothi
     manifest it published taking over A's set; another node re-commits that path meanwhile.
     The buddy's takeover record still owns the objects it uploaded: its sweep deletes them, and
     every data object in the store is named by a manifest there."""
-    from faultproxy import Rule
+    from tests.faultproxy import Rule
 
     side = cluster.new_proxy()
     a = cluster("a", "--lease", "4", proxied=True)
@@ -511,39 +399,6 @@ def test_an_origin_back_after_its_takeover_leaves_one_whole_set(cluster):
     ckptfs.wait_durable(a.path / "solo.pt", timeout=20)
     wait_for(lambda: unnamed_objects(cluster) == [], timeout=20,
              what="the buddy to delete its takeover objects once the path moved on")
-
-
-def test_buddies_are_stable_as_others_come_and_go():
-    from cachemgr.peer.proto import PeerEndpoint
-    from cachemgr.tiering.replicaproto import buddies
-
-    peers = [PeerEndpoint(f"n{i:03d}", "127.0.0.1", 1000 + i) for i in range(50)]
-    first = [p.node for p in buddies("origin", peers)[:2]]
-    assert len(set(first)) == 2 and "origin" not in first
-    others = [p for p in peers if p.node not in first]
-    for gone in others[:20]:  # a node that is not a buddy leaves: the buddies stay
-        assert [p.node for p in buddies("origin", [p for p in peers if p != gone])[:2]] == first
-    new = PeerEndpoint("n999", "127.0.0.1", 2000)  # a node joins: at most one buddy changes
-    assert len(set(first) & {p.node for p in buddies("origin", [*peers, new])[:2]}) >= 1
-    assert [p.node for p in buddies("origin", [*peers, PeerEndpoint("origin", "h", 1)])[:2]] \
-        == first  # never itself
-    spread = {buddies(f"o{i}", peers)[0].node for i in range(200)}
-    assert len(spread) > 25  # each origin has its own buddies: the load spreads
-
-
-def test_an_offer_is_validated_like_a_store_document():
-    from cachemgr.format import validate
-
-    good = json.loads(_offer(1234))
-    assert validate.replica_offer(json.dumps(good).encode())["files"][0]["rel"] == "model.pt"
-    for bad in ({"kind": "file"},  # a file set's one entry has rel ""
-                {"files": [{"rel": "x", "size": -1, "mode": 0o644}]},
-                {"endpoint": {"host": "a b", "port": 1}}, {"seq": 0}, {"version": 2},
-                {"dirs": [{"path": "../d"}]}, {"symlinks": [{"path": "s", "target": ""}]}):
-        with pytest.raises(validate.DocumentError):
-            validate.replica_offer(json.dumps({**good, **bad}).encode())
-    with pytest.raises(validate.DocumentError):
-        validate.replica_offer(b"{" * 100_000)
 
 
 def test_a_buddy_needing_room_drops_its_replica_first_and_its_origin_offers_again(cluster):

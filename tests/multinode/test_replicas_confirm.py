@@ -1,7 +1,7 @@
 """An origin confirms the buddies it counts (--replicas, docs/ARCHITECTURE.md "Replicas",
 docs/SEMANTICS.md "Replicated"): every confirm interval (--refresh-interval 1 here: 1 s) it
 offers each set not durable yet again to each buddy it counts, and one that does not answer 200
-is counted no more. Real mounts on one moto store (tests/test_replicas.py's `cluster`), A's
+is counted no more. Real mounts on one moto store (tests/replicas_helpers.py's `cluster`), A's
 store behind the fault proxy and down, so that A's set stays not durable and only its replica
 protects it:
 
@@ -27,11 +27,10 @@ import h11
 import pytest
 
 torch = pytest.importorskip("torch")
-from conftest import run_cli, wait_for
-from fakehttp import FakeHTTPServer, Request, send_response
-from test_replicas import cluster, knows_buddy, replication, set_row
-
 import ckptfs
+from tests.conftest import run_cli, wait_for
+from tests.fakehttp import FakeHTTPServer, Request, send_response
+from tests.replicas_helpers import cluster, knows_buddy, replication, set_row
 
 __all__ = ["cluster"]  # the fixture, imported for these tests
 

@@ -15,9 +15,16 @@ import shutil
 import pytest
 
 torch = pytest.importorskip("torch")
-from conftest import run_cli, wait_for
-from faultproxy import Rule
-from test_replicas import _store_get, cluster, replica_files, replication, set_row, unnamed_objects
+from tests.conftest import run_cli, wait_for
+from tests.faultproxy import Rule
+from tests.replicas_helpers import (
+    _store_get,
+    cluster,
+    replica_files,
+    replication,
+    set_row,
+    unnamed_objects,
+)
 
 __all__ = ["cluster"]  # the fixture, imported for this test
 

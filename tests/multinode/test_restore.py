@@ -27,11 +27,11 @@ import pytest
 torch = pytest.importorskip("torch")
 import torch.distributed.checkpoint as dcp
 from ckpt_restore import FileStoreView, S3StoreView, manifests
-from conftest import run_cli, start_ranks, wait_for
-from dcpranks import load_rank, mixed_state, save_rank
 
 import ckptfs
 from cachemgr.store.crt import HAVE_CRT
+from tests.conftest import run_cli, start_ranks, wait_for
+from tests.dcpranks import load_rank, mixed_state, save_rank
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning"),

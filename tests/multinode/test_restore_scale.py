@@ -22,11 +22,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 import torch.distributed.checkpoint as dcp
-from conftest import start_ranks, wait_for
-from dcpranks import load_rank, save_rank
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
 import ckptfs
+from tests.conftest import start_ranks, wait_for
+from tests.dcpranks import load_rank, save_rank
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning"),
@@ -189,27 +189,3 @@ def test_per_rank_files_fetch_the_file_opened_and_set_fetches_the_set(nodes):
                 ino = (m.path / "pr" / "step_1" / sib).stat().st_ino
                 cache = m.cache_dir / "data" / str(ino)
                 assert not cache.exists() or cache.stat().st_blocks == 0, (name, sib)
-
-
-def test_prefetch_option_is_validated(tmp_path):
-    """--prefetch takes one of the policies (exit 2, one line naming the option, nothing
-    touched); --no-prefetch is --prefetch none; the config refuses anything else."""
-    from conftest import run_cli
-
-    from ckptfs.cli import build_parser
-    from ckptfs.config import ConfigError, MountConfig
-
-    mp_, cache = tmp_path / "mp", tmp_path / "cache"
-    mp_.mkdir()
-    res = run_cli("mount", str(mp_), "--cache-dir", str(cache), "--prefetch", "everything")
-    lines = res.stderr.splitlines()
-    assert res.returncode == 2 and len(lines) == 1 and lines[0].startswith("ckptfs: "), res
-    assert "--prefetch" in lines[0] and "Traceback" not in res.stderr
-    assert not cache.exists()
-    parse = build_parser().parse_args
-    assert parse(["mount", str(mp_)]).prefetch == "auto"
-    assert parse(["mount", str(mp_), "--no-prefetch"]).prefetch == "none"
-    assert parse(["mount", str(mp_), "--prefetch", "READS"]).prefetch == "reads"
-    assert MountConfig(mountpoint=mp_, cache_dir=cache, prefetch="file").prefetch == "file"
-    with pytest.raises(ConfigError, match="--prefetch"):
-        MountConfig(mountpoint=mp_, cache_dir=cache, prefetch="everything")

@@ -31,10 +31,18 @@ import pytest
 
 torch = pytest.importorskip("torch")
 import torch.distributed.checkpoint as dcp
-from conftest import ckptfs_cmd, is_mounted, run_cli, wait_for
-from test_multinode import _global, cluster, node_id, run_ranks, set_row, start_node, status
 
 import ckptfs
+from tests.conftest import ckptfs_cmd, is_mounted, run_cli, wait_for
+from tests.multinode_helpers import (
+    _global,
+    cluster,
+    node_id,
+    run_ranks,
+    set_row,
+    start_node,
+    status,
+)
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning"),

@@ -22,11 +22,10 @@ import botocore.exceptions
 import crc32c
 import pytest
 import trio
-from conftest import REPO, S3_KIND, new_bucket
 
-import ckptfs
 from cachemgr.store import PreconditionFailed, StoreError, open_store
 from cachemgr.store.base import ConditionalWrites, bare_etag, quoted_etag
+from tests.conftest import REPO, S3_KIND, new_bucket
 from tests.stores import RUN_HERE, STORES, Answers, differences, doc_cells
 
 pytestmark = pytest.mark.s3
@@ -391,32 +390,3 @@ def test_scratch_key_is_unique_per_probe(endpoint):
         assert await stores[0].list("") == []
 
     trio.run(main)
-
-
-def test_mount_refuses_a_store_that_ignores_conditions_unless_told(mount_factory, moto_server):
-    """What a user sees: `ckptfs mount` on such a store exits 7 with one line saying why and
-    which option accepts it; with the option it mounts, says so in status, and commits."""
-    from ckptfs.cli import EXIT_STORE
-    from tests.faultproxy import FaultProxy, Rule
-
-    bucket = new_bucket(moto_server)
-    with FaultProxy(moto_server) as proxy:
-        proxy.set_rules([Rule("strip_conditions", ops={"put"})])
-        store = ["--store", f"s3://{bucket}/p", "--s3-endpoint", proxy.url, "--s3-path-style"]
-        m = mount_factory("lax")
-        res = m.start(*store, check=False)
-        assert res.returncode == EXIT_STORE, (res.returncode, res.stderr)
-        err = res.stderr.strip()
-        assert len(err.splitlines()) == 1 and "Traceback" not in err, err
-        assert "ignores If-None-Match and If-Match" in err and "--store-ignores-conditions" in err
-        m.start(*store, "--store-ignores-conditions")
-        st = m.status()["tiering"]["store"]["conditional_writes"]
-        assert st["honoured"] is False and "NOT honoured" in st["summary"]
-        (m.path / "model.pt").write_bytes(b"x" * 1000)
-        ckptfs.wait_durable(m.path / "model.pt", timeout=60)
-        (m.path / "model.pt").write_bytes(b"y" * 1000)
-        ckptfs.wait_durable(m.path / "model.pt", timeout=60)
-        text = m.log_text()
-        assert "--store-ignores-conditions: the last node to commit a path wins" in text
-        m.stop()
-        assert not m.unexpected_errors(), m.unexpected_errors()

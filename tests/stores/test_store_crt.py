@@ -38,14 +38,14 @@ from tests.faultproxy import FaultProxy, Rule
 from tests.faultstore import FaultyStore
 
 pytest.importorskip("awscrt")
-pytestmark = [pytest.mark.unit, pytest.mark.s3]
+pytestmark = pytest.mark.s3
 
 MiB = 1 << 20
 
 
 def _store(endpoint: str, bucket: str, **kw) -> S3Store:
     """Native both ways (GETs are off by default: `native_gets`), by the CRT (over http://
-    uploads go by sendfile by default: `plain_http`, tests/test_store_plainhttp.py)."""
+    uploads go by sendfile by default: `plain_http`, tests/stores/test_store_plainhttp.py)."""
     kw.setdefault("native_gets", True)
     kw.setdefault("plain_http", False)
     return s3_store(endpoint, bucket, **kw)

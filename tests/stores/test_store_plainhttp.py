@@ -39,7 +39,7 @@ from tests.conftest import s3_client, s3_store
 from tests.fakehttp import FakeHTTPServer, Request, send_response
 from tests.faultproxy import FaultProxy, Rule
 
-pytestmark = [pytest.mark.unit, pytest.mark.s3]
+pytestmark = pytest.mark.s3
 
 MiB = 1 << 20
 

@@ -31,8 +31,8 @@ import pytest
 from ckptfs import control
 from ckptfs import mount as ckmount
 from ckptfs.mount import EXIT_ACCESS, EXIT_CACHE_DIR, EXIT_NO_SET, EXIT_OK
+from tests.cli_helpers import one_line_error
 from tests.conftest import REPO, Mount, is_mounted, require_fuse, run_cli, wait_for
-from tests.test_cli import one_line_error
 
 NOBODY = 65534
 FORGER = 4321      # another unprivileged uid, the one planting registrations

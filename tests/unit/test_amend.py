@@ -1,6 +1,6 @@
 """Files written into a directory after it was committed (issue 39; docs/SEMANTICS.md "Files
 written into a committed directory"), in process: real `CacheFs` + `Engine` on a file://
-store (tests/test_services_inproc.py's `Node`), no FUSE.
+store (tests/inproc.py's `Node`), no FUSE.
 
 Megatron-core's `dist_checkpointing` commits `iter_N/` with DCP's `.metadata` rename and only
 then writes `metadata.json` (and `integrity.json`) into it; its trainer then rewrites
@@ -18,10 +18,10 @@ import os
 
 import pytest
 import trio
-from test_services_inproc import CHUNK, Node, Recorder, read_manifest, run_nodes, until
 
 from cachemgr.core.index import ROOT_INO
 from cachemgr.format.keys import is_manifest_key, manifest_key
+from tests.inproc import CHUNK, Node, Recorder, read_manifest, run_nodes, until
 
 
 @pytest.fixture

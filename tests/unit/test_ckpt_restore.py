@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 
 from cachemgr.format import decode, keys, names, validate
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "ckpt_restore.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "ckpt_restore.py"
 NODE = "n1"
 # The exit codes scripts/ckpt_restore.py documents.
 OK, NO_SET, USAGE, CORRUPT, DEST, STORE = 0, 1, 2, 3, 4, 5
@@ -822,7 +822,7 @@ def test_the_script_needs_only_the_stdlib_modules_of_cachemgr(tmp_path):
     and the stdlib-only modules of cachemgr/format/, the decoder among them) validates with them
     (an invalid manifest: one line on stderr in `list`, exit 3 in `restore`), loads every one of
     them and imports nothing else of ckptfs (no trio, no pyfuse3, no boto3 for file://)."""
-    repo = Path(__file__).resolve().parent.parent
+    repo = Path(__file__).resolve().parents[2]
     copy = tmp_path / "copy"
     (copy / "scripts").mkdir(parents=True)
     shutil.copy(SCRIPT, copy / "scripts")

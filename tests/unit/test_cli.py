@@ -1,7 +1,8 @@
 """The `ckptfs` command line: documented exit codes and one-line messages (README "Exit codes").
 
 Every failure must print exactly one line on stderr, starting with `ckptfs: `, and no traceback.
-Tests that mount use the `mnt`/`mount_factory` fixtures (real daemons through the real CLI).
+The tests that need a mount (the `mnt`/`mount_factory` fixtures: real daemons through the real
+CLI) are in tests/mount/test_cli_mount.py.
 """
 
 from __future__ import annotations
@@ -20,56 +21,16 @@ import pytest
 from ckptfs import mount as ckmount
 from ckptfs.mount import (
     EXIT_CACHE_DIR,
-    EXIT_ERROR,
     EXIT_MOUNTPOINT,
     EXIT_NO_FUSE,
     EXIT_OK,
     EXIT_USAGE,
     MountError,
 )
+from tests.cli_helpers import _tree, _undo_mount, mount_cli, one_line_error, store_opt
 from tests.conftest import REPO, _alive, ckptfs_cmd, is_mounted, require_fuse, run_cli, wait_for
 
 IS_ROOT = os.geteuid() == 0
-
-
-def one_line_error(res: subprocess.CompletedProcess, code: int, *needles: str) -> str:
-    """Assert `res` failed with `code` and exactly one `ckptfs: ` line on stderr containing every
-    needle; return that line."""
-    lines = res.stderr.splitlines()
-    assert res.returncode == code, (res.returncode, res.stdout, res.stderr)
-    assert len(lines) == 1, f"stderr is not one line: {res.stderr!r}"
-    line = lines[0]
-    assert line.startswith("ckptfs: "), line
-    assert "Traceback" not in res.stderr and "Traceback" not in res.stdout
-    for n in needles:
-        assert n in line, f"{n!r} not in {line!r}"
-    assert res.stdout == "", f"unexpected stdout on failure: {res.stdout!r}"
-    return line
-
-
-def _undo_mount(res: subprocess.CompletedProcess, mp: Path) -> None:
-    """A mount that a test expected to be refused happened (the bug under test): take it down
-    without going through it (the daemon may be stuck on its own mount): kill -9 the daemon,
-    then a lazy unmount."""
-    import re
-
-    if not is_mounted(mp):
-        return
-    m = re.search(r"pid (\d+)", res.stdout)
-    if m and _alive(int(m.group(1))):
-        os.kill(int(m.group(1)), signal.SIGKILL)
-        wait_for(lambda: not _alive(int(m.group(1))), what="daemon to die")
-    subprocess.run(["fusermount3", "-u", "-z", str(mp)], capture_output=True, check=False)
-
-
-def store_opt(tmp_path: Path) -> list[str]:
-    """A file:// store of the test's own (not the user's shared embedded default)."""
-    return ["--store", f"file://{tmp_path / 'store'}"]
-
-
-def mount_cli(mp: Path, cache: Path, *extra: str) -> subprocess.CompletedProcess:
-    return run_cli("mount", str(mp), "--cache-dir", str(cache),
-                   *store_opt(mp.parent), *extra)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -203,16 +164,6 @@ def test_mountpoint_not_empty(tmp_path: Path) -> None:
     assert (mp / "precious").read_bytes() == b"keep me"
 
 
-def test_mountpoint_already_mounted(mnt, tmp_path: Path) -> None:
-    (mnt.path / "f").write_bytes(b"data")
-    line = one_line_error(mount_cli(mnt.path, tmp_path / "other-cache"), EXIT_MOUNTPOINT,
-                          str(mnt.path))
-    assert "already mounted" in line
-    # The existing mount is untouched and still answers.
-    assert _alive(mnt.pid)
-    assert (mnt.path / "f").read_bytes() == b"data"
-
-
 @pytest.mark.skipif(not IS_ROOT, reason="mounting a tmpfs needs root")
 def test_mountpoint_already_mounted_other_fs(tmp_path: Path) -> None:
     require_fuse()  # preflight checks FUSE first
@@ -271,36 +222,6 @@ def test_cache_dir_read_only(tmp_path: Path) -> None:
         subprocess.run(["umount", str(ro)], check=True)
 
 
-def test_cache_dir_in_use(mnt, mount_factory) -> None:
-    other = mount_factory("other", cache_dir=mnt.cache_dir)
-    res = other.start("--store", f"file://{mnt.store_dir}", check=False)
-    line = one_line_error(res, EXIT_CACHE_DIR, str(mnt.cache_dir), f"pid {mnt.pid}")
-    assert "in use" in line
-    assert not is_mounted(other.path)
-    # The first mount is unaffected, and its lock still names it.
-    assert _alive(mnt.pid)
-    (mnt.path / "still-works").write_bytes(b"ok")
-    assert (mnt.path / "still-works").read_bytes() == b"ok"
-    assert (mnt.cache_dir / "lock").read_text().strip() == str(mnt.pid)
-
-
-def test_cache_dir_incompatible_layout(mount_factory) -> None:
-    m = mount_factory("old")
-    m.cache_dir.mkdir()
-    (m.cache_dir / "layout.json").write_text(json.dumps({"format": "ckptfs-cache",
-                                                         "version": 99}))
-    res = m.start(check=False)
-    line = one_line_error(res, EXIT_CACHE_DIR, str(m.cache_dir))
-    assert "version" in line
-    assert not is_mounted(m.path)
-
-
-def _tree(root: Path) -> dict[str, bytes | None]:
-    """Every path under `root` with its content (None for directories)."""
-    return {str(p.relative_to(root)): None if p.is_dir() else p.read_bytes()
-            for p in sorted(root.rglob("*"))}
-
-
 def test_cache_dir_not_a_cache_is_refused_untouched(tmp_path: Path) -> None:
     """A non-empty directory without layout.json is not adopted as a cache: recovery used to
     delete the user's files in its data/ as strays and the lock file was truncated."""
@@ -322,20 +243,6 @@ def test_cache_dir_not_a_cache_is_refused_untouched(tmp_path: Path) -> None:
     assert not is_mounted(mp)
 
 
-def test_cache_dir_empty_or_fresh_fs_is_claimed(mount_factory) -> None:
-    """An empty directory (or one holding only lost+found, the root of a fresh filesystem)
-    becomes a cache; once it has layout.json it is remounted as one."""
-    m = mount_factory("fresh")
-    m.cache_dir.mkdir()
-    (m.cache_dir / "lost+found").mkdir()
-    m.start()
-    assert json.loads((m.cache_dir / "layout.json").read_text())["format"] == "ckptfs-cache"
-    (m.path / "f").write_bytes(b"kept")
-    m.remount()
-    assert (m.path / "f").read_bytes() == b"kept"
-    m.stop()
-
-
 def test_load_refuses_foreign_dir(tmp_path: Path) -> None:
     """CacheFs.load itself (used by every caller, not only the CLI) never adopts a non-empty
     directory without layout.json, and leaves it as it was."""
@@ -351,44 +258,6 @@ def test_load_refuses_foreign_dir(tmp_path: Path) -> None:
     assert ei.value.errno == errno.ENOTEMPTY and "layout.json" in str(ei.value)
     assert _tree(d) == before
     CacheFs.load(tmp_path / "new").close()  # a new directory is still created as a cache
-
-
-@pytest.mark.parametrize("case", ["same", "cache-inside-new", "cache-inside-symlink",
-                                  "mountpoint-inside-cache", "log-inside"])
-def test_cache_dir_and_mountpoint_overlap(tmp_path: Path, mount_factory, case: str) -> None:
-    """Cache dir at or inside the mount point (the daemon then reaches its cache through its own
-    mount: it hung in D state), or the mount point inside the cache dir, compared as resolved
-    paths: refused with exit 4 before anything is created; a log file inside the mount point
-    (the same hang) with exit 2."""
-    require_fuse()
-    mp = tmp_path / "mp"
-    mp.mkdir()
-    extra: list[str] = []
-    code = EXIT_CACHE_DIR
-    if case == "same":
-        cache = mp
-    elif case == "cache-inside-new":
-        cache = mp / "sub" / "cache"
-    elif case == "cache-inside-symlink":
-        (tmp_path / "link").symlink_to(mp)
-        cache = tmp_path / "link" / "cache"
-    elif case == "log-inside":
-        cache, code = tmp_path / "cache", EXIT_USAGE
-        extra = ["--log-file", str(mp / "ckptfs.log")]
-    else:  # the mount point in an existing, valid cache dir
-        first = mount_factory("first")
-        first.start()
-        first.stop()
-        cache = first.cache_dir
-        mp = cache / "mnt"
-        mp.mkdir()
-    before = _tree(tmp_path)
-    res = mount_cli(mp, cache, *extra)
-    _undo_mount(res, mp)
-    line = one_line_error(res, code, str(mp))
-    assert "inside" in line or "is the mount point" in line
-    assert _tree(tmp_path) == before
-    assert not is_mounted(mp)
 
 
 def test_racing_preflights_claim_a_new_cache_dir(tmp_path: Path) -> None:
@@ -492,44 +361,6 @@ def test_umount_not_ckptfs(tmp_path: Path) -> None:
         subprocess.run(["umount", str(mp)], check=True)
 
 
-def test_umount_busy(mnt) -> None:
-    (mnt.path / "d").mkdir()
-    sleeper = subprocess.Popen(["sleep", "600"], cwd=mnt.path / "d")
-    try:
-        line = one_line_error(run_cli("umount", str(mnt.path)), EXIT_ERROR, str(mnt.path))
-        assert "busy" in line
-        # Still mounted, daemon alive, mount answering.
-        assert is_mounted(mnt.path)
-        assert _alive(mnt.pid)
-        assert os.listdir(mnt.path) == ["d"]
-    finally:
-        sleeper.kill()
-        sleeper.wait(timeout=30)
-    res = run_cli("umount", str(mnt.path))
-    assert res.returncode == EXIT_OK, res.stderr
-    assert res.stdout.startswith("ckptfs: unmounted") and res.stderr == ""
-    assert not is_mounted(mnt.path)
-    assert not _alive(mnt.pid)
-    mnt.pid = None
-
-
-def test_mount_umount_roundtrip(mount_factory) -> None:
-    m = mount_factory("rt")
-    res = m.start()
-    assert res.stdout.startswith("ckptfs: mounted ") and res.stderr == ""
-    assert len(res.stdout.splitlines()) == 1
-    assert str(m.path) in res.stdout and f"pid {m.pid}" in res.stdout
-    pid = m.pid
-    res = run_cli("umount", str(m.path))
-    assert res.returncode == EXIT_OK and res.stderr == ""
-    assert res.stdout == f"ckptfs: unmounted {m.path}\n"
-    # umount returns only once the daemon has exited (and released the cache-dir lock).
-    assert not _alive(pid)
-    assert not is_mounted(m.path)
-    assert (m.cache_dir / "lock").read_text() == ""
-    m.pid = None
-
-
 # ----------------------------------------------------------------------------------------------
 # foreground
 
@@ -575,38 +406,6 @@ def test_foreground_sigterm(tmp_path: Path) -> None:
 
 # ----------------------------------------------------------------------------------------------
 # stale mount of a dead daemon
-
-
-@pytest.mark.parametrize("idle", [False, True], ids=["after-writes", "idle"])
-def test_stale_mount_cleaned_up(mnt, idle: bool) -> None:
-    """`idle`: the daemon dies right after mounting, while the kernel still caches the mount
-    point's attributes (a plain stat of it succeeds); the dead mount must be detected anyway."""
-    if not idle:
-        (mnt.path / "kept").write_bytes(b"survives")
-    old_pid = mnt.pid
-    mnt.kill9()
-    assert is_mounted(mnt.path)
-    with pytest.raises(OSError) as ei:
-        os.listdir(mnt.path)
-    # ECONNABORTED when the request raced the kernel aborting the dying daemon's connection.
-    assert ei.value.errno in (errno.ENOTCONN, errno.ECONNABORTED)
-    res = mnt.start()  # asserts exit 0, mounted, pid
-    assert mnt.pid != old_pid
-    note = res.stderr.splitlines()
-    assert len(note) == 1 and note[0].startswith("ckptfs: ")
-    assert "stale mount" in note[0] and str(mnt.path) in note[0]
-    assert "Traceback" not in res.stderr
-    assert res.stdout.startswith("ckptfs: mounted")
-    # Exactly one mount at the mount point (the stale one is gone), and it answers.
-    with open("/proc/self/mountinfo") as f:
-        assert sum(ln.split()[4] == str(mnt.path) for ln in f) == 1
-    assert os.listdir(mnt.path) == ([] if idle else ["kept"])
-    if not idle:
-        assert (mnt.path / "kept").read_bytes() == b"survives"
-    # `kept` is in no set if its close had not reached the daemon when it died (a file open
-    # for writing at a crash commits only at its next close: docs/SEMANTICS.md)
-    mnt.stop("--allow-unsaved")
-    assert not is_mounted(mnt.path)
 
 
 def test_python_m_entry_point_matches_console_script() -> None:

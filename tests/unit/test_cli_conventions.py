@@ -5,9 +5,7 @@
   parse to the same value. AWS_ENDPOINT_URL[_S3], AWS_REGION / AWS_DEFAULT_REGION and
   AWS_PROFILE are honoured, once: an option beats the environment, which beats the AWS config
   file (checked on the boto3 client ckptfs builds, and through a real mount).
-- `--read-only` / `-o ro`: a ro kernel mount; every change EROFS; a checkpoint a read-write
-  mount wrote to the same moto store loads bit-exact, prefetches, and later checkpoints appear;
-  the store is byte-for-byte what it was (no upload, manifest, member record, delete).
+- `--read-only` / `-o ro`, a ro kernel mount: tests/mount/test_cli_conventions_mount.py.
 - `--allow-other` / `--allow-root`, `--uid` / `--gid`: who may use a root mount (a process
   running as nobody), and the owner `stat` shows.
 - `ckptfs completion bash|zsh` and the man page come from the parser: every option of every
@@ -18,7 +16,6 @@
 from __future__ import annotations
 
 import errno
-import hashlib
 import os
 import shutil
 import subprocess
@@ -27,14 +24,14 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from conftest import REPO, Mount, run_cli, wait_for
-from test_cli import one_line_error
 
 from ckptfs import cliref
 from ckptfs.cli import build_parser, mount_parser
 from ckptfs.config import s3_from_env
-from ckptfs.mount import EXIT_OK, EXIT_USAGE
+from ckptfs.mount import EXIT_USAGE
 from ckptfs.mounthelper import translate
+from tests.cli_helpers import _refused, one_line_error
+from tests.conftest import REPO, Mount, run_cli
 
 NOBODY = 65534
 # (primary, alias, a value or None for a flag)
@@ -204,129 +201,6 @@ def test_bad_access_options(tmp_path, args, needle):
 
 
 # ----------------------------------------------------------------------------------------------
-# a read-only mount
-
-
-def _store_objects(endpoint: str, bucket: str) -> dict[str, tuple[str, str]]:
-    import boto3
-
-    c = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
-    out = {}
-    for page in c.get_paginator("list_objects_v2").paginate(Bucket=bucket):
-        for o in page.get("Contents", []):
-            out[o["Key"]] = (o["ETag"], str(o["LastModified"]))
-    return out
-
-
-def _sha(p: Path) -> str:
-    return hashlib.sha256(p.read_bytes()).hexdigest()
-
-
-def _mountinfo_options(mp: Path) -> tuple[set[str], set[str]]:
-    """(per-mount options, superblock options) of mount point `mp` in /proc/self/mountinfo."""
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            fields = line.split()
-            if fields[4] == os.path.abspath(mp):
-                sep = fields.index("-")
-                return set(fields[5].split(",")), set(fields[sep + 3].split(","))
-    raise AssertionError(f"{mp} not in mountinfo")
-
-
-def _refused(op, *args) -> int:
-    try:
-        op(*args)
-    except OSError as e:
-        return e.errno
-    return 0
-
-
-def _assert_every_change_refused(mp: Path, existing: Path, d: Path) -> None:
-    new = mp / "new"
-    checks = {
-        "create": lambda: open(new, "wb").close(),
-        "open-write": lambda: open(existing, "r+b").close(),
-        "open-append": lambda: open(existing, "ab").close(),
-        "truncate": lambda: os.truncate(existing, 0),
-        "mkdir": lambda: os.mkdir(mp / "newdir"),
-        "rmdir": lambda: os.rmdir(d),
-        "unlink": lambda: os.unlink(existing),
-        "rename": lambda: os.rename(existing, mp / "moved"),
-        "chmod": lambda: os.chmod(existing, 0o600),
-        "chown": lambda: os.chown(existing, 1, 1),
-        "utime": lambda: os.utime(existing, (1, 1)),
-        "symlink": lambda: os.symlink("x", mp / "link"),
-        "link": lambda: os.link(existing, mp / "hard"),
-        "mknod": lambda: os.mknod(mp / "fifo"),
-        "setxattr": lambda: os.setxattr(existing, "user.k", b"v"),
-        "removexattr": lambda: os.removexattr(existing, "user.k"),
-    }
-    got = {name: _refused(fn) for name, fn in checks.items()}
-    assert got == dict.fromkeys(checks, errno.EROFS)
-
-
-def test_read_only_mount(s3_bucket, mount_factory):
-    import torch
-
-    endpoint, bucket = s3_bucket
-    store = ["--store", f"s3://{bucket}/p", "--endpoint-url", endpoint, "--force-path-style"]
-    rw = mount_factory("rw")
-    rw.start(*store)
-    ckpt = rw.path / "ckpt"
-    ckpt.mkdir()
-    state = {"w": torch.randn(256, 1024, generator=torch.Generator().manual_seed(1)),
-             "step": 7}
-    torch.save(state, ckpt / "model.pt")
-    (ckpt / "blob").write_bytes(os.urandom(9 << 20))
-    assert run_cli("commit", str(ckpt)).returncode == 0
-    assert run_cli("wait", str(ckpt)).returncode == 0
-    before = _store_objects(endpoint, bucket)
-
-    ro = mount_factory("ro")
-    res = ro.start(*store, "--read-only", "--refresh-interval", "1")
-    assert "read-only" in res.stdout
-    per_mount, sb = _mountinfo_options(ro.path)
-    assert "ro" in per_mount and "ro" in sb
-    st = ro.status()
-    assert st["read_only"] is True
-    human = run_cli("status", str(ro.path))
-    assert human.returncode == 0 and "read-only" in human.stdout
-    # the checkpoint loads bit-exact, and prefetches
-    loaded = torch.load(ro.path / "ckpt" / "model.pt")
-    assert torch.equal(loaded["w"], state["w"]) and loaded["step"] == 7
-    assert run_cli("prefetch", str(ro.path / "ckpt")).returncode == EXIT_OK
-    assert _sha(ro.path / "ckpt" / "blob") == _sha(ckpt / "blob")
-    _assert_every_change_refused(ro.path, ro.path / "ckpt" / "blob", ro.path / "ckpt")
-    res = run_cli("commit", str(ro.path / "ckpt"))
-    assert res.returncode != 0 and "read-only" in res.stderr
-    # the store is exactly what the read-write mount left: no member record, probe, upload
-    assert _store_objects(endpoint, bucket) == before
-    # a checkpoint committed later by the read-write node appears (the namespace refreshes)
-    (rw.path / "later").mkdir()
-    (rw.path / "later" / "x").write_bytes(b"later")
-    assert run_cli("commit", str(rw.path / "later")).returncode == 0
-    assert run_cli("wait", str(rw.path / "later")).returncode == 0
-    wait_for(lambda: (ro.path / "later" / "x").exists(), timeout=30, what="the later set")
-    assert (ro.path / "later" / "x").read_bytes() == b"later"
-    after = _store_objects(endpoint, bucket)
-    ro.stop()
-    assert _store_objects(endpoint, bucket) == after
-    assert "read-only mount: refused" not in ro.log_text()
-    assert not ro.unexpected_errors()
-    rw.stop()
-
-
-def test_read_only_through_fstab_helper_spelling(tmp_path, mount_factory):
-    """`-o ro` reaches the daemon: the mount helper's translation, mounted for real."""
-    m = mount_factory("h")
-    argv, _ = translate(f"file://{m.store_dir}", str(m.path), ["ro"])
-    assert argv[2:] == ["--store", f"file://{m.store_dir}", "--read-only"]
-    m.start(*argv[2:])
-    assert "ro" in _mountinfo_options(m.path)[0]
-    assert _refused(os.mkdir, m.path / "d") == errno.EROFS
-
-
-# ----------------------------------------------------------------------------------------------
 # who may use the mount, and the owner it shows
 
 
@@ -479,7 +353,6 @@ def test_bash_completion_in_a_real_bash(tmp_path):
     assert _complete(script, "ckptfs", "umount", str(tmp_path / "ckpt-d")) == [
         str(tmp_path / "ckpt-dir")]
     assert _complete(script, "ckptfs", "mount", "--uid", "") == []  # a number: nothing offered
-
 
 
 def test_control_requests_are_judged_by_the_owner_uid_gid_report(tmp_path):

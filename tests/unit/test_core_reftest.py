@@ -787,13 +787,13 @@ def test_core_reftest(fast_tmp):
 BUDGET_S = float(os.environ.get("CKPTFS_REFTEST_BUDGET_S", "75"))
 SEED_EXAMPLES = int(os.environ.get("CKPTFS_REFTEST_SEED_EXAMPLES", "25"))
 REPLAY_SEED = os.environ.get("CKPTFS_REFTEST_SEED")
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def replay_command(seed: int, examples: int) -> str:
     """The command that runs exactly what seed `seed` ran (add --shrink to shrink it: no
     pytest timeout applies to it)."""
-    return (f"cd {REPO} && {sys.executable} -m tests.test_core_reftest --seed {seed}"
+    return (f"cd {REPO} && {sys.executable} -m tests.unit.test_core_reftest --seed {seed}"
             f" --examples {examples}")
 
 
@@ -842,11 +842,11 @@ def random_runs(base: Path, *, seconds: float, examples: int, seed: int | None =
 def test_core_reftest_random(fast_tmp):
     """The machine with random seeds for CKPTFS_REFTEST_BUDGET_S seconds (default 75): new
     sequences in every run, where the derandomized test repeats the same ones. It runs in a
-    child process (`python -m tests.test_core_reftest`): a run stopped half-way (its own time
+    child process (`python -m tests.unit.test_core_reftest`): a run stopped half-way (its own time
     limit, or a hang) is killed there, and never inside this process's trio.run, which a
     timeout there once left unable to run trio (every later in-process test failed). Every
     seed is printed with the command that replays it; a failure names its seed."""
-    cmd = [sys.executable, "-m", "tests.test_core_reftest", "--base", str(fast_tmp),
+    cmd = [sys.executable, "-m", "tests.unit.test_core_reftest", "--base", str(fast_tmp),
            "--seconds", str(BUDGET_S), "--examples", str(SEED_EXAMPLES)]
     if REPLAY_SEED:
         cmd += ["--seed", REPLAY_SEED]

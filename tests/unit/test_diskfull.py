@@ -1,6 +1,6 @@
-"""A full cache disk: the index keeps room for its own writes, a refused operation changes
-nothing (in memory, in the index, in the cache files), and through a real mount deleting an old
-checkpoint on a full disk works and nothing is logged as a bug.
+"""A full cache disk: the index keeps room for its own writes, and a refused operation changes
+nothing (in memory, in the index, in the cache files). Through a real mount, deleting an old
+checkpoint on a full disk: tests/mount/test_diskfull_mount.py.
 
 The cache directory lives on a small tmpfs mounted for the test (root only). A disk is made
 full by preallocating every free block; before that the index's WAL is truncated, so the next
@@ -13,11 +13,9 @@ import errno
 import logging
 import os
 import stat
-import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import wait_for
 
 from cachemgr.core.cache import Cache
 from cachemgr.core.errors import FsError
@@ -25,23 +23,14 @@ from cachemgr.core.fs import CacheFs
 from cachemgr.core.hooks import NO_HOOKS, NO_LIMIT, NO_STORE
 from cachemgr.core.index import INODE_COLUMNS, RESERVE_BYTES, Index
 from cachemgr.core.namespace import RENAME_EXCHANGE
+from tests.diskfull_helpers import MiB, disk
+from tests.inproc import memory_matches_index
+
+__all__ = ["disk"]  # the fixture, imported for these tests
+
 
 ROOT = 1
 UID, GID = 1234, 5678
-MiB = 1 << 20
-
-
-@pytest.fixture
-def disk(tmp_path):
-    """A 48 MiB tmpfs: room for the 8 MiB index reserve and a few checkpoints."""
-    d = tmp_path / "disk"
-    d.mkdir()
-    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=48M", "tmpfs", str(d)],
-                         check=False, capture_output=True, text=True)
-    if res.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {res.stderr.strip()}")
-    yield d
-    subprocess.run(["umount", "-l", str(d)], check=True)
 
 
 def free_bytes(path: Path) -> int:
@@ -74,39 +63,6 @@ def mkfile(fs: CacheFs, parent: int, name: bytes, data: bytes = b"") -> int:
         assert fs.write(res.fh, 0, data) == len(data)
     fs.release(res.fh)
     return node.ino
-
-
-def memory_matches_index(fs: CacheFs) -> list[str]:
-    """Every in-memory inode equals its index row (a dirty file's size and times may be newer),
-    and `cached_bytes` is what the cache files hold (their sizes less their holes)."""
-    problems = []
-    for node in fs.table.loaded():
-        ino = node.ino
-        row = fs.index.get_inode(ino)
-        if row is None:
-            problems.append(f"inode {ino} in memory, not in the index")
-            continue
-        for col, raw in zip(INODE_COLUMNS, row):
-            value = bytes(raw) if col == "target" and raw is not None else raw
-            if node.dirty and col in ("size", "mtime_ns", "ctime_ns"):
-                continue
-            if getattr(node, col) != value:
-                problems.append(f"inode {ino} {col}: memory {getattr(node, col)!r} != index"
-                                f" {value!r}")
-    want = 0
-    for ino, mode, row_size, cached in fs.index.conn.execute(
-            "SELECT ino, mode, size, cached FROM inodes"):
-        if stat.S_ISREG(mode) and cached:
-            node = fs.cache.table.if_loaded(ino)
-            size = node.size if node is not None else row_size
-            # --cache-size counts blocks: a hole a file was grown over does not count.
-            hole = fs.files.hole(ino)
-            if not 0 <= hole <= size:
-                problems.append(f"inode {ino} hole {hole} outside its size {size}")
-            want += size - hole
-    if fs.files.cached_bytes != want:
-        problems.append(f"cached_bytes {fs.files.cached_bytes} != {want}")
-    return problems
 
 
 def snapshot(fs: CacheFs) -> tuple:
@@ -306,62 +262,3 @@ def _open_index(cache: Path, *, reserve_bytes: int) -> Index:
     CacheFs.load(cache).close()  # layout, data dir, index
     (cache / "index.reserve").unlink()
     return Index.open(cache / "index.sqlite", uid=0, gid=0, reserve_bytes=reserve_bytes)
-
-
-# ----------------------------------------------------------------------------------------------
-# through a real mount
-
-
-def test_delete_old_checkpoint_on_a_full_disk_through_the_mount(disk, mount_factory):
-    m = mount_factory("full", cache_dir=disk / "cache")
-    m.start()
-    old = m.path / "step_100"
-    old.mkdir()
-    for r in range(2):
-        (old / f"rank{r}.pt").write_bytes(os.urandom(6 * MiB))
-    (m.path / "latest").symlink_to("step_100")
-    # The next checkpoint fills the disk; its close then needs the index reserve, and what
-    # the reserve freed is not for file data.
-    new = m.path / "step_200"
-    new.mkdir()
-    for name in ("rank0.pt", "rank1.pt"):
-        with pytest.raises(OSError) as e, open(new / name, "wb") as f:
-            for _ in range(48):
-                f.write(os.urandom(MiB))
-                f.flush()
-        assert e.value.errno == errno.ENOSPC
-    os.unlink(new / "rank1.pt")
-    # The user makes room: delete the old checkpoint, repoint `latest`.
-    for p in sorted(old.iterdir()):
-        p.unlink()
-    old.rmdir()
-    os.symlink("step_200", m.path / "latest.tmp")
-    os.rename(m.path / "latest.tmp", m.path / "latest")
-    want = {"latest": "step_200", "step_200": ["rank0.pt"]}
-    size = (new / "rank0.pt").stat().st_size
-    assert _tree(m.path) == want
-    # The deleted files' data leaves the cache once the kernel forgets them; then the disk
-    # has room for the index reserve again.
-    wait_for(lambda: len(os.listdir(m.cache_dir / "data")) == 1 and
-             (m.cache_dir / "index.reserve").exists(), what="the old checkpoint's space back")
-    assert m.unexpected_errors() == []
-    m.stop()
-    fs = CacheFs.load(m.cache_dir)
-    try:
-        assert fs.check_consistency() == []
-    finally:
-        fs.close()
-    m.start()
-    assert _tree(m.path) == want
-    assert (new / "rank0.pt").stat().st_size == size
-    assert m.unexpected_errors() == []
-
-
-def _tree(root: Path) -> dict:
-    out: dict = {}
-    for p in sorted(root.iterdir()):
-        if p.is_symlink():
-            out[p.name] = os.readlink(p)
-        elif p.is_dir():
-            out[p.name] = sorted(os.listdir(p))
-    return out

@@ -5,26 +5,23 @@ docs/SEMANTICS.md "A store that does not answer").
     operation ends with DeadlineExceeded at its deadline, its thread abandoned (the limiter's
     tokens come back once botocore's own timeouts end the threads); RetryingStore asks a black
     hole at most `deadline_attempts` times; the proxy's held threads end at stop().
-  * a mount through the proxy: nothing a user or a trainer calls waits on the hung store.
+
+A mount through the proxy, where nothing a user or a trainer calls waits on the hung store:
+tests/mount/test_hang_mount.py; a fresh node reading a lost node's sets from its buddy meanwhile:
+tests/multinode/test_hang_multinode.py.
 """
 
 from __future__ import annotations
 
-import os
-import socket
 import time
-import urllib.request
 
 import boto3
 import botocore.config
 import pytest
 import trio
-from conftest import run_cli, wait_for
-from test_replicas import cluster  # noqa: F401 - the fixture
 
 from cachemgr.store import DeadlineExceeded, RetryingStore, RetryPolicy, StoreError
 from cachemgr.store.s3 import Deadlines, S3Options, S3Store
-from ckptfs.mount import EXIT_OK, EXIT_STORE
 from tests.faultproxy import FaultProxy, Rule
 
 # Short deadlines for the store-layer tests: what is checked is that they hold, not their
@@ -173,10 +170,9 @@ def test_the_proxy_s_held_threads_end_at_stop(s3_endpoint):
 
 
 def test_peer_client_neither_a_black_hole_peer_nor_a_hung_listing_holds_a_fetch():
-    from test_peers_unit import CS, _obj, _server
-
     from cachemgr.peer.client import PeerClient
     from cachemgr.peer.proto import PeerConfig, PeerEndpoint
+    from tests.peers_helpers import CS, _obj, _server
 
     data = bytes(range(256)) * (CS * 2 // 256)
     obj = _obj(data)
@@ -230,142 +226,3 @@ def test_peer_client_neither_a_black_hole_peer_nor_a_hung_listing_holds_a_fetch(
 
     trio.run(main)
     print("peer client (s):", {k: round(v, 2) for k, v in took.items()})
-
-
-# ----------------------------------------------------------------------------------------------
-# a mount through a black hole: nothing user-facing waits on the store
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _timed_call(took: dict[str, float], what: str, fn):
-    t0 = time.monotonic()
-    out = fn()
-    took[what] = round(time.monotonic() - t0, 2)
-    return out
-
-
-def test_nothing_user_facing_waits_on_a_store_that_does_not_answer(mount_factory, s3_bucket):
-    """A node mounted through the fault proxy; a set committed and durable; then the store
-    becomes a black hole (every request taken, none answered). `ckptfs status`, the metrics
-    endpoint, `ls`, a read of the cached file and a new commit (write + close) each answer at
-    once (< 5 s asserted; the CLI calls include a Python start); `ckptfs wait --timeout 5` on
-    the new set exits 7 in about 5 s; `ckptfs umount --timeout 10` exits 7 (uploads pending)
-    within 15 s: the daemon's goodbye to the store (Members.leave) gets what is left of the
-    10 s, at least 1 s, not 10 s more. When the store answers again, a remount of the same
-    cache dir makes the pending set durable. Measured on the 2-core dev machine, loaded by other
-    test runs (printed by the test, -s): commit 0.00 s, status 0.59 s (the CLI's Python start
-    included), wait 5.7 s, ls 0.00 s, cached read 0.01 s, metrics 0.00 s, umount 20.8 s
-    before the bound (its 10 s for the uploads, then 10 s for the member record it could not
-    drop), 12.4 s with it."""
-    endpoint, bucket = s3_bucket
-    port = _free_port()
-    took: dict[str, float] = {}
-    with FaultProxy(endpoint) as proxy:
-        m = mount_factory()
-        m.start("--store", f"s3://{bucket}/p", "--s3-endpoint", proxy.url, "--s3-path-style",
-                "--metrics", str(port))
-        run = m.path / "run"
-        run.mkdir()
-        durable = os.urandom(300_000)
-        (run / "a.pt").write_bytes(durable)
-        assert run_cli("wait", str(run / "a.pt"), "--timeout", "60").returncode == EXIT_OK
-
-        proxy.set_rules([Rule("blackhole")])
-        pending = os.urandom(200_000)
-        _timed_call(took, "commit", lambda: (run / "b.pt").write_bytes(pending))
-        assert proxy.wait_hung(1, timeout=30)  # the store has swallowed a request
-
-        res = _timed_call(took, "status", lambda: run_cli("status", str(m.path), "--json"))
-        assert res.returncode == EXIT_OK, res.stderr
-        res = _timed_call(took, "wait", lambda: run_cli("wait", str(run / "b.pt"),
-                                                        "--timeout", "5"))
-        assert res.returncode == EXIT_STORE, (res.returncode, res.stderr)
-        names = _timed_call(took, "ls", lambda: sorted(os.listdir(run)))
-        assert names == ["a.pt", "b.pt"]
-        assert _timed_call(took, "cached read", lambda: (run / "a.pt").read_bytes()) == durable
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as r:
-            text = _timed_call(took, "metrics", lambda: r.read().decode())
-        assert "ckptfs_store_health" in text
-        # the store's health says so once a call has reached its deadline
-        health = wait_for(lambda: (m.status()["tiering"]["store"]["health"] != "normal") and
-                          m.status()["tiering"]["store"], timeout=90,
-                          what="the store to be seen failing")
-        assert "no answer within" in (health["last_error"] or ""), health
-        for what in ("status", "ls", "cached read", "metrics", "commit"):
-            assert took[what] < 5, took
-        assert took["wait"] < 5 + 5, took
-
-        res = _timed_call(took, "umount", lambda: run_cli("umount", str(m.path), "--timeout",
-                                                          "10", timeout=60))
-        print("black hole: user-facing calls (s):", took)
-        assert res.returncode == EXIT_STORE, (res.returncode, res.stderr)
-        assert took["umount"] < 10 + 5, took
-        m.pid = None
-
-        # the store answers again: the remount uploads what was pending
-        proxy.clear()
-        m.start("--store", f"s3://{bucket}/p", "--s3-endpoint", proxy.url, "--s3-path-style")
-        res = run_cli("wait", str(run / "b.pt"), "--timeout", "120")
-        assert res.returncode == EXIT_OK, res.stderr
-        assert (run / "b.pt").read_bytes() == pending
-        m.stop()
-        assert not m.unexpected_errors(), m.unexpected_errors()
-
-
-# ----------------------------------------------------------------------------------------------
-# a fresh node during a black-hole outage reads a lost node's sets from its buddy
-
-
-def test_a_fresh_node_mounts_and_reads_from_the_buddy_while_the_store_is_a_black_hole(
-        cluster):  # noqa: F811 - the fixture of test_replicas, imported above
-    """test_replicas' refusal version with a store that takes every request and answers none:
-    A commits a torch.save checkpoint, replicated on B; A's daemon is killed and its cache dir
-    deleted. A fresh node C (--peers --peer-seeds B --allow-empty-namespace) mounts within
-    60 s (its probe LIST gives up at 15 s, its first listing fails at its deadlines while it
-    registers) and loads the checkpoint bit-exact from B's replica, the store untouched.
-    Measured on the loaded 2-core dev machine (printed, -s): mount of C 46-47 s (probe 15 s,
-    then the first listing's 30 s beside the 20 s registration), the read 0.0-0.1 s (10 s
-    before the peer client used the peers the namespace answers named at once while the
-    store's listings fail)."""
-    import shutil
-
-    import torch
-    from test_replicas import knows_buddy, peer_endpoint
-
-    import ckptfs
-
-    a = cluster("a", "--lease", "4", proxied=True)
-    b = cluster("b", "--lease", "4", proxied=True)
-    knows_buddy(a, b)
-    cluster.proxy.set_rules([Rule("blackhole")])  # until clear(): the store answers nothing
-    g = torch.Generator().manual_seed(7)
-    model = {"w": torch.randn(1_500_000, generator=g)}  # > one 4 MiB chunk: two chunks
-    torch.save(model, a.path / "ckpt.pt")
-    wrote = (a.path / "ckpt.pt").read_bytes()
-    res = run_cli("wait", "--replicated", str(a.path / "ckpt.pt"), "--timeout", "60")
-    assert res.returncode == 0, res.stderr
-    assert cluster.proxy.hung() >= 1
-    a.kill9()
-    shutil.rmtree(a.cache_dir)
-
-    t0 = time.monotonic()
-    c = cluster("c", "--peer-seeds", peer_endpoint(b), "--allow-empty-namespace",
-                proxied=True)
-    took = time.monotonic() - t0
-    print(f"black hole: a fresh node mounted in {took:.1f} s")
-    assert took < 60, took
-    rows = {s["path"]: s for s in ckptfs.status(c.path)["tiering"]["sets"]}
-    assert rows["ckpt.pt"]["state"] == "replicated", rows
-    t0 = time.monotonic()
-    assert (c.path / "ckpt.pt").read_bytes() == wrote
-    print(f"black hole: read from the buddy in {time.monotonic() - t0:.1f} s")
-    assert torch.equal(torch.load(c.path / "ckpt.pt")["w"], model["w"])
-    peers = ckptfs.status(c.path)["tiering"]["peers"]
-    assert peers["restored_from_peers"]["bytes"] >= len(wrote), peers
-    assert peers["restored_from_store"]["bytes"] == 0, peers
-    cluster.proxy.clear()

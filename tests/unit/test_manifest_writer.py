@@ -3,7 +3,7 @@
 node's commits by seq, two nodes' by commit time, a tie going to the larger node id), whoever
 writes it: the committing node's namespace worker, or a buddy taking the set over for it
 (cachemgr.tiering.takeover, which compares its origin's commit). On the file:// LocalStore (the
-in-process `Recorder` of tests/test_services_inproc.py, which logs every request) and on moto:
+in-process `Recorder` of tests/inproc.py, which logs every request) and on moto:
 
   1. the rule: ties on the commit time, a node's own commits by seq (its clock stepped back),
      the same commit;
@@ -27,7 +27,6 @@ from pathlib import Path
 import crc32c
 import pytest
 import trio
-from test_services_inproc import Recorder
 
 from cachemgr.format import manifest as mf
 from cachemgr.format.keys import manifest_key
@@ -35,6 +34,7 @@ from cachemgr.format.objects import StoredObject
 from cachemgr.store import LocalStore, PreconditionFailed, StoreError
 from cachemgr.tiering.manifests import NOTHING, ManifestWriter, Seen
 from cachemgr.tiering.takeover import Takeover, TakeoverRecords
+from tests.inproc import Recorder
 
 PATH = "ckpt/latest.pt"
 
@@ -221,9 +221,8 @@ def test_if_match_refused_with_the_current_etag_is_said_so(tmp_path):
 def test_on_s3_racing_writers_and_a_vanished_manifest(moto_server):
     """moto: conditional PUTs race as on S3; If-Match on a key whose manifest was deleted
     meanwhile answers 404, and the writer creates it (If-None-Match)."""
-    from conftest import new_bucket
-
     from cachemgr.store import open_store
+    from tests.conftest import new_bucket
 
     bucket = new_bucket(moto_server)
 
@@ -339,7 +338,7 @@ def test_a_takeover_finds_its_origin_s_own_manifest_of_the_commit_done(store, tm
 
 
 # ----------------------------------------------------------------------------------------------
-# 4. the namespace worker through the writer (an in-process node, tests/test_services_inproc.py)
+# 4. the namespace worker through the writer (an in-process node, tests/inproc.py)
 
 
 @pytest.mark.parametrize("theirs", ["later", "earlier"])
@@ -347,7 +346,7 @@ def test_a_publication_meets_another_node_s_commit_that_landed_first(tmp_path, t
     """Node A's manifest PUT of model.pt is held while another node's commit of the path lands
     (If-None-Match is then refused): a later commit stays and A's set is superseded, saying
     why; an earlier one is replaced by A's."""
-    from test_services_inproc import Node, run_nodes, until
+    from tests.inproc import Node, run_nodes, until
 
     store = Recorder(tmp_path / "store")
     node = Node(tmp_path / "a", store)

@@ -19,9 +19,10 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from conftest import IN_CI, REPO
 from packaging.markers import Marker
 from packaging.requirements import Requirement
+
+from tests.conftest import IN_CI, REPO
 
 USER_TORCH = "2.99.0+user"
 

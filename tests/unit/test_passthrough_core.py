@@ -4,7 +4,7 @@ kernel: which opens get a backing id, that an inode keeps one backing file while
 opens, what a refused registration does, and that the daemon takes in the size and mtime "the
 kernel" wrote (here: the test writing the cache file directly, as the kernel does).
 
-The real kernel is in tests/test_passthrough.py.
+The real kernel is in tests/mount/test_passthrough.py.
 """
 
 from __future__ import annotations

@@ -31,9 +31,7 @@ from cachemgr.peer.proto import (
     writer_of,
 )
 from ckptfs.config import ConfigError, load_peer_secret
-
-SECRET = b"s3cret"
-CS = 1 << 16
+from tests.peers_helpers import CS, SECRET, _obj, _server
 
 
 def _headers(h: list[tuple[bytes, bytes]]) -> dict[bytes, bytes]:
@@ -156,25 +154,6 @@ def test_mount_refuses_a_bad_secret_file_with_exit_2(tmp_path):
 
 # ----------------------------------------------------------------------------------------------
 # a PeerServer and a PeerClient on 127.0.0.1
-
-
-def _obj(data: bytes) -> StoredObject:
-    crcs = tuple(crc32c(data[i:i + CS]) for i in range(0, len(data), CS))
-    return StoredObject(key="data/srv/4/1/f", size=len(data), stored_size=len(data),
-                        crc32c=crc32c(data), chunk_size=CS, chunk_crcs=crcs)
-
-
-def _server(data: bytes, tamper: bool = False, **cfg) -> peerserve.PeerServer:
-    pc = PeerConfig(secret=SECRET, listen_host="127.0.0.1", advertise="127.0.0.1", **cfg)
-    obj = _obj(data)
-
-    async def serve(key: str, crc: int, i: int) -> bytes | None:
-        if key != obj.key or crc != obj.crc32c or not 0 <= i < len(obj.chunk_crcs or ()):
-            return None
-        raw = data[i * CS:(i + 1) * CS]
-        return raw[::-1] if tamper else raw
-
-    return peerserve.PeerServer(cfg=pc, sock=peerserve.bind(pc), serve_chunk=serve)
 
 
 def _client(srv: peerserve.PeerServer, secret: bytes = SECRET) -> PeerClient:

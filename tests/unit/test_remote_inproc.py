@@ -2,11 +2,11 @@
 `cachemgr.tiering.remote.RemoteSync`, without FUSE or a daemon (issue "Trust nothing read from the
 store").
 
-`Harness` is a real `CacheFs` (built as tests/test_core.py builds it), a real `SetRegistry` on
-its index and a real `LocalStore` in a temporary directory, and a RemoteSync built on them as
-`cachemgr.engine.Engine` builds it, with `StandIn` giving the interfaces the Engine gives
-(`mark_parts`: PartPublisher.mark_all, `changed`: Engine._changed_now); the stand-in is also
-connected to the core (`CacheFs.connect`) as its hooks, for what the core calls while
+`Harness` (tests/inproc.py) is a real `CacheFs` (built as tests/unit/test_core.py builds it), a
+real `SetRegistry` on its index and a real `LocalStore` in a temporary directory, and a RemoteSync
+built on them as `cachemgr.engine.Engine` builds it, with `StandIn` giving the interfaces the
+Engine gives (`mark_parts`: PartPublisher.mark_all, `changed`: Engine._changed_now); the stand-in
+is also connected to the core (`CacheFs.connect`) as its hooks, for what the core calls while
 RemoteSync changes the tree (a purge, freed space), with a real `cachemgr.restore.restorer.Restorer`
 behind them as its read-through. Sets are published as another node would publish them:
 objects and manifests written with the store's API (manifests built with
@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import copy
 import errno
-import functools
 import inspect
 import json
 import logging
@@ -45,12 +44,9 @@ import trio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cachemgr.core.cache import Cache
 from cachemgr.core.errors import FsError, IndexFull
 from cachemgr.core.fs import CacheFs
-from cachemgr.core.hooks import NO_HOOKS, NO_KERNEL, NO_LIMIT
 from cachemgr.core.index import ROOT_INO
-from cachemgr.core.sets import SetRegistry
 from cachemgr.format import manifest as mf
 from cachemgr.format import validate
 from cachemgr.format.keys import manifest_key, part_key
@@ -62,14 +58,11 @@ from cachemgr.format.names import (
     unescape_path,
 )
 from cachemgr.format.objects import StoredObject
-from cachemgr.restore.restorer import Restorer
-from cachemgr.store import LocalStore, StoreError, crc32c
+from cachemgr.store import StoreError
 from cachemgr.tiering import members, parts
-from cachemgr.tiering.remote import RemoteSync
 from tests.faultstore import FaultyStore
-from tests.test_diskfull import memory_matches_index
+from tests.inproc import OTHER, Harness, memory_matches_index
 
-OTHER = "0be1b2c3"  # the node that publishes the sets these tests restore
 THIRD = "77aa88bb"  # another writer of a multi-node set
 _NOW = time.time_ns()  # a fixed bound for generated commit times (hypothesis replays)
 FUZZ = settings(max_examples=80, deadline=None,
@@ -81,131 +74,7 @@ FUZZ_STORE = settings(max_examples=50, deadline=None,
 
 
 # ==============================================================================================
-# the harness
-
-
-class _Parts:
-    """cachemgr.tiering.parts.PartPublisher as RemoteSync uses it."""
-
-    def __init__(self) -> None:
-        self.marked = 0
-
-    def mark_all(self) -> None:
-        self.marked += 1
-
-
-class StandIn:
-    """The interfaces cachemgr.engine.Engine gives RemoteSync and the Restorer, and the
-    core's hooks that the changes RemoteSync makes call (a purge, freed space), with a real Restorer
-    behind them."""
-
-    def __init__(self, cache: Cache, store: LocalStore) -> None:
-        self.cache = cache
-        self.index = cache.index
-        self.store = store
-        self.sets = SetRegistry(cache.index)
-        self.node = cache.index.meta("node_id")
-        self.parts = _Parts()
-        self.changes = 0
-        self.restorer = Restorer(table=cache.table, files=cache.files,
-                                 residency=cache.residency, cache_dir=cache.cache_dir,
-                                 index=cache.index, sets=self.sets, store=store,
-                                 cache_size=None, make_room=self._make_room,
-                                 fetch_whole=self._fetch,
-                                 live_members=self._live, mode="none")
-        # what the cache's owners tell, subscribed as the Engine subscribes its services
-        cache.table.on_purged(self.on_purge)
-        cache.files.on_space_freed(self.on_space_freed)
-
-    def _make_room(self, need: int, protect: set[int]) -> bool:
-        return True  # no --cache-size
-
-    async def _fetch(self, ino: int) -> None:
-        raise AssertionError("these tests store objects with chunk checksums")
-
-    async def _live(self) -> dict[str, float]:
-        return {}
-
-    def _changed_now(self) -> None:
-        self.changes += 1
-
-    def on_purge(self, ino: int) -> None:
-        self.restorer.forget(ino)
-
-    def on_space_freed(self) -> None:
-        self._changed_now()
-
-
-class Harness:
-    """A cache (CacheFs + SetRegistry), a file:// store and a RemoteSync between them."""
-
-    def __init__(self, root: Path, store: LocalStore | None = None) -> None:
-        self.root = root
-        self.cache_dir = root / "cache"
-        cache = Cache.open(self.cache_dir)
-        self.store = store if store is not None else LocalStore(root / "store")
-        self.t = StandIn(cache, self.store)
-        self.core = CacheFs(cache, hooks=NO_HOOKS, reads=self.t.restorer, room=NO_LIMIT)
-        self.sets = self.t.sets
-        self.remote = RemoteSync(table=cache.table, tree=cache.tree, index=cache.index,
-                                 sets=self.sets, store=self.store, kernel=NO_KERNEL,
-                                 node=self.t.node, interval=0,
-                                 mark_parts=self.t.parts.mark_all, changed=self.t._changed_now)
-        self._objects = 0
-        self._seq = 0
-
-    # -- the store, as another node writes it ---------------------------------------------------
-
-    def put(self, key: str, data: bytes):
-        return trio.run(functools.partial(self.store.put, key, data))
-
-    def delete(self, key: str) -> None:
-        trio.run(self.store.delete, key)
-
-    def obj(self, data: bytes, node: str = OTHER, chunk_size: int = 0) -> dict:
-        """Put `data` as an object of `node`: its StoredObject JSON (uncompressed)."""
-        self._objects += 1
-        key = f"data/{node}/{self._objects}/1/f"
-        self.put(key, data)
-        crcs = None
-        if chunk_size:
-            crcs = [crc32c(data[i:i + chunk_size]) for i in range(0, len(data), chunk_size)]
-        return StoredObject(key=key, size=len(data), stored_size=len(data), crc32c=crc32c(data),
-                            chunk_size=chunk_size, chunk_crcs=crcs).to_json()
-
-    def manifest(self, path: str, files: dict[str, bytes], *, dirs=(), links=None,
-                 kind: str = "dir", target: str | None = None, node: str = OTHER,
-                 modes: dict[str, int] | None = None, mode: int = 0o755,
-                 chunk_size: int = 0) -> dict:
-        """A manifest of `node` for the set at `path` (escaped form) holding `files` ({rel:
-        bytes}, objects put now), `dirs` and `links` ({rel: target}); committed after every
-        manifest this harness built before."""
-        self._seq += 1
-        fj = [{"path": rel, "size": len(data), "mode": (modes or {}).get(rel, 0o644),
-               "mtime_ns": 1_000_000 + self._seq,
-               "object": self.obj(data, node, chunk_size)} for rel, data in files.items()]
-        layout: dict = {"dirs": [{"path": d, "mode": 0o755, "mtime_ns": 2_000_000}
-                                 for d in dirs],
-                        "symlinks": [{"path": r, "target": t}
-                                     for r, t in (links or {}).items()],
-                        "mode": mode}
-        if kind == "symlink":
-            layout["target"] = target
-        return mf.build(path=path, kind=kind, seq=self._seq, node=node, reason="dcp",
-                        committed_ns=time.time_ns() - 10**12 + self._seq, layout=layout,
-                        files=fj)
-
-    def publish(self, m: dict, key: str | None = None) -> str:
-        """Put manifest `m` (at its own key unless `key`); returns its etag."""
-        return self.put(key or mf.manifest_key(m["path"]), mf.dumps(m)).etag
-
-    # -- this node --------------------------------------------------------------------------------
-
-    def sync(self) -> None:
-        trio.run(self.remote.sync_once)
-
-    def close(self) -> None:
-        self.core.close()
+# the harness (tests/inproc.py's `Harness`)
 
 
 @pytest.fixture
@@ -295,7 +164,7 @@ def assert_set_restored(h: Harness, m: dict, etag: str | None = None) -> None:
 
 def memory_problems(core: CacheFs) -> list[str]:
     """Differences between the in-memory inodes and the index, and `cached_bytes` against
-    what the index's cached files hold (the same check as tests/test_diskfull.py)."""
+    what the index's cached files hold (the same check as tests/unit/test_diskfull.py)."""
     return memory_matches_index(core)
 
 

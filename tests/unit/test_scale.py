@@ -28,7 +28,7 @@ from collections.abc import Callable
 import pytest
 
 from cachemgr.core.index import ROOT_INO
-from tests.test_services_inproc import Node, run_nodes, until
+from tests.inproc import Node, run_nodes, until
 
 SLACK = 1.3  # steps may differ a little (B-tree depth, which rows share a page)
 

@@ -35,8 +35,7 @@ from cachemgr.store import LocalStore
 from cachemgr.tiering import parts as parts_mod
 from cachemgr.tiering.remote import RemoteSync
 from cachemgr.tiering.uploadqueue import _UNCOMMITTED
-from tests.test_remote_inproc import OTHER, Harness
-from tests.test_services_inproc import Node, run_nodes, until
+from tests.inproc import OTHER, Harness, Node, run_nodes, until
 
 
 class IndexWork:

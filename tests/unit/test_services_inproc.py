@@ -1,12 +1,12 @@
 """In-process tests of the services that were reached only through subprocess mounts (issue 11):
 publication, gathering another node's files, restore's chunk fill, with real `CacheFs` +
 `Engine` nodes on one file:// `LocalStore`, all in one trio loop, no FUSE and no daemon.
-(RemoteSync's listing, removals and invalid manifests: tests/test_remote_inproc.py.)
+(RemoteSync's listing, removals and invalid manifests: tests/unit/test_remote_inproc.py.)
 
-`Node` opens a cache directory as the daemon does (Cache.open, Engine(cache, store, cfg),
-then CacheFs over both); `Recorder` is the LocalStore with a log of its writes (key, in order)
-and gates that hold the PUTs of chosen keys, so that a test decides the interleaving: it never
-sleeps to wait, it polls a condition (`until`).
+`Node` (tests/inproc.py) opens a cache directory as the daemon does (Cache.open, Engine(cache,
+store, cfg), then CacheFs over both); `Recorder` is the LocalStore with a log of its writes (key,
+in order) and gates that hold the PUTs of chosen keys, so that a test decides the interleaving:
+it never sleeps to wait, it polls a condition (`until`).
 
   1. publication: a manifest is PUT only after every object it names; sets publish in commit
      order (a later set whose objects are in waits for an earlier one still uploading); a
@@ -29,196 +29,23 @@ from __future__ import annotations
 
 import errno
 import functools
-import json
 import os
 from pathlib import Path
 
 import pytest
 import trio
 
-from cachemgr.core.cache import Cache
 from cachemgr.core.errors import FsError
-from cachemgr.core.fs import CacheFs
-from cachemgr.core.hooks import NO_KERNEL
 from cachemgr.core.index import ROOT_INO
-from cachemgr.core.sets import SetRegistry
-from cachemgr.engine import Engine, EngineConfig
 from cachemgr.format.keys import is_manifest_key, manifest_key
-from cachemgr.host.foreground import Foreground
 from cachemgr.store import (
     LocalStore,
     NotFound,
     RetryingStore,
     RetryPolicy,
-    StoreError,
-    TransientStoreError,
 )
-from cachemgr.transfer.upload import TransferConfig
 from tests.faultstore import FaultyStore
-
-O_W = os.O_WRONLY | os.O_CREAT
-CHUNK = 4096
-TIMEOUT = 30.0
-
-
-class Recorder(LocalStore):
-    """A LocalStore that logs every write and read (("put"|"delete"|"get", key), in order) and
-    holds the PUTs and GETs of keys that start with a gated prefix until the test opens the
-    gate."""
-
-    def __init__(self, root: Path) -> None:
-        super().__init__(root)
-        self.log: list[tuple[str, str]] = []
-        self.gates: dict[str, trio.Event] = {}
-        self.held: set[str] = set()
-        self.refused: set[str] = set()  # PUTs of keys with these prefixes are refused for good
-        self.flaky: dict[str, int] = {}  # prefix -> how many more PUTs of it fail (503)
-        self.shield = False  # PUTs ignore their caller's cancellation (see put)
-        # the replies of DELETEs of these prefixes wait (the DELETE itself is done)
-        self.delete_gates: dict[str, trio.Event] = {}
-        self.deletes_held: set[str] = set()
-
-    def gate(self, prefix: str) -> trio.Event:
-        ev = self.gates[prefix] = trio.Event()
-        return ev
-
-    async def _hold(self, key: str) -> None:
-        for prefix, ev in self.gates.items():
-            if key.startswith(prefix) and not ev.is_set():
-                self.held.add(key)
-                try:
-                    await ev.wait()
-                finally:
-                    self.held.discard(key)
-
-    async def put(self, key, data, **kw):
-        # shielded (`shield`): like a boto3 call in a worker thread, a request runs to its end
-        # even if its caller is cancelled meanwhile
-        with trio.CancelScope(shield=self.shield):
-            await self._hold(key)
-            if any(key.startswith(p) for p in self.refused):
-                raise StoreError(f"AccessDenied: Access Denied ({key})", key=key)  # for good
-            for p, n in self.flaky.items():
-                if key.startswith(p) and n > 0:
-                    self.flaky[p] = n - 1
-                    raise TransientStoreError(f"503 SlowDown ({key})", key=key)
-            out = await super().put(key, data, **kw)
-            self.log.append(("put", key))
-        return out
-
-    async def publish_staged(self, staged):
-        # a whole cache file copied in (file://): its object appears here, as at a put
-        with trio.CancelScope(shield=self.shield):
-            await self._hold(staged.key)
-            if any(staged.key.startswith(p) for p in self.refused):
-                raise StoreError(f"AccessDenied: Access Denied ({staged.key})", key=staged.key)
-            out = await super().publish_staged(staged)
-            self.log.append(("put", staged.key))
-        return out
-
-    async def complete_multipart(self, key, upload_id, parts, crc32c):
-        await self._hold(key)
-        out = await super().complete_multipart(key, upload_id, parts, crc32c)
-        self.log.append(("put", key))
-        return out
-
-    async def get(self, key, *args, **kw):
-        await self._hold(key)
-        out = await super().get(key, *args, **kw)
-        self.log.append(("get", key))
-        return out
-
-    async def delete(self, key):
-        await super().delete(key)
-        self.log.append(("delete", key))
-        for prefix, ev in self.delete_gates.items():
-            if key.startswith(prefix) and not ev.is_set():
-                self.deletes_held.add(key)
-                try:
-                    await ev.wait()
-                finally:
-                    self.deletes_held.discard(key)
-
-    def puts(self, pred=lambda k: True) -> list[str]:
-        return [k for op, k in self.log if op == "put" and pred(k)]
-
-
-def config(**kw) -> EngineConfig:
-    """4 KiB chunks; the store listed, records polled and leases renewed every 50 ms."""
-    base = {"transfer": TransferConfig(frame_size=CHUNK, compress="off"),
-            "file_concurrency": 2, "retry_pause": 0.01, "prefetch": "none",
-            "refresh_interval": 0.05, "gather_poll": 0.05, "register_timeout": 5.0,
-            "lease": 30.0}
-    base.update(kw)
-    return EngineConfig(**base)
-
-
-class Node:
-    def __init__(self, cache_dir: Path, store: LocalStore, **cfg) -> None:
-        self.store = store
-        cache = Cache.open(cache_dir)
-        self.t = Engine(cache, store, config(**cfg), foreground=Foreground(),
-                         kernel=NO_KERNEL)
-        self.core = CacheFs(cache, hooks=self.t.commits, reads=self.t.restorer,
-                            room=self.t.space)
-        self.sets = SetRegistry(self.core.index)
-
-    def mkdir(self, path: str) -> int:
-        parent, name = self.split(path)
-        return self.core.mkdir(parent, name, 0o755, 0, 0).ino
-
-    def split(self, path: str) -> tuple[int, bytes]:
-        if "/" not in path:
-            return ROOT_INO, path.encode()
-        d, n = path.rsplit("/", 1)
-        ino = self.core.index.resolve(d)
-        assert ino is not None, d
-        return ino, n.encode()
-
-    def open_write(self, path: str) -> int:
-        parent, name = self.split(path)
-        ino = self.core.index.lookup(parent, name)
-        if ino is None:
-            return self.core.create(parent, name, 0o644, O_W, 0, 0)[0].fh
-        return self.core.open(ino, os.O_WRONLY).fh
-
-    def close(self, fh: int) -> None:
-        self.core.flush(fh)
-        self.core.release(fh)
-
-    def write(self, path: str, data: bytes) -> None:
-        fh = self.open_write(path)
-        self.core.write(fh, 0, data)
-        self.close(fh)
-
-    def state(self, path: str) -> str | None:
-        s = self.sets.newest_at(path)
-        return None if s is None else s.state
-
-    def quiet(self) -> bool:
-        st = self.t.status()
-        return (not self.sets.by_states(("committed", "uploading", "deleting"))
-                and st["uploads"]["queued"] == 0 and st["uploads"]["running"] == 0
-                and self.t.publisher.idle())
-
-
-async def until(cond, what: str, timeout: float = TIMEOUT):
-    """Poll `cond` (a condition, never a fixed pause) until it holds."""
-    with trio.fail_after(timeout):
-        while not (v := cond()):
-            await trio.sleep(0.005)
-    return v
-
-
-def run_nodes(nodes: list[Node], body) -> None:
-    """Run every node's tiering service and `body()` in one trio loop, then stop them."""
-    async def main() -> None:
-        async with trio.open_nursery() as n:
-            for node in nodes:
-                await n.start(node.t.run)
-            await body()
-            n.cancel_scope.cancel()
-    trio.run(main)
+from tests.inproc import CHUNK, Node, Recorder, read_manifest, run_nodes, until
 
 
 def settle(node: Node) -> None:
@@ -227,11 +54,6 @@ def settle(node: Node) -> None:
     async def body() -> None:
         await until(node.quiet, "the set to settle")
     run_nodes([node], body)
-
-
-def read_manifest(store: LocalStore, path: str) -> dict:
-    raw = trio.run(store.get, manifest_key(path))
-    return json.loads(raw)
 
 
 @pytest.fixture

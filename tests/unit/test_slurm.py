@@ -20,8 +20,8 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from conftest import REPO, is_mounted, new_bucket, require_fuse
 
+from tests.conftest import REPO, is_mounted, new_bucket, require_fuse
 from tests.faultproxy import FaultProxy
 
 SLURM = REPO / "deploy" / "slurm"

@@ -83,7 +83,7 @@ def env(request, tmp_path) -> Env:
 
     endpoint, bucket = request.getfixturevalue("s3_bucket")
     # The buffered path (boto3, parts and their accounting): what these tests take apart. The
-    # native one (awscrt, whole files) has its own tests: tests/test_store_crt.py.
+    # native one (awscrt, whole files) has its own tests: tests/stores/test_store_crt.py.
     store = S3Store(f"s3://{bucket}/p", S3Options(endpoint_url=endpoint, path_style=True,
                                                   native=False))
     client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")

@@ -11,7 +11,8 @@ import sys
 from pathlib import Path
 
 import torch
-from conftest import REPO, require_fuse
+
+from tests.conftest import REPO, require_fuse
 
 PAGE = REPO / "docs" / "TUTORIAL.md"
 
