@@ -53,7 +53,7 @@ from pathlib import Path
 
 # The modules this script runs on, relative to the checkout: the standard library, lz4 and
 # crc32c are all they need (no trio; boto3 only for s3://). A copy of this file beside exactly
-# these runs (tests/test_ckpt_restore.py copies this list). This checkout's copy is used when
+# these runs (tests/unit/test_ckpt_restore.py copies this list). This checkout's copy is used when
 # ckptfs is not installed (and when it is installed in editable mode from elsewhere: an entry of
 # sys.path comes before the editable finder); a regular install comes first.
 MODULES = [

@@ -54,7 +54,7 @@ from fault_checks import Checks, OnEvent, diff_trees, expected_tree, snapshot_tr
 from fault_rig import PREFIX, Json, Node, Ref, Rig, Violation, log, log_tracebacks, unended_dumps
 from fault_trainer import KEEP, short_exc, trainer_main
 
-# re-exported: tests/test_faults.py reads these from here
+# re-exported: tests/faults/test_faults.py reads these from here
 __all__ = ["FAULTS", "FAULT_GROUPS", "WORKLOADS", "Loop", "Node", "diff_trees", "expected_tree",
            "log_tracebacks", "main", "parse_list", "short_exc", "snapshot_tree", "unended_dumps"]
 

@@ -4,7 +4,7 @@ that the page cannot drift from the options: run it after changing an option or 
     .venv/bin/python scripts/gen_man.py           # writes docs/ckptfs.1
     .venv/bin/python scripts/gen_man.py --check   # exit 1 if docs/ckptfs.1 is not up to date
 
-tests/test_cli_conventions.py fails when the checked-in page differs from what this writes.
+tests/unit/test_cli_conventions.py fails when the checked-in page differs from what this writes.
 """
 
 from __future__ import annotations

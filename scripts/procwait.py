@@ -1,7 +1,8 @@
-"""Waiting with deadlines, shared by the test suite (tests/conftest.py, tests/test_tiering_crash.py)
-and scripts/fault_loop.py: poll a condition until it holds, and read a child process's stdout one
-line at a time. Neither ever blocks without a deadline, and neither sleeps to wait for
-something: a poll backs off briefly between looks at the condition itself."""
+"""Waiting with deadlines, shared by the test suite (tests/conftest.py,
+tests/faults/test_tiering_crash.py) and scripts/fault_loop.py: poll a condition until it holds, and
+read a child process's stdout one line at a time. Neither ever blocks without a deadline, and
+neither sleeps to wait for something: a poll backs off briefly between looks at the condition
+itself."""
 
 from __future__ import annotations
 

@@ -9,12 +9,14 @@
 # Every pass runs its tests in parallel (pytest-xdist, CKPTFS_TEST_WORKERS workers: twice the
 # cores by default; the tests wait on mounts, daemons and stores more than they compute), the
 # slow ones first; one RGW and one SeaweedFS serve the whole run.
-#   --quick        the `unit` layer without the slow tests (in-process: the core, the services,
-#                  the stores, the tools), for the edit loop; extra arguments go to pytest
+#   --quick        the `unit` and `stores` layers without the slow tests (in-process: the core,
+#                  the services, the tools, the stores), for the edit loop; extra arguments go
+#                  to pytest
 #   other args     one pytest run instead, e.g. `bash scripts/test.sh -k rename -x`
 #                  (CKPTFS_TEST_DATA_PATH=fuse to run it without passthrough)
-# The layers (markers unit, mount, multinode, faults; tests/conftest.py) select parts:
-# `bash scripts/test.sh -m multinode -n 4`.
+# The layers are the folders of tests/ (unit, stores, mount, multinode, faults), each marked with
+# its name (tests/conftest.py, which fails a test whose fixtures contradict its folder); a folder
+# or a marker selects a part: `bash scripts/test.sh tests/multinode -n 4`, or `-m multinode`.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$ROOT/scripts/setup.sh"
@@ -22,7 +24,8 @@ cd "$ROOT"
 WORKERS="${CKPTFS_TEST_WORKERS:-$(( $(nproc) * 2 ))}"
 if [ "${1:-}" = "--quick" ]; then
     shift
-    exec "$VENV/bin/python" -m pytest -m "unit and not slow" -n "$WORKERS" --dist loadgroup "$@"
+    exec "$VENV/bin/python" -m pytest -m "(unit or stores) and not slow" -n "$WORKERS" \
+        --dist loadgroup "$@"
 fi
 if [ "$#" -gt 0 ]; then
     exec "$VENV/bin/python" -m pytest "$@"
@@ -77,13 +80,15 @@ done
 # --dist loadgroup: a worker takes the next test when it is free (xdist's default hands each
 # worker a block of consecutive tests first: the slow ones, collected first, all to one
 # worker). It no longer keeps an xdist_group on one worker under pytest 9: the tests that
-# install paths of the whole machine (tests/test_fstab.py) count their users across processes.
+# install paths of the whole machine (tests/fstab_helpers.py) count their users across
+# processes.
 pytest=("$VENV/bin/python" -m pytest --dist loadgroup --durations=15)
 echo "test.sh: the whole suite, $WORKERS workers"
 "${pytest[@]}" -n "$WORKERS"
 echo "test.sh: the operations, torch and crash tests again with --no-passthrough"
 CKPTFS_TEST_DATA_PATH=fuse "${pytest[@]}" -n "$WORKERS" \
-    tests/test_ops.py tests/test_torch.py tests/test_crash.py tests/test_setid.py
+    tests/mount/test_ops.py tests/mount/test_torch.py tests/mount/test_setid.py \
+    tests/faults/test_crash.py
 for store in "${STORES[@]}"; do
     echo "test.sh: the store-facing tests (marked s3) again on a real S3 server, $store"
     CKPTFS_TEST_S3="$store" "${pytest[@]}" -n "$WORKERS" -m s3

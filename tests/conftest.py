@@ -22,6 +22,11 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
+# Test modules import from here as `tests.conftest` (pyproject.toml: the repository root is on
+# sys.path); pytest loads this file as `conftest` (its default import mode, tests/ without an
+# __init__.py). Both names are this one module: its set-up below runs once, and what the fixtures
+# make (a Mount) is of the classes the tests import.
+sys.modules.setdefault("tests.conftest", sys.modules[__name__])
 # Every Python process the tests start imports tests/daemon_hooks/sitecustomize.py: in a daemon
 # whose environment asks for faults (CKPTFS_FAULTS) or a held fill (CKPTFS_TEST_HOLD_FILL), it
 # wraps the ckptfs functions that open the store and write a fill before the daemon starts.
@@ -485,43 +490,75 @@ def s3_bucket(s3_endpoint):
 
 _S3_FIXTURES = {"s3_bucket", "s3_endpoint", "moto_server", "store_servers"}
 
-# The suite's layers, one marker each (pyproject.toml declares them; `-m unit` is
-# `scripts/test.sh --quick`):
-#   unit       in-process: the core, the services, the stores, the tools; no mount
-#   mount      one mount (or a few on one node) through the real kernel
-#   multinode  several nodes' mounts on one store
-#   faults     fault loops, kills and crashes of the daemon
-# A test is `mount` if it takes a mount fixture, `multinode` if it takes a cluster of nodes;
-# the files below hold one layer whatever their fixtures, and every other file is `unit`
-# unless its tests take those fixtures.
-_FILE_LAYER = {
-    "test_faults.py": "faults", "test_crash.py": "faults", "test_tiering_crash.py": "faults",
-    "test_model.py": "faults", "test_multinode.py": "multinode", "test_resume.py": "multinode",
-    "test_csi.py": "multinode",  # two plugins ("nodes") publish one volume through the kernel
-}
+# The suite's layers, one folder of tests/ each and one marker each (pyproject.toml declares
+# them; `-m "(unit or stores) and not slow"` is `scripts/test.sh --quick`):
+#   tests/unit       in-process: the core, the services, the tools; no mount
+#   tests/stores     the store layer's own tests (cachemgr.store: its clients, conformance)
+#   tests/mount      one mount (or a few on one node) through the real kernel
+#   tests/multinode  several nodes' mounts on one store
+#   tests/faults     fault loops, kills and crashes of the daemon
+# The folder is the layer. Collection fails where a test contradicts it (`layer_problem`): a
+# mount fixture needs tests/mount or above, a cluster of nodes tests/multinode or above, a test
+# in tests/mount that takes no mount fixture belongs in tests/unit, and no test is marked with a
+# layer by hand.
+LAYERS = ("unit", "stores", "mount", "multinode", "faults")
 _MOUNT_FIXTURES = {"mnt", "mount_factory"}
 _MULTINODE_FIXTURES = {"cluster", "nodes"}
-LAYERS = ("unit", "mount", "multinode", "faults")
+_TESTS = Path(__file__).resolve().parent
 
 
-def layer_of(item) -> str:
-    by_file = _FILE_LAYER.get(item.path.name)
-    if by_file is not None:
-        return by_file
+def layer_of(item) -> str | None:
+    """The layer of a test: the folder of tests/ its file is in (None: not in a layer folder)."""
+    folder = item.path.resolve().parent
+    return folder.name if folder.parent == _TESTS and folder.name in LAYERS else None
+
+
+def layer_problem(item) -> str | None:
+    """Why `item` may not sit in its folder (its fixtures or marks say another layer), or None."""
+    layer = layer_of(item)
+    if layer is None:
+        return (f"{item.nodeid}: a test file must sit in one of tests/{{{','.join(LAYERS)}}}/ "
+                "(the folder is its layer)")
+    marked = sorted({m.name for m in item.iter_markers() if m.name in LAYERS} - {layer})
+    if marked:
+        return (f"{item.nodeid}: in tests/{layer} but marked {', '.join(marked)} by hand: the "
+                "folder is the layer (drop the mark, or move the test)")
     fixtures = set(getattr(item, "fixturenames", ()))
-    if _MULTINODE_FIXTURES & fixtures:
-        return "multinode"
-    if _MOUNT_FIXTURES & fixtures:
-        return "mount"
-    return "unit"
+    if layer in ("unit", "stores", "mount") and _MULTINODE_FIXTURES & fixtures:
+        wants = "tests/multinode"
+        why = ", ".join(sorted(_MULTINODE_FIXTURES & fixtures))
+    elif layer in ("unit", "stores") and _MOUNT_FIXTURES & fixtures:
+        wants = "tests/mount"
+        why = ", ".join(sorted(_MOUNT_FIXTURES & fixtures))
+    elif layer == "mount" and not _MOUNT_FIXTURES & fixtures:
+        wants = "tests/unit"
+        why = f"no mount fixture ({', '.join(sorted(_MOUNT_FIXTURES))})"
+    else:
+        return None
+    return f"{item.nodeid}: in tests/{layer} but takes {why}: move it to {wants}"
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector):
+    """A module (or class) holding a test outside its layer's folder fails to collect, one
+    line per such test (`layer_problem`)."""
+    report = yield
+    if report.passed:
+        problems = [p for item in report.result if isinstance(item, pytest.Function)
+                    for p in [layer_problem(item)] if p]
+        if problems:
+            report.outcome = "failed"
+            report.longrepr = "\n".join(problems)
+            report.result = []
+    return report
 
 
 def pytest_collection_modifyitems(config, items):
-    """Mark each test with its layer (`layer_of`), and `s3` every test that talks to an S3
-    endpoint: through a fixture, or as the "s3" case of a test parametrized over stores
+    """Mark each test with its layer (its folder: `layer_of`), and `s3` every test that talks
+    to an S3 endpoint: through a fixture, or as the "s3" case of a test parametrized over stores
     (scripts/test.sh runs these again on each store of tests/stores.py it can start)."""
     for item in items:
-        item.add_marker(getattr(pytest.mark, layer_of(item)))
+        item.add_marker(getattr(pytest.mark, layer_of(item)))  # in a layer folder: collected
         params = getattr(getattr(item, "callspec", None), "params", {})
         if _S3_FIXTURES & set(getattr(item, "fixturenames", ())) or "s3" in [
                 v for v in params.values() if isinstance(v, str)]:

@@ -1,6 +1,6 @@
-"""Gloo ranks of the DCP tests (tests/test_restore.py, test_restore_scale.py, test_torch.py): the
-process group a rank joins, the state dicts the ranks save with Shard(0) DTensors, and the
-resuming job's load that checks each rank's slices.
+"""Gloo ranks of the DCP tests (tests/multinode/test_restore.py, test_restore_scale.py,
+tests/mount/test_torch.py): the process group a rank joins, the state dicts the ranks save with
+Shard(0) DTensors, and the resuming job's load that checks each rank's slices.
 
 The ranks run in processes started by conftest.start_ranks (from the ranks' forkserver), which
 unpickle what they run by name: the rank functions here are module-level, and so must be the

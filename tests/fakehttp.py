@@ -1,7 +1,7 @@
-"""Fake HTTP/1.1 peers for the peer tests (tests/test_peers.py, test_replicas*.py,
-test_peernamespace.py): a listening socket on 127.0.0.1, an accept loop in a daemon thread, one
-request read per connection with h11, then the connection closed. What a fake answers and what
-it records stays in its test file, in a subclass's `answer`.
+"""Fake HTTP/1.1 peers for the peer tests (tests/multinode/test_peers.py, test_replicas*.py,
+tests/mount/test_peernamespace_mount.py): a listening socket on 127.0.0.1, an accept loop in a
+daemon thread, one request read per connection with h11, then the connection closed. What a fake
+answers and what it records stays in its test file, in a subclass's `answer`.
 
     class Teapot(FakeHTTPServer):
         def answer(self, s, conn, req):

@@ -1,5 +1,5 @@
 """A fault-injecting HTTP proxy for S3 (in front of moto_server), for the crash and store-fault
-suite (scripts/fault_loop.py, tests/test_faults.py).
+suite (scripts/fault_loop.py, tests/faults/test_faults.py).
 
     proxy = FaultProxy("http://127.0.0.1:5000").start()     # listens on 127.0.0.1, any port
     proxy.set_rules([Rule("slowdown", ops={"put", "upload_part"}, prob=0.3)])

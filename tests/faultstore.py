@@ -11,7 +11,7 @@ provoke them on purpose; `calls` and `injected` count, by operation, what it saw
 failed. In-process tests build it themselves; a daemon gets it from CKPTFS_FAULTS
 (tests/daemon_hooks/sitecustomize.py wraps `ckptfs.daemon.open_backend` with it). It subclasses
 the store's own delegating base (`cachemgr.store.wrappers._Wrapper`, which RetryingStore and
-ReadOnlyStore share, as tests/test_transfer.py's wrappers do) so that every ObjectStore call,
+ReadOnlyStore share, as tests/unit/test_transfer.py's wrappers do) so that every ObjectStore call,
 and each one the interface gains, passes through `_do` without a copy of the interface here.
 State: only the trio tasks calling it touch it (one loop, no lock).
 """

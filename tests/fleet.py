@@ -1,5 +1,5 @@
 """A fleet of in-process nodes on one store, with every request counted (issue 35): a test and
-simulation tool, not product code (scripts/sim_fleet.py, tests/test_fleet.py).
+simulation tool, not product code (scripts/sim_fleet.py, tests/unit/test_fleet.py).
 
   * `MemStore`: an `ObjectStore` in memory with S3's semantics as ckptfs uses them (conditional
     PUTs on etags, sorted listings by prefix, multipart, ranges, head, idempotent delete),
@@ -8,8 +8,8 @@ simulation tool, not product code (scripts/sim_fleet.py, tests/test_fleet.py).
   * `RequestLog`: counts requests by node, operation and key prefix, and by second for rates.
   * `NodeView`: what one node's `Engine` is given: any store (a `MemStore`, an `S3Store` on
     moto) whose every call is counted in the log under that node's name.
-  * `FleetNode`: a real `CacheFs` + `Engine` over a cache directory (tests/test_services_inproc
-    `Node`, without the asserts), on its own `NodeView`.
+  * `FleetNode`: a real `CacheFs` + `Engine` over a cache directory (tests/inproc.py's `Node`,
+    without the asserts), on its own `NodeView`.
   * `dcp_metadata(files)`: bytes a DCP `.metadata` reader (cachemgr.format.dcp) takes for a
     checkpoint of these storage files, without torch.
 

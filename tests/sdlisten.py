@@ -1,6 +1,6 @@
 """A stand-in for systemd's notify socket (sd_notify(3)): a real AF_UNIX datagram socket that
 records every message with the sender's pid (SO_PASSCRED, as systemd reads it), for
-tests/test_notify.py and tests/test_fstab.py.
+tests/unit/test_notify.py, tests/mount/test_notify_mount.py and tests/mount/test_fstab_mount.py.
 
     with NotifyListener.at(path_or_@name) as sd:
         env["NOTIFY_SOCKET"] = sd.address

@@ -1,5 +1,5 @@
 """The S3 stores the suite knows, and what each answers where S3 implementations differ: one
-row per store. The conformance suite (tests/test_store_conformance.py) checks every store it
+row per store. The conformance suite (tests/stores/test_store_conformance.py) checks every store it
 can start against its row, and S3Store's probe against what the row says the probe must find;
 docs/STORES.md's compatibility table shows the same rows (a test holds it to them).
 
