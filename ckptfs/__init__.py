@@ -8,7 +8,7 @@ and the Python API re-exported here: `wait_durable`, `wait_replicated`, `commit`
 """
 
 # The one version: pyproject.toml reads it (setuptools dynamic version, attr), `ckptfs --version`
-# prints it (tests/test_fstab.py checks both agree with the installed distribution).
+# prints it (tests/unit/test_fstab.py checks both agree with the installed distribution).
 __version__ = "0.2.0"
 
 from .api import (

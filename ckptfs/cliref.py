@@ -1,7 +1,7 @@
 """Shell completion and the man page, both generated from the `ckptfs` argparse parser
 (`ckptfs.cli.build_parser`), so neither can drift from the options the CLI takes:
 `ckptfs completion bash|zsh` prints a completion script, `ckptfs man` (and scripts/gen_man.py,
-which writes docs/ckptfs.1) the man page. tests/test_cli_conventions.py regenerates both and
+which writes docs/ckptfs.1) the man page. tests/unit/test_cli_conventions.py regenerates both and
 checks that every option of every subcommand is in each, and that the checked-in page is what
 the parser gives.
 

@@ -10,7 +10,7 @@ start), and like `ckptfs mount` it returns once the mount answers.
 The `-o` spellings are derived from the `ckptfs mount` parser (`ckptfs.cli.mount_parser`), not
 listed here: `--some-option VALUE` is `some_option=VALUE`, a flag `--no-thing` is `no_thing`.
 An option added to the parser is therefore spellable in fstab with no change here
-(tests/test_fstab.py checks every one). SOURCE is the store: `s3://...` or `file:///...` (the
+(tests/unit/test_fstab.py checks every one). SOURCE is the store: `s3://...` or `file:///...` (the
 same as `store=`), or `ckptfs`/`none` for the default store.
 
 `ro` is `read_only` (`--read-only`); `allow_other`, `allow_root`, `uid=`, `gid=` are `ckptfs

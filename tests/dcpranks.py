@@ -1,6 +1,7 @@
 """Gloo ranks of the DCP tests (tests/multinode/test_restore.py, test_restore_scale.py,
-tests/mount/test_torch.py): the process group a rank joins, the state dicts the ranks save with
-Shard(0) DTensors, and the resuming job's load that checks each rank's slices.
+test_multinode.py, test_resume.py, tests/mount/test_torch.py): the process group a rank joins,
+the state dicts the ranks save with Shard(0) DTensors, and the resuming job's load that checks
+each rank's slices.
 
 The ranks run in processes started by conftest.start_ranks (from the ranks' forkserver), which
 unpickle what they run by name: the rank functions here are module-level, and so must be the
@@ -10,8 +11,14 @@ starting with "sharded" are saved as Shard(0) DTensors, the others replicated).
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -34,15 +41,18 @@ def mixed_state(seed: int, int64_rows: int = 4099) -> dict[str, torch.Tensor]:
 
 
 @contextmanager
-def gloo_mesh(rank: int, world: int, store_path: str) -> Iterator:
+def gloo_mesh(rank: int, world: int, store_path: str,
+              timeout: timedelta | None = None) -> Iterator:
     """This process as rank `rank` of a `world`-rank gloo group (rendezvous on the file
     `store_path`), on one CPU thread, for the block: yields the group's 1-D CPU device mesh;
-    the group is destroyed after the block, whatever it raised."""
+    the group is destroyed after the block, whatever it raised. `timeout`: how long a
+    collective waits for a rank that never comes (a killed one); None: torch's default."""
     from torch.distributed.device_mesh import init_device_mesh
 
     torch.set_num_threads(1)
+    kw = {} if timeout is None else {"timeout": timeout}
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank,
-                            world_size=world)
+                            world_size=world, **kw)
     try:
         yield init_device_mesh("cpu", (world,))
     finally:
@@ -58,19 +68,36 @@ def sharded(state: dict, mesh) -> dict:
             for k, v in state.items()}
 
 
-def save_rank(rank: int, world: int, store_path: str, ckpt: str, state: State,
-              seed: int) -> None:
+def save_rank(rank: int, world: int, store_path: str, ckpt: str | list[str], state: State,
+              seed: int, killed: bool = False, timeout: timedelta | None = None) -> None:
     """A rank of the saving job: DCP-saves `state(seed)` (Shard(0) DTensors plus replicated
-    tensors) and {"step": seed} as "meta" to `ckpt`."""
-    with gloo_mesh(rank, world, store_path) as mesh:
+    tensors) and {"step": seed} as "meta" to `ckpt` (a list: this rank's entry, each rank
+    writing through its own node). `killed`: this rank SIGKILLs itself while its shard file is
+    being written (a rank lost mid-save); the others then fail after `timeout`."""
+    if isinstance(ckpt, list):
+        ckpt = ckpt[rank]
+    with gloo_mesh(rank, world, store_path, timeout) as mesh:
         sd = sharded(state(seed), mesh)
         sd["meta"] = {"step": seed}
+        if killed:
+            _kill_when_written(Path(ckpt) / f"__{rank}_0.distcp")
         dcp.save(sd, checkpoint_id=ckpt)
         dist.barrier()
 
 
+def _kill_when_written(shard: Path) -> None:
+    """SIGKILL this process as soon as `shard` holds a byte (a thread polling every 1 ms, so
+    that the kill lands while the shard is being written, not after the save)."""
+    def killer() -> None:
+        while not (shard.exists() and shard.stat().st_size > 0):
+            time.sleep(0.001)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=killer, daemon=True).start()
+
+
 def load_rank(rank: int, world: int, store_path: str, ckpt: str | list[str], state: State,
-              seed: int, whole: bool = False) -> None:
+              seed: int, whole: bool = False, timeout: timedelta | None = None) -> None:
     """A rank of the resuming job (any world size) loading what save_rank saved from `ckpt`
     (a list: this rank's entry, each rank reading through its own node): the sharded tensors
     as Shard(0) DTensors over `world` ranks, checked against this rank's rows of the saved
@@ -78,7 +105,7 @@ def load_rank(rank: int, world: int, store_path: str, ckpt: str | list[str], sta
     full as well (as a job that reshards after loading), checked byte for byte."""
     if isinstance(ckpt, list):
         ckpt = ckpt[rank]
-    with gloo_mesh(rank, world, store_path) as mesh:
+    with gloo_mesh(rank, world, store_path, timeout) as mesh:
         full = state(seed)
         target = sharded({k: torch.full_like(v, 7) for k, v in full.items()}, mesh)
         target["meta"] = {"step": -1}

@@ -1,13 +1,10 @@
 """The multi-node cluster of tests/multinode/test_multinode.py and test_resume.py: `cluster`, the
 fixture of nodes started on one moto S3 bucket, their status, and DCP gloo ranks that each save or
-load through their own node's mount (`run_ranks`; `_rank` runs in the ranks' forkserver).
+load through their own node's mount (`run_ranks`: tests/dcpranks.py's ranks).
 """
 
 from __future__ import annotations
 
-import os
-import signal
-import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -15,12 +12,11 @@ from pathlib import Path
 import pytest
 
 torch = pytest.importorskip("torch")
-import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from ckpt_restore import S3StoreView
 
 import ckptfs
-from tests.conftest import assert_loaded, run_processes, start_with_env
+from tests.conftest import run_processes, start_with_env
+from tests.dcpranks import load_rank, save_rank
 
 
 @pytest.fixture
@@ -65,7 +61,10 @@ def node_id(m) -> str:
     return status(m)["store"]["node"]
 
 
-def _global(seed: int, big: bool = False) -> dict[str, torch.Tensor]:
+def multinode_state(seed: int, big: bool = False) -> dict[str, torch.Tensor]:
+    """The full tensors the multi-node DCP jobs save (tests/dcpranks.py `State`): sharded
+    fp32 (4,096 rows if `big`: a save long enough to kill a rank in), bf16 and int64, and
+    replicated fp16 and int64."""
     g = torch.Generator().manual_seed(seed)
     n = 4096 if big else 1024
     return {
@@ -77,48 +76,24 @@ def _global(seed: int, big: bool = False) -> dict[str, torch.Tensor]:
     }
 
 
-def _rank(rank: int, world: int, init: str, ckpts: list[str], seed: int, mode: str,
-          kill_rank: int, big: bool) -> None:
-    """One gloo rank: DCP-save (mode "save") or DCP-load-and-check (mode "load") a state dict
-    of Shard(0) DTensors and replicated tensors through its own node's mount."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
+def big_state(seed: int) -> dict[str, torch.Tensor]:
+    return multinode_state(seed, big=True)
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=30))
-    mesh = init_device_mesh("cpu", (world,))
-    full = _global(seed, big)
-    sd = {k: distribute_tensor(v, mesh, [Shard(0)]) if k.startswith("sharded") else v
-          for k, v in full.items()}
-    sd["extra"] = {"seed": seed}
-    if mode == "save":
-        if rank == kill_rank:
-            mine = Path(ckpts[rank]) / f"__{rank}_0.distcp"
 
-            def killer():
-                while not (mine.exists() and mine.stat().st_size > 0):
-                    # A poll of the condition, every 1 ms so that the kill lands while the
-                    # shard is being written (wait_for backs off to 100 ms: the save could end).
-                    time.sleep(0.001)
-                os.kill(os.getpid(), signal.SIGKILL)  # mid-save: its shard is being written
-
-            threading.Thread(target=killer, daemon=True).start()
-        dcp.save(sd, checkpoint_id=ckpts[rank])
-    else:
-        target = {k: distribute_tensor(torch.zeros_like(v), mesh, [Shard(0)])
-                  if k.startswith("sharded") else torch.zeros_like(v)
-                  for k, v in full.items()}
-        target["extra"] = {"seed": -1}
-        dcp.load(target, checkpoint_id=ckpts[rank])
-        assert_loaded(sd, target, rank)
-    dist.barrier()
-    dist.destroy_process_group()
+# a collective waits this long for a rank that never comes (a killed one) before it fails
+RANK_TIMEOUT = timedelta(seconds=30)
 
 
 def run_ranks(tmp: Path, ckpts: list[str], seed: int, mode: str = "save", kill_rank: int = -1,
               big: bool = False, timeout: float = 240) -> list[int]:
-    """Run len(ckpts) gloo ranks (rank r uses ckpts[r]); returns their exit codes."""
-    init = tmp / f"pg-{mode}-{seed}-{time.monotonic_ns()}"
-    return run_processes(_rank, [(r, len(ckpts), str(init), ckpts, seed, mode, kill_rank, big)
-                                 for r in range(len(ckpts))], timeout)
+    """Run len(ckpts) gloo ranks (rank r uses ckpts[r], through its own node's mount):
+    dcpranks.save_rank (mode "save"; `kill_rank` SIGKILLed mid-save) or load_rank (mode
+    "load": each rank's slices checked byte for byte); returns their exit codes."""
+    init = str(tmp / f"pg-{mode}-{seed}-{time.monotonic_ns()}")
+    state = big_state if big else multinode_state
+    world = len(ckpts)
+    if mode == "save":
+        return run_processes(save_rank, [(r, world, init, ckpts, state, seed, r == kill_rank,
+                                          RANK_TIMEOUT) for r in range(world)], timeout)
+    return run_processes(load_rank, [(r, world, init, ckpts, state, seed, False, RANK_TIMEOUT)
+                                     for r in range(world)], timeout)

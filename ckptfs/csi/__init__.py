@@ -14,5 +14,5 @@ registers the subcommand without grpc installed (the `csi` extra).
 
 # The driver's name: GetPluginInfo, the CSIDriver object, the DaemonSet's socket directory
 # (/var/lib/kubelet/plugins/<name>/) and every PersistentVolume's `csi.driver` must agree
-# (tests/test_csi.py checks deploy/kubernetes/ against it).
+# (tests/multinode/test_csi.py checks deploy/kubernetes/ against it).
 DRIVER_NAME = "ckptfs.csi.ckptfs.io"

@@ -43,8 +43,8 @@ from tests.conftest import (
     wait_for,
 )
 from tests.multinode_helpers import (
-    _global,
     cluster,
+    multinode_state,
     node_id,
     run_ranks,
     set_row,
@@ -164,12 +164,12 @@ def test_dcp_on_two_nodes_publishes_only_when_every_shard_is_durable(cluster):
     assert run_ranks(cluster.tmp, [str(c.path / "ckpt" / "step_1"),
                                    str(d.path / "ckpt" / "step_1")], seed=1,
                      mode="load") == [0, 0]
-    full = _global(1)
-    target = {k: torch.zeros_like(v) for k, v in full.items()} | {"extra": {"seed": -1}}
+    full = multinode_state(1)
+    target = {k: torch.zeros_like(v) for k, v in full.items()} | {"meta": {"step": -1}}
     dcp.load(target, checkpoint_id=str(b.path / "ckpt" / "step_1"))
     for k, v in full.items():
         assert torch.equal(target[k], v), k
-    assert target["extra"] == {"seed": 1}
+    assert target["meta"] == {"step": 1}
     # B fetched only A's files (its own shards were adopted, never downloaded).
     a_bytes = sum(f["size"] for f in m["files"] if by_node[f["path"]] == node_id(a))
     fetched_b = status(b)["restore"]["bytes_fetched"]

@@ -35,8 +35,8 @@ import torch.distributed.checkpoint as dcp
 import ckptfs
 from tests.conftest import ckptfs_cmd, is_mounted, run_cli, wait_for
 from tests.multinode_helpers import (
-    _global,
     cluster,
+    multinode_state,
     node_id,
     run_ranks,
     set_row,
@@ -256,8 +256,8 @@ def test_committing_node_shows_and_loads_every_nodes_files(cluster):
     # through the committing node only, at world size 2 and 1.
     assert run_ranks(cluster.tmp, [str(a.path / "ckpt" / "step_1")] * 2, seed=5,
                      mode="load") == [0, 0]
-    full = _global(5)
-    target = {k: torch.zeros_like(v) for k, v in full.items()} | {"extra": {"seed": -1}}
+    full = multinode_state(5)
+    target = {k: torch.zeros_like(v) for k, v in full.items()} | {"meta": {"step": -1}}
     dcp.load(target, checkpoint_id=str(a.path / "ckpt" / "step_1"))
     for k, v in full.items():
         assert torch.equal(target[k], v), k
